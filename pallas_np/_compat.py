@@ -1,0 +1,142 @@
+"""The one place pallas_np touches JAX internals.
+
+Every import from ``jax._src`` lives here so that a JAX upgrade touches one
+file. Tested with JAX 0.10.x (see README for the tested range).
+"""
+from __future__ import annotations
+
+import jax
+from jax._src import core as jax_core
+from jax._src import source_info_util
+from jax._src import lax_reference
+from jax._src import dtypes as jax_dtypes
+from jax._src import tree_util as jax_tree_util
+from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import lax as lax_internal
+from jax._src.lax import slicing as lax_slicing
+from jax._src.lax import control_flow as lax_control_flow
+from jax._src.lax.control_flow import loops as lax_loops
+from jax._src.lax.control_flow import conditionals as lax_conditionals
+from jax._src.pallas import core as pallas_core
+from jax._src.pallas import pallas_call as pallas_call_mod
+from jax._src.pallas import primitives as pallas_primitives
+from jax._src.state import primitives as state_primitives
+from jax._src.state import types as state_types
+from jax._src.state import indexing as state_indexing
+from jax._src import config as jax_config
+
+Jaxpr = jax_core.Jaxpr
+ClosedJaxpr = jax_core.ClosedJaxpr
+JaxprEqn = jax_core.JaxprEqn
+Literal = jax_core.Literal
+Var = jax_core.Var
+DropVar = jax_core.DropVar
+Tracer = jax_core.Tracer
+Primitive = jax_core.Primitive
+ShapedArray = jax_core.ShapedArray
+
+pallas_call_p = pallas_call_mod.pallas_call_p
+GridMapping = pallas_core.GridMapping
+BlockMapping = pallas_core.BlockMapping
+Blocked = pallas_core.Blocked
+Element = pallas_core.Element
+Squeezed = pallas_core.Squeezed
+BoundedSlice = pallas_core.BoundedSlice
+Indirect = pallas_core.Indirect
+DynamicGridDim = pallas_core.DynamicGridDim
+
+AbstractRef = state_types.AbstractRef
+NDIndexer = state_indexing.NDIndexer
+Slice = state_indexing.Slice
+RefBitcaster = getattr(state_types, "RefBitcaster", None)
+RefReshaper = getattr(state_types, "RefReshaper", None)
+BitcastTransform = getattr(state_types, "BitcastTransform", None)
+ReshapeTransform = getattr(state_types, "ReshapeTransform", None)
+TransposeTransform = getattr(state_types, "TransposeTransform", None)
+WriteEffect = state_types.WriteEffect
+AccumEffect = state_types.AccumEffect
+ReadEffect = state_types.ReadEffect
+
+interpret_mode_config = jax_config.pallas_tpu_interpret_mode_context_manager
+
+
+def tree_unflatten(treedef, leaves):
+  return jax_tree_util.tree_unflatten(treedef, leaves)
+
+
+def source_summary(source_info) -> str:
+  """'file:line (function)' of the user frame that created an eqn."""
+  try:
+    return source_info_util.summarize(source_info)
+  except Exception:  # pragma: no cover - defensive: never mask the real error
+    return "<unknown source>"
+
+
+def physical_dtype(dtype):
+  """Map Pallas logical dtypes (semaphores) to the integer dtype interpret=True uses."""
+  rules = getattr(dtype, "_rules", None)
+  if rules is not None and hasattr(rules, "pallas_interpret_element_aval"):
+    return rules.pallas_interpret_element_aval(dtype).dtype
+  return dtype
+
+
+def is_semaphore_dtype(dtype) -> bool:
+  return hasattr(getattr(dtype, "_rules", None), "pallas_interpret_element_aval")
+
+
+def original_pallas_call_lowering():
+  """The lowering rule JAX registered for pallas_call (platform independent)."""
+  entry = mlir._lowerings[pallas_call_p]
+  return getattr(entry, "rule", entry)
+
+
+def register_pallas_call_lowering(rule):
+  mlir.register_lowering(pallas_call_p, rule)
+
+
+lower_fun = mlir.lower_fun
+
+
+def get_block_shape(block_shape):
+  return pallas_core._get_block_shape(block_shape)
+
+
+def uninitialized_value_np(dtype):
+  """Scalar fill interpret=True uses for memory nobody wrote (mirrors
+  jax._src.pallas.primitives.uninitialized_value)."""
+  import numpy as np
+  dtype = np.dtype(dtype)
+  if jax.numpy.issubdtype(dtype, jax.numpy.floating) or jax.numpy.issubdtype(
+      dtype, jax.numpy.complexfloating):
+    return np.array(np.nan, dtype)
+  if jax.numpy.issubdtype(dtype, jax.numpy.integer):
+    if dtype == np.dtype(pallas_core.SEMAPHORE_INTERPRET_DTYPE):
+      return np.array(0, dtype)
+    return np.array(np.iinfo(dtype).min, dtype)
+  if dtype == np.dtype(bool):
+    return np.array(False, dtype)
+  return np.zeros((), dtype)
+
+
+def optional_primitive(module_path: str, name: str):
+  """A primitive that may not exist in every supported JAX version."""
+  import importlib
+  try:
+    return getattr(importlib.import_module(module_path), name)
+  except (ImportError, AttributeError):
+    return None
+
+
+def written_invar_positions(jaxpr) -> set[int]:
+  """Positions of a jaxpr's invars (refs) that it writes or accumulates into."""
+  pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  out = set()
+  for eff in jaxpr.effects:
+    if isinstance(eff, (WriteEffect, AccumEffect)):
+      target = getattr(eff, "input", getattr(eff, "input_index", None))
+      if isinstance(target, int):
+        out.add(target)
+      elif target in pos:
+        out.add(pos[target])
+  return out

@@ -1,0 +1,206 @@
+"""Entry points: ``interpret="numpy"``, ``pallas_np.pallas_call`` and the
+force switch.
+
+How a kernel reaches the interpreter:
+
+* Traced (``jax.jit``, ``vmap``, ``grad``, ``scan`` or plain ``pl.pallas_call``
+  called eagerly, which JAX runs through a jit): JAX's transformations act on
+  the ``pallas_call`` primitive as usual; at lowering time our lowering rule
+  (installed in front of JAX's) sees ``interpret`` is numpy mode and emits an
+  unordered ``io_callback`` into the host interpreter. Every other
+  ``interpret`` value goes to JAX's own lowering untouched.
+* Eager ``pallas_np.pallas_call(...)(*concrete_arrays)``: the wrapper is traced
+  to a jaxpr (no XLA), and the jaxpr is evaluated by the same evaluator, whose
+  rule for the ``pallas_call`` primitive runs the kernel. Nothing is compiled
+  by XLA.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.evaluator import Compiler, RunContext
+from pallas_np.grid import KernelPlan
+from pallas_np.params import InterpretParams, is_numpy_mode, resolve
+
+# -- plan cache ---------------------------------------------------------------
+_PLAN_CACHE_SIZE = 256
+_plan_cache: collections.OrderedDict = collections.OrderedDict()
+_plan_cache_lock = threading.Lock()
+
+
+def _plan_key(params: dict, interp: InterpretParams):
+  return (id(params["jaxpr"]), id(params["grid_mapping"]),
+          params["input_output_aliases"], interp)
+
+
+def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
+  """Compile (or fetch) the plan of one pallas_call eqn's params.
+
+  Keyed by the identity of the kernel jaxpr and grid mapping (the objects are
+  kept alive by the cache entry, so ids are not reused while cached)."""
+  key = _plan_key(params, interp)
+  with _plan_cache_lock:
+    hit = _plan_cache.get(key)
+    if hit is not None:
+      _plan_cache.move_to_end(key)
+      return hit[1]
+  plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
+                                      if k != "interpret"})
+  with _plan_cache_lock:
+    _plan_cache[key] = ((params["jaxpr"], params["grid_mapping"]), plan)
+    while len(_plan_cache) > _PLAN_CACHE_SIZE:
+      _plan_cache.popitem(last=False)
+  return plan
+
+
+def clear_caches():
+  """Drop every compiled plan (e.g. after registering a new rule)."""
+  with _plan_cache_lock:
+    _plan_cache.clear()
+  _eager_cache.clear()
+
+
+# -- lowering hook (traced path) ---------------------------------------------
+_jax_lowering = None
+
+
+def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
+  if not is_numpy_mode(interpret):
+    return _jax_lowering(ctx, *in_nodes, interpret=interpret, **params)
+  interp = resolve(interpret)
+  out_avals = tuple(params["out_avals"])
+  plan_params = dict(params, interpret=interpret)
+  result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+
+  def host_run(*args):
+    plan = get_kernel_plan(plan_params, interp)
+    return plan.run(*args)
+
+  def impl(*args):
+    return jax.experimental.io_callback(host_run, result_shapes, *args,
+                                        ordered=False)
+  return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+
+
+def install():
+  """Put the numpy-mode lowering in front of JAX's (idempotent)."""
+  global _jax_lowering
+  current = jc.original_pallas_call_lowering()
+  if current is _pallas_call_lowering:
+    return
+  _jax_lowering = current
+  jc.register_pallas_call_lowering(_pallas_call_lowering)
+
+
+# -- the pallas_call primitive inside our own evaluator (eager path) ---------
+@registry.register(jc.pallas_call_p, foldable=False)
+def _compile_pallas_call(e: registry.EqnInfo):
+  params = dict(e.params)
+  interp = resolve(params.get("interpret")) if is_numpy_mode(params.get("interpret")) \
+      else e.compiler.params
+  plan = get_kernel_plan(params, interp)
+  return plan.run
+
+
+# -- public API ---------------------------------------------------------------
+_eager_cache: collections.OrderedDict = collections.OrderedDict()
+
+
+def _is_concrete(leaves) -> bool:
+  for x in leaves:
+    if isinstance(x, jc.Tracer):
+      return False
+  return True
+
+
+def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
+  """``pl.pallas_call`` with ``interpret`` defaulting to the NumPy interpreter.
+
+  Called eagerly on concrete arrays it traces the kernel and interprets it
+  without any XLA compilation; inside ``jit``/``vmap``/``grad`` it behaves
+  exactly like ``pl.pallas_call(..., interpret="numpy")``.
+  """
+  from jax.experimental import pallas as pl
+  if interpret is None or interpret is True:
+    interpret = "numpy" if interpret is None else interpret
+  jax_fn = pl.pallas_call(kernel, out_shape, interpret=interpret, **kwargs)
+  if not is_numpy_mode(interpret):
+    return jax_fn
+  interp = resolve(interpret)
+
+  @functools.wraps(kernel)
+  def call(*args):
+    leaves = jax.tree_util.tree_leaves(args)
+    if not _is_concrete(leaves) or jc.interpret_mode_config.value not in (None,) \
+        and not is_numpy_mode(jc.interpret_mode_config.value):
+      return jax_fn(*args)
+    return _eager_call(jax_fn, interp, args)
+  call.jax_callable = jax_fn
+  return call
+
+
+def _eager_call(jax_fn, interp, args):
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  avals = tuple((np.shape(x), _dtype_of(x), getattr(x, "weak_type", False))
+                for x in leaves)
+  key = (jax_fn, treedef, avals, interp)
+  entry = _eager_cache.get(key)
+  if entry is None:
+    traced = jax.jit(jax_fn).trace(*args)
+    closed = traced.jaxpr
+    compiler = Compiler(interp, "pallas_call")
+    plan = compiler.compile(closed)
+    out_tree = jax.tree_util.tree_structure(traced.out_info)
+    entry = (plan, out_tree)
+    _eager_cache[key] = entry
+    while len(_eager_cache) > _PLAN_CACHE_SIZE:
+      _eager_cache.popitem(last=False)
+  plan, out_tree = entry
+  np_args = [np.asarray(x) for x in leaves]
+  outs = plan(RunContext("pallas_call", interp), *np_args)
+  outs = [jax.device_put(np.asarray(o)) for o in outs]
+  return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _dtype_of(x):
+  dt = getattr(x, "dtype", None)
+  if dt is None:
+    dt = np.asarray(x).dtype
+  return np.dtype(dt)
+
+
+@contextlib.contextmanager
+def force_numpy_interpret(params: InterpretParams | None = None):
+  """Route every pallas_call traced in this scope to the NumPy interpreter,
+  including calls inside library code and calls written with
+  ``interpret=False``.
+
+  Uses the config JAX's ``pltpu.force_tpu_interpret_mode`` uses; the value is
+  part of JAX's jit cache key, so functions jitted outside the scope are
+  re-traced inside it.
+  """
+  value = params if params is not None else resolve("numpy")
+  prev = jc.interpret_mode_config.swap_local(value)
+  try:
+    yield
+  finally:
+    jc.interpret_mode_config.set_local(prev)
+
+
+def set_numpy_interpret(params: InterpretParams | None = None):
+  """Globally route every pallas_call to the NumPy interpreter (see
+  ``force_numpy_interpret``); ``unset_numpy_interpret()`` undoes it."""
+  jc.interpret_mode_config.set_global(params if params is not None else resolve("numpy"))
+
+
+def unset_numpy_interpret():
+  jc.interpret_mode_config.set_global(None)

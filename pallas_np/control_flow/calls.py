@@ -1,0 +1,31 @@
+"""Call-like primitives: the callee's jaxpr is compiled to a plan and called.
+
+Under an interpreter there is no derivative to take, so custom_jvp/custom_vjp
+calls run their primal function; remat and jit are plain calls."""
+from __future__ import annotations
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+
+
+def _call_rule(jaxpr_param):
+  def compile_rule(e):
+    plan = e.compiler.compile(e.params[jaxpr_param]).fn
+    return plan
+  return compile_rule
+
+
+_prim = jc.optional_primitive
+
+for _prim_obj, _param in [
+    (_prim("jax._src.pjit", "jit_p"), "jaxpr"),
+    (_prim("jax._src.pjit", "pjit_p"), "jaxpr"),
+    (jc.jax_core.closed_call_p, "call_jaxpr"),
+    (_prim("jax._src.custom_derivatives", "custom_jvp_call_p"), "call_jaxpr"),
+    (_prim("jax._src.custom_derivatives", "custom_vjp_call_p"), "call_jaxpr"),
+    (_prim("jax._src.custom_derivatives", "custom_vjp_call_jaxpr_p"), "fun_jaxpr"),
+    (_prim("jax._src.ad_checkpoint", "remat_p"), "jaxpr"),
+    (_prim("jax._src.pallas.primitives", "jaxpr_call_p"), "jaxpr"),
+]:
+  if _prim_obj is not None:
+    registry.register(_prim_obj, needs_ctx=True)(_call_rule(_param))

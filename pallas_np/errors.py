@@ -1,0 +1,48 @@
+"""Exceptions that point at the kernel, not at the interpreter."""
+from __future__ import annotations
+
+
+class PallasNumpyError(Exception):
+  """Base class of errors raised while interpreting a kernel."""
+
+
+class KernelError(PallasNumpyError):
+  """An exception raised inside a kernel, re-raised with where it happened.
+
+  ``kernel``, ``program_ids``, ``primitive`` and ``source`` (file:line) say
+  where; the original exception is chained as ``__cause__``. Raised as a
+  subclass of the original exception type too, so ``except IndexError`` still
+  catches an out-of-bounds access.
+  """
+
+  def __init__(self, message, *, kernel=None, program_ids=None,
+               primitive=None, source=None, original=None):
+    super().__init__(message)
+    self.kernel = kernel
+    self.program_ids = program_ids
+    self.primitive = primitive
+    self.source = source
+    self.original = original
+
+
+class UnsupportedError(PallasNumpyError, NotImplementedError):
+  """A primitive or feature the NumPy interpreter does not implement."""
+
+
+_error_classes: dict[type, type] = {}
+
+
+def kernel_error_class(original_type: type) -> type:
+  """A KernelError that also is-a ``original_type``."""
+  if issubclass(original_type, KernelError):
+    return original_type
+  cls = _error_classes.get(original_type)
+  if cls is None:
+    try:
+      cls = type(f"Kernel{original_type.__name__}", (KernelError, original_type), {
+          "__init__": KernelError.__init__, "__str__": lambda self: self.args[0],
+          "__module__": __name__})
+    except TypeError:  # layout conflict with exotic exception types
+      cls = KernelError
+    _error_classes[original_type] = cls
+  return cls

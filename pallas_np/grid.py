@@ -1,0 +1,294 @@
+"""The one grid executor: runs a compiled kernel over its grid, the way
+``interpret=True`` does, but with NumPy arrays mutated in place.
+
+Data flow for one ``pallas_call``::
+
+    params (jaxpr, GridMapping) --KernelPlan()--> plan: compiled kernel,
+        compiled index maps, block geometry, buffers to allocate
+    plan.run(*operands) --> pad operands whose shape is not a multiple of the
+        block, allocate outputs/scratch, then for each grid point (JAX order,
+        last axis fastest): evaluate index maps, take block *views* of the
+        (padded) arrays, call the kernel plan on them --> slice padding off.
+
+Semantics mirrored from ``jax._src.pallas.hlo_interpreter``: edge blocks read
+padding filled with the "uninitialized" value and their writes to padding are
+dropped; outputs start uninitialized unless aliased to an input; scratch
+persists across grid steps; input refs the kernel writes to are private
+copies.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
+from pallas_np.evaluator import Compiler, RunContext, failing_eqns
+from pallas_np.params import InterpretParams
+
+
+def fill_value(dtype, params: InterpretParams):
+  dtype = np.dtype(jc.physical_dtype(dtype))
+  if params.uninitialized == "zero":
+    return np.zeros((), dtype)
+  return jc.uninitialized_value_np(dtype)
+
+
+def allocate(shape, dtype, params: InterpretParams) -> np.ndarray:
+  dtype = np.dtype(jc.physical_dtype(dtype))
+  return np.full(shape, fill_value(dtype, params), dtype=dtype)
+
+
+class BlockGeometry:
+  """How one operand's blocks are cut out of its (padded) array."""
+  __slots__ = ("origin", "array_shape", "dtype", "kinds", "sizes", "pad_low",
+               "padded_shape", "needs_padding", "whole", "trivial_index_map")
+
+  def __init__(self, bm):
+    if bm.transforms:
+      raise UnsupportedError(
+          f"pallas_np: block transforms {bm.transforms} on {bm.origin} are not supported")
+    self.origin = bm.origin
+    self.array_shape = tuple(bm.array_aval.shape)
+    self.dtype = bm.array_aval.dtype
+    kinds, sizes, pad_low, pad_high = [], [], [], []
+    for dim in bm.block_shape:
+      if isinstance(dim, jc.Squeezed):
+        kinds.append("squeezed"); sizes.append(1); pad_low.append(0); pad_high.append(0)
+      elif isinstance(dim, jc.Blocked):
+        kinds.append("blocked"); sizes.append(int(dim.block_size))
+        pad_low.append(0); pad_high.append(0)
+      elif isinstance(dim, jc.Element):
+        kinds.append("element"); sizes.append(int(dim.block_size))
+        pad_low.append(int(dim.padding[0])); pad_high.append(int(dim.padding[1]))
+      else:
+        raise UnsupportedError(
+            f"pallas_np: block dimension {dim!r} of {bm.origin} is not supported "
+            "by the NumPy interpreter")
+    self.kinds = tuple(kinds)
+    self.sizes = tuple(sizes)
+    self.pad_low = tuple(pad_low)
+    padded = []
+    for n, b, lo, hi in zip(self.array_shape, sizes, pad_low, pad_high):
+      n = n + lo + hi
+      padded.append(-(-n // b) * b if b else n)
+    self.padded_shape = tuple(padded)
+    self.needs_padding = self.padded_shape != self.array_shape
+    self.whole = (not self.needs_padding and all(k == "blocked" for k in kinds)
+                  and self.sizes == self.array_shape)
+    outs = bm.index_map_jaxpr.jaxpr.outvars
+    self.trivial_index_map = all(
+        isinstance(a, jc.Literal) and int(a.val) == 0 for a in outs)
+
+  def pad(self, arr: np.ndarray, params) -> np.ndarray:
+    """A padded copy, garbage where the array has no data."""
+    buf = allocate(self.padded_shape, arr.dtype, params)
+    buf[self.unpadded_index()] = arr
+    return buf
+
+  def unpadded_index(self):
+    return tuple(slice(lo, lo + n) for lo, n in zip(self.pad_low, self.array_shape))
+
+  def block_index(self, block_indices, clamp: bool):
+    """NumPy basic index of the block at ``block_indices`` (a view)."""
+    idx = []
+    for d, (kind, b, i) in enumerate(zip(self.kinds, self.sizes, block_indices)):
+      i = int(i)
+      start = i * b if kind == "blocked" else i
+      limit = self.padded_shape[d]
+      if start < 0 or start + b > limit:
+        if clamp:
+          start = min(max(start, 0), limit - b)
+        else:
+          raise IndexError(
+              f"block index {tuple(int(x) for x in block_indices)} of {self.origin} "
+              f"is out of bounds: dimension {d} starts at {start} with block size "
+              f"{b}, but the array dimension is {self.array_shape[d]}"
+              + (f" (padded to {limit})" if limit != self.array_shape[d] else "")
+              + ". interpret=True would silently clamp it; pass "
+              "InterpretParams(bounds_check='clamp') to do the same.")
+      idx.append(start if kind == "squeezed" else slice(start, start + b))
+    return tuple(idx)
+
+
+class KernelPlan:
+  """A pallas_call compiled for the NumPy interpreter (built once, run many)."""
+
+  def __init__(self, *, jaxpr, grid_mapping, input_output_aliases, out_avals,
+               params: InterpretParams, name=None, debug=False, **_unused):
+    if jaxpr.constvars:
+      raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
+    self.params = params
+    gm = grid_mapping
+    self.grid_mapping = gm
+    self.name = name or _kernel_name(jaxpr)
+    self.compiler = Compiler(params, self.name)
+    self.kernel = self.compiler.compile(jaxpr)
+    if debug:
+      print(f"pallas_np plan for {self.name}:\n{self.kernel.source}")
+    self.grid = tuple(gm.grid)
+    self.num_dynamic = gm.num_dynamic_grid_bounds
+    self.num_index = gm.num_index_operands
+    self.num_inputs = gm.num_inputs
+    self.num_outputs = gm.num_outputs
+    self.vmapped_dims = tuple(gm.vmapped_dims)
+    self.local_dims = tuple(d for d in range(len(self.grid)) if d not in self.vmapped_dims)
+    self.blocks = [BlockGeometry(bm) for bm in gm.block_mappings]
+    self.index_maps = [self.compiler.compile(bm.index_map_jaxpr) for bm in gm.block_mappings]
+    self.scratch_avals = [a.inner_aval if isinstance(a, jc.AbstractRef) else a
+                          for a in gm.scratch_avals]
+    self.out_for_in = {o: i for i, o in input_output_aliases}
+    self.out_avals = out_avals
+    written = jc.written_invar_positions(jaxpr)
+    self.written_inputs = frozenset(
+        i for i in range(self.num_index + self.num_inputs) if i in written)
+    self.clamp = params.bounds_check == "clamp"
+    if gm.local_grid_env is not None:
+      raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
+
+  # -- execution ---------------------------------------------------------------
+  def run(self, *args) -> list[np.ndarray]:
+    params = self.params
+    dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
+    dyn_iter = iter(dyn)
+    grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
+                 for g in self.grid)
+    index_ops = [np.array(a) if i in self.written_inputs else np.asarray(a)
+                 for i, a in enumerate(args[:self.num_index])]
+    inputs = args[self.num_index:]
+    assert len(inputs) == self.num_inputs, (len(inputs), self.num_inputs)
+    in_bufs = []
+    for i, (x, geo) in enumerate(zip(inputs, self.blocks)):
+      x = np.asarray(x)
+      if geo.needs_padding:
+        x = geo.pad(x, params)
+      elif (self.num_index + i) in self.written_inputs:
+        x = np.array(x)  # private copy: the caller's array is not ours to mutate
+      in_bufs.append(x)
+    out_bufs = []
+    for o, geo in enumerate(self.blocks[self.num_inputs:]):
+      if o in self.out_for_in:
+        src = np.asarray(inputs[self.out_for_in[o]])
+        out_bufs.append(geo.pad(src, params) if geo.needs_padding else np.array(src))
+      else:
+        out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))
+    scratch = [allocate(a.shape, a.dtype, params) for a in self.scratch_avals]
+    buffers = in_bufs + out_bufs
+    self._run_grid(grid, index_ops, buffers, scratch)
+    results = []
+    for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
+      if geo.needs_padding:
+        buf = np.ascontiguousarray(buf[geo.unpadded_index()])
+      results.append(buf)
+    return results
+
+  def _run_grid(self, grid, index_ops, buffers, scratch):
+    params = self.params
+    ctx = RunContext(self.name, params)
+    local = self.local_dims
+    ctx.num_programs = tuple(np.int32(grid[d]) for d in local)
+    kernel = self.kernel.fn
+    blocks = self.blocks
+    index_maps = [m.fn for m in self.index_maps]
+    clamp = self.clamp
+    # Blocks whose index map is constant are cut once.
+    static_views = [buf if geo.whole else
+                    (buf[geo.block_index((0,) * len(geo.sizes), clamp)]
+                     if geo.trivial_index_map else None)
+                    for geo, buf in zip(blocks, buffers)]
+    dynamic = [i for i, v in enumerate(static_views) if v is None]
+    views = list(static_views)
+    last_idx = [None] * len(blocks)
+    trace = params.trace
+    point = ()
+    total = int(np.prod(grid, dtype=np.int64)) if grid else 1
+    progress = _Progress(self.name, total) if params.progress else None
+    try:
+      for step, point in enumerate(itertools.product(*map(range, grid))):
+        ids = tuple(np.int32(i) for i in point)
+        ctx.grid_point = point
+        ctx.program_ids = tuple(ids[d] for d in local)
+        for b in dynamic:
+          bidx = index_maps[b](ctx, *ids, *index_ops)
+          if bidx != last_idx[b]:
+            last_idx[b] = bidx
+            views[b] = buffers[b][blocks[b].block_index(bidx, clamp)]
+        if trace is not None:
+          trace(self.name, point)
+        kernel(ctx, *index_ops, *views, *scratch)
+        if progress is not None and step & 63 == 63:
+          progress.update(step + 1)
+    except KernelError:
+      raise
+    except Exception as e:
+      raise self._kernel_error(e, point) from e
+    finally:
+      if progress is not None:
+        progress.close()
+
+  def _kernel_error(self, e: Exception, point) -> Exception:
+    eqns = failing_eqns(e.__traceback__)
+    where = ""
+    prim = None
+    source = None
+    if eqns:
+      inner = eqns[-1]
+      prim = inner.primitive.name
+      source = jc.source_summary(inner.source_info)
+      where = f" in primitive '{prim}' at {source}"
+      if len(eqns) > 1:
+        chain = " <- ".join(jc.source_summary(q.source_info) for q in reversed(eqns[:-1]))
+        where += f" (called from {chain})"
+    msg = (f"{type(e).__name__} in Pallas kernel '{self.name}' at grid point "
+           f"{tuple(int(p) for p in point)}{where}: {e}")
+    cls = kernel_error_class(type(e))
+    err = cls(msg, kernel=self.name, program_ids=tuple(int(p) for p in point),
+              primitive=prim, source=source, original=e)
+    if self.params.pdb:
+      _post_mortem(e)
+    return err
+
+
+def _post_mortem(e):
+  import pdb
+  print(f"pallas_np: entering pdb at the failing eqn ({type(e).__name__}: {e}); "
+        "the generated plan's locals are the kernel's values and refs.", file=sys.stderr)
+  pdb.post_mortem(e.__traceback__)
+
+
+def _kernel_name(jaxpr) -> str:
+  dbg = getattr(jaxpr, "debug_info", None)
+  name = getattr(dbg, "func_name", None) if dbg is not None else None
+  return name or "kernel"
+
+
+class _Progress:
+  """A progress bar on stderr for grids that take more than ~2 seconds."""
+  __slots__ = ("name", "total", "start", "shown")
+
+  def __init__(self, name, total):
+    self.name = name
+    self.total = total
+    self.start = time.perf_counter()
+    self.shown = False
+
+  def update(self, done):
+    elapsed = time.perf_counter() - self.start
+    if elapsed < 2.0:
+      return
+    self.shown = True
+    frac = done / max(self.total, 1)
+    bar = "#" * int(30 * frac)
+    eta = elapsed / max(frac, 1e-9) - elapsed
+    sys.stderr.write(f"\rpallas_np {self.name}: [{bar:<30}] {done}/{self.total} "
+                     f"grid points, {elapsed:.1f}s, ~{eta:.0f}s left")
+    sys.stderr.flush()
+
+  def close(self):
+    if self.shown:
+      sys.stderr.write("\n")
+      sys.stderr.flush()

@@ -1,0 +1,74 @@
+"""Options of the NumPy interpreter.
+
+An ``InterpretParams`` (or the string ``"numpy"``) is what the user passes as
+``interpret=`` to ``pl.pallas_call``; it travels inside the pallas_call
+primitive's params, so it must be hashable: a frozen dataclass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Literal
+
+NUMPY_MODE_STRINGS = ("numpy", "np")
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretParams:
+  """Options of ``interpret="numpy"``.
+
+  Attributes:
+    bounds_check: ``"raise"`` (default) makes any out-of-range block index,
+      ``pl.ds`` or DMA slice raise ``IndexError``; ``"clamp"`` clamps start
+      indices the way ``interpret=True`` (XLA's dynamic_slice) does.
+    uninitialized: fill of scratch buffers and unwritten output blocks:
+      ``"nan"`` (default, same values as interpret=True: NaN for floats,
+      the dtype minimum for signed ints, 0 for unsigned/semaphores, False for
+      bool) or ``"zero"``.
+    check_avals: after every eqn, check that the NumPy value has the shape and
+      dtype of the eqn's abstract value (slow; used by the test-suite).
+    vectorize: evaluate independent grid points in one batched pass.
+      ``None`` (default) decides automatically, ``False`` never.
+    detect_races: report parallel grid points that write the same output
+      element or read what another parallel grid point wrote.
+    pdb: drop into pdb at the failing eqn.
+    trace: callable invoked per grid point with (kernel_name, program_ids).
+    progress: show a progress bar for grids that run longer than ~2 s.
+    num_threads: threads over independent grid slabs (1 = off).
+  """
+  bounds_check: Literal["raise", "clamp"] = "raise"
+  uninitialized: Literal["nan", "zero"] = "nan"
+  check_avals: bool = False
+  vectorize: bool | None = None
+  detect_races: bool = False
+  pdb: bool = False
+  trace: Callable[..., Any] | None = None
+  progress: bool = True
+  num_threads: int = 1
+
+  def __post_init__(self):
+    if self.bounds_check not in ("raise", "clamp"):
+      raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
+    if self.uninitialized not in ("nan", "zero"):
+      raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
+
+  def __bool__(self):
+    # JAX tests `if interpret:`; numpy mode is an interpret mode.
+    return True
+
+
+def _default_params() -> InterpretParams:
+  check = os.environ.get("PALLAS_NP_CHECK_AVALS", "") not in ("", "0")
+  return InterpretParams(check_avals=check)
+
+
+def is_numpy_mode(interpret: Any) -> bool:
+  return isinstance(interpret, InterpretParams) or (
+      isinstance(interpret, str) and interpret.lower() in NUMPY_MODE_STRINGS)
+
+
+def resolve(interpret: Any) -> InterpretParams:
+  """The InterpretParams for an ``interpret=`` value in numpy mode."""
+  if isinstance(interpret, InterpretParams):
+    return interpret
+  return _default_params()

@@ -1,0 +1,375 @@
+"""Elementwise arithmetic, comparison, logic and math with XLA's semantics.
+
+NumPy already matches most lax elementwise ops bit for bit on same-dtype
+operands (lax never mixes dtypes), so those register ``np.*`` directly. The
+rest are the places NumPy and XLA disagree: integer division/remainder
+(truncating, and x/0), shifts wider than the type, rounding, and low
+precision floats (bf16/f16/fp8 are computed in float32 and rounded back, as
+XLA's CPU backend does).
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.special
+
+from jax import lax
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.dtypes import is_low_precision_float, np_dtype
+
+reg = registry.register_numpy
+
+
+def _in_dtype(e):
+  return np_dtype(e.in_avals[0].dtype)
+
+
+def _out_dtype(e):
+  return np_dtype(e.out_aval.dtype)
+
+
+def _unary_float(fn):
+  """A float unary rule: low-precision floats go through float32; the result
+  keeps the operand dtype."""
+  def compile_rule(e):
+    dt = _in_dtype(e)
+    if is_low_precision_float(dt):
+      return lambda x: np.asarray(fn(np.asarray(x, np.float32)), dtype=dt)[()]
+    return lambda x: _cast(fn(x), dt)
+  return compile_rule
+
+
+def _binary_float(fn):
+  def compile_rule(e):
+    dt = _in_dtype(e)
+    if is_low_precision_float(dt):
+      f32 = np.float32
+      return lambda x, y: np.asarray(fn(np.asarray(x, f32), np.asarray(y, f32)), dtype=dt)[()]
+    return lambda x, y: _cast(fn(x, y), dt)
+  return compile_rule
+
+
+def _cast(x, dt):
+  if getattr(x, "dtype", None) == dt:
+    return x
+  return np.asarray(x, dtype=dt)[()]
+
+
+def _native_or_f32(np_fn):
+  """NumPy ufuncs that ml_dtypes implements natively for bf16 keep their dtype;
+  others are evaluated in float32 for low-precision inputs."""
+  return _unary_float(np_fn)
+
+
+# -- arithmetic ---------------------------------------------------------------
+for _p, _f in [(lax.add_p, np.add), (lax.sub_p, np.subtract), (lax.mul_p, np.multiply),
+               (lax.max_p, np.maximum), (lax.min_p, np.minimum),
+               (lax.and_p, np.bitwise_and), (lax.or_p, np.bitwise_or),
+               (lax.xor_p, np.bitwise_xor), (lax.not_p, np.invert),
+               (lax.eq_p, np.equal), (lax.ne_p, np.not_equal), (lax.lt_p, np.less),
+               (lax.le_p, np.less_equal), (lax.gt_p, np.greater),
+               (lax.ge_p, np.greater_equal), (lax.neg_p, np.negative),
+               (lax.is_finite_p, np.isfinite), (lax.nextafter_p, np.nextafter)]:
+  reg(_p, _f)
+
+
+@registry.register(lax.abs_p)
+def _abs(e):
+  dt = _in_dtype(e)
+  if dt.kind == "c":
+    out = _out_dtype(e)
+    return lambda x: np.abs(x).astype(out)
+  return np.abs
+
+
+@registry.register(lax.sign_p)
+def _sign(e):
+  dt = _in_dtype(e)
+  if dt.kind == "u":
+    return lambda x: (x != 0).astype(dt)
+  if is_low_precision_float(dt):
+    return _unary_float(np.sign)(e)
+  return np.sign
+
+
+@registry.register(lax.div_p)
+def _div(e):
+  dt = _in_dtype(e)
+  if dt.kind in "iu":
+    minus_one = np.array(-1).astype(dt) if dt.kind == "i" else np.array(np.iinfo(dt).max, dt)
+
+    def int_div(x, y):
+      # XLA: truncate toward zero; x / 0 is -1 (all ones for unsigned).
+      zero = y == 0
+      y_safe = np.where(zero, np.ones((), dt), y)
+      q = np.floor_divide(x, y_safe)
+      if dt.kind == "i":
+        fix = (np.remainder(x, y_safe) != 0) & ((x < 0) != (y_safe < 0))
+        q = q + fix.astype(dt)
+      return np.where(zero, minus_one, q).astype(dt, copy=False)[()]
+    return int_div
+  return _binary_float(np.true_divide)(e)
+
+
+@registry.register(lax.rem_p)
+def _rem(e):
+  dt = _in_dtype(e)
+  if dt.kind in "iu":
+    def int_rem(x, y):
+      zero = y == 0
+      y_safe = np.where(zero, np.ones((), dt), y)
+      return np.where(zero, x, np.fmod(x, y_safe)).astype(dt, copy=False)[()]
+    return int_rem
+  return _binary_float(np.fmod)(e)
+
+
+@registry.register(lax.pow_p)
+def _pow(e):
+  dt = _in_dtype(e)
+  if dt.kind in "iu":
+    return np.power
+  y_dt = np_dtype(e.in_avals[1].dtype)
+  if y_dt.kind in "iu":
+    return _binary_float(lambda x, y: np.power(x, y.astype(x.dtype)))(e)
+  return _binary_float(np.power)(e)
+
+
+@registry.register(lax.integer_pow_p)
+def _integer_pow(e):
+  y = int(e.params["y"])
+  dt = _in_dtype(e)
+  low = is_low_precision_float(dt)
+
+  def ipow(x):
+    # Same multiplication chain as JAX's lowering (repeated squaring).
+    if low:
+      x = np.asarray(x, np.float32)
+    if y == 0:
+      return np.ones(np.shape(x), dt)[()]
+    n = -y if y < 0 else y
+    acc = None
+    base = x
+    while n > 0:
+      if n & 1:
+        acc = base if acc is None else acc * base
+      n >>= 1
+      if n > 0:
+        base = base * base
+    if y < 0:
+      acc = np.asarray(1, acc.dtype) / acc
+    return _cast(acc, dt)
+  return ipow
+
+
+@registry.register(lax.square_p)
+def _square(e):
+  return _unary_float(np.square)(e) if is_low_precision_float(_in_dtype(e)) else np.square
+
+
+def _reg_unary(prim, fn):
+  registry.register(prim)(_unary_float(fn))
+
+
+for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
+               (lax.log1p_p, np.log1p), (lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
+               (lax.sin_p, np.sin), (lax.cos_p, np.cos), (lax.tan_p, np.tan),
+               (lax.asin_p, np.arcsin), (lax.acos_p, np.arccos), (lax.atan_p, np.arctan),
+               (lax.sinh_p, np.sinh), (lax.cosh_p, np.cosh), (lax.asinh_p, np.arcsinh),
+               (lax.acosh_p, np.arccosh), (lax.atanh_p, np.arctanh),
+               (lax.sqrt_p, np.sqrt), (lax.cbrt_p, np.cbrt),
+               (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
+               (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
+               (lax.erf_inv_p, scipy.special.erfinv),
+               (lax.lgamma_p, scipy.special.gammaln),
+               (lax.digamma_p, scipy.special.psi),
+               (lax.bessel_i0e_p, scipy.special.i0e),
+               (lax.bessel_i1e_p, scipy.special.i1e)]:
+  _reg_unary(_p, _f)
+
+_reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
+_reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
+registry.register(lax.atan2_p)(_binary_float(np.arctan2))
+
+
+@registry.register(lax.round_p)
+def _round(e):
+  method = e.params.get("rounding_method")
+  to_even = int(method) == int(lax.RoundingMethod.TO_NEAREST_EVEN)
+  if to_even:
+    return _unary_float(np.rint)(e)
+  return _unary_float(_round_away_from_zero)(e)
+
+
+def _round_away_from_zero(x):
+  t = np.trunc(x)
+  frac = np.abs(x - t)  # exact in floating point
+  return t + np.sign(x) * (frac >= 0.5)
+
+
+# -- comparisons/logic on bool ------------------------------------------------
+@registry.register(lax.select_n_p)
+def _select_n(e):
+  n_cases = len(e.in_avals) - 1
+  pred_dt = np_dtype(e.in_avals[0].dtype)
+  if n_cases == 1:
+    return lambda p, c: c
+  if n_cases == 2 and pred_dt == np.bool_:
+    return lambda p, c0, c1: np.where(p, c1, c0)
+  if n_cases == 2:
+    return lambda p, c0, c1: np.where(p != 0, c1, c0)
+
+  def select(p, *cases):
+    shape = np.broadcast_shapes(np.shape(p), *[np.shape(c) for c in cases])
+    return np.choose(np.asarray(p, np.int32), [np.broadcast_to(c, shape) for c in cases])
+  return select
+
+
+@registry.register(lax.clamp_p)
+def _clamp(e):
+  return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
+
+
+# -- shifts (XLA defines over-wide shifts) -----------------------------------
+def _shift(kind):
+  def compile_rule(e):
+    dt = _in_dtype(e)
+    bits = dt.itemsize * 8
+    if kind == "left":
+      def f(x, s):
+        ok = (s >= 0) & (s < bits) if dt.kind == "i" else s < bits
+        return np.where(ok, np.left_shift(x, np.where(ok, s, 0).astype(dt)), np.zeros((), dt))[()]
+    elif kind == "logical":
+      udt = np.dtype(f"uint{bits}")
+      def f(x, s):
+        ok = (s >= 0) & (s < bits) if dt.kind == "i" else s < bits
+        ux = np.asarray(x).view(udt) if np.ndim(x) else np.asarray(x, dt).view(udt)
+        r = np.right_shift(ux, np.where(ok, s, 0).astype(udt))
+        return np.where(ok, r.view(dt) if np.ndim(r) else np.asarray(r).view(dt), np.zeros((), dt))[()]
+    else:  # arithmetic
+      def f(x, s):
+        ok = (s >= 0) & (s < bits) if dt.kind == "i" else s < bits
+        s_eff = np.where(ok, s, bits - 1).astype(dt)
+        return np.right_shift(x, s_eff)[()]
+    return f
+  return compile_rule
+
+
+registry.register(lax.shift_left_p)(_shift("left"))
+registry.register(lax.shift_right_logical_p)(_shift("logical"))
+registry.register(lax.shift_right_arithmetic_p)(_shift("arithmetic"))
+
+
+@registry.register(lax.population_count_p)
+def _popcount(e):
+  dt = _in_dtype(e)
+  return lambda x: np.bitwise_count(x).astype(dt)
+
+
+@registry.register(lax.clz_p)
+def _clz(e):
+  dt = _in_dtype(e)
+  bits = dt.itemsize * 8
+  udt = np.dtype(f"uint{bits}")
+
+  def clz(x):
+    ux = np.asarray(x, dt).view(udt)
+    n = np.zeros(ux.shape, np.int64)
+    v = ux.astype(np.uint64)
+    # position of the highest set bit via float log2 is inexact; use shifts.
+    width = np.full(ux.shape, bits, np.int64)
+    for shift in (32, 16, 8, 4, 2, 1):
+      if shift >= bits:
+        continue
+      mask = v >> np.uint64(shift)
+      has = mask != 0
+      n = np.where(has, n + shift, n)
+      v = np.where(has, mask, v)
+    result = np.where(ux == 0, width, bits - 1 - n)
+    return result.astype(dt)[()]
+  return clz
+
+
+# -- conversions --------------------------------------------------------------
+@registry.register(lax.convert_element_type_p)
+def _convert_element_type(e):
+  src = _in_dtype(e)
+  dst = np_dtype(e.params["new_dtype"])
+  return make_converter(src, dst)
+
+
+def make_converter(src, dst):
+  """XLA's conversion: float->int truncates, NaN->0, saturates at the range."""
+  src = np.dtype(src)
+  dst = np.dtype(dst)
+  if src == dst:
+    return lambda x: x
+  if dst == np.bool_:
+    return lambda x: np.not_equal(x, 0)
+  if src.kind in "fV" and dst.kind in "iu":
+    info = np.iinfo(dst)
+    lo, hi = float(info.min), float(info.max)
+
+    def f2i(x):
+      x = np.asarray(x, np.float64) if src.itemsize < 8 or src.kind == "V" else np.asarray(x)
+      x = np.trunc(np.nan_to_num(x, nan=0.0, posinf=hi, neginf=lo))
+      x = np.clip(x, lo, hi)
+      # float(max int64) rounds up to 2**63; clip maps it to the exact max.
+      out = x.astype(dst)
+      if dst.itemsize == 8:
+        out = np.where(x >= 2.0 ** (63 if dst.kind == "i" else 64), np.array(info.max, dst), out)
+      return out[()]
+    return f2i
+  if src.kind == "c" and dst.kind != "c":
+    return lambda x: np.real(x).astype(dst)[()]
+  if src == np.bool_ or src.kind in "iu" or dst.kind in "fcV" or src.kind in "fcV":
+    return lambda x: np.asarray(x).astype(dst)[()]
+  return lambda x: np.asarray(x).astype(dst)[()]
+
+
+@registry.register(lax.bitcast_convert_type_p)
+def _bitcast_convert_type(e):
+  src = _in_dtype(e)
+  dst = np_dtype(e.params["new_dtype"])
+  if src.itemsize == dst.itemsize:
+    return lambda x: np.asarray(x).view(dst)[()]
+  if src.itemsize > dst.itemsize:
+    # One element becomes a trailing dim of narrower elements.
+    k = src.itemsize // dst.itemsize
+    return lambda x: np.ascontiguousarray(x).view(dst).reshape(*np.shape(x), k)
+  # Trailing dim of narrower elements folds into one wider element.
+  return lambda x: np.ascontiguousarray(x).view(dst).reshape(np.shape(x)[:-1])
+
+
+@registry.register(lax.reduce_precision_p)
+def _reduce_precision(e):
+  exponent_bits = int(e.params["exponent_bits"])
+  mantissa_bits = int(e.params["mantissa_bits"])
+  dt = _in_dtype(e)
+  from pallas_np.dtypes import reduce_precision
+  return lambda x: reduce_precision(x, exponent_bits, mantissa_bits, dt)
+
+
+# -- complex ------------------------------------------------------------------
+@registry.register(lax.real_p)
+def _real(e):
+  out = _out_dtype(e)
+  return lambda x: np.real(x).astype(out)[()]
+
+
+@registry.register(lax.imag_p)
+def _imag(e):
+  out = _out_dtype(e)
+  return lambda x: np.imag(x).astype(out)[()]
+
+
+@registry.register(lax.complex_p)
+def _complex(e):
+  out = _out_dtype(e)
+  return lambda x, y: (np.asarray(x) + 1j * np.asarray(y)).astype(out)[()]
+
+
+@registry.register(lax.conj_p)
+def _conj(e):
+  out = _out_dtype(e)
+  return lambda x, **_: np.conj(x).astype(out)[()]

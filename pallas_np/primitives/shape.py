@@ -1,0 +1,163 @@
+"""Shape and data movement: iota, broadcast, reshape, transpose, slicing,
+concatenate, pad, rev, dynamic slices, gather/scatter from jnp indexing.
+
+Results may be views of their operands (values are never mutated in place;
+only refs are), so most of these cost no copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jax import lax
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.dtypes import np_dtype
+
+
+@registry.register(lax.iota_p)
+def _iota(e):
+  dt = np_dtype(e.params["dtype"])
+  shape = tuple(e.params["shape"])
+  dim = e.params["dimension"]
+  ar = np.arange(shape[dim], dtype=dt)
+  bshape = [1] * len(shape)
+  bshape[dim] = shape[dim]
+  value = np.broadcast_to(ar.reshape(bshape), shape)
+  return lambda: value
+
+
+@registry.register(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(e):
+  shape = tuple(e.params["shape"])
+  bdims = tuple(e.params["broadcast_dimensions"])
+  in_shape = tuple(e.in_avals[0].shape)
+  expanded = [1] * len(shape)
+  for i, d in enumerate(bdims):
+    expanded[d] = in_shape[i]
+  expanded = tuple(expanded)
+  if expanded == in_shape:
+    return lambda x, *dyn: np.broadcast_to(x, shape)
+  return lambda x, *dyn: np.broadcast_to(np.reshape(x, expanded), shape)
+
+
+@registry.register(lax.reshape_p)
+def _reshape(e):
+  new_sizes = tuple(e.params["new_sizes"])
+  dims = e.params.get("dimensions")
+  if dims is not None:
+    return lambda x, *dyn: np.reshape(np.transpose(x, dims), new_sizes)
+  return lambda x, *dyn: np.reshape(x, new_sizes)
+
+
+@registry.register(lax.transpose_p)
+def _transpose(e):
+  perm = tuple(e.params["permutation"])
+  return lambda x: np.transpose(x, perm)
+
+
+@registry.register(lax.squeeze_p)
+def _squeeze(e):
+  dims = tuple(e.params["dimensions"])
+  return lambda x: np.squeeze(x, axis=dims)
+
+
+if hasattr(lax, "expand_dims_p"):
+  @registry.register(lax.expand_dims_p)
+  def _expand_dims(e):
+    dims = tuple(e.params["dimensions"])
+    return lambda x: np.expand_dims(x, dims)
+
+
+@registry.register(lax.concatenate_p)
+def _concatenate(e):
+  dim = e.params["dimension"]
+  return lambda *xs: np.concatenate(xs, axis=dim)
+
+
+@registry.register(lax.split_p)
+def _split(e):
+  sizes = tuple(e.params["sizes"])
+  axis = e.params["axis"]
+  bounds = np.cumsum(sizes)[:-1]
+  return lambda x: np.split(x, bounds, axis=axis)
+
+
+@registry.register(lax.slice_p)
+def _slice(e):
+  starts = e.params["start_indices"]
+  limits = e.params["limit_indices"]
+  strides = e.params["strides"] or (1,) * len(starts)
+  idx = tuple(slice(s, l, st) for s, l, st in zip(starts, limits, strides))
+  return lambda x: x[idx]
+
+
+@registry.register(lax.rev_p)
+def _rev(e):
+  dims = tuple(e.params["dimensions"])
+  return lambda x: np.flip(x, dims)
+
+
+@registry.register(lax.pad_p)
+def _pad(e):
+  config = tuple(e.params["padding_config"])
+  out_shape = tuple(e.out_aval.shape)
+  dt = np_dtype(e.out_aval.dtype)
+
+  def pad(x, value):
+    x = np.asarray(x)
+    # Interior padding: scatter into a strided view.
+    inter = [i for (_, _, i) in config]
+    if any(inter):
+      shape = tuple((n - 1) * (i + 1) + 1 if n else 0 for n, i in zip(x.shape, inter))
+      y = np.full(shape, value, dt)
+      y[tuple(slice(None, None, i + 1) for i in inter)] = x
+      x = y
+    # Edge padding: positive pads, negative crops.
+    pads = [(max(lo, 0), max(hi, 0)) for (lo, hi, _) in config]
+    if any(p for pair in pads for p in pair):
+      x = np.pad(x, pads, constant_values=value)
+    crop = tuple(slice(-lo if lo < 0 else 0, x.shape[d] + hi if hi < 0 else x.shape[d])
+                 for d, (lo, hi, _) in enumerate(config))
+    x = x[crop]
+    assert x.shape == out_shape, (x.shape, out_shape)
+    return x.astype(dt, copy=False)
+  return pad
+
+
+def _clamped_starts(starts, operand_shape, sizes):
+  return tuple(min(max(int(s), 0), n - z) for s, n, z in zip(starts, operand_shape, sizes))
+
+
+@registry.register(lax.dynamic_slice_p)
+def _dynamic_slice(e):
+  sizes = tuple(e.params["slice_sizes"])
+  shape = tuple(e.in_avals[0].shape)
+
+  def dynamic_slice(x, *starts):
+    # XLA clamps the start so the slice stays in bounds.
+    st = _clamped_starts(starts, shape, sizes)
+    return x[tuple(slice(s, s + z) for s, z in zip(st, sizes))]
+  return dynamic_slice
+
+
+@registry.register(lax.dynamic_update_slice_p)
+def _dynamic_update_slice(e):
+  shape = tuple(e.in_avals[0].shape)
+  upd_shape = tuple(e.in_avals[1].shape)
+
+  def dynamic_update_slice(x, update, *starts):
+    st = _clamped_starts(starts, shape, upd_shape)
+    out = np.array(x)
+    out[tuple(slice(s, s + z) for s, z in zip(st, upd_shape))] = update
+    return out
+  return dynamic_update_slice
+
+
+@registry.register(lax.copy_p)
+def _copy(e):
+  return lambda x: x
+
+
+registry.register_numpy(jc.lax_internal.copy_p, lambda x: x) if hasattr(
+    jc.lax_internal, "copy_p") else None

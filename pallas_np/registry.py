@@ -1,0 +1,99 @@
+"""The one registry: JAX primitive -> NumPy rule.
+
+A rule is a *compile* function: it sees one eqn (params and avals) once, when
+the kernel is compiled into a plan, and returns the callable that the plan
+calls on every evaluation. Specialising at compile time keeps param parsing,
+dtype decisions and isinstance checks off the hot path.
+
+Three ways to register, from the simplest:
+
+* ``register_numpy(prim, fn)``: ``fn(*inputs)`` is the whole rule (``np.add``).
+* ``register_impl(prim, params=(...))``: decorates ``fn(*inputs, **params)``;
+  only the named params are bound.
+* ``register(prim)``: decorates ``compile(e: EqnInfo) -> callable``.
+
+``needs_ctx=True`` makes the plan pass the run context (program ids, grid,
+options) as the first argument.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from pallas_np import _compat as jc
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  compile: Callable[["EqnInfo"], Callable]
+  needs_ctx: bool = False
+  # Pure rules with constant inputs may be evaluated at compile time.
+  foldable: bool = True
+
+
+_RULES: dict[Any, Rule] = {}
+
+
+class EqnInfo:
+  """What a compile rule may look at: one eqn and the compiler."""
+  __slots__ = ("eqn", "primitive", "params", "in_avals", "out_avals",
+               "compiler", "outvars_used")
+
+  def __init__(self, eqn, compiler, outvars_used):
+    self.eqn = eqn
+    self.primitive = eqn.primitive
+    self.params = eqn.params
+    self.in_avals = tuple(v.aval for v in eqn.invars)
+    self.out_avals = tuple(v.aval for v in eqn.outvars)
+    self.compiler = compiler
+    self.outvars_used = outvars_used
+
+  @property
+  def out_aval(self):
+    return self.out_avals[0]
+
+  @property
+  def source(self) -> str:
+    return jc.source_summary(self.eqn.source_info)
+
+  def unsupported(self, what: str) -> Exception:
+    from pallas_np.errors import UnsupportedError
+    return UnsupportedError(
+        f"pallas_np: {what} (primitive '{self.primitive.name}') is not "
+        f"supported by the NumPy interpreter, at {self.source}")
+
+
+def register(prim, *, needs_ctx: bool = False, foldable: bool = True):
+  def deco(compile_fn):
+    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)
+    return compile_fn
+  return deco
+
+
+def register_numpy(prim, fn: Callable, *, foldable: bool = True):
+  _RULES[prim] = Rule(lambda e: fn, False, foldable)
+  return fn
+
+
+def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
+                  foldable: bool = True):
+  params = tuple(params)
+
+  def deco(fn):
+    if not params:
+      compile_fn = lambda e: fn
+    else:
+      def compile_fn(e):
+        bound = {p: e.params[p] for p in params}
+        return lambda *args: fn(*args, **bound)
+    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)
+    return fn
+  return deco
+
+
+def lookup(prim) -> Rule | None:
+  return _RULES.get(prim)
+
+
+def registered_primitives() -> dict[str, Any]:
+  return {p.name: p for p in _RULES}

@@ -1,0 +1,287 @@
+"""Ref transforms compiled to NumPy indexing.
+
+A ref access (``get``/``swap``/``addupdate``, masked load/store, atomics, DMA)
+carries a pytree of transforms: NDIndexers (ints, ``pl.ds`` slices with
+stride, integer arrays), bitcasts, reshapes, transposes. ``RefAccess`` looks
+at that tree once, at compile time, and returns a resolver that maps the ref
+(a NumPy array) and the dynamic index values to ``(base_view, index)``, where
+``base_view[index]`` is the accessed region: reading copies it, writing
+assigns through it. Every dynamic index is bounds-checked (``IndexError``) or
+clamped like XLA's dynamic_slice, per ``InterpretParams.bounds_check``;
+NumPy's negative-index wrap-around never happens silently.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np.errors import UnsupportedError
+
+
+class _Dyn:
+  """Placeholder for the k-th dynamic leaf while analysing the tree."""
+  __slots__ = ("k",)
+
+  def __init__(self, k):
+    self.k = k
+
+  def __repr__(self):
+    return f"_Dyn({self.k})"
+
+
+def _static(v):
+  return not isinstance(v, _Dyn)
+
+
+class _DimInt:
+  __slots__ = ("value", "dim")
+
+  def __init__(self, value, dim):
+    self.value, self.dim = value, dim
+
+
+class _DimSlice:
+  __slots__ = ("start", "size", "stride", "dim")
+
+  def __init__(self, start, size, stride, dim):
+    self.start, self.size, self.stride, self.dim = start, size, stride, dim
+
+
+class _DimArray:
+  __slots__ = ("value", "dim")
+
+  def __init__(self, value, dim):
+    self.value, self.dim = value, dim
+
+
+def _oob(what, value, dim, axis, shape):
+  return IndexError(
+      f"out-of-bounds ref access: {what} {value} on axis {axis} of a ref of shape "
+      f"{tuple(shape)} (axis size {dim}). interpret=True would silently clamp it; "
+      "pass InterpretParams(bounds_check='clamp') to do the same.")
+
+
+def _check_int(i, dim, axis, shape, clamp):
+  i = int(i)
+  if 0 <= i < dim:
+    return i
+  if clamp:
+    return min(max(i, 0), dim - 1)
+  raise _oob("index", i, dim, axis, shape)
+
+
+def _check_slice(start, size, stride, dim, axis, shape, clamp):
+  start = int(start)
+  size = int(size)
+  extent = (size - 1) * stride + 1 if size > 0 else 0
+  if start < 0 or start + extent > dim:
+    if clamp:
+      start = min(max(start, 0), max(dim - extent, 0))
+    else:
+      raise _oob(f"slice pl.ds(start={start}, size={size}"
+                 + (f", stride={stride}" if stride != 1 else "") + ")",
+                 f"[{start}:{start + extent}]", dim, axis, shape)
+  if size == 0:
+    return slice(start, start)
+  return slice(start, start + extent, stride)
+
+
+def _check_array(a, dim, axis, shape, clamp):
+  a = np.asarray(a)
+  if a.size:
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= dim:
+      if clamp:
+        return np.clip(a, 0, dim - 1)
+      bad = lo if lo < 0 else hi
+      raise _oob("array index", bad, dim, axis, shape)
+  return a
+
+
+class RefAccess:
+  """Compiled transforms of one ref access.
+
+  ``resolve(ref, leaves)`` -> ``(view, index)``; ``leaves`` are the runtime
+  values of the non-literal index operands, in eqn order.
+  """
+
+  def __init__(self, tree, idx_atoms: Sequence[Any], ref_shape, *, clamp: bool,
+               ref_dtype=None):
+    leaves = []
+    self.num_dynamic = 0
+    self.dynamic_positions = []
+    for pos, a in enumerate(idx_atoms):
+      if isinstance(a, jc.Literal):
+        leaves.append(a.val)
+      else:
+        leaves.append(_Dyn(self.num_dynamic))
+        self.dynamic_positions.append(pos)
+        self.num_dynamic += 1
+    transforms = jc.tree_unflatten(tree, leaves) if tree is not None else ()
+    if transforms is None:
+      transforms = ()
+    self.clamp = clamp
+    # Walk the transforms, tracking the ref's shape/dtype.
+    shape = tuple(ref_shape)
+    steps = []
+    for t in transforms:
+      if isinstance(t, jc.NDIndexer):
+        dims = []
+        for axis, (ix, n) in enumerate(zip(t.indices, shape)):
+          if isinstance(ix, jc.Slice):
+            dims.append(_DimSlice(ix.start, ix.size, int(ix.stride), n))
+          elif isinstance(ix, _Dyn) or np.ndim(ix) == 0:
+            dims.append(_DimInt(ix, n))
+          else:
+            dims.append(_DimArray(ix, n))
+        steps.append(("index", dims, shape))
+        shape = tuple(int(d) for d in t.get_indexer_shape()) if not any(
+            isinstance(d, _DimSlice) and not _static(d.size) for d in dims) else None
+        if shape is None:
+          raise UnsupportedError("pallas_np: dynamically sized ref slices are not supported")
+      elif jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
+        steps.append(("bitcast", np.dtype(t.dtype), shape))
+        shape = _bitcast_shape(shape, ref_dtype, t.dtype)
+        ref_dtype = t.dtype
+      elif jc.ReshapeTransform is not None and isinstance(t, jc.ReshapeTransform):
+        steps.append(("reshape", tuple(t.shape), shape))
+        shape = tuple(t.shape)
+      elif jc.TransposeTransform is not None and isinstance(t, jc.TransposeTransform):
+        steps.append(("transpose", tuple(t.permutation), shape))
+        shape = tuple(shape[p] for p in t.permutation)
+      else:
+        raise UnsupportedError(f"pallas_np: ref transform {t!r} is not supported")
+    self.result_shape = shape
+    self.steps = steps
+    self.resolve = self._build()
+
+  def _build(self):
+    steps = self.steps
+    clamp = self.clamp
+    if not steps:
+      return lambda ref, leaves: (ref, ...)
+    # Compile each step into fn(view, leaves) -> view (all but last) and the
+    # last NDIndexer into an index builder.
+    fns = []
+    for i, (kind, arg, shape) in enumerate(steps):
+      last = i == len(steps) - 1
+      if kind == "index":
+        builder = self._index_builder(arg, shape)
+        if last:
+          final = builder
+          break
+        fns.append(_apply_index(builder))
+      elif kind == "bitcast":
+        fns.append(_bitcast_view(arg))
+      elif kind == "reshape":
+        fns.append(_reshape_view(arg))
+      elif kind == "transpose":
+        perm = arg
+        fns.append(lambda v, leaves, perm=perm: v.transpose(perm))
+    else:
+      final = None
+    if final is None:
+      if len(fns) == 1:
+        f0 = fns[0]
+        return lambda ref, leaves: (f0(ref, leaves), ...)
+
+      def resolve(ref, leaves):
+        for f in fns:
+          ref = f(ref, leaves)
+        return ref, ...
+      return resolve
+    if not fns:
+      return lambda ref, leaves: (ref, final(leaves))
+
+    def resolve(ref, leaves):
+      for f in fns:
+        ref = f(ref, leaves)
+      return ref, final(leaves)
+    return resolve
+
+  def _index_builder(self, dims, shape):
+    clamp = self.clamp
+    # Fully static: validate once; an invalid static index raises when run
+    # (with the grid point), not when compiled.
+    if all(self._dim_static(d) for d in dims):
+      try:
+        idx = tuple(self._build_dim(d, axis, shape, ()) for axis, d in enumerate(dims))
+      except IndexError as err:
+        msg = str(err)
+
+        def fail(leaves):
+          raise IndexError(msg)
+        return fail
+      return lambda leaves: idx
+    build = self._build_dim
+    enumerated = tuple(enumerate(dims))
+    # Common case: one dynamic pl.ds / int per access, the rest static.
+    return lambda leaves: tuple(build(d, axis, shape, leaves) for axis, d in enumerated)
+
+  @staticmethod
+  def _dim_static(d):
+    if isinstance(d, _DimSlice):
+      return _static(d.start) and _static(d.size)
+    return _static(d.value)
+
+  def _build_dim(self, d, axis, shape, leaves):
+    clamp = self.clamp
+    if isinstance(d, _DimSlice):
+      start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
+      size = leaves[d.size.k] if isinstance(d.size, _Dyn) else d.size
+      return _check_slice(start, size, d.stride, d.dim, axis, shape, clamp)
+    if isinstance(d, _DimInt):
+      v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+      return _check_int(v, d.dim, axis, shape, clamp)
+    v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+    return _check_array(v, d.dim, axis, shape, clamp)
+
+
+def _apply_index(builder):
+  def f(view, leaves):
+    idx = builder(leaves)
+    out = view[idx]
+    if not isinstance(out, np.ndarray) or (out.base is None and out.size and view.size):
+      if any(isinstance(i, np.ndarray) for i in idx):
+        raise UnsupportedError(
+            "pallas_np: integer-array indexing is only supported as the last ref transform")
+    return out
+  return f
+
+
+def _bitcast_shape(shape, from_dtype, to_dtype):
+  if from_dtype is None:
+    return shape
+  a, b = np.dtype(jc.physical_dtype(from_dtype)).itemsize, np.dtype(to_dtype).itemsize
+  if a == b or not shape:
+    return shape
+  # Pallas/TPU convention: the second-minor dimension absorbs the width change.
+  if len(shape) >= 2:
+    return (*shape[:-2], shape[-2] * a // b, shape[-1])
+  return (shape[0] * a // b,)
+
+
+def _bitcast_view(dtype):
+  def f(view, leaves):
+    if view.dtype.itemsize == dtype.itemsize:
+      return view.view(dtype)
+    if view.ndim >= 2:
+      raise UnsupportedError(
+          "pallas_np: width-changing ref bitcasts are not supported yet")
+    return view.view(dtype)
+  return f
+
+
+def _reshape_view(shape):
+  def f(view, leaves):
+    out = view.view()
+    try:
+      out.shape = shape
+    except AttributeError as e:  # numpy would have to copy: writes would be lost
+      raise UnsupportedError(
+          f"pallas_np: ref reshape of a non-contiguous view {view.shape}->{shape} "
+          "is not supported") from e
+    return out
+  return f

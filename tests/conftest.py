@@ -1,0 +1,29 @@
+import os
+
+# Every eqn's NumPy result is checked against its abstract value (shape and
+# dtype) in the test-suite: a rule that drifts from JAX's dtype rules fails.
+os.environ.setdefault("PALLAS_NP_CHECK_AVALS", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+import pallas_np  # noqa: F401  (installs interpret="numpy")
+
+
+def assert_same(numpy_result, reference, *, rtol=1e-5, atol=1e-5):
+  """Bitwise for integers/bools, tight tolerance for floats."""
+  a = np.asarray(numpy_result)
+  b = np.asarray(reference)
+  assert a.shape == b.shape, (a.shape, b.shape)
+  assert a.dtype == b.dtype, (a.dtype, b.dtype)
+  if a.dtype.kind in "biu":
+    np.testing.assert_array_equal(a, b)
+  else:
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64),
+                               rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.fixture
+def same():
+  return assert_same
