@@ -140,3 +140,13 @@ def written_invar_positions(jaxpr) -> set[int]:
       elif target in pos:
         out.add(pos[target])
   return out
+
+
+from jax._src import debugging as jax_debugging  # noqa: E402
+debug_print_p = getattr(jax_debugging, "debug_print_p", None)
+debug_callback_p = jax_debugging.debug_callback_p
+
+
+def merge_callback_args(in_tree, dyn_args, static_args):
+  """(args, kwargs) of a debug_print from its dynamic and static parts."""
+  return jax_debugging.merge_callback_args(in_tree, dyn_args, static_args)

@@ -46,3 +46,14 @@ def kernel_error_class(original_type: type) -> type:
       cls = KernelError
     _error_classes[original_type] = cls
   return cls
+
+
+class RaceError(PallasNumpyError):
+  """Two grid points that may run concurrently touch the same element
+  (``InterpretParams(detect_races=True)``); names both and the buffer."""
+
+  def __init__(self, message, *, buffer=None, grid_points=None, element=None):
+    super().__init__(message)
+    self.buffer = buffer
+    self.grid_points = grid_points
+    self.element = element

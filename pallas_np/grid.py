@@ -19,13 +19,12 @@ copies.
 from __future__ import annotations
 
 import itertools
-import sys
-import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import debugging, races
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
@@ -123,6 +122,7 @@ class KernelPlan:
     if jaxpr.constvars:
       raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
     self.params = params
+    self.compiler_params = _unused.get("compiler_params")
     gm = grid_mapping
     self.grid_mapping = gm
     self.name = name or _kernel_name(jaxpr)
@@ -178,7 +178,12 @@ class KernelPlan:
         out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))
     scratch = [allocate(a.shape, a.dtype, params) for a in self.scratch_avals]
     buffers = in_bufs + out_bufs
-    self._run_grid(grid, index_ops, buffers, scratch)
+    detector = races.for_run(self, grid, buffers, scratch)
+    if detector is None:
+      self._run_grid(grid, index_ops, buffers, scratch)
+    else:
+      with races.activate(detector):
+        self._run_grid(grid, index_ops, buffers, scratch, detector)
     results = []
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:
@@ -186,7 +191,7 @@ class KernelPlan:
       results.append(buf)
     return results
 
-  def _run_grid(self, grid, index_ops, buffers, scratch):
+  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None):
     params = self.params
     ctx = RunContext(self.name, params)
     local = self.local_dims
@@ -206,7 +211,7 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = int(np.prod(grid, dtype=np.int64)) if grid else 1
-    progress = _Progress(self.name, total) if params.progress else None
+    progress = debugging.progress_bar(self.name, total, params)
     try:
       for step, point in enumerate(itertools.product(*map(range, grid))):
         ids = tuple(np.int32(i) for i in point)
@@ -217,11 +222,13 @@ class KernelPlan:
           if bidx != last_idx[b]:
             last_idx[b] = bidx
             views[b] = buffers[b][blocks[b].block_index(bidx, clamp)]
+        if detector is not None:
+          detector.begin(step, point)
         if trace is not None:
           trace(self.name, point)
         kernel(ctx, *index_ops, *views, *scratch)
-        if progress is not None and step & 63 == 63:
-          progress.update(step + 1)
+        if progress is not None:
+          progress.tick(step + 1)
     except KernelError:
       raise
     except Exception as e:
@@ -243,52 +250,23 @@ class KernelPlan:
       if len(eqns) > 1:
         chain = " <- ".join(jc.source_summary(q.source_info) for q in reversed(eqns[:-1]))
         where += f" (called from {chain})"
-    msg = (f"{type(e).__name__} in Pallas kernel '{self.name}' at grid point "
-           f"{tuple(int(p) for p in point)}{where}: {e}")
+    origin = debugging.index_map_origin(self, e.__traceback__)
+    if origin is not None:
+      where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")
+    point = tuple(int(p) for p in point)
+    msg = f"{type(e).__name__} in Pallas kernel '{self.name}' at grid point {point}{where}: {e}"
     cls = kernel_error_class(type(e))
-    err = cls(msg, kernel=self.name, program_ids=tuple(int(p) for p in point),
-              primitive=prim, source=source, original=e)
+    err = cls(msg, kernel=self.name, program_ids=point, primitive=prim, source=source,
+              original=e)
+    for k, v in getattr(e, "__dict__", {}).items():  # e.g. RaceError.buffer
+      if getattr(err, k, None) is None:
+        setattr(err, k, v)
     if self.params.pdb:
-      _post_mortem(e)
+      debugging.post_mortem(e, self, point)
     return err
-
-
-def _post_mortem(e):
-  import pdb
-  print(f"pallas_np: entering pdb at the failing eqn ({type(e).__name__}: {e}); "
-        "the generated plan's locals are the kernel's values and refs.", file=sys.stderr)
-  pdb.post_mortem(e.__traceback__)
 
 
 def _kernel_name(jaxpr) -> str:
   dbg = getattr(jaxpr, "debug_info", None)
   name = getattr(dbg, "func_name", None) if dbg is not None else None
   return name or "kernel"
-
-
-class _Progress:
-  """A progress bar on stderr for grids that take more than ~2 seconds."""
-  __slots__ = ("name", "total", "start", "shown")
-
-  def __init__(self, name, total):
-    self.name = name
-    self.total = total
-    self.start = time.perf_counter()
-    self.shown = False
-
-  def update(self, done):
-    elapsed = time.perf_counter() - self.start
-    if elapsed < 2.0:
-      return
-    self.shown = True
-    frac = done / max(self.total, 1)
-    bar = "#" * int(30 * frac)
-    eta = elapsed / max(frac, 1e-9) - elapsed
-    sys.stderr.write(f"\rpallas_np {self.name}: [{bar:<30}] {done}/{self.total} "
-                     f"grid points, {elapsed:.1f}s, ~{eta:.0f}s left")
-    sys.stderr.flush()
-
-  def close(self):
-    if self.shown:
-      sys.stderr.write("\n")
-      sys.stderr.flush()

@@ -30,10 +30,15 @@ class InterpretParams:
     vectorize: evaluate independent grid points in one batched pass.
       ``None`` (default) decides automatically, ``False`` never.
     detect_races: report parallel grid points that write the same output
-      element or read what another parallel grid point wrote.
+      element or read what another parallel grid point wrote (raises
+      ``RaceError``).
+    parallel_axes: grid axes that may run concurrently, for detect_races.
+      ``None`` (default): from ``dimension_semantics`` ("parallel"), or every
+      axis for GPU compiler params.
     pdb: drop into pdb at the failing eqn.
     trace: callable invoked per grid point with (kernel_name, program_ids).
-    progress: show a progress bar for grids that run longer than ~2 s.
+    progress: show a progress bar for grids that run longer than ~2 s
+      (``PALLAS_NP_PROGRESS=0`` turns it off everywhere).
     num_threads: threads over independent grid slabs (1 = off).
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
@@ -41,6 +46,7 @@ class InterpretParams:
   check_avals: bool = False
   vectorize: bool | None = None
   detect_races: bool = False
+  parallel_axes: tuple[int, ...] | None = None
   pdb: bool = False
   trace: Callable[..., Any] | None = None
   progress: bool = True
@@ -51,6 +57,8 @@ class InterpretParams:
       raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
+    if self.parallel_axes is not None:  # hashable: the params are a cache key
+      object.__setattr__(self, "parallel_axes", tuple(int(a) for a in self.parallel_axes))
 
   def __bool__(self):
     # JAX tests `if interpret:`; numpy mode is an interpret mode.

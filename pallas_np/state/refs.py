@@ -10,13 +10,24 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.state.indexing import RefAccess
 
 
-def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree):
-  return RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype,
-                   clamp=e.compiler.params.bounds_check == "clamp")
+def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
+  """``kind`` ("read"/"write"/"readwrite") reports the access to the race
+  detector when ``detect_races`` is on; masked accesses pass None and report
+  themselves with their mask."""
+  access = RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype,
+                     clamp=e.compiler.params.bounds_check == "clamp")
+  if kind is not None and e.compiler.params.detect_races:
+    access.resolve = races.wrap_resolve(access.resolve, kind)
+  return access
+
+
+def _race_note(e):
+  """``races.note`` when detection is on, else None (nothing on the hot path)."""
+  return races.note if e.compiler.params.detect_races else None
 
 
 def _dyn(access: RefAccess, leaves):
@@ -34,12 +45,12 @@ def _copy(x):
 @registry.register(jc.state_primitives.get_p)
 def _get(e):
   ref_aval = e.in_avals[0]
-  access = _access(e, ref_aval, e.eqn.invars[1:], e.params["tree"])
+  access = _access(e, ref_aval, e.eqn.invars[1:], e.params["tree"], "read")
   resolve = access.resolve
   if access.num_dynamic == 0:
     view_idx = None
 
-    def get(ref):
+    def get(ref, *_literal_indices):  # literal index operands are still passed
       view, idx = resolve(ref, ())
       return _copy(view[idx])
     return get
@@ -52,9 +63,10 @@ def _get(e):
 @registry.register(jc.state_primitives.swap_p)
 def _swap(e):
   ref_aval = e.in_avals[0]
-  access = _access(e, ref_aval, e.eqn.invars[2:], e.params["tree"])
-  resolve = access.resolve
   want_old = e.outvars_used[0]
+  access = _access(e, ref_aval, e.eqn.invars[2:], e.params["tree"],
+                   "readwrite" if want_old else "write")
+  resolve = access.resolve
 
   def swap(ref, val, *leaves):
     view, idx = resolve(ref, _dyn(access, leaves))
@@ -70,7 +82,7 @@ def _swap(e):
 @registry.register(jc.state_primitives.addupdate_p)
 def _addupdate(e):
   ref_aval = e.in_avals[0]
-  access = _access(e, ref_aval, e.eqn.invars[2:], e.params["tree"])
+  access = _access(e, ref_aval, e.eqn.invars[2:], e.params["tree"], "readwrite")
   resolve = access.resolve
 
   def addupdate(ref, val, *leaves):
@@ -102,13 +114,18 @@ def _masked_load(e):
   dyn_positions = [idx_positions[p] for p in access.dynamic_positions]
   out_aval = e.out_aval
   fill = _masked_fill(out_aval.dtype)
+  note = _race_note(e)
 
   def load(*args):
     ref = args[ref_pos]
     view, idx = resolve(ref, [args[p] for p in dyn_positions])
     if mask_pos is None:
+      if note is not None:
+        note(view, idx, "read")
       return _copy(view[idx])
     mask = np.broadcast_to(args[mask_pos], out_aval.shape)
+    if note is not None:
+      note(view, idx, "read", mask)
     # Masked-off lanes may point out of bounds (Triton style): read clamped.
     val = _masked_read(view, idx, mask, access)
     other = args[other_pos] if other_pos is not None else fill
@@ -127,11 +144,15 @@ def _masked_swap(e):
   resolve = access.resolve
   dyn_positions = [idx_positions[p] for p in access.dynamic_positions]
   want_old = e.outvars_used[0]
+  note = _race_note(e)
 
   def swap(*args):
     ref = args[ref_pos]
     val = args[val_pos]
     view, idx = resolve(ref, [args[p] for p in dyn_positions])
+    if note is not None:
+      note(view, idx, "readwrite" if want_old else "write",
+           None if mask_pos is None else args[mask_pos])
     if mask_pos is None:
       old = _copy(view[idx]) if want_old else None
       view[idx] = val

@@ -1,0 +1,138 @@
+"""Debugging aids around the grid executor: where an error happened (index
+map or kernel), post-mortem pdb positioned at the failing eqn, and the
+progress bar for long grids.
+
+Nothing here runs on the hot path unless the matching InterpretParams option
+is on (or an exception is already being raised).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from pallas_np.evaluator import _PLAN_SOURCES
+
+# Seconds a grid must run before the progress bar appears.
+PROGRESS_AFTER_S = 2.0
+# How often the bar is redrawn.
+PROGRESS_EVERY_S = 0.25
+
+
+def index_map_origin(plan, tb):
+  """The operand whose index map (or block slicing) raised, or None."""
+  by_file = {m.filename: geo.origin for m, geo in zip(plan.index_maps, plan.blocks)}
+  from pallas_np.grid import BlockGeometry
+  while tb is not None:
+    frame = tb.tb_frame
+    code = frame.f_code
+    origin = by_file.get(code.co_filename)
+    if origin is not None:
+      return origin
+    if code is BlockGeometry.block_index.__code__:
+      geo = frame.f_locals.get("self")
+      return getattr(geo, "origin", None)
+    tb = tb.tb_next
+  return None
+
+
+# -- pdb ----------------------------------------------------------------------
+def _plan_aliases(plan, frame) -> dict:
+  """Kernel argument names (x_ref, o_ref, ...) for the kernel plan's frame."""
+  if frame.f_code is not plan.kernel.fn.__code__:
+    return {}
+  dbg = getattr(plan.kernel.jaxpr, "debug_info", None)
+  names = getattr(dbg, "arg_names", None) or ()
+  argnames = frame.f_code.co_varnames[1:frame.f_code.co_argcount]  # skip ctx
+  out = {}
+  for user, ours in zip(names, argnames):
+    if user and user.isidentifier() and ours in frame.f_locals:
+      out[user] = frame.f_locals[ours]
+  return out
+
+
+def post_mortem(e: BaseException, plan, point):
+  """pdb at the innermost generated-plan frame of ``e``'s traceback.
+
+  The generated code is ``v7 = f3(v2, v5)``: ``ll`` lists it, every local is
+  a NumPy value or a ref (a NumPy array, writable); the kernel's arguments
+  are also bound under their Python names, and ``ctx.grid_point`` is where
+  we are in the grid.
+  """
+  import pdb
+
+  tb = e.__traceback__
+  eqns = _failing(tb)
+
+  class KernelPdb(pdb.Pdb):
+    def setup(self, f, t):
+      stop = super().setup(f, t)
+      for i in range(len(self.stack) - 1, -1, -1):
+        frame = self.stack[i][0]
+        if frame.f_code.co_filename in _PLAN_SOURCES:
+          self.curindex = i
+          self.curframe = frame
+          self.curframe_locals = frame.f_locals
+          self.curframe_locals.update(_plan_aliases(plan, frame))
+          break
+      return stop
+
+  debugger = KernelPdb()
+  debugger.reset()
+  where = ""
+  if eqns:
+    from pallas_np import _compat as jc
+    where = f"\n  failing eqn: {eqns[-1]}\n  at {jc.source_summary(eqns[-1].source_info)}"
+  debugger.message(
+      f"pallas_np: {type(e).__name__} in kernel '{plan.name}' at grid point {point}: {e}"
+      f"{where}\n  locals are NumPy values/refs; kernel args are also bound by name; "
+      "'ll' shows the generated plan, 'c' continues (the error is re-raised).")
+  debugger.interaction(None, tb)
+
+
+def _failing(tb):
+  from pallas_np.evaluator import failing_eqns
+  return failing_eqns(tb)
+
+
+# -- progress -------------------------------------------------------------------
+def _progress_enabled() -> bool:
+  return os.environ.get("PALLAS_NP_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def progress_bar(name, total, params):
+  """A progress bar for this grid, or None when opted out."""
+  if not params.progress or not _progress_enabled():
+    return None
+  return _Progress(name, total)
+
+
+class _Progress:
+  """Progress on stderr, shown once a grid has run PROGRESS_AFTER_S seconds."""
+  __slots__ = ("name", "total", "start", "next", "shown")
+
+  def __init__(self, name, total):
+    self.name = name
+    self.total = total
+    self.start = time.perf_counter()
+    self.next = self.start + PROGRESS_AFTER_S
+    self.shown = False
+
+  def tick(self, done):
+    now = time.perf_counter()
+    if now < self.next:
+      return
+    self.next = now + PROGRESS_EVERY_S
+    self.shown = True
+    elapsed = now - self.start
+    frac = done / max(self.total, 1)
+    bar = "#" * int(30 * frac)
+    eta = elapsed / max(frac, 1e-9) - elapsed
+    sys.stderr.write(f"\rpallas_np {self.name}: [{bar:<30}] {done}/{self.total} "
+                     f"grid points, {elapsed:.1f}s, ~{eta:.0f}s left")
+    sys.stderr.flush()
+
+  def close(self):
+    if self.shown:
+      sys.stderr.write("\n")
+      sys.stderr.flush()

@@ -1,0 +1,216 @@
+"""Race detection: ``InterpretParams(detect_races=True)``.
+
+Grid points whose coordinates differ on a *parallel* axis may run at the same
+time on hardware (TPU megacore cores, GPU thread blocks), so the order the
+interpreter picks hides bugs that bite there. With detection on, every tracked
+buffer (operands, outputs, scratch) gets a shadow array holding, per element,
+the grid step that last wrote it. Ref accesses report the elements they touch:
+
+* a write to an element another parallel group wrote  -> race (not for
+  scratch, which is private to a core on hardware);
+* a read of an element another parallel group wrote   -> race.
+
+"Parallel group" = the grid point's coordinates on the parallel axes (and
+vmapped axes): points of one group run in order on one core.
+
+Cost: a shadow int64 array per buffer and O(accessed elements) work per ref
+access, paid only when enabled: the ref rules install the hook at compile time
+(``wrap_resolve``), so plans compiled without detection run unchanged.
+Other engines that write refs (DMA, atomics) report through ``note(view,
+index, kind)``.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from pallas_np.errors import RaceError
+
+_state = threading.local()
+_PARALLEL_NAMES = ("parallel", "core_parallel", "subcore_parallel")
+
+
+def current() -> "RaceDetector | None":
+  return getattr(_state, "detector", None)
+
+
+def parallel_axes(compiler_params, num_local_dims: int, override=None) -> tuple[int, ...]:
+  """Kernel-local grid axes that may run concurrently.
+
+  ``override`` (InterpretParams.parallel_axes) wins; otherwise TPU-style
+  ``dimension_semantics`` decide, and GPU compiler params (Triton, Mosaic
+  GPU) without semantics make every axis parallel. No compiler params: none
+  (TPU's default is "arbitrary").
+  """
+  if override is not None:
+    return tuple(sorted(int(a) for a in override))
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is not None:
+    return tuple(i for i, s in enumerate(sem)
+                 if str(getattr(s, "value", s)).lower() in _PARALLEL_NAMES)
+  module = type(compiler_params).__module__ if compiler_params is not None else ""
+  if "triton" in module or "mosaic_gpu" in module:
+    return tuple(range(num_local_dims))
+  return ()
+
+
+class _Region:
+  __slots__ = ("name", "start", "end", "itemsize", "shape", "step", "group",
+               "scratch")
+
+  def __init__(self, name, arr: np.ndarray, scratch: bool):
+    self.name = name
+    self.start = arr.__array_interface__["data"][0]
+    self.end = self.start + arr.nbytes
+    self.itemsize = arr.itemsize
+    self.shape = arr.shape
+    self.step = np.full(arr.size, -1, np.int64)   # last writer's grid step
+    self.group = np.full(arr.size, -1, np.int64)  # last writer's parallel group
+    self.scratch = scratch
+
+
+class RaceDetector:
+  """Shadow memory for one run of one kernel over its grid."""
+
+  def __init__(self, kernel: str, grid: Sequence[int], group_axes: Sequence[int],
+               semantics_note: str = ""):
+    self.kernel = kernel
+    self.grid = tuple(int(g) for g in grid)
+    self.group_axes = tuple(group_axes)
+    self.group_shape = tuple(self.grid[a] for a in self.group_axes)
+    self.semantics_note = semantics_note
+    self.regions: list[_Region] = []
+    self.step = 0
+    self.point: tuple[int, ...] = ()
+    self.group = 0
+
+  def track(self, name: str, arr: np.ndarray, *, scratch: bool = False):
+    if isinstance(arr, np.ndarray) and arr.size:
+      self.regions.append(_Region(name, arr, scratch))
+
+  def begin(self, step: int, point: Sequence[int]):
+    self.step = step
+    self.point = tuple(int(p) for p in point)
+    coords = tuple(self.point[a] for a in self.group_axes)
+    self.group = int(np.ravel_multi_index(coords, self.group_shape)) if coords else 0
+
+  def _point_of(self, step: int) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(step, self.grid)) if self.grid else ()
+
+  def _region(self, view: np.ndarray):
+    ptr = view.__array_interface__["data"][0]
+    for r in self.regions:
+      if r.start <= ptr < r.end:
+        return r, ptr
+    return None, ptr
+
+  def access(self, view, index, kind: str, mask=None):
+    """Check (and for writes record) the elements ``view[index]`` touches."""
+    if not isinstance(view, np.ndarray) or view.size == 0:
+      return
+    region, ptr = self._region(view)
+    if region is None:  # run_scoped / private memory: not shared
+      return
+    offsets = _byte_offsets(view)
+    if index is not Ellipsis:
+      offsets = offsets[index]
+    offsets = np.asarray(offsets)
+    if mask is not None:
+      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
+    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    if elems.size == 0:
+      return
+    writer_group = region.group[elems]
+    foreign = (writer_group >= 0) & (writer_group != self.group)
+    check = kind != "write" or not region.scratch
+    if check and foreign.any():
+      k = int(np.argmax(foreign))
+      self._report(region, int(elems[k]), int(region.step[elems[k]]), kind)
+    if kind != "read":
+      region.step[elems] = self.step
+      region.group[elems] = self.group
+
+  def _report(self, region: _Region, elem: int, other_step: int, kind: str):
+    other = self._point_of(other_step)
+    where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
+    verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
+    axes = [a for a in self.group_axes if self.point[a] != other[a]]
+    raise RaceError(
+        f"data race on {region.name} in kernel '{self.kernel}': grid point "
+        f"{self.point} {verb} element {where} that grid point {other} wrote; "
+        f"they differ on parallel grid axis {axes[0] if len(axes) == 1 else axes}"
+        f"{self.semantics_note}, so they may run concurrently on hardware.",
+        buffer=region.name, grid_points=(other, self.point), element=where)
+
+
+def _byte_offsets(view: np.ndarray) -> np.ndarray:
+  """Byte offset of each element of ``view`` from its first element."""
+  off = np.zeros((), np.int64)
+  for d, (n, s) in enumerate(zip(view.shape, view.strides)):
+    shape = [1] * view.ndim
+    shape[d] = n
+    off = off + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+  return np.broadcast_to(off, view.shape)
+
+
+def note(view, index, kind: str, mask=None):
+  """Report a ref access to the active detector (no-op when none)."""
+  det = current()
+  if det is not None:
+    det.access(view, index, kind, mask)
+
+
+def wrap_resolve(resolve, kind: str):
+  """A RefAccess resolver that also reports what it resolves."""
+  def tracked(ref, leaves):
+    view, idx = resolve(ref, leaves)
+    det = current()
+    if det is not None:
+      det.access(view, idx, kind)
+    return view, idx
+  return tracked
+
+
+class activate:
+  """Context manager making ``detector`` the current one (per thread)."""
+
+  def __init__(self, detector):
+    self.detector = detector
+
+  def __enter__(self):
+    self.prev = current()
+    _state.detector = self.detector
+    return self.detector
+
+  def __exit__(self, *exc):
+    _state.detector = self.prev
+    return False
+
+
+def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
+  """The detector for one ``KernelPlan.run`` (None when detection is off)."""
+  params = plan.params
+  if not params.detect_races:
+    return None
+  local = plan.local_dims
+  par_local = parallel_axes(plan.compiler_params, len(local), params.parallel_axes)
+  group_axes = tuple(sorted(set(plan.vmapped_dims) | {local[a] for a in par_local
+                                                        if a < len(local)}))
+  if not par_local:
+    warnings.warn(
+        f"pallas_np: detect_races=True but kernel '{plan.name}' has no parallel "
+        "grid axis (no dimension_semantics / GPU compiler params); pass "
+        "InterpretParams(parallel_axes=...) to say which axes run concurrently.",
+        stacklevel=4)
+  sem = getattr(plan.compiler_params, "dimension_semantics", None)
+  note_ = f" (dimension_semantics={tuple(str(getattr(s, 'value', s)) for s in sem)})" \
+      if sem is not None and params.parallel_axes is None else ""
+  det = RaceDetector(plan.name, grid, group_axes, note_)
+  for geo, buf in zip(plan.blocks, buffers):
+    det.track(str(geo.origin), buf)
+  for i, buf in enumerate(scratch):
+    det.track(f"scratch_operands[{i}]", buf, scratch=True)
+  return det
