@@ -1,19 +1,28 @@
 """pallas_np: a fast NumPy interpreter for JAX Pallas kernels.
 
 ``import pallas_np`` installs ``interpret="numpy"`` for ``pl.pallas_call``.
+With ``PALLAS_NP_FORCE=1`` in the environment, importing it also routes every
+pallas_call of the program to the NumPy interpreter (see ``__main__``).
 """
+import os as _os
+
 from pallas_np.params import InterpretParams
-from pallas_np.errors import PallasNumpyError, KernelError, UnsupportedError
+from pallas_np.errors import PallasNumpyError, KernelError, UnsupportedError, RaceError
 from pallas_np import primitives as _primitives  # noqa: F401  (registers rules)
 from pallas_np import state as _state  # noqa: F401
 from pallas_np import control_flow as _control_flow  # noqa: F401
+from pallas_np.debugging import kernel_errors
 from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpret,
                            unset_numpy_interpret, clear_caches, install as _install)
 
 _install()
 
+if _os.environ.get("PALLAS_NP_FORCE", "").lower() not in ("", "0", "false", "no", "off"):
+  set_numpy_interpret()
+
 __version__ = "0.1.0"
 
 __all__ = ["pallas_call", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",
-           "PallasNumpyError", "KernelError", "UnsupportedError"]
+           "PallasNumpyError", "KernelError", "UnsupportedError", "RaceError",
+           "kernel_errors"]

@@ -113,7 +113,7 @@ def uninitialized_value_np(dtype):
   if jax.numpy.issubdtype(dtype, jax.numpy.integer):
     if dtype == np.dtype(pallas_core.SEMAPHORE_INTERPRET_DTYPE):
       return np.array(0, dtype)
-    return np.array(np.iinfo(dtype).min, dtype)
+    return np.array(jax.numpy.iinfo(dtype).min, dtype)  # int4 too (ml_dtypes)
   if dtype == np.dtype(bool):
     return np.array(False, dtype)
   return np.zeros((), dtype)

@@ -7,8 +7,10 @@ is on (or an exception is already being raised).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 
 from pallas_np.evaluator import _PLAN_SOURCES
@@ -34,6 +36,40 @@ def index_map_origin(plan, tb):
       return getattr(geo, "origin", None)
     tb = tb.tb_next
   return None
+
+
+# -- typed errors across jit ----------------------------------------------------
+_last_error_lock = threading.Lock()
+_last_error: list = [None]
+
+
+def remember(err: BaseException) -> None:
+  """Keep the last KernelError: under jit it crosses XLA as a JaxRuntimeError
+  (io_callback), losing its type; ``kernel_errors()`` gets it back."""
+  with _last_error_lock:
+    _last_error[0] = err
+
+
+@contextlib.contextmanager
+def kernel_errors():
+  """Re-raise a kernel's typed error (``KernelIndexError``, ``KernelRaceError``
+  ...) instead of the ``JaxRuntimeError`` XLA wraps it in under ``jit``::
+
+      with pallas_np.kernel_errors():
+        jax.jit(f)(x)          # raises IndexError subclasses, RaceError, ...
+  """
+  with _last_error_lock:
+    _last_error[0] = None
+  try:
+    yield
+  except Exception as jax_error:
+    import jax
+    with _last_error_lock:
+      err, _last_error[0] = _last_error[0], None
+    if (isinstance(jax_error, jax.errors.JaxRuntimeError) and err is not None
+        and str(err) in str(jax_error)):
+      raise err from err.__cause__
+    raise
 
 
 # -- pdb ----------------------------------------------------------------------
@@ -109,7 +145,7 @@ def progress_bar(name, total, params):
 
 class _Progress:
   """Progress on stderr, shown once a grid has run PROGRESS_AFTER_S seconds."""
-  __slots__ = ("name", "total", "start", "next", "shown")
+  __slots__ = ("name", "total", "start", "next", "shown", "done")
 
   def __init__(self, name, total):
     self.name = name
@@ -117,13 +153,19 @@ class _Progress:
     self.start = time.perf_counter()
     self.next = self.start + PROGRESS_AFTER_S
     self.shown = False
+    self.done = 0
 
   def tick(self, done):
+    self.done = done
     now = time.perf_counter()
     if now < self.next:
       return
     self.next = now + PROGRESS_EVERY_S
+    self._draw(now)
+
+  def _draw(self, now):
     self.shown = True
+    done = self.done
     elapsed = now - self.start
     frac = done / max(self.total, 1)
     bar = "#" * int(30 * frac)
@@ -134,5 +176,6 @@ class _Progress:
 
   def close(self):
     if self.shown:
+      self._draw(time.perf_counter())
       sys.stderr.write("\n")
       sys.stderr.flush()

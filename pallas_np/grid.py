@@ -263,6 +263,7 @@ class KernelPlan:
         setattr(err, k, v)
     if self.params.pdb:
       debugging.post_mortem(e, self, point)
+    debugging.remember(err)
     return err
 
 

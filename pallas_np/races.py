@@ -199,13 +199,13 @@ def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
   par_local = parallel_axes(plan.compiler_params, len(local), params.parallel_axes)
   group_axes = tuple(sorted(set(plan.vmapped_dims) | {local[a] for a in par_local
                                                         if a < len(local)}))
-  if not par_local:
+  sem = getattr(plan.compiler_params, "dimension_semantics", None)
+  if not par_local and sem is None and params.parallel_axes is None:
     warnings.warn(
         f"pallas_np: detect_races=True but kernel '{plan.name}' has no parallel "
         "grid axis (no dimension_semantics / GPU compiler params); pass "
         "InterpretParams(parallel_axes=...) to say which axes run concurrently.",
         stacklevel=4)
-  sem = getattr(plan.compiler_params, "dimension_semantics", None)
   note_ = f" (dimension_semantics={tuple(str(getattr(s, 'value', s)) for s in sem)})" \
       if sem is not None and params.parallel_axes is None else ""
   det = RaceDetector(plan.name, grid, group_axes, note_)
