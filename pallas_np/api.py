@@ -149,6 +149,18 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
 
 
 def _eager_call(jax_fn, interp, args):
+  outs, out_tree = eager_numpy_call(jax_fn, interp, args)
+  outs = [jax.device_put(o) for o in outs]
+  return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
+  """Evaluate ``jax_fn(*args)`` (concrete arrays) with the NumPy evaluator,
+  no XLA: returns the NumPy outputs (flat) and their pytree structure.
+  Compiled once per (function, argument shapes/dtypes, params).
+
+  ``own_outputs``: copy any output that may share memory with an input or
+  with a constant of the plan, so the caller may hand it out zero-copy."""
   leaves, treedef = jax.tree_util.tree_flatten(args)
   avals = tuple((np.shape(x), _dtype_of(x), getattr(x, "weak_type", False))
                 for x in leaves)
@@ -160,15 +172,27 @@ def _eager_call(jax_fn, interp, args):
     compiler = Compiler(interp, "pallas_call")
     plan = compiler.compile(closed)
     out_tree = jax.tree_util.tree_structure(traced.out_info)
-    entry = (plan, out_tree)
+    entry = [plan, out_tree, None, closed.jaxpr]
     _eager_cache[key] = entry
     while len(_eager_cache) > _PLAN_CACHE_SIZE:
       _eager_cache.popitem(last=False)
-  plan, out_tree = entry
+  plan, out_tree, input_free, jaxpr = entry
   np_args = [np.asarray(x) for x in leaves]
-  outs = plan(RunContext("pallas_call", interp), *np_args)
-  outs = [jax.device_put(np.asarray(o)) for o in outs]
-  return jax.tree_util.tree_unflatten(out_tree, outs)
+  outs = [np.asarray(o) for o in plan(RunContext("pallas_call", interp), *np_args)]
+  if own_outputs:
+    if input_free is None:
+      input_free = entry[2] = _input_free_outputs(jaxpr)
+    outs = [np.array(o) if i in input_free or any(np.may_share_memory(o, a) for a in np_args)
+            else o for i, o in enumerate(outs)]
+  return outs, out_tree
+
+
+def _input_free_outputs(jaxpr) -> frozenset:
+  """Outputs computed from constants only: the plan may return the same
+  (folded) array on every call."""
+  n = len(jaxpr.outvars)
+  return frozenset(i for i in range(n)
+                   if not any(jc.pe.dce_jaxpr(jaxpr, [j == i for j in range(n)])[1]))
 
 
 def _dtype_of(x):

@@ -161,3 +161,10 @@ def _copy(e):
 
 registry.register_numpy(jc.lax_internal.copy_p, lambda x: x) if hasattr(
     jc.lax_internal, "copy_p") else None
+
+
+if hasattr(jc.lax_internal, "tile_p"):
+  @registry.register(jc.lax_internal.tile_p)
+  def _tile(e):
+    reps = tuple(int(r) for r in e.params["reps"])
+    return lambda x: np.tile(x, reps)

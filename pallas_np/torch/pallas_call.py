@@ -1,0 +1,1 @@
+def torch_pallas_call(*a, **k): pass
