@@ -807,7 +807,8 @@ def _cat(tensors, dim=0, *, out=None):
 @_op("stack")
 def _stack(tensors, dim=0, *, out=None):
   _no_out(out)
-  return jnp.stack(list(tensors), axis=dim)
+  # Via concatenate: keeps the kernel to primitives every interpreter has.
+  return jnp.concatenate([jnp.expand_dims(t, dim) for t in tensors], axis=dim)
 
 
 @_op("split")
@@ -976,12 +977,18 @@ def _eye(n, m=None, *, dtype=None, **_):
 
 @_op("tensor", "as_tensor")
 def _tensor(data, *, dtype=None, **_):
-  arr = jnp.asarray(data)
-  if dtype is not None:
-    return arr.astype(jax_dtype(dtype))
-  if arr.dtype == jnp.float32 or jnp.issubdtype(arr.dtype, jnp.floating):
-    return arr.astype(jax_dtype(torch.get_default_dtype()))
-  return arr
+  host = np.asarray(unwrap(data)) if not isinstance(data, (jax.Array, jc.Tracer)) else None
+  if host is None or host.dtype == object:
+    arr = jnp.asarray(data)
+  else:
+    if dtype is None:
+      dtype = (torch.get_default_dtype() if host.dtype.kind == "f" else
+               torch.int64 if host.dtype.kind in "iu" else host.dtype)
+    dt = jax_dtype(dtype)
+    # Pallas kernels cannot capture array constants: build it from scalars.
+    flat = [jnp.full((1,), v, dt) for v in host.reshape(-1).tolist()]
+    arr = (jnp.concatenate(flat) if flat else jnp.zeros((0,), dt)).reshape(host.shape)
+  return arr if dtype is None else arr.astype(jax_dtype(dtype))
 
 
 _FACTORIES = {"zeros", "empty", "ones", "full", "arange", "linspace", "eye", "tensor",
