@@ -223,7 +223,7 @@ class KernelPlan:
             last_idx[b] = bidx
             views[b] = buffers[b][blocks[b].block_index(bidx, clamp)]
         if detector is not None:
-          detector.begin(step, point)
+          detector.begin(step, point, last_idx)
         if trace is not None:
           trace(self.name, point)
         kernel(ctx, *index_ops, *views, *scratch)

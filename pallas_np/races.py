@@ -8,7 +8,10 @@ the grid step that last wrote it. Ref accesses report the elements they touch:
 
 * a write to an element another parallel group wrote  -> race (not for
   scratch, which is private to a core on hardware);
-* a read of an element another parallel group wrote   -> race.
+* a read of an element another parallel group wrote   -> race;
+* (TPU semantics) two parallel groups visiting the same pipelined output
+  block -> race, even if they write disjoint elements: each core writes the
+  whole block back.
 
 "Parallel group" = the grid point's coordinates on the parallel axes (and
 vmapped axes): points of one group run in order on one core.
@@ -51,10 +54,14 @@ def parallel_axes(compiler_params, num_local_dims: int, override=None) -> tuple[
   if sem is not None:
     return tuple(i for i, s in enumerate(sem)
                  if str(getattr(s, "value", s)).lower() in _PARALLEL_NAMES)
-  module = type(compiler_params).__module__ if compiler_params is not None else ""
-  if "triton" in module or "mosaic_gpu" in module:
+  if is_gpu(compiler_params):
     return tuple(range(num_local_dims))
   return ()
+
+
+def is_gpu(compiler_params) -> bool:
+  module = type(compiler_params).__module__ if compiler_params is not None else ""
+  return "triton" in module or "mosaic_gpu" in module
 
 
 class _Region:
@@ -86,16 +93,37 @@ class RaceDetector:
     self.step = 0
     self.point: tuple[int, ...] = ()
     self.group = 0
+    # TPU pipelining writes every visited output block back whole: block
+    # index -> (group, step) of its first visitor, per written-back output.
+    self.writeback: list[tuple[int, str, int, dict]] = []
+
+  def track_writeback(self, block: int, name: str, ndim: int):
+    self.writeback.append((block, name, ndim, {}))
 
   def track(self, name: str, arr: np.ndarray, *, scratch: bool = False):
     if isinstance(arr, np.ndarray) and arr.size:
       self.regions.append(_Region(name, arr, scratch))
 
-  def begin(self, step: int, point: Sequence[int]):
+  def begin(self, step: int, point: Sequence[int], block_indices=()):
+    """Enter grid point ``point``; ``block_indices[b]`` is operand b's
+    current block index (None: its index map is constant)."""
     self.step = step
     self.point = tuple(int(p) for p in point)
     coords = tuple(self.point[a] for a in self.group_axes)
     self.group = int(np.ravel_multi_index(coords, self.group_shape)) if coords else 0
+    for b, name, ndim, owners in self.writeback:
+      bidx = block_indices[b] if b < len(block_indices) else None
+      key = tuple(int(i) for i in bidx) if bidx is not None else (0,) * ndim
+      first = owners.setdefault(key, (self.group, step))
+      if first[0] != self.group:
+        other = self._point_of(first[1])
+        axes = [a for a in self.group_axes if self.point[a] != other[a]]
+        raise RaceError(
+            f"data race on {name} in kernel '{self.kernel}': grid points {other} and "
+            f"{self.point} both map its block {key}; they differ on parallel grid axis "
+            f"{axes[0] if len(axes) == 1 else axes}{self.semantics_note}, may run on "
+            "different cores, and each core writes the whole output block back.",
+            buffer=name, grid_points=(other, self.point), element=None)
 
   def _point_of(self, step: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(step, self.grid)) if self.grid else ()
@@ -213,4 +241,11 @@ def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
     det.track(str(geo.origin), buf)
   for i, buf in enumerate(scratch):
     det.track(f"scratch_operands[{i}]", buf, scratch=True)
+  if par_local and not is_gpu(plan.compiler_params):
+    bms = plan.grid_mapping.block_mappings
+    for b in range(plan.num_inputs, len(plan.blocks)):
+      space = getattr(bms[b].transformed_block_aval, "memory_space", None)
+      space = str(getattr(space, "value", space)).lower()
+      if "any" not in space and "hbm" not in space:  # pipelined (VMEM/SMEM) block
+        det.track_writeback(b, str(plan.blocks[b].origin), len(plan.blocks[b].sizes))
   return det

@@ -248,11 +248,31 @@ def test_two_parallel_points_writing_one_block():
   with pytest.raises(pallas_np.RaceError) as info, pallas_np.kernel_errors():
     one_block_for_all(RACES, PARALLEL)(jnp.arange(8.0))
   err = info.value
-  assert err.buffer == "outputs"
-  assert err.grid_points == ((0,), (1,))
-  assert "grid point (1,) writes element (0,) that grid point (0,) wrote" in str(err)
-  assert "parallel grid axis 0" in str(err) and err.primitive == "swap"
+  assert err.buffer == "outputs" and err.grid_points == ((0,), (1,))
+  assert "grid points (0,) and (1,) both map its block (0,)" in str(err)
+  assert "parallel grid axis 0 (dimension_semantics=('parallel',))" in str(err)
   assert races.current() is None
+  # GPU: no block write-back; the race is on the elements both points store.
+  with pytest.raises(pallas_np.RaceError) as info, pallas_np.kernel_errors():
+    one_block_for_all(RACES, pltriton.CompilerParams())(jnp.arange(8.0))
+  assert "grid point (1,) writes element (0,) that grid point (0,) wrote" in str(info.value)
+  assert info.value.primitive == "swap" and info.value.grid_points == ((0,), (1,))
+
+
+def test_disjoint_writes_to_one_block_race_on_tpu_not_gpu():
+  def make(interpret, compiler_params):
+    def kernel(x_ref, o_ref):
+      o_ref[pl.ds(pl.program_id(0) * 2, 2)] = x_ref[...]
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), grid=(2,),
+        in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((4,), lambda i: (0,)),
+        compiler_params=compiler_params, interpret=interpret)
+  with pytest.raises(pallas_np.RaceError, match="both map its block"), \
+      pallas_np.kernel_errors():
+    make(RACES, PARALLEL)(jnp.arange(4.0))
+  run_both(lambda interp: make(RACES if interp == "numpy" else interp,
+                               pltriton.CompilerParams()), jnp.arange(4.0))
 
 
 def test_same_block_on_arbitrary_axis_is_no_race():
@@ -260,10 +280,8 @@ def test_same_block_on_arbitrary_axis_is_no_race():
                                             ARBITRARY), jnp.arange(8.0))
 
 
-def test_gpu_compiler_params_make_every_axis_parallel():
+def test_parallel_axes_override_without_compiler_params():
   with pytest.raises(pallas_np.RaceError), pallas_np.kernel_errors():
-    one_block_for_all(RACES, pltriton.CompilerParams())(jnp.arange(8.0))
-  with pytest.raises(pallas_np.RaceError), pallas_np.kernel_errors():  # explicit axes
     one_block_for_all(pallas_np.InterpretParams(detect_races=True, parallel_axes=(0,)),
                       None)(jnp.arange(8.0))
 
