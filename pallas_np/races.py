@@ -65,8 +65,8 @@ def is_gpu(compiler_params) -> bool:
 
 
 class _Region:
-  __slots__ = ("name", "start", "end", "itemsize", "shape", "step", "group",
-               "scratch")
+  __slots__ = ("name", "start", "end", "itemsize", "shape", "size", "step",
+               "group", "scratch", "written")
 
   def __init__(self, name, arr: np.ndarray, scratch: bool):
     self.name = name
@@ -74,9 +74,16 @@ class _Region:
     self.end = self.start + arr.nbytes
     self.itemsize = arr.itemsize
     self.shape = arr.shape
-    self.step = np.full(arr.size, -1, np.int64)   # last writer's grid step
-    self.group = np.full(arr.size, -1, np.int64)  # last writer's parallel group
+    self.size = arr.size
+    self.step = self.group = None  # allocated at the first write
     self.scratch = scratch
+    self.written = False
+
+  def ensure(self):
+    if not self.written:
+      self.written = True
+      self.step = np.full(self.size, -1, np.int32)   # last writer's grid step
+      self.group = np.full(self.size, -1, np.int32)  # last writer's parallel group
 
 
 class RaceDetector:
@@ -96,6 +103,8 @@ class RaceDetector:
     # TPU pipelining writes every visited output block back whole: block
     # index -> (group, step) of its first visitor, per written-back output.
     self.writeback: list[tuple[int, str, int, dict]] = []
+    # (data pointer, shape, strides) of a view -> (region, ptr, shadows)
+    self._views: dict = {}
 
   def track_writeback(self, block: int, name: str, ndim: int):
     self.writeback.append((block, name, ndim, {}))
@@ -110,7 +119,10 @@ class RaceDetector:
     self.step = step
     self.point = tuple(int(p) for p in point)
     coords = tuple(self.point[a] for a in self.group_axes)
-    self.group = int(np.ravel_multi_index(coords, self.group_shape)) if coords else 0
+    group = 0
+    for c, n in zip(coords, self.group_shape):
+      group = group * n + c
+    self.group = group
     for b, name, ndim, owners in self.writeback:
       bidx = block_indices[b] if b < len(block_indices) else None
       key = tuple(int(i) for i in bidx) if bidx is not None else (0,) * ndim
@@ -139,9 +151,42 @@ class RaceDetector:
     """Check (and for writes record) the elements ``view[index]`` touches."""
     if not isinstance(view, np.ndarray) or view.size == 0:
       return
-    region, ptr = self._region(view)
+    ptr = view.__array_interface__["data"][0]
+    key = (ptr, view.shape, view.strides, view.dtype)
+    hit = self._views.get(key)
+    if hit is None or hit[1] is None and hit[0] is not None and hit[0].written:
+      region = hit[0] if hit is not None else self._region(view)[0]
+      shadows = _shadow_views(region, ptr, view) if region is not None and region.written \
+          else None
+      hit = self._views[key] = (region, shadows)
+    region, shadows = hit
     if region is None:  # run_scoped / private memory: not shared
       return
+    if not region.written:
+      if kind == "read":
+        return
+      region.ensure()
+      shadows = None
+    if shadows is None or (mask is not None and not _is_basic(index)):
+      return self._access_general(region, ptr, view, index, kind, mask)
+    group_view, step_view = shadows
+    groups = group_view[index]
+    if mask is not None:
+      mask = np.broadcast_to(np.asarray(mask, bool), np.shape(groups))
+    seen = groups if mask is None else np.asarray(groups)[mask]
+    if (kind != "write" or not region.scratch) and region.written and np.any(
+        seen != self.group) and np.any((seen >= 0) & (seen != self.group)):
+      return self._access_general(region, ptr, view, index, kind, mask)  # reports
+    if kind != "read":
+      if mask is None:
+        group_view[index] = self.group
+        step_view[index] = self.step
+      else:  # basic index: groups and step_view[index] are views
+        groups[mask] = self.group
+        step_view[index][mask] = self.step
+
+  def _access_general(self, region, ptr, view, index, kind, mask):
+    """Element-offset version: any view (bitcast ones too) and index."""
     offsets = _byte_offsets(view)
     if index is not Ellipsis:
       offsets = offsets[index]
@@ -172,6 +217,27 @@ class RaceDetector:
         f"they differ on parallel grid axis {axes[0] if len(axes) == 1 else axes}"
         f"{self.semantics_note}, so they may run concurrently on hardware.",
         buffer=region.name, grid_points=(other, self.point), element=where)
+
+
+def _is_basic(index) -> bool:
+  if index is Ellipsis:
+    return True
+  items = index if isinstance(index, tuple) else (index,)
+  return not any(isinstance(i, np.ndarray) or isinstance(i, (list, tuple)) for i in items)
+
+
+def _shadow_views(region: _Region, ptr: int, view: np.ndarray):
+  """(group, step) shadow arrays laid out like ``view`` (same shape, strides
+  scaled), so ``shadow[index]`` selects exactly what ``view[index]`` does;
+  None when the view's element size differs from the buffer's (bitcasts)."""
+  size = region.itemsize
+  if view.itemsize != size or any(st % size for st in view.strides):
+    return None
+  start = (ptr - region.start) // size
+  strides = tuple(st // size * 4 for st in view.strides)  # int32 shadows
+  as_strided = np.lib.stride_tricks.as_strided
+  return (as_strided(region.group[start:], view.shape, strides),
+          as_strided(region.step[start:], view.shape, strides))
 
 
 def _byte_offsets(view: np.ndarray) -> np.ndarray:
