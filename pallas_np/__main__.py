@@ -8,16 +8,32 @@ import os
 import runpy
 import sys
 
-USAGE = "usage: python -m pallas_np [-m module | script.py] [args...]"
+USAGE = """usage: python -m pallas_np [options] [-m module | script.py] [args...]
+
+options (InterpretParams for every pallas_call):
+  --detect-races   report races between grid points on parallel axes
+  --clamp          clamp out-of-bounds indices like interpret=True (default: raise)
+  --zero           zero-fill uninitialised memory (default: NaN / int min)
+  --pdb            drop into pdb at the failing eqn of a kernel
+  --no-progress    no progress bar for long grids"""
+
+_FLAGS = {"--detect-races": ("detect_races", True), "--clamp": ("bounds_check", "clamp"),
+          "--zero": ("uninitialized", "zero"), "--pdb": ("pdb", True),
+          "--no-progress": ("progress", False)}
 
 
 def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
+  options = {}
+  while argv and argv[0] in _FLAGS:
+    name, value = _FLAGS[argv.pop(0)]
+    options[name] = value
   if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
     print(USAGE, file=sys.stderr)
     raise SystemExit(2)
   import pallas_np
-  pallas_np.set_numpy_interpret()
+  from pallas_np.params import default_params
+  pallas_np.set_numpy_interpret(default_params(**options))
   if argv[0] == "-m":
     sys.argv = argv[1:]
     sys.path.insert(0, os.getcwd())

@@ -70,6 +70,12 @@ def _default_params() -> InterpretParams:
   return InterpretParams(check_avals=check)
 
 
+def default_params(**options) -> InterpretParams:
+  """The params of ``interpret="numpy"`` with ``options`` changed (used by
+  the whole-program switches: ``python -m pallas_np``, the pytest plugin)."""
+  return dataclasses.replace(_default_params(), **options)
+
+
 def is_numpy_mode(interpret: Any) -> bool:
   return isinstance(interpret, InterpretParams) or (
       isinstance(interpret, str) and interpret.lower() in NUMPY_MODE_STRINGS)

@@ -1,5 +1,7 @@
 """pytest plugin: ``pytest --pallas-numpy`` runs every pallas_call of a test
-suite in the NumPy interpreter, without editing the tests."""
+suite in the NumPy interpreter, without editing the tests (kernels tested with
+``interpret=True`` get bounds checks, NaN fills and, with
+``--pallas-numpy-races``, race detection)."""
 from __future__ import annotations
 
 
@@ -7,9 +9,20 @@ def pytest_addoption(parser):
   group = parser.getgroup("pallas_np")
   group.addoption("--pallas-numpy", action="store_true", default=False,
                   help="route every pallas_call to the pallas_np NumPy interpreter")
+  group.addoption("--pallas-numpy-races", action="store_true", default=False,
+                  help="--pallas-numpy with race detection on parallel grid axes")
 
 
 def pytest_configure(config):
-  if config.getoption("--pallas-numpy", default=False):
+  races = config.getoption("--pallas-numpy-races", default=False)
+  if races or config.getoption("--pallas-numpy", default=False):
     import pallas_np
-    pallas_np.set_numpy_interpret()
+    from pallas_np.params import default_params
+    pallas_np.set_numpy_interpret(default_params(detect_races=races))
+    config._pallas_np_forced = True
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_pallas_np_forced", False):
+    import pallas_np
+    pallas_np.unset_numpy_interpret()

@@ -426,6 +426,7 @@ PROGRAM = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
     {extra_import}
 
     def kernel(x_ref, o_ref):
@@ -437,6 +438,17 @@ PROGRAM = textwrap.dedent("""
                          out_specs=pl.BlockSpec((2,), lambda i: (i,)),
                          interpret=True)(jnp.arange(4.0))
     print("argv", sys.argv[1:], "out", [float(v) for v in out])
+
+    try:  # two parallel grid points write one output block
+      pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+                     out_shape=jax.ShapeDtypeStruct((2,), jnp.float32), grid=(2,),
+                     in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+                     out_specs=pl.BlockSpec((2,), lambda i: (0,)),
+                     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+                     interpret=True)(jnp.arange(4.0)).block_until_ready()
+      print("no race reported")
+    except Exception as e:
+      print("race reported" if "data race on outputs" in str(e) else repr(e))
 """)
 
 
@@ -451,10 +463,11 @@ def _run(args, tmp_path, env_extra=None, **kw):
 def test_python_dash_m_pallas_np_runs_unmodified_program(tmp_path):
   script = tmp_path / "prog.py"
   script.write_text(PROGRAM.format(extra_import=""))
-  res = _run(["-m", "pallas_np", str(script), "a", "--b"], tmp_path)
+  res = _run(["-m", "pallas_np", "--detect-races", str(script), "a", "--b"], tmp_path)
   assert res.returncode == 0, res.stderr
   assert "[kernel (0,)] hello from 0\n[kernel (1,)] hello from 1\n" in res.stdout
   assert "argv ['a', '--b'] out [0.0, 2.0, 4.0, 6.0]" in res.stdout
+  assert "race reported" in res.stdout
 
 
 def test_env_var_forces_numpy_mode_at_import(tmp_path):
@@ -463,6 +476,7 @@ def test_env_var_forces_numpy_mode_at_import(tmp_path):
   res = _run([str(script)], tmp_path, env_extra={"PALLAS_NP_FORCE": "1"})
   assert res.returncode == 0, res.stderr
   assert "[kernel (1,)] hello from 1" in res.stdout
+  assert "no race reported" in res.stdout  # detection is opt-in
 
 
 def test_pytest_plugin_option(tmp_path):
@@ -485,10 +499,22 @@ def test_pytest_plugin_option(tmp_path):
                              out_specs=pl.BlockSpec((4,), lambda i: (i,)),
                              interpret=True)(jnp.arange(8.0))
         np.testing.assert_array_equal(out, [1, 2, 3, 4, 4, 5, 6, 7])
+
+      def test_last_parallel_point_wins_only_in_interpret_true():
+        from jax.experimental.pallas import tpu as pltpu
+        out = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+                             out_shape=jax.ShapeDtypeStruct((2,), jnp.float32), grid=(2,),
+                             in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+                             out_specs=pl.BlockSpec((2,), lambda i: (0,)),
+                             compiler_params=pltpu.CompilerParams(
+                                 dimension_semantics=("parallel",)),
+                             interpret=True)(jnp.arange(4.0))
+        np.testing.assert_array_equal(out, [2, 3])
       """))
   res = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-              "pallas_np.pytest_plugin", "--pallas-numpy", "test_kernels.py"], tmp_path,
-             env_extra={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+              "pallas_np.pytest_plugin", "--pallas-numpy-races", "test_kernels.py"],
+             tmp_path, env_extra={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
   out = res.stdout + res.stderr
-  assert "1 failed, 1 passed" in out, out
+  assert "2 failed, 1 passed" in out, out
   assert "Pallas kernel 'shift' at grid point (1,)" in out and "out-of-bounds" in out
+  assert "data race on outputs" in out
