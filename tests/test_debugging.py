@@ -518,3 +518,34 @@ def test_pytest_plugin_option(tmp_path):
   assert "2 failed, 1 passed" in out, out
   assert "Pallas kernel 'shift' at grid point (1,)" in out and "out-of-bounds" in out
   assert "data race on outputs" in out
+
+
+def test_debug_callback_gets_numpy_values_in_grid_order():
+  seen = []
+
+  def kernel(x_ref, o_ref):
+    jax.debug.callback(lambda i, v: seen.append((int(i), type(v).__name__, v.tolist())),
+                       pl.program_id(0), x_ref[...])
+    o_ref[...] = x_ref[...]
+
+  jax.block_until_ready(pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.int32), grid=(2,),
+      in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((2,), lambda i: (i,)), interpret="numpy")(
+          jnp.arange(4, dtype=jnp.int32)))
+  assert seen == [(0, "ndarray", [0, 1]), (1, "ndarray", [2, 3])]
+
+
+def test_failure_mid_grid_leaves_aliased_input_untouched():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+    o_ref[pl.ds(pl.program_id(0) * 3, 2)] = x_ref[pl.ds(0, 2)]  # BUG at i=1: [3:5] of 4
+
+  call = pallas_np.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), grid=(2,),
+      in_specs=[pl.BlockSpec((4,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((4,), lambda i: (i,)), input_output_aliases={0: 0})
+  x = np.arange(8.0, dtype=np.float32)
+  with pytest.raises(IndexError, match=r"grid point \(1,\)"):
+    call(x)
+  np.testing.assert_array_equal(x, np.arange(8.0))
