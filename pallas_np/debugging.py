@@ -74,10 +74,13 @@ def kernel_errors():
 
 # -- pdb ----------------------------------------------------------------------
 def _plan_aliases(plan, frame) -> dict:
-  """Kernel argument names (x_ref, o_ref, ...) for the kernel plan's frame."""
-  if frame.f_code is not plan.kernel.fn.__code__:
-    return {}
-  dbg = getattr(plan.kernel.jaxpr, "debug_info", None)
+  """Python names of a plan frame's arguments (``x_ref``, ``o_ref``; ``i``,
+  ``acc`` in a fori_loop body), from the jaxpr's debug info."""
+  jaxprs = {plan.kernel.filename: plan.kernel.jaxpr}
+  for jaxpr, sub in getattr(plan.compiler, "_cache", {}).values():
+    jaxprs.setdefault(sub.filename, sub.jaxpr)
+  jaxpr = jaxprs.get(frame.f_code.co_filename)
+  dbg = getattr(jaxpr, "debug_info", None)
   names = getattr(dbg, "arg_names", None) or ()
   argnames = frame.f_code.co_varnames[1:frame.f_code.co_argcount]  # skip ctx
   out = {}

@@ -111,7 +111,7 @@ def test_out_of_bounds_write_raises():
 def deep_loop_kernel(x_ref, o_ref):
   def outer(i, acc):
     def inner(j, acc):
-      return acc + x_ref[pl.ds(i * 2 + j, 2)]  # BUG: i*2+j+2 > 8 at i=3, j=2
+      return acc + x_ref[pl.ds(i * 2 + j, 2)]  # BUG: i*2+j+2 > 8 at i=3, j=1
     return jax.lax.fori_loop(0, 3, inner, acc)
   o_ref[...] = jax.lax.fori_loop(0, 4, outer, jnp.zeros((2,), jnp.float32))
 
@@ -549,3 +549,16 @@ def test_failure_mid_grid_leaves_aliased_input_untouched():
   with pytest.raises(IndexError, match=r"grid point \(1,\)"):
     call(x)
   np.testing.assert_array_equal(x, np.arange(8.0))
+
+
+def test_pdb_in_fori_loop_body_binds_loop_names(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "stdin", io.StringIO("p (int(j), acc.tolist())\nc\n"))
+  call = pallas_np.pallas_call(deep_loop_kernel,
+                               out_shape=jax.ShapeDtypeStruct((2,), jnp.float32),
+                               interpret=pallas_np.InterpretParams(pdb=True))
+  with pytest.raises(IndexError):
+    call(jnp.arange(8.0))
+  # fails in the inner body at i=3, j=1 (start 7): acc holds i=0..2 and (3, 0)
+  x = np.arange(8.0)
+  acc = sum(x[i * 2 + j:i * 2 + j + 2] for i in range(3) for j in range(3)) + x[6:8]
+  assert f"(1, {acc.tolist()})" in capsys.readouterr().out
