@@ -37,16 +37,14 @@ def jax_view(x):
 
 
 def torch_view(x):
-  if isinstance(x, (np.dtype, type)) and not callable(getattr(x, "__call__", None)) \
-      or isinstance(x, np.dtype):
-    return numpy_dtype_to_torch(x)
-  if isinstance(x, type) and issubclass(x, np.generic):
+  if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
     return numpy_dtype_to_torch(x)
   if isinstance(x, (jax.Array, np.ndarray)):
     return to_torch(np.asarray(x))
   if callable(x):
     runner = TorchNumpyRunner(x)
 
+    @torch.compiler.disable  # torch.compile: a graph break, then this runs eagerly
     @functools.wraps(x)
     def torch_fn(*args, **kwargs):
       return runner(args, kwargs)

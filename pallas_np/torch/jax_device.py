@@ -26,8 +26,6 @@ def _install():
     raise ImportError(
         f"{_OWNER}: torch's PrivateUse1 backend is already used ('{current}'); "
         "cannot provide device='jax'")
-  if current == "privateuseone":
-    torch.utils.rename_privateuse1_backend("jax")
   module = types.ModuleType("torch.jax")
   module.__owner__ = _OWNER
   module.is_available = lambda: True
@@ -35,7 +33,11 @@ def _install():
   module.device_count = lambda: 1
   module._is_in_bad_fork = lambda: False
   module.manual_seed_all = lambda seed: None
-  torch._register_device_module("jax", module)
+  # Registers the device module plus Python hooks and a device guard, so
+  # torch's accelerator queries (torch.compile makes them) keep working.
+  from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+  _setup_privateuseone_for_python_backend(
+      rename="jax" if current == "privateuseone" else None, backend_module=module)
 
   lib = torch.library.Library("aten", "IMPL")
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pallas_np import api
-from pallas_np.params import InterpretParams, is_numpy_mode, resolve
+from pallas_np.params import InterpretParams, resolve
 from pallas_np.torch.convert import numpy_dtype_to_torch, to_numpy, to_torch
 
 
@@ -92,6 +92,7 @@ def make_kernel_from_pallas(kernel: Callable, output_shape_dtype_fn: Callable, *
   """
   runner = TorchNumpyRunner(kernel, interpret)
 
+  @torch.compiler.disable  # torch.compile: a graph break, then this runs eagerly
   def pallas_kernel(*args, static_argnums: Sequence[int] = (), **kwargs):
     # static_argnums is accepted for torch_xla compatibility: every
     # non-tensor argument is static here.

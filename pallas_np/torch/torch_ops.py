@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import os
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -186,21 +185,16 @@ class JaxTensor:
     return bool(self._value)  # JAX explains why a traced value has no truth value
 
   def __getitem__(self, idx):
-    return JaxTensor(self._value[_index(idx)])
+    return JaxTensor(self._value[unwrap(idx)])
 
   def __setitem__(self, idx, val):
-    self._value = self._value.at[_index(idx)].set(
+    self._value = self._value.at[unwrap(idx)].set(
         jnp.asarray(unwrap(val)).astype(self._value.dtype))
 
   def __getattr__(self, name):
     if name.startswith("__"):
       raise AttributeError(name)
     return functools.partial(_call_method, name, self)
-
-
-def _index(idx):
-  idx = unwrap(idx)
-  return idx
 
 
 def _call_method(name, self, *args, **kwargs):
@@ -268,10 +262,10 @@ class TorchRef:
     return self._ref
 
   def __getitem__(self, idx):
-    return JaxTensor(self._ref[_index(idx)])
+    return JaxTensor(self._ref[unwrap(idx)])
 
   def __setitem__(self, idx, val):
-    idx = _index(idx)
+    idx = unwrap(idx)
     val = jnp.asarray(unwrap(val))
     shape = _indexed_shape(self._ref, idx)
     if val.dtype != self._ref.dtype:
@@ -291,7 +285,7 @@ class _RefAt:
     self._ref = ref
 
   def __getitem__(self, idx):
-    return TorchRef(self._ref.at[_index(idx)])
+    return TorchRef(self._ref.at[unwrap(idx)])
 
 
 def _indexed_shape(ref, idx) -> tuple:
@@ -364,10 +358,9 @@ def _div(input, other, *, rounding_mode=None, out=None):
   if rounding_mode == "floor":
     return jnp.floor_divide(input, other)
   if rounding_mode == "trunc":
-    q = jnp.true_divide(input, other)
     if jnp.issubdtype(jnp.result_type(input, other), jnp.integer):
-      return lax.div(*jnp.broadcast_arrays(*_promote(input, other)))
-    return jnp.trunc(q)
+      return lax.div(*jnp.broadcast_arrays(*_promote(input, other)))  # rounds to zero
+    return jnp.trunc(jnp.true_divide(input, other))
   raise ValueError(f"div: unknown rounding_mode {rounding_mode!r}")
 
 
@@ -640,7 +633,7 @@ def _std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
 @_op("norm")
 def _norm(input, p="fro", dim=None, keepdim=False, dtype=None):
   x = _astype(input, dtype)
-  if p in ("fro", 2, 2.0) and True:
+  if p in ("fro", 2, 2.0):
     return jnp.sqrt(jnp.sum(jnp.abs(x) ** 2, axis=_axis(dim), keepdims=keepdim))
   if p in (float("inf"), "inf"):
     return jnp.max(jnp.abs(x), axis=_axis(dim), keepdims=keepdim)
@@ -1014,9 +1007,13 @@ def _func_name(func) -> tuple[str, str]:
     return base, f"torch.Tensor.{name}"
   if "Tensor" in qual or module in ("torch._tensor",):
     return name, f"torch.Tensor.{name}"
-  if module.startswith("torch.nn.functional"):
+  if module.startswith("torch.nn.functional") or module == "torch._C._nn":
     return name, f"torch.nn.functional.{name}"
-  return name, f"{module or 'torch'}.{name}" if module and module != "torch" else f"torch.{name}"
+  if module.startswith("torch._C._"):  # torch._C._fft.fft_fft -> torch.fft.fft
+    sub = module[len("torch._C._"):]
+    short = name[len(sub) + 1:] if name.startswith(sub + "_") else name
+    return (short if sub == "special" else name), f"torch.{sub}.{short}"
+  return name, f"{module}.{name}" if module and module != "torch" else f"torch.{name}"
 
 
 def call_torch_op(func, args, kwargs):
