@@ -74,6 +74,12 @@ _jax_lowering = None
 
 
 def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
+  # JAX reads the force config when ``pl.pallas_call(...)`` is built; reading
+  # it again here also routes calls built outside the scope (a module-level
+  # ``pl.pallas_call``) but lowered inside it. As in JAX, the config wins.
+  forced = jc.interpret_mode_config.value
+  if is_numpy_mode(forced):
+    interpret = forced
   if not is_numpy_mode(interpret):
     return _jax_lowering(ctx, *in_nodes, interpret=interpret, **params)
   interp = resolve(interpret)
@@ -81,8 +87,11 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
   plan_params = dict(params, interpret=interpret)
   result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
 
+  # Compiled now, at lowering time: an unsupported primitive raises here, as
+  # itself, instead of as an XLA runtime error from inside the callback.
+  plan = get_kernel_plan(plan_params, interp)
+
   def host_run(*args):
-    plan = get_kernel_plan(plan_params, interp)
     return plan.run(*args)
 
   def impl(*args):
@@ -104,10 +113,9 @@ def install():
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------
 @registry.register(jc.pallas_call_p, foldable=False)
 def _compile_pallas_call(e: registry.EqnInfo):
-  params = dict(e.params)
-  interp = resolve(params.get("interpret")) if is_numpy_mode(params.get("interpret")) \
-      else e.compiler.params
-  plan = get_kernel_plan(params, interp)
+  # Only the eager path evaluates outer jaxprs; its compiler carries the
+  # options the call resolved (explicit, forced or default).
+  plan = get_kernel_plan(dict(e.params), e.compiler.params)
   return plan.run
 
 
@@ -139,11 +147,15 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
 
   @functools.wraps(kernel)
   def call(*args):
+    forced = jc.interpret_mode_config.value
+    if forced is not None and not is_numpy_mode(forced):
+      # Another interpret mode is forced (pltpu.force_tpu_interpret_mode):
+      # JAX reads the config when the call is built, so build it now.
+      return pl.pallas_call(kernel, out_shape, interpret=forced, **kwargs)(*args)
     leaves = jax.tree_util.tree_leaves(args)
-    if not _is_concrete(leaves) or jc.interpret_mode_config.value not in (None,) \
-        and not is_numpy_mode(jc.interpret_mode_config.value):
+    if not _is_concrete(leaves):
       return jax_fn(*args)
-    return _eager_call(jax_fn, interp, args)
+    return _eager_call(jax_fn, resolve(forced) if forced is not None else interp, args)
   call.jax_callable = jax_fn
   return call
 

@@ -34,7 +34,7 @@ def _scan(e):
   length = int(p["length"])
   reverse = bool(p["reverse"])
   y_avals = e.out_avals[num_carry:]
-  y_specs = [((length, *a.shape), np_dtype(a.dtype)) for a in y_avals]
+  y_specs = [(tuple(a.shape), np_dtype(a.dtype)) for a in y_avals]  # (length, ...)
   order = range(length - 1, -1, -1) if reverse else range(length)
   n_xs = len(e.in_avals) - num_consts - num_carry
 

@@ -75,6 +75,21 @@ def _concatenate(e):
   return lambda *xs: np.concatenate(xs, axis=dim)
 
 
+if hasattr(jc.lax_internal, "stack_p"):
+  @registry.register(jc.lax_internal.stack_p)
+  def _stack(e):
+    axis = int(e.params["axis"])
+    return lambda *xs: np.stack(xs, axis=axis)
+
+
+if hasattr(jc.lax_internal, "unstack_p"):
+  @registry.register(jc.lax_internal.unstack_p)
+  def _unstack(e):
+    axis = int(e.params["axis"])
+    n = e.in_avals[0].shape[axis]
+    return lambda x: [np.take(x, i, axis=axis) for i in range(n)]
+
+
 @registry.register(lax.split_p)
 def _split(e):
   sizes = tuple(e.params["sizes"])
