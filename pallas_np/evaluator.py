@@ -159,6 +159,18 @@ class Compiler:
         return True, const_values[v]
       return False, None
 
+    # Free each intermediate after its last use (``; del v3`` on the same
+    # line, keeping one line per eqn): otherwise every value of the kernel
+    # stays alive until the plan returns, and each op writes to fresh,
+    # cache-cold memory.
+    last_use: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      if keep[i]:
+        for v in eqn.invars:
+          if isinstance(v, jc.Var) and not isinstance(v, jc.Literal):
+            last_use[v] = i
+    returned = set(v for v in jaxpr.outvars if isinstance(v, jc.Var))
+
     body: list[str] = []
     line_eqns: list[Any] = [None]  # line 1 = def
     check = self.params.check_avals
@@ -223,6 +235,15 @@ class Compiler:
           body.append(f"{', '.join(outs)} = {call}")
       else:
         body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
+      dead = []
+      for v in eqn.invars:
+        if (isinstance(v, jc.Var) and not isinstance(v, jc.Literal)
+            and last_use.get(v) == i and v not in returned):
+          n = names.get(v)
+          if n is not None and n.startswith("v") and n not in dead:
+            dead.append(n)
+      if dead:
+        body[-1] += "; del " + ", ".join(dead)
       line_eqns.append(eqn)
     ret = [atom(v) for v in jaxpr.outvars]
     fname = f"plan_{_sanitize(self.name)}"

@@ -53,7 +53,10 @@ def _reshape(e):
 @registry.register(lax.transpose_p)
 def _transpose(e):
   perm = tuple(e.params["permutation"])
-  return lambda x: np.transpose(x, perm)
+  # Materialised, as XLA does: a lazy transposed view would hand its strided
+  # layout on to every ufunc result downstream (NumPy keeps 'K' order), making
+  # all later elementwise work run at strided speed.
+  return lambda x: np.ascontiguousarray(np.transpose(x, perm))
 
 
 @registry.register(lax.squeeze_p)
