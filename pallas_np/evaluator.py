@@ -242,7 +242,7 @@ class Compiler:
           n = names.get(v)
           if n is not None and n.startswith("v") and n not in dead:
             dead.append(n)
-      if dead:
+      if dead and not self.params.pdb:  # under pdb every value stays inspectable
         body[-1] += "; del " + ", ".join(dead)
       line_eqns.append(eqn)
     ret = [atom(v) for v in jaxpr.outvars]
