@@ -150,3 +150,11 @@ debug_callback_p = jax_debugging.debug_callback_p
 def merge_callback_args(in_tree, dyn_args, static_args):
   """(args, kwargs) of a debug_print from its dynamic and static parts."""
   return jax_debugging.merge_callback_args(in_tree, dyn_args, static_args)
+
+
+# Triton (GPU) path primitives; importable on CPU-only installs too.
+triton_primitives = None
+try:
+  from jax._src.pallas.triton import primitives as triton_primitives  # noqa: F811
+except Exception:  # pragma: no cover - a jaxlib without the Triton dialect
+  triton_primitives = None

@@ -137,6 +137,7 @@ class RefAccess:
           else:
             dims.append(_DimArray(ix, n))
         steps.append(("index", dims, shape))
+        self._final_layout = _int_block_layout(dims, tuple(t.int_indexer_shape))
         shape = tuple(int(d) for d in t.get_indexer_shape()) if not any(
             isinstance(d, _DimSlice) and not _static(d.size) for d in dims) else None
         if shape is None:
@@ -155,6 +156,7 @@ class RefAccess:
         raise UnsupportedError(f"pallas_np: ref transform {t!r} is not supported")
     self.result_shape = shape
     self.steps = steps
+    self._prefix_fns = None
     self.resolve = self._build()
 
   def _build(self):
@@ -182,6 +184,7 @@ class RefAccess:
         fns.append(lambda v, leaves, perm=perm: v.transpose(perm))
     else:
       final = None
+    self._prefix_fns = fns if final is not None else None
     if final is None:
       if len(fns) == 1:
         f0 = fns[0]
@@ -220,6 +223,38 @@ class RefAccess:
     # Common case: one dynamic pl.ds / int per access, the rest static.
     return lambda leaves: tuple(build(d, axis, shape, leaves) for axis, d in enumerated)
 
+  def unchecked_coords(self, ref, leaves):
+    """``(view, coords)`` of the last indexer without bounds checks.
+
+    For masked (Triton-style) accesses whose masked-off lanes may point out of
+    bounds: ``coords[a]`` holds, for every element of the access (broadcast to
+    ``result_shape``), its index along axis ``a`` of ``view``. ``None`` when
+    the access does not end in an indexer (nothing there can go out of
+    bounds)."""
+    if self._prefix_fns is None:
+      return None
+    view = ref
+    for f in self._prefix_fns:
+      view = f(view, leaves)
+    dims = self.steps[-1][1]
+    n_out = len(self.result_shape)
+    int_shape, int_at, slice_axes = self._final_layout
+    coords = []
+    for d, slice_axis in zip(dims, slice_axes):
+      if isinstance(d, _DimSlice):
+        start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
+        size = int(leaves[d.size.k] if isinstance(d.size, _Dyn) else d.size)
+        c = int(start) + d.stride * np.arange(size, dtype=np.int64)
+        shape = [1] * n_out
+        shape[slice_axis] = size
+        c = c.reshape(shape)
+      else:
+        v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+        c = np.broadcast_to(np.asarray(v, dtype=np.int64), int_shape)
+        c = c.reshape((1,) * int_at + int_shape + (1,) * (n_out - int_at - len(int_shape)))
+      coords.append(np.broadcast_to(c, self.result_shape))
+    return view, coords
+
   @staticmethod
   def _dim_static(d):
     if isinstance(d, _DimSlice):
@@ -237,6 +272,32 @@ class RefAccess:
       return _check_int(v, d.dim, axis, shape, clamp)
     v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
     return _check_array(v, d.dim, axis, shape, clamp)
+
+
+def _int_block_layout(dims, int_shape):
+  """Where an NDIndexer puts its axes in the result (NumPy's rule, which
+  ``NDIndexer.get_indexer_shape`` follows): ``(int_shape, first axis of the
+  integer-indexed block, result axis of each slice dim or None)``."""
+  is_int = [not isinstance(d, _DimSlice) for d in dims]
+  int_dims = [i for i, x in enumerate(is_int) if x]
+  contiguous = all(b - a == 1 for a, b in zip(int_dims, int_dims[1:]))
+  int_shape = tuple(int(s) for s in int_shape)
+  if int_dims and contiguous:
+    int_at = sum(1 for i in range(int_dims[0]) if not is_int[i])
+  else:
+    int_at = 0
+  slice_axes = []
+  n_slices_seen = 0
+  for i, d in enumerate(dims):
+    if is_int[i]:
+      slice_axes.append(None)
+      continue
+    axis = n_slices_seen
+    if int_dims and (not contiguous or i > int_dims[0]):
+      axis += len(int_shape)
+    slice_axes.append(axis)
+    n_slices_seen += 1
+  return int_shape, int_at, slice_axes
 
 
 def _apply_index(builder):

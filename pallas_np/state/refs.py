@@ -1,5 +1,5 @@
-"""Reading and writing refs: get, swap, addupdate, masked load/store,
-run_scoped.
+"""Reading and writing refs: get, swap, addupdate, run_scoped (masked
+load/store live in ``masked.py``, atomics in ``atomics.py``).
 
 Refs are NumPy arrays; a write goes through a view into the block, so it
 lands in the operand/output buffer directly. A read returns a copy: the kernel
@@ -23,11 +23,6 @@ def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
   if kind is not None and e.compiler.params.detect_races:
     access.resolve = races.wrap_resolve(access.resolve, kind)
   return access
-
-
-def _race_note(e):
-  """``races.note`` when detection is on, else None (nothing on the hot path)."""
-  return races.note if e.compiler.params.detect_races else None
 
 
 def _dyn(access: RefAccess, leaves):
@@ -93,87 +88,6 @@ def _addupdate(e):
       view[idx] += val
     return []
   return addupdate
-
-
-def _split_masked_args(e, n_lead):
-  """Unflatten a masked load/swap args_tree into positions of the eqn invars."""
-  tree = e.params["args_tree"]
-  positions = list(range(len(e.eqn.invars)))
-  return jc.tree_unflatten(tree, positions)
-
-
-@registry.register(jc.pallas_primitives.load_p)
-def _masked_load(e):
-  ref_pos, transforms_pos, mask_pos, other_pos = _split_masked_args(e, 1)
-  invars = e.eqn.invars
-  idx_positions = jc.jax.tree_util.tree_leaves(transforms_pos)
-  idx_tree = jc.jax.tree_util.tree_structure(transforms_pos)
-  ref_aval = e.in_avals[ref_pos]
-  access = _access(e, ref_aval, [invars[p] for p in idx_positions], idx_tree)
-  resolve = access.resolve
-  dyn_positions = [idx_positions[p] for p in access.dynamic_positions]
-  out_aval = e.out_aval
-  fill = _masked_fill(out_aval.dtype)
-  note = _race_note(e)
-
-  def load(*args):
-    ref = args[ref_pos]
-    view, idx = resolve(ref, [args[p] for p in dyn_positions])
-    if mask_pos is None:
-      if note is not None:
-        note(view, idx, "read")
-      return _copy(view[idx])
-    mask = np.broadcast_to(args[mask_pos], out_aval.shape)
-    if note is not None:
-      note(view, idx, "read", mask)
-    # Masked-off lanes may point out of bounds (Triton style): read clamped.
-    val = _masked_read(view, idx, mask, access)
-    other = args[other_pos] if other_pos is not None else fill
-    return np.where(mask, val, other).astype(val.dtype, copy=False)
-  return load
-
-
-@registry.register(jc.pallas_primitives.swap_p)
-def _masked_swap(e):
-  ref_pos, transforms_pos, val_pos, mask_pos = _split_masked_args(e, 1)
-  invars = e.eqn.invars
-  idx_positions = jc.jax.tree_util.tree_leaves(transforms_pos)
-  idx_tree = jc.jax.tree_util.tree_structure(transforms_pos)
-  ref_aval = e.in_avals[ref_pos]
-  access = _access(e, ref_aval, [invars[p] for p in idx_positions], idx_tree)
-  resolve = access.resolve
-  dyn_positions = [idx_positions[p] for p in access.dynamic_positions]
-  want_old = e.outvars_used[0]
-  note = _race_note(e)
-
-  def swap(*args):
-    ref = args[ref_pos]
-    val = args[val_pos]
-    view, idx = resolve(ref, [args[p] for p in dyn_positions])
-    if note is not None:
-      note(view, idx, "readwrite" if want_old else "write",
-           None if mask_pos is None else args[mask_pos])
-    if mask_pos is None:
-      old = _copy(view[idx]) if want_old else None
-      view[idx] = val
-      return old
-    mask = np.asarray(args[mask_pos])
-    region = view[idx]
-    old = _copy(region)
-    if isinstance(region, np.ndarray) and np.shares_memory(region, view):
-      np.copyto(region, np.broadcast_to(val, region.shape), where=np.broadcast_to(mask, region.shape))
-    else:
-      view[idx] = np.where(mask, val, old)
-    return old
-  return swap
-
-
-def _masked_fill(dtype):
-  return jc.uninitialized_value_np(jc.physical_dtype(dtype))
-
-
-def _masked_read(view, idx, mask, access):
-  return view[idx]
 
 
 @registry.register(jc.pallas_primitives.run_scoped_p, needs_ctx=True, foldable=False)

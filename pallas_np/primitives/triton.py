@@ -1,0 +1,39 @@
+"""Primitives only the Pallas GPU (Triton) path has: compiler hints, the
+debug barrier and ``approx_tanh``'s inline PTX.
+
+Hints and barriers cannot change results of a sequential interpreter, so they
+are identities/no-ops. Inline assembly is opaque; only the ``tanh.approx``
+instructions ``pltriton.approx_tanh`` emits are understood (evaluated as an
+exact tanh: the PTX approximation's error is ~2**-11, so results agree with
+the GPU to that tolerance). Any other asm raises UnsupportedError.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.dtypes import np_dtype
+
+tp = jc.triton_primitives
+
+if tp is not None:
+  registry.register(tp.max_contiguous_p)(lambda e: (lambda x: x))
+  registry.register(tp.debug_barrier_p)(lambda e: (lambda: []))
+
+  _TANH_ASM = re.compile(r"^\s*tanh\.approx\.(f16|bf16|f32|f64)\s+\$0\s*,\s*\$1\s*;?\s*$")
+
+  @registry.register(tp.elementwise_inline_asm_p)
+  def _inline_asm(e):
+    asm = e.params["asm"]
+    if not _TANH_ASM.match(asm) or len(e.in_avals) != 1:
+      raise e.unsupported(f"inline assembly {asm!r} (only pltriton.approx_tanh's "
+                          "tanh.approx is understood)")
+    out_dtype = np_dtype(e.out_avals[0].dtype)
+
+    def approx_tanh(x):
+      return [np.tanh(np.asarray(x, dtype=np.float32)
+                      if out_dtype.itemsize < 4 else x).astype(out_dtype)]
+    return approx_tanh

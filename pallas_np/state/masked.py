@@ -1,0 +1,162 @@
+"""Masked (Triton-style) ref accesses: ``pl.load``/``pl.store`` with ``mask``
+and the ``atomic_*`` read-modify-writes.
+
+On the GPU a masked access is a tensor of pointers plus a predicate: lanes
+whose mask is off are never dereferenced, so they may point anywhere, e.g.
+``pl.ds(i * BLOCK, BLOCK)`` running past the end of the array with
+``mask = idx < n``. Here an access first tries the ordinary bounds-checked
+view (the common, in-bounds case costs nothing extra); only if that raises do
+we fall back to per-element coordinates, check that every *masked-on* lane is
+in bounds (``IndexError`` otherwise, as for any other access) and gather or
+scatter just those lanes.
+
+Values of masked-off lanes, mirroring ``interpret=True``: ``other`` when
+given; otherwise the array's contents where the lane is in bounds and the
+"uninitialized" fill (NaN, int min, ...) where it is not.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.state.indexing import RefAccess
+
+
+class _Pos:
+  """Placeholder leaf: position of an eqn invar. Not an int on purpose: a
+  ``Slice`` treats int starts as static and would swallow it."""
+  __slots__ = ("i",)
+
+  def __init__(self, i):
+    self.i = i
+
+
+def split_args(e: registry.EqnInfo):
+  """Unflatten an ``args_tree`` param into invar positions (or None)."""
+  tree = e.params["args_tree"]
+  parts = jc.tree_unflatten(tree, [_Pos(i) for i in range(len(e.eqn.invars))])
+  return [p.i if isinstance(p, _Pos) else p for p in parts]
+
+
+class MaskedAccess:
+  """One masked access, compiled: ``ref_pos`` and ``transforms_pos`` are what
+  ``split_args`` returned for the ref and its transforms."""
+
+  def __init__(self, e: registry.EqnInfo, ref_pos, transforms_pos):
+    leaves, tree = jc.jax.tree_util.tree_flatten(
+        transforms_pos, is_leaf=lambda x: isinstance(x, _Pos))
+    idx_positions = [p.i for p in leaves]
+    ref_aval = e.in_avals[ref_pos]
+    # Never clamp here: clamping would shift a slice that overruns the end and
+    # move masked-on lanes. Out-of-bounds lanes are handled below instead.
+    self.access = RefAccess(tree, [e.eqn.invars[p] for p in idx_positions],
+                            ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=False)
+    self.ref_pos = ref_pos
+    self.dyn_positions = [idx_positions[p] for p in self.access.dynamic_positions]
+    self.clamp = e.compiler.params.bounds_check == "clamp"
+    self.shape = tuple(self.access.result_shape)
+    from pallas_np.grid import fill_value
+    self.fill = fill_value(ref_aval.dtype, e.compiler.params)
+
+  def leaves(self, args):
+    return [args[p] for p in self.dyn_positions]
+
+  def resolve(self, args):
+    """``(view, idx)`` when every lane is in bounds, else None."""
+    try:
+      return self.access.resolve(args[self.ref_pos], self.leaves(args))
+    except IndexError:
+      return None
+
+  def lanes(self, args, mask):
+    """Slow path: ``(view, coords, in_bounds, active)`` where ``coords`` are
+    per-axis index arrays of the access' shape, ``in_bounds`` which lanes
+    point inside the ref and ``active = mask & in_bounds`` (raises if a
+    masked-on lane points outside, unless bounds_check='clamp')."""
+    got = self.access.unchecked_coords(args[self.ref_pos], self.leaves(args))
+    if got is None:  # an earlier transform is out of bounds: re-raise it
+      self.access.resolve(args[self.ref_pos], self.leaves(args))
+      raise AssertionError("unreachable")
+    view, coords = got
+    in_bounds = np.ones(self.shape, dtype=bool)
+    for c, n in zip(coords, view.shape):
+      in_bounds &= (c >= 0) & (c < n)
+    mask = np.broadcast_to(np.asarray(mask, dtype=bool), self.shape)
+    bad = mask & ~in_bounds
+    if not self.clamp and bad.any():
+      lane = tuple(int(i) for i in np.argwhere(bad)[0])
+      where = tuple(int(c[lane]) for c in coords)
+      raise IndexError(
+          f"out-of-bounds masked ref access: lane {lane} is masked on but "
+          f"points at index {where} of a ref of shape {tuple(view.shape)}. "
+          "Only masked-off lanes may point out of bounds. interpret=True would "
+          "silently read padding / drop the write; pass "
+          "InterpretParams(bounds_check='clamp') to do the same.")
+    safe = tuple(np.where(in_bounds, c, 0) for c in coords)
+    return view, safe, in_bounds, mask & in_bounds
+
+  def gather(self, view, safe, in_bounds):
+    """Every lane's current value; the fill where it points outside."""
+    if not view.size:
+      return np.full(self.shape, self.fill, dtype=view.dtype)
+    val = view[safe]
+    if not in_bounds.all():
+      val = np.where(in_bounds, val, self.fill).astype(view.dtype, copy=False)
+    return val
+
+
+@registry.register(jc.pallas_primitives.load_p)
+def _masked_load(e):
+  ref_pos, transforms_pos, mask_pos, other_pos = split_args(e)
+  acc = MaskedAccess(e, ref_pos, transforms_pos)
+  dtype = np.dtype(jc.physical_dtype(e.out_aval.dtype))
+
+  def load(*args):
+    hit = acc.resolve(args)
+    if hit is not None:
+      view, idx = hit
+      val = np.array(view[idx], dtype=dtype)
+    elif mask_pos is None:
+      acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
+      raise AssertionError("unreachable")
+    else:
+      view, safe, in_bounds, _ = acc.lanes(args, args[mask_pos])
+      val = acc.gather(view, safe, in_bounds)
+    if mask_pos is not None and other_pos is not None:
+      val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
+    return val
+  return load
+
+
+@registry.register(jc.pallas_primitives.swap_p)
+def _masked_swap(e):
+  ref_pos, transforms_pos, val_pos, mask_pos = split_args(e)
+  acc = MaskedAccess(e, ref_pos, transforms_pos)
+  want_old = e.outvars_used[0]
+
+  def swap(*args):
+    val = args[val_pos]
+    hit = acc.resolve(args)
+    if hit is not None:
+      view, idx = hit
+      old = np.array(view[idx]) if want_old or mask_pos is not None else None
+      if mask_pos is None:
+        view[idx] = val
+        return old
+      region = view[idx]
+      if isinstance(region, np.ndarray) and np.shares_memory(region, view):
+        np.copyto(region, np.broadcast_to(val, region.shape),
+                  where=np.broadcast_to(args[mask_pos], region.shape))
+      else:  # integer-array index: NumPy handed us a copy
+        view[idx] = np.where(args[mask_pos], val, old)
+      return old
+    if mask_pos is None:
+      acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
+      raise AssertionError("unreachable")
+    view, safe, in_bounds, active = acc.lanes(args, args[mask_pos])
+    old = acc.gather(view, safe, in_bounds) if want_old else None
+    val = np.broadcast_to(np.asarray(val, dtype=view.dtype), acc.shape)
+    view[tuple(c[active] for c in safe)] = val[active]
+    return old
+  return swap
