@@ -111,7 +111,9 @@ class BlockGeometry:
               + ". interpret=True would silently clamp it; pass "
               "InterpretParams(bounds_check='clamp') to do the same.")
       idx.append(start if kind == "squeezed" else slice(start, start + b))
-    return tuple(idx)
+    # The Ellipsis keeps a block whose dims are all squeezed a 0-d *view*
+    # (a[1, 2] would be a scalar copy and writes to it would be lost).
+    return (*idx, Ellipsis)
 
 
 class KernelPlan:

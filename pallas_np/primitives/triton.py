@@ -37,3 +37,13 @@ if tp is not None:
       return [np.tanh(np.asarray(x, dtype=np.float32)
                       if out_dtype.itemsize < 4 else x).astype(out_dtype)]
     return approx_tanh
+
+
+# ``state.primitives.broadcast_to``: the equal-rank broadcast Triton kernels
+# (and their vmap/autodiff rules) emit; a read-only NumPy broadcast view.
+_broadcast_to_p = getattr(jc.state_primitives, "broadcast_to_p", None)
+if _broadcast_to_p is not None:
+  @registry.register(_broadcast_to_p)
+  def _broadcast_to(e):
+    shape = tuple(e.params["shape"])
+    return lambda x: np.broadcast_to(x, shape)

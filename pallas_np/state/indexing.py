@@ -21,11 +21,13 @@ from pallas_np.errors import UnsupportedError
 
 
 class _Dyn:
-  """Placeholder for the k-th dynamic leaf while analysing the tree."""
-  __slots__ = ("k",)
+  """Placeholder for the k-th dynamic leaf while analysing the tree (``ndim``
+  of its value: an integer-array index is dynamic too)."""
+  __slots__ = ("k", "ndim")
 
-  def __init__(self, k):
+  def __init__(self, k, ndim=0):
     self.k = k
+    self.ndim = ndim
 
   def __repr__(self):
     return f"_Dyn({self.k})"
@@ -116,7 +118,7 @@ class RefAccess:
       if isinstance(a, jc.Literal):
         leaves.append(a.val)
       else:
-        leaves.append(_Dyn(self.num_dynamic))
+        leaves.append(_Dyn(self.num_dynamic, len(getattr(a.aval, "shape", ()))))
         self.dynamic_positions.append(pos)
         self.num_dynamic += 1
     transforms = jc.tree_unflatten(tree, leaves) if tree is not None else ()
@@ -132,7 +134,7 @@ class RefAccess:
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
           if isinstance(ix, jc.Slice):
             dims.append(_DimSlice(ix.start, ix.size, int(ix.stride), n))
-          elif isinstance(ix, _Dyn) or np.ndim(ix) == 0:
+          elif ix.ndim == 0 if isinstance(ix, _Dyn) else np.ndim(ix) == 0:
             dims.append(_DimInt(ix, n))
           else:
             dims.append(_DimArray(ix, n))
