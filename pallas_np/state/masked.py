@@ -10,9 +10,10 @@ we fall back to per-element coordinates, check that every *masked-on* lane is
 in bounds (``IndexError`` otherwise, as for any other access) and gather or
 scatter just those lanes.
 
-Values of masked-off lanes, mirroring ``interpret=True``: ``other`` when
-given; otherwise the array's contents where the lane is in bounds and the
-"uninitialized" fill (NaN, int min, ...) where it is not.
+Values of masked-off lanes, mirroring ``interpret=True``: a load gives
+``other`` when given, otherwise the array's contents where the lane is in
+bounds and the "uninitialized" fill (NaN, int min, ...) where it is not; a
+swap returns the stored value there.
 """
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def _masked_swap(e):
                   where=np.broadcast_to(args[mask_pos], region.shape))
       else:  # integer-array index: NumPy handed us a copy
         view[idx] = np.where(args[mask_pos], val, old)
-      return old
+      return np.where(args[mask_pos], old, val).astype(old.dtype, copy=False)
     if mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
@@ -158,5 +159,5 @@ def _masked_swap(e):
     old = acc.gather(view, safe, in_bounds) if want_old else None
     val = np.broadcast_to(np.asarray(val, dtype=view.dtype), acc.shape)
     view[tuple(c[active] for c in safe)] = val[active]
-    return old
+    return None if old is None else np.where(args[mask_pos], old, val)
   return swap
