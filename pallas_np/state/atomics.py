@@ -63,10 +63,11 @@ if tp is not None:
       if hit is None and mask is None:
         acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
         raise AssertionError("unreachable")
-      view, safe, in_bounds, active = acc.lanes(args, mask)
+      view, safe, in_bounds, mask = acc.lanes(args, mask)
       old = acc.gather(view, safe, in_bounds)
-      val = np.broadcast_to(val, acc.shape)
-      update(view, tuple(c[active] for c in safe), old[active], val[active])
+      active = mask & in_bounds
+      index = tuple(np.broadcast_to(c, acc.shape)[active] for c in safe)
+      update(view, index, old[active], np.broadcast_to(val, acc.shape)[active])
       return old
     return atomic
 

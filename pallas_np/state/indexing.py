@@ -229,10 +229,11 @@ class RefAccess:
     """``(view, coords)`` of the last indexer without bounds checks.
 
     For masked (Triton-style) accesses whose masked-off lanes may point out of
-    bounds: ``coords[a]`` holds, for every element of the access (broadcast to
-    ``result_shape``), its index along axis ``a`` of ``view``. ``None`` when
-    the access does not end in an indexer (nothing there can go out of
-    bounds)."""
+    bounds: ``coords[a]`` holds, for every element of the access, its index
+    along axis ``a`` of ``view``; the arrays are broadcastable to
+    ``result_shape`` (not broadcast: a slice stays 1-D along its axis).
+    ``None`` when the access does not end in an indexer (nothing there can go
+    out of bounds)."""
     if self._prefix_fns is None:
       return None
     view = ref
@@ -252,9 +253,10 @@ class RefAccess:
         c = c.reshape(shape)
       else:
         v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
-        c = np.broadcast_to(np.asarray(v, dtype=np.int64), int_shape)
-        c = c.reshape((1,) * int_at + int_shape + (1,) * (n_out - int_at - len(int_shape)))
-      coords.append(np.broadcast_to(c, self.result_shape))
+        c = np.asarray(v, dtype=np.int64)
+        c = c.reshape((1,) * (len(int_shape) - c.ndim) + c.shape)  # right-aligned
+        c = c.reshape((1,) * int_at + c.shape + (1,) * (n_out - int_at - len(int_shape)))
+      coords.append(c)
     return view, coords
 
   @staticmethod

@@ -71,40 +71,47 @@ class MaskedAccess:
       return None
 
   def lanes(self, args, mask):
-    """Slow path: ``(view, coords, in_bounds, active)`` where ``coords`` are
-    per-axis index arrays of the access' shape, ``in_bounds`` which lanes
-    point inside the ref and ``active = mask & in_bounds`` (raises if a
-    masked-on lane points outside, unless bounds_check='clamp')."""
+    """Slow path: ``(view, safe, in_bounds, mask)``: ``safe`` are per-axis
+    index arrays (broadcastable to the access' shape) with out-of-bounds
+    lanes redirected to 0, ``in_bounds`` which lanes point inside the ref.
+    Raises if a masked-on lane points outside, unless bounds_check='clamp'."""
     got = self.access.unchecked_coords(args[self.ref_pos], self.leaves(args))
     if got is None:  # an earlier transform is out of bounds: re-raise it
       self.access.resolve(args[self.ref_pos], self.leaves(args))
       raise AssertionError("unreachable")
     view, coords = got
     in_bounds = np.ones(self.shape, dtype=bool)
+    safe = []
     for c, n in zip(coords, view.shape):
-      in_bounds &= (c >= 0) & (c < n)
-    mask = np.broadcast_to(np.asarray(mask, dtype=bool), self.shape)
+      ok = (c >= 0) & (c < n)
+      in_bounds &= ok
+      safe.append(np.where(ok, c, 0))
+    mask = np.asarray(mask, dtype=bool)
     bad = mask & ~in_bounds
     if not self.clamp and bad.any():
       lane = tuple(int(i) for i in np.argwhere(bad)[0])
-      where = tuple(int(c[lane]) for c in coords)
+      where = tuple(int(np.broadcast_to(c, self.shape)[lane]) for c in coords)
       raise IndexError(
           f"out-of-bounds masked ref access: lane {lane} is masked on but "
           f"points at index {where} of a ref of shape {tuple(view.shape)}. "
           "Only masked-off lanes may point out of bounds. interpret=True would "
           "silently read padding / drop the write; pass "
           "InterpretParams(bounds_check='clamp') to do the same.")
-    safe = tuple(np.where(in_bounds, c, 0) for c in coords)
-    return view, safe, in_bounds, mask & in_bounds
+    return view, tuple(safe), in_bounds, mask
 
   def gather(self, view, safe, in_bounds):
     """Every lane's current value; the fill where it points outside."""
     if not view.size:
       return np.full(self.shape, self.fill, dtype=view.dtype)
-    val = view[safe]
-    if not in_bounds.all():
-      val = np.where(in_bounds, val, self.fill).astype(view.dtype, copy=False)
-    return val
+    # in_bounds has the access' full shape, so np.where broadcasts for us.
+    return np.where(in_bounds, view[safe], self.fill).astype(view.dtype, copy=False)
+
+  def scatter(self, view, safe, in_bounds, mask, val):
+    """``view[lane] = val[lane]`` for masked-on, in-bounds lanes."""
+    active = mask & in_bounds  # full shape
+    index = tuple(np.broadcast_to(c, self.shape)[active] for c in safe)
+    view[index] = np.broadcast_to(val, self.shape)[active]
+    return index, active
 
 
 @registry.register(jc.pallas_primitives.load_p)
@@ -155,9 +162,9 @@ def _masked_swap(e):
     if mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
-    view, safe, in_bounds, active = acc.lanes(args, args[mask_pos])
+    view, safe, in_bounds, mask = acc.lanes(args, args[mask_pos])
     old = acc.gather(view, safe, in_bounds) if want_old else None
-    val = np.broadcast_to(np.asarray(val, dtype=view.dtype), acc.shape)
-    view[tuple(c[active] for c in safe)] = val[active]
-    return None if old is None else np.where(args[mask_pos], old, val)
+    val = np.asarray(val, dtype=view.dtype)
+    acc.scatter(view, safe, in_bounds, mask, val)
+    return None if old is None else np.where(mask, old, val)
   return swap
