@@ -173,6 +173,30 @@ def test_clamp_mode_treats_out_of_bounds_lanes_as_masked_off():
   np.testing.assert_array_equal(np.asarray(got), np.arange(13) + 1.0)
 
 
+def _overlapping_store_kernel(x_ref, o_ref, *, step):
+  pid = pl.program_id(0)
+  lanes = pid * step + jnp.arange(BLOCK)
+  pltriton.store(o_ref.at[pl.ds(pid * step, BLOCK)], pltriton.load(
+      x_ref.at[pl.ds(pid * step, BLOCK)], mask=lanes < 13), mask=lanes < 13)
+
+
+@pytest.mark.parametrize("step,racy", [(BLOCK, False), (BLOCK - 2, True)])
+def test_race_detector_sees_masked_lanes(step, racy):
+  """Triton grids are parallel: programs whose masked stores overlap race,
+  while masked-off lanes past the end never count."""
+  x = jnp.arange(13, dtype=jnp.float32)
+  call = pallas_np.pallas_call(
+      functools.partial(_overlapping_store_kernel, step=step),
+      out_shape=jax.ShapeDtypeStruct((13,), jnp.float32), grid=(2,),
+      compiler_params=pltriton.CompilerParams(num_warps=4),
+      interpret=pallas_np.InterpretParams(detect_races=True))
+  if racy:
+    with pytest.raises(pallas_np.RaceError):
+      call(x)
+  else:
+    np.testing.assert_array_equal(np.asarray(call(x)), np.arange(13))
+
+
 # -- atomics -------------------------------------------------------------------
 def _sum_all_kernel(x_ref, o_ref):
   @pl.when(pl.program_id(0) == 0)

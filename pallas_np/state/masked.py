@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.state.indexing import RefAccess
 
 
@@ -59,6 +59,8 @@ class MaskedAccess:
     self.shape = tuple(self.access.result_shape)
     from pallas_np.grid import fill_value
     self.fill = fill_value(ref_aval.dtype, e.compiler.params)
+    # races.note(view, index, kind, mask) when detection is on, else None.
+    self.note = races.note if e.compiler.params.detect_races else None
 
   def leaves(self, args):
     return [args[p] for p in self.dyn_positions]
@@ -124,12 +126,16 @@ def _masked_load(e):
     hit = acc.resolve(args)
     if hit is not None:
       view, idx = hit
+      if acc.note is not None:
+        acc.note(view, idx, "read", None if mask_pos is None else args[mask_pos])
       val = np.array(view[idx], dtype=dtype)
     elif mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
     else:
-      view, safe, in_bounds, _ = acc.lanes(args, args[mask_pos])
+      view, safe, in_bounds, mask = acc.lanes(args, args[mask_pos])
+      if acc.note is not None:
+        acc.note(view, safe, "read", mask & in_bounds)
       val = acc.gather(view, safe, in_bounds)
     if mask_pos is not None and other_pos is not None:
       val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
@@ -146,8 +152,11 @@ def _masked_swap(e):
   def swap(*args):
     val = args[val_pos]
     hit = acc.resolve(args)
+    kind = "readwrite" if want_old else "write"
     if hit is not None:
       view, idx = hit
+      if acc.note is not None:
+        acc.note(view, idx, kind, None if mask_pos is None else args[mask_pos])
       old = np.array(view[idx]) if want_old or mask_pos is not None else None
       if mask_pos is None:
         view[idx] = val
@@ -163,6 +172,8 @@ def _masked_swap(e):
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
     view, safe, in_bounds, mask = acc.lanes(args, args[mask_pos])
+    if acc.note is not None:
+      acc.note(view, safe, kind, mask & in_bounds)
     old = acc.gather(view, safe, in_bounds) if want_old else None
     val = np.asarray(val, dtype=view.dtype)
     acc.scatter(view, safe, in_bounds, mask, val)
