@@ -28,7 +28,7 @@ from pallas_np.params import InterpretParams
 class RunContext:
   """Per-execution state that ctx-rules read: where in the grid we are."""
   __slots__ = ("program_ids", "num_programs", "kernel_name", "params",
-               "grid_point", "extra")
+               "grid_point", "extra", "batch_size")
 
   def __init__(self, kernel_name="kernel", params=None, program_ids=(),
                num_programs=()):
@@ -38,6 +38,8 @@ class RunContext:
     self.num_programs = num_programs
     self.grid_point = ()
     self.extra = {}
+    # Lanes of a vectorized pass (pallas_np.vectorize); None when sequential.
+    self.batch_size = None
 
 
 # filename of generated code -> list of eqns by line (line 1 is the `def`).
@@ -60,9 +62,10 @@ def np_constant(val, aval) -> Any:
 
 class Plan:
   """A compiled jaxpr: ``plan(ctx, *args) -> tuple of outputs``."""
-  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source")
+  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source", "out_batched")
 
   def __init__(self, fn, jaxpr, filename, num_eqns, source):
+    self.out_batched = ()
     self.fn = fn
     self.jaxpr = jaxpr
     self.filename = filename
@@ -77,51 +80,153 @@ def _has_effects(eqn) -> bool:
   return bool(eqn.effects)
 
 
+class _Emitter:
+  """Mutable state of one generated function: globals, names, lines."""
+  __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads")
+
+  def __init__(self):
+    self.env_globals: dict[str, Any] = {}
+    self.counter = itertools.count()
+    self.body: list[str] = []
+    self.line_eqns: list[Any] = [None]  # line 1 = def
+    self.reads: list[list[str]] = []  # per body line: the value names it reads
+
+  def free_dead_values(self, returned):
+    """Free each intermediate after its last use (``; del v3`` on the same
+    line, keeping one line per eqn): otherwise every value of the kernel
+    stays alive until the plan returns, and each op writes to fresh,
+    cache-cold memory. By name, after inlining, so a value shared by an
+    inlined body and its caller lives until the caller is done with it."""
+    last: dict[str, int] = {}
+    for i, names in enumerate(self.reads):
+      for n in names:
+        last[n] = i
+    dead: dict[int, list[str]] = {}
+    for n, i in last.items():
+      if n.startswith("v") and n not in returned:
+        dead.setdefault(i, []).append(n)
+    for i, names in dead.items():
+      self.body[i] += "; del " + ", ".join(sorted(set(names)))
+
+  def fresh(self, prefix):
+    return f"{prefix}{next(self.counter)}"
+
+  def const(self, value) -> str:
+    g = self.fresh("k")
+    self.env_globals[g] = value
+    return g
+
+
+class _Const:
+  """A value known at compile time (literal, closed-over const, folded)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+
+# Call-like primitives whose body is emitted inline into the caller's code
+# (no plan call, no tuple packing): name -> param holding the callee jaxpr.
+_INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                 "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+                 "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr",
+                 "checkpoint": "jaxpr"}
+
+
 class Compiler:
-  """Compiles jaxprs to Plans; sub-jaxprs (cond branches, loop bodies, pjit)
-  go through the same compiler and are cached per jaxpr object."""
+  """Compiles jaxprs to Plans; sub-jaxprs (cond branches, loop bodies)
+  go through the same compiler and are cached per jaxpr object; the bodies
+  of jit/closed_call/custom_jvp/custom_vjp/remat calls are inlined."""
+
+  batched = False  # see pallas_np.vectorize.BatchCompiler
 
   def __init__(self, params: InterpretParams | None = None, name: str = "kernel"):
     self.params = params or InterpretParams()
     self.name = name
-    self._cache: dict[int, tuple[Any, Plan]] = {}
+    self._cache: dict[Any, tuple[Any, Plan]] = {}
 
   # -- public ---------------------------------------------------------------
   def compile(self, jaxpr, consts: Sequence[Any] | None = None, *,
-              constvars_as_args: bool = False) -> Plan:
+              constvars_as_args: bool = False, in_batched=None) -> Plan:
     """Compile a Jaxpr (with ``consts`` for its constvars) or a ClosedJaxpr.
 
     With ``constvars_as_args`` the plan takes the constvars as leading
-    arguments instead (run_scoped bodies close over refs that way)."""
+    arguments instead (run_scoped bodies close over refs that way).
+    ``in_batched`` (batch compilers only) says which arguments carry a
+    leading batch axis."""
     if isinstance(jaxpr, jc.ClosedJaxpr):
       consts = jaxpr.consts
       jaxpr = jaxpr.jaxpr
     consts = tuple(consts or ())
-    key = (id(jaxpr), constvars_as_args)
+    in_batched = tuple(bool(b) for b in in_batched) if in_batched is not None else None
+    key = (id(jaxpr), constvars_as_args, in_batched)
     hit = self._cache.get(key)
     if hit is not None and hit[0] is jaxpr and len(consts) == 0:
       return hit[1]
+    orig = jaxpr
     if constvars_as_args:
       jaxpr = jaxpr.replace(invars=[*jaxpr.constvars, *jaxpr.invars], constvars=[])
-    plan = self._codegen(jaxpr, consts)
+    if in_batched is None:
+      in_batched = (False,) * len(jaxpr.invars)
+    plan = self._codegen(jaxpr, consts, in_batched)
     if not consts:
-      self._cache[key] = (jaxpr, plan)
+      self._cache[key] = (orig, plan)
     return plan
 
+  # -- per-eqn lowering (overridden by the batch compiler) --------------------
+  def lower_eqn(self, rule, info, in_batched):
+    """(callable, needs_ctx, out_batched) of one eqn."""
+    return rule.compile(info), rule.needs_ctx, (False,) * len(info.out_avals)
+
+  def check_wrapper(self, fn, info, multiple, out_batched):
+    return _checked(fn, info, multiple)
+
   # -- codegen --------------------------------------------------------------
-  def _codegen(self, jaxpr, consts) -> Plan:
-    names: dict[Any, str] = {}
-    env_globals: dict[str, Any] = {}
-    const_values: dict[Any, Any] = {}  # var -> folded/const value
-    counter = itertools.count()
+  def _codegen(self, jaxpr, consts, in_batched) -> Plan:
+    em = _Emitter()
+    arg_names = [em.fresh("a") for _ in jaxpr.invars]
+    outs = self._emit(em, jaxpr, consts, list(zip(arg_names, in_batched)),
+                      [True] * len(jaxpr.outvars))
+    ret = []
+    out_batched = []
+    for a in outs:
+      if isinstance(a, _Const):
+        ret.append(em.const(a.value))
+        out_batched.append(False)
+      else:
+        ret.append(a[0])
+        out_batched.append(a[1])
+    if not self.params.pdb:  # under pdb every value stays inspectable
+      em.free_dead_values(set(ret))
+    fname = f"plan_{_sanitize(self.name)}"
+    src_lines = [f"def {fname}(ctx{''.join(', ' + a for a in arg_names)}):"]
+    src_lines += ["    " + b for b in em.body]
+    src_lines.append(f"    return ({', '.join(ret)}{',' if len(ret) == 1 else ''})")
+    line_eqns = em.line_eqns + [None]
+    source = "\n".join(src_lines) + "\n"
+    with _lock:
+      filename = f"<pallas_np plan {next(_plan_counter)}: {self.name}>"
+      _PLAN_SOURCES[filename] = line_eqns
+    code = compile(source, filename, "exec")
+    # Make the generated source visible to tracebacks, pdb and py-spy.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    env_globals = em.env_globals
+    exec(code, env_globals)
+    plan = Plan(env_globals[fname], jaxpr, filename, len(line_eqns) - 2, source)
+    plan.out_batched = tuple(out_batched)
+    return plan
 
-    def fresh(prefix):
-      return f"{prefix}{next(counter)}"
-
+  def _emit(self, em: _Emitter, jaxpr, consts, in_atoms, live_out):
+    """Emit ``jaxpr``'s eqns into ``em``; ``in_atoms`` are (name, batched)
+    pairs or _Const for its invars. Returns the atoms of its outvars."""
+    env: dict[Any, Any] = {}  # var -> (name, batched) | _Const
     for v, c in zip(jaxpr.constvars, consts):
-      const_values[v] = c
-    # Liveness: which vars are read by a kept eqn or the outputs.
-    live = set(v for v in jaxpr.outvars if isinstance(v, jc.Var))
+      env[v] = _Const(c)
+    for v, a in zip(jaxpr.invars, in_atoms):
+      env[v] = a
+    # Liveness: which vars are read by a kept eqn or the live outputs.
+    live = set(v for v, l in zip(jaxpr.outvars, live_out)
+               if l and isinstance(v, jc.Var))
     keep = [False] * len(jaxpr.eqns)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
       eqn = jaxpr.eqns[i]
@@ -132,50 +237,33 @@ class Compiler:
           if isinstance(v, jc.Var):
             live.add(v)
 
-    arg_names = []
-    for v in jaxpr.invars:
-      n = fresh("a")
-      names[v] = n
-      arg_names.append(n)
-
-    def atom(v) -> str:
+    def atom_of(v):
       if isinstance(v, jc.Literal):
-        g = fresh("k")
-        env_globals[g] = np_constant(v.val, v.aval)
-        return g
-      if v in names:
-        return names[v]
-      if v in const_values:
-        g = fresh("k")
-        env_globals[g] = const_values[v]
-        names[v] = g
-        return g
-      raise AssertionError(f"unbound var {v}")
+        return _Const(np_constant(v.val, v.aval))
+      a = env.get(v)
+      if a is None:
+        raise AssertionError(f"unbound var {v}")
+      return a
 
-    def value_of(v):
-      if isinstance(v, jc.Literal):
-        return True, np_constant(v.val, v.aval)
-      if v in const_values:
-        return True, const_values[v]
-      return False, None
+    def text(a) -> str:
+      if isinstance(a, _Const):
+        return em.const(a.value)
+      return a[0]
 
-    # Free each intermediate after its last use (``; del v3`` on the same
-    # line, keeping one line per eqn): otherwise every value of the kernel
-    # stays alive until the plan returns, and each op writes to fresh,
-    # cache-cold memory.
-    last_use: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-      if keep[i]:
-        for v in eqn.invars:
-          if isinstance(v, jc.Var) and not isinstance(v, jc.Literal):
-            last_use[v] = i
-    returned = set(v for v in jaxpr.outvars if isinstance(v, jc.Var))
-
-    body: list[str] = []
-    line_eqns: list[Any] = [None]  # line 1 = def
     check = self.params.check_avals
     for i, eqn in enumerate(jaxpr.eqns):
       if not keep[i]:
+        continue
+      in_atoms_e = [atom_of(v) for v in eqn.invars]
+      outvars_used = tuple(not isinstance(o, jc.DropVar) and o in live
+                           for o in eqn.outvars)
+      callee = self._inline_callee(eqn)
+      if callee is not None:
+        sub_jaxpr, sub_consts = callee
+        outs = self._emit(em, sub_jaxpr, sub_consts, in_atoms_e, list(outvars_used))
+        for o, a, used in zip(eqn.outvars, outs, outvars_used):
+          if used:
+            env[o] = a
         continue
       rule = registry.lookup(eqn.primitive)
       if rule is None:
@@ -184,11 +272,10 @@ class Compiler:
             f"the NumPy interpreter (kernel '{self.name}', at "
             f"{jc.source_summary(eqn.source_info)}). See "
             f"`python -m pallas_np.coverage` for what is supported.")
-      outvars_used = tuple(not isinstance(o, jc.DropVar) and o in live
-                           for o in eqn.outvars)
       info = registry.EqnInfo(eqn, self, outvars_used)
+      in_batched = tuple(not isinstance(a, _Const) and a[1] for a in in_atoms_e)
       try:
-        fn = rule.compile(info)
+        fn, needs_ctx, out_batched = self.lower_eqn(rule, info, in_batched)
       except UnsupportedError:
         raise
       except NotImplementedError as e:
@@ -197,69 +284,63 @@ class Compiler:
             f"'{self.name}', at {jc.source_summary(eqn.source_info)})") from e
       multiple = eqn.primitive.multiple_results
       # Constant folding.
-      if rule.foldable and not _has_effects(eqn) and eqn.invars is not None:
-        known = [value_of(v) for v in eqn.invars]
-        if all(k for k, _ in known) and _foldable_size(eqn):
-          try:
-            out = fn(*[val for _, val in known])
-          except Exception:
-            out = None
-          else:
-            outs = list(out) if multiple else [out]
-            for o, val in zip(eqn.outvars, outs):
-              if not isinstance(o, jc.DropVar):
-                const_values[o] = val
-            continue
+      if (rule.foldable and not needs_ctx and not _has_effects(eqn)
+          and all(isinstance(a, _Const) for a in in_atoms_e) and _foldable_size(eqn)):
+        try:
+          out = fn(*[a.value for a in in_atoms_e])
+        except Exception:
+          out = None
+        else:
+          outs = list(out) if multiple else [out]
+          for o, val in zip(eqn.outvars, outs):
+            if not isinstance(o, jc.DropVar):
+              env[o] = _Const(val)
+          continue
       if check:
-        fn = _checked(fn, info, multiple)
-      g = fresh("f")
-      env_globals[g] = fn
-      args = ", ".join(atom(v) for v in eqn.invars)
-      if rule.needs_ctx:
+        fn = self.check_wrapper(fn, info, multiple, out_batched)
+      g = em.fresh("f")
+      em.env_globals[g] = fn
+      args = ", ".join(text(a) for a in in_atoms_e)
+      if needs_ctx:
         args = "ctx, " + args if args else "ctx"
       outs = []
-      for o, used in zip(eqn.outvars, outvars_used):
+      for o, used, b in zip(eqn.outvars, outvars_used, out_batched):
         if used:
-          n = fresh("v")
-          names[o] = n
+          n = em.fresh("v")
+          env[o] = (n, b)
           outs.append(n)
         else:
           outs.append("_")
+      em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
       call = f"{g}({args})"
       if multiple:
         if not outs:
-          body.append(call)
+          em.body.append(call)
         elif len(outs) == 1:
-          body.append(f"{outs[0]}, = {call}")
+          em.body.append(f"{outs[0]}, = {call}")
         else:
-          body.append(f"{', '.join(outs)} = {call}")
+          em.body.append(f"{', '.join(outs)} = {call}")
       else:
-        body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
-      dead = []
-      for v in eqn.invars:
-        if (isinstance(v, jc.Var) and not isinstance(v, jc.Literal)
-            and last_use.get(v) == i and v not in returned):
-          n = names.get(v)
-          if n is not None and n.startswith("v") and n not in dead:
-            dead.append(n)
-      if dead and not self.params.pdb:  # under pdb every value stays inspectable
-        body[-1] += "; del " + ", ".join(dead)
-      line_eqns.append(eqn)
-    ret = [atom(v) for v in jaxpr.outvars]
-    fname = f"plan_{_sanitize(self.name)}"
-    src_lines = [f"def {fname}(ctx{''.join(', ' + a for a in arg_names)}):"]
-    src_lines += ["    " + b for b in body]
-    src_lines.append(f"    return ({', '.join(ret)}{',' if len(ret) == 1 else ''})")
-    line_eqns.append(None)
-    source = "\n".join(src_lines) + "\n"
-    with _lock:
-      filename = f"<pallas_np plan {next(_plan_counter)}: {self.name}>"
-      _PLAN_SOURCES[filename] = line_eqns
-    code = compile(source, filename, "exec")
-    # Make the generated source visible to tracebacks, pdb and py-spy.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(code, env_globals)
-    return Plan(env_globals[fname], jaxpr, filename, len(line_eqns) - 2, source)
+        em.body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
+      em.line_eqns.append(eqn)
+    return [atom_of(v) for v in jaxpr.outvars]
+
+  @staticmethod
+  def _inline_callee(eqn):
+    """(jaxpr, consts) of a call whose body can be emitted inline, else None."""
+    param = _INLINE_CALLS.get(eqn.primitive.name)
+    if param is None:
+      return None
+    callee = eqn.params.get(param)
+    if isinstance(callee, jc.ClosedJaxpr):
+      sub, consts = callee.jaxpr, callee.consts
+    elif isinstance(callee, jc.Jaxpr):
+      sub, consts = callee, ()
+    else:
+      return None
+    if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+      return None
+    return sub, consts
 
 
 def _sanitize(name: str) -> str:

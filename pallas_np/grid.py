@@ -120,11 +120,12 @@ class KernelPlan:
   """A pallas_call compiled for the NumPy interpreter (built once, run many)."""
 
   def __init__(self, *, jaxpr, grid_mapping, input_output_aliases, out_avals,
-               params: InterpretParams, name=None, debug=False, **_unused):
+               params: InterpretParams, name=None, debug=False,
+               compiler_params=None, **_unused):
     if jaxpr.constvars:
       raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
     self.params = params
-    self.compiler_params = _unused.get("compiler_params")
+    self.compiler_params = compiler_params
     gm = grid_mapping
     self.grid_mapping = gm
     self.name = name or _kernel_name(jaxpr)
@@ -151,9 +152,50 @@ class KernelPlan:
     self.clamp = params.bounds_check == "clamp"
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
+    self._vectorizer = None
+    # "vectorized" or "sequential": how the last run() went (for tests/benchmarks).
+    self.last_mode = None
 
   # -- execution ---------------------------------------------------------------
   def run(self, *args) -> list[np.ndarray]:
+    if self.params.vectorize is not False:
+      out = self._run_vectorized(args)
+      if out is not None:
+        return out
+    grid, index_ops, buffers, out_bufs = self._prepare(args)
+    scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
+    detector = races.for_run(self, grid, buffers, scratch)
+    if detector is None:
+      self._run_grid(grid, index_ops, buffers, scratch)
+    else:
+      with races.activate(detector):
+        self._run_grid(grid, index_ops, buffers, scratch, detector)
+    self.last_mode = "sequential"
+    return self._results(out_bufs)
+
+  def _run_vectorized(self, args):
+    """Batched grid (pallas_np.vectorize); None when it does not apply or
+    failed (then the sequential run starts again from fresh buffers and
+    reports any error at its exact grid point)."""
+    from pallas_np import vectorize
+    if self._vectorizer is None:
+      self._vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
+    gv = self._vectorizer
+    if gv.reason is not None:
+      return None
+    grid, index_ops, buffers, out_bufs = self._prepare(args)
+    try:
+      done = vectorize.run_vectorized(self, gv, grid, index_ops, buffers,
+                                      self.scratch_avals)
+    except Exception as e:  # NotBatchable, or an error to re-raise precisely
+      gv.last_failure = e
+      return None
+    if not done:
+      return None
+    self.last_mode = "vectorized"
+    return self._results(out_bufs)
+
+  def _prepare(self, args):
     params = self.params
     dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
     dyn_iter = iter(dyn)
@@ -178,14 +220,9 @@ class KernelPlan:
         out_bufs.append(geo.pad(src, params) if geo.needs_padding else np.array(src))
       else:
         out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))
-    scratch = [allocate(a.shape, a.dtype, params) for a in self.scratch_avals]
-    buffers = in_bufs + out_bufs
-    detector = races.for_run(self, grid, buffers, scratch)
-    if detector is None:
-      self._run_grid(grid, index_ops, buffers, scratch)
-    else:
-      with races.activate(detector):
-        self._run_grid(grid, index_ops, buffers, scratch, detector)
+    return grid, index_ops, in_bufs + out_bufs, out_bufs
+
+  def _results(self, out_bufs):
     results = []
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:

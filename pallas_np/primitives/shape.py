@@ -123,24 +123,30 @@ def _pad(e):
   dt = np_dtype(e.out_aval.dtype)
 
   def pad(x, value):
-    x = np.asarray(x)
-    # Interior padding: scatter into a strided view.
-    inter = [i for (_, _, i) in config]
-    if any(inter):
-      shape = tuple((n - 1) * (i + 1) + 1 if n else 0 for n, i in zip(x.shape, inter))
-      y = np.full(shape, value, dt)
-      y[tuple(slice(None, None, i + 1) for i in inter)] = x
-      x = y
-    # Edge padding: positive pads, negative crops.
-    pads = [(max(lo, 0), max(hi, 0)) for (lo, hi, _) in config]
-    if any(p for pair in pads for p in pair):
-      x = np.pad(x, pads, constant_values=value)
-    crop = tuple(slice(-lo if lo < 0 else 0, x.shape[d] + hi if hi < 0 else x.shape[d])
-                 for d, (lo, hi, _) in enumerate(config))
-    x = x[crop]
+    x = pad_array(x, value, config, dt)
     assert x.shape == out_shape, (x.shape, out_shape)
-    return x.astype(dt, copy=False)
+    return x
   return pad
+
+
+def pad_array(x, value, config, dt):
+  """lax.pad: interior padding, then edge padding (negative crops)."""
+  x = np.asarray(x)
+  # Interior padding: scatter into a strided view.
+  inter = [i for (_, _, i) in config]
+  if any(inter):
+    shape = tuple((n - 1) * (i + 1) + 1 if n else 0 for n, i in zip(x.shape, inter))
+    y = np.full(shape, value, dt)
+    y[tuple(slice(None, None, i + 1) for i in inter)] = x
+    x = y
+  # Edge padding: positive pads, negative crops.
+  pads = [(max(lo, 0), max(hi, 0)) for (lo, hi, _) in config]
+  if any(p for pair in pads for p in pair):
+    x = np.pad(x, pads, constant_values=value)
+  crop = tuple(slice(-lo if lo < 0 else 0, x.shape[d] + hi if hi < 0 else x.shape[d])
+               for d, (lo, hi, _) in enumerate(config))
+  x = x[crop]
+  return x.astype(dt, copy=False)
 
 
 def _clamped_starts(starts, operand_shape, sizes):

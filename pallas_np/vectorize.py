@@ -1,0 +1,1010 @@
+"""Grid vectorization: run many independent grid points in one NumPy pass.
+
+A grid loop costs Python per grid point; with small blocks (one row per
+step) that overhead dwarfs the NumPy work. Where grid points are provably
+independent, we instead run a *slab* of them at once: every block ref gains a
+leading lane axis (lane = one grid point of the batched axes), program_id of
+a batched axis becomes an int32 array, and the kernel is compiled a second
+time by ``BatchCompiler`` with batched rules (values carry a leading lane axis
+or are shared by all lanes).
+
+When is it safe (the analysis, all of it conservative):
+
+* Batched axes are the grid axes declared ``"parallel"`` (or core/subcore
+  parallel, or added by ``jax.vmap``); when the kernel has no scratch, any
+  axis may be batched (nothing can be carried from one grid point to the
+  next except through outputs, which the next check covers).
+* Every output block is owned by one lane: no two grid points that differ in
+  a batched coordinate touch the same output block (checked on the evaluated
+  index maps of the whole grid, so scalar-prefetch-driven maps are covered).
+* The kernel writes no input (aliased inputs are private copies, but shared
+  by every grid point), no output has ``Element`` dims (overlapping windows),
+  and no debugging option that observes grid order is on.
+* Every primitive has a batched rule, or is pure / touches only its own ref
+  operands, so it can be run lane by lane inside the pass ("lane loop").
+  Anything else (context-dependent TPU/GPU primitives, callbacks, prints)
+  raises ``NotBatchable`` and the grid runs sequentially.
+
+Sequential axes stay sequential: each slab of lanes walks the sequential
+grid points in JAX order, with its own lane-private scratch. Control flow that
+depends on a batched value runs per lane group: ``cond`` splits lanes by
+branch (contiguous lane ranges use views, others copy in and out), a
+``while`` whose predicate differs per lane keeps iterating the lanes still
+active. If anything fails in a vectorized run, the kernel is re-run
+sequentially from fresh buffers, so errors name the exact grid point.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.errors import UnsupportedError
+from pallas_np.evaluator import Compiler, RunContext, _Const  # noqa: F401
+
+
+class NotBatchable(Exception):
+  """The kernel (or an index map) cannot be evaluated lane-batched."""
+
+
+# -- the batch compiler --------------------------------------------------------
+_BATCH_RULES: dict[str, Any] = {}
+
+
+def batch_rule(*names):
+  """Register ``rule(compiler, reg_rule, info, in_batched) -> (fn, needs_ctx,
+  out_batched)`` for primitives by name (names keep optional primitives
+  optional)."""
+  def deco(fn):
+    for n in names:
+      _BATCH_RULES[n] = fn
+    return fn
+  return deco
+
+
+class BatchCompiler(Compiler):
+  """Compiles a jaxpr whose values may carry a leading lane axis."""
+
+  batched = True
+
+  def __init__(self, params, name, batched_pid_axes: frozenset):
+    super().__init__(params, name)
+    self.batched_pid_axes = frozenset(batched_pid_axes)
+
+  def lower_eqn(self, rule, info, in_batched):
+    brule = _BATCH_RULES.get(info.primitive.name)
+    if brule is not None:
+      return brule(self, rule, info, in_batched)
+    if not any(in_batched) and not rule.needs_ctx and not _has_subjaxprs(info.eqn):
+      return rule.compile(info), False, (False,) * len(info.out_avals)
+    return _lane_loop(rule, info, in_batched)
+
+  def check_wrapper(self, fn, info, multiple, out_batched):
+    return _checked_batched(fn, info, multiple, out_batched)
+
+
+def _has_subjaxprs(eqn) -> bool:
+  for v in eqn.params.values():
+    if isinstance(v, (jc.Jaxpr, jc.ClosedJaxpr)):
+      return True
+    if isinstance(v, (tuple, list)) and any(isinstance(x, (jc.Jaxpr, jc.ClosedJaxpr)) for x in v):
+      return True
+  return False
+
+
+_REF_EFFECTS = tuple(t for t in (jc.ReadEffect, jc.WriteEffect, jc.AccumEffect) if t is not None)
+
+
+def _lane_loop(rule, info, in_batched):
+  """Run the unbatched rule once per lane: lanes never share refs, so a
+  primitive that is pure or only touches its own ref operands is correct
+  this way (just not fast)."""
+  eqn = info.eqn
+  if rule.needs_ctx or _has_subjaxprs(eqn) or any(
+      not isinstance(eff, _REF_EFFECTS) for eff in eqn.effects):
+    raise NotBatchable(f"no batched rule for '{info.primitive.name}'")
+  for a, b in zip(info.in_avals, in_batched):
+    if isinstance(a, jc.AbstractRef) and not b and _writes_ref(eqn):
+      raise NotBatchable("write to a ref shared by all lanes")
+  fn = rule.compile(info)
+  flags = tuple(in_batched)
+  multiple = info.primitive.multiple_results
+  used = info.outvars_used
+  nout = len(info.out_avals)
+
+  def lane_loop(*args):
+    n = next(a.shape[0] for a, f in zip(args, flags) if f)
+    results = [fn(*[a[b] if f else a for a, f in zip(args, flags)]) for b in range(n)]
+    if multiple:
+      return [np.stack([r[j] for r in results]) if used[j] else None for j in range(nout)]
+    return np.stack(results) if used[0] else None
+  return lane_loop, False, (True,) * nout
+
+
+def _writes_ref(eqn) -> bool:
+  return any(isinstance(eff, (jc.WriteEffect, jc.AccumEffect)) for eff in eqn.effects)
+
+
+def _checked_batched(fn, info, multiple, out_batched):
+  name = info.primitive.name
+
+  def check(val, aval, batched):
+    if aval is None or isinstance(aval, jc.AbstractRef) or not hasattr(aval, "shape"):
+      return
+    shape = tuple(np.shape(val))
+    want_shape = tuple(aval.shape)
+    got = shape[1:] if batched else shape
+    if batched and len(shape) != len(want_shape) + 1:
+      got = None
+    dtype = getattr(val, "dtype", None)
+    want = np.dtype(jc.physical_dtype(aval.dtype))
+    if got != want_shape or dtype is None or np.dtype(dtype) != want:
+      raise AssertionError(
+          f"pallas_np internal check (vectorized): rule for '{name}' returned "
+          f"{dtype}{list(shape)}, expected {want}{['lanes'] if batched else []}"
+          f"{list(want_shape)} (at {info.source})")
+
+  avals = [a if u else None for a, u in zip(info.out_avals, info.outvars_used)]
+
+  def wrapped(*args):
+    out = fn(*args)
+    if multiple:
+      for val, aval, b in zip(out, avals, out_batched):
+        check(val, aval, b)
+    else:
+      check(out, avals[0], out_batched[0])
+    return out
+  return wrapped
+
+
+# -- elementwise ------------------------------------------------------------------
+_ELEMENTWISE = """add sub mul div rem pow max min and or xor not eq ne lt le gt ge neg
+sign abs floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos
+tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt integer_pow
+square erf erfc erf_inv lgamma digamma igamma igammac polygamma zeta bessel_i0e
+bessel_i1e nextafter select_n clamp shift_left shift_right_logical
+shift_right_arithmetic population_count clz convert_element_type reduce_precision
+real imag complex conj bitcast_convert_type reciprocal""".split()
+
+
+@batch_rule(*_ELEMENTWISE)
+def _elementwise(bc, rule, info, in_batched):
+  fn = rule.compile(info)
+  if not any(in_batched):
+    return fn, False, (False,)
+  if info.primitive.name == "select_n" and len(in_batched) == 2:
+    # select_n with one case returns it as is.
+    return (lambda p, c: c), False, (in_batched[1],)
+  out_rank = len(info.out_aval.shape)
+  expand = [b and len(a.shape) < out_rank and len(in_batched) > 1
+            for a, b in zip(info.in_avals, in_batched)]
+  if not any(expand):
+    return fn, False, (True,)
+  # A batched lower-rank operand (a scalar next to an array) must be aligned
+  # on the lane axis: (lanes,) -> (lanes, 1, ..., 1).
+  pads = [out_rank - len(a.shape) if e else 0 for a, e in zip(info.in_avals, expand)]
+
+  def aligned(*args):
+    return fn(*[a.reshape((a.shape[0],) + (1,) * p + a.shape[1:]) if p else a
+                for a, p in zip(args, pads)])
+  return aligned, False, (True,)
+
+
+@batch_rule("multiple_of", "max_contiguous", "copy", "copy_p", "stop_gradient",
+            "pvary", "sharding_constraint")
+def _identity(bc, rule, info, in_batched):
+  return (lambda x: x), False, (in_batched[0],)
+
+
+@batch_rule("optimization_barrier")
+def _identity_multi(bc, rule, info, in_batched):
+  return (lambda *xs: xs), False, tuple(in_batched)
+
+
+# -- pallas --------------------------------------------------------------------------
+@batch_rule("program_id")
+def _program_id(bc, rule, info, in_batched):
+  axis = int(info.params["axis"])
+  return (lambda ctx: ctx.program_ids[axis]), True, (axis in bc.batched_pid_axes,)
+
+
+@batch_rule("num_programs")
+def _num_programs(bc, rule, info, in_batched):
+  return rule.compile(info), True, (False,)
+
+
+# -- shapes ---------------------------------------------------------------------------
+def _to_lanes(x, n):
+  return np.broadcast_to(x, (n,) + np.shape(x))
+
+
+def _unary_batched(make):
+  """A rule for a one-operand primitive: ``make(info)`` returns the batched
+  callable (operand has a lane axis)."""
+  def brule(bc, rule, info, in_batched):
+    if not in_batched[0]:
+      return rule.compile(info), False, (False,) * len(info.out_avals)
+    return make(info), False, (True,) * len(info.out_avals)
+  return brule
+
+
+def _shift(axes):
+  return tuple(int(a) + 1 for a in axes)
+
+
+batch_rule("transpose")(_unary_batched(
+    lambda e: (lambda x, perm=(0, *_shift(e.params["permutation"])): np.transpose(x, perm))))
+batch_rule("squeeze")(_unary_batched(
+    lambda e: (lambda x, d=_shift(e.params["dimensions"]): np.squeeze(x, axis=d))))
+batch_rule("expand_dims")(_unary_batched(
+    lambda e: (lambda x, d=_shift(e.params["dimensions"]): np.expand_dims(x, d))))
+batch_rule("rev")(_unary_batched(
+    lambda e: (lambda x, d=_shift(e.params["dimensions"]): np.flip(x, d))))
+
+
+@batch_rule("reshape")
+def _reshape(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  if info.params.get("dimensions") is not None:
+    raise NotBatchable("reshape with dimensions")
+  new_sizes = tuple(info.params["new_sizes"])
+  return (lambda x, *dyn: np.reshape(x, (x.shape[0], *new_sizes))), False, (True,)
+
+
+@batch_rule("broadcast_in_dim")
+def _broadcast_in_dim(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  if len(in_batched) > 1:
+    raise NotBatchable("dynamic broadcast_in_dim")
+  shape = tuple(info.params["shape"])
+  bdims = tuple(info.params["broadcast_dimensions"])
+  in_shape = tuple(info.in_avals[0].shape)
+  expanded = [1] * len(shape)
+  for i, d in enumerate(bdims):
+    expanded[d] = in_shape[i]
+  expanded = tuple(expanded)
+
+  def bcast(x):
+    n = x.shape[0]
+    return np.broadcast_to(np.reshape(x, (n, *expanded)), (n, *shape))
+  return bcast, False, (True,)
+
+
+@batch_rule("slice")
+def _slice(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  starts = info.params["start_indices"]
+  limits = info.params["limit_indices"]
+  strides = info.params["strides"] or (1,) * len(starts)
+  idx = (slice(None),) + tuple(slice(s, l, st) for s, l, st in zip(starts, limits, strides))
+  return (lambda x: x[idx]), False, (True,)
+
+
+@batch_rule("concatenate")
+def _concatenate(bc, rule, info, in_batched):
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  dim = int(info.params["dimension"]) + 1
+  flags = tuple(in_batched)
+
+  def concat(*xs):
+    n = next(x.shape[0] for x, f in zip(xs, flags) if f)
+    return np.concatenate([x if f else _to_lanes(x, n) for x, f in zip(xs, flags)], axis=dim)
+  return concat, False, (True,)
+
+
+@batch_rule("split")
+def _split(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,) * len(info.out_avals)
+  sizes = tuple(info.params["sizes"])
+  axis = int(info.params["axis"]) + 1
+  bounds = np.cumsum(sizes)[:-1]
+  return (lambda x: np.split(x, bounds, axis=axis)), False, (True,) * len(sizes)
+
+
+@batch_rule("pad")
+def _pad(bc, rule, info, in_batched):
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  if in_batched[1]:
+    return _lane_loop(rule, info, in_batched)
+  from pallas_np.primitives.shape import pad_array
+  config = ((0, 0, 0),) + tuple(info.params["padding_config"])
+  dt = np.dtype(jc.physical_dtype(info.out_aval.dtype))
+  return (lambda x, v: pad_array(x, v, config, dt)), False, (True,)
+
+
+@batch_rule("dynamic_slice")
+def _dynamic_slice(bc, rule, info, in_batched):
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  if any(in_batched[1:]):
+    return _lane_loop(rule, info, in_batched)
+  sizes = tuple(info.params["slice_sizes"])
+  shape = tuple(info.in_avals[0].shape)
+  from pallas_np.primitives.shape import _clamped_starts
+
+  def dynamic_slice(x, *starts):
+    st = _clamped_starts(starts, shape, sizes)
+    return x[(slice(None),) + tuple(slice(s, s + z) for s, z in zip(st, sizes))]
+  return dynamic_slice, False, (True,)
+
+
+@batch_rule("dynamic_update_slice")
+def _dynamic_update_slice(bc, rule, info, in_batched):
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  if any(in_batched[2:]):
+    return _lane_loop(rule, info, in_batched)
+  shape = tuple(info.in_avals[0].shape)
+  upd_shape = tuple(info.in_avals[1].shape)
+  from pallas_np.primitives.shape import _clamped_starts
+  x_batched = in_batched[0]
+
+  def dynamic_update_slice(x, update, *starts):
+    st = _clamped_starts(starts, shape, upd_shape)
+    if x_batched:
+      out = np.array(x)
+    else:
+      out = np.array(_to_lanes(x, update.shape[0]))
+    out[(slice(None),) + tuple(slice(s, s + z) for s, z in zip(st, upd_shape))] = update
+    return out
+  return dynamic_update_slice, False, (True,)
+
+
+# -- reductions: the unbatched rule with axes shifted past the lane axis -----------
+def _shifted_rule(param, single=False):
+  def brule(bc, rule, info, in_batched):
+    if not any(in_batched):
+      return rule.compile(info), False, (False,) * len(info.out_avals)
+    if len(in_batched) != 1:
+      return _lane_loop(rule, info, in_batched)
+    shifted = registry.EqnInfo(info.eqn, bc, info.outvars_used)
+    params = dict(info.params)
+    v = params[param]
+    params[param] = int(v) + 1 if single else _shift(v)
+    shifted.params = params
+    return rule.compile(shifted), False, (True,) * len(info.out_avals)
+  return brule
+
+
+for _n in ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and",
+           "reduce_or", "reduce_xor", "argmax", "argmin"):
+  batch_rule(_n)(_shifted_rule("axes"))
+for _n in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
+  batch_rule(_n)(_shifted_rule("axis", single=True))
+
+
+@batch_rule("dot_general")
+def _dot_general(bc, rule, info, in_batched):
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  from pallas_np.primitives.dot import _acc_dtype
+  from pallas_np.dtypes import np_dtype
+  (lc, rc), (lb, rb) = info.params["dimension_numbers"]
+  lhs_aval, rhs_aval = info.in_avals
+  lnd, rnd = len(lhs_aval.shape), len(rhs_aval.shape)
+  lf = [d for d in range(lnd) if d not in lc and d not in lb]
+  rf = [d for d in range(rnd) if d not in rc and d not in rb]
+  ls, rs = lhs_aval.shape, rhs_aval.shape
+  Bd = math.prod(ls[d] for d in lb)
+  M = math.prod(ls[d] for d in lf)
+  K = math.prod(ls[d] for d in lc)
+  N = math.prod(rs[d] for d in rf)
+  out_shape = tuple(info.out_aval.shape)
+  acc, _ = _acc_dtype(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
+                      info.params.get("preferred_element_type"))
+  out = np_dtype(info.out_aval.dtype)
+  bool_out = out == np.bool_
+  lb_, rb_ = in_batched
+  lperm = (0, *[d + 1 for d in (*lb, *lf, *lc)]) if lb_ else (*lb, *lf, *lc)
+  rperm = (0, *[d + 1 for d in (*rb, *rc, *rf)]) if rb_ else (*rb, *rc, *rf)
+
+  def finish(r, n):
+    if bool_out:
+      r = r != 0
+    return np.asarray(r.reshape((n, *out_shape)), dtype=out)
+
+  if lb_ and not rb_ and Bd == 1:
+    # Lanes fold into the lhs rows: one big GEMM.
+    def dot_lhs(x, y):
+      n = x.shape[0]
+      x = np.transpose(np.asarray(x, dtype=acc), lperm).reshape(n * M, K)
+      y = np.transpose(np.asarray(y, dtype=acc), rperm).reshape(K, N)
+      return finish(np.matmul(x, y), n)
+    return dot_lhs, False, (True,)
+
+  def dot(x, y):
+    n = x.shape[0] if lb_ else y.shape[0]
+    x = np.transpose(np.asarray(x, dtype=acc), lperm)
+    y = np.transpose(np.asarray(y, dtype=acc), rperm)
+    x = x.reshape(n * Bd, M, K) if lb_ else np.broadcast_to(x.reshape(Bd, M, K), (n, Bd, M, K)).reshape(n * Bd, M, K)
+    y = y.reshape(n * Bd, K, N) if rb_ else np.broadcast_to(y.reshape(Bd, K, N), (n, Bd, K, N)).reshape(n * Bd, K, N)
+    return finish(np.matmul(x, y), n)
+  return dot, False, (True,)
+
+
+# -- refs --------------------------------------------------------------------------
+def _plain_access(access) -> bool:
+  """A ref access that is at most one NDIndexer of ints/slices."""
+  from pallas_np.state.indexing import _DimArray
+  steps = access.steps
+  if not steps:
+    return True
+  if len(steps) != 1 or steps[0][0] != "index":
+    return False
+  return not any(isinstance(d, _DimArray) for d in steps[0][1])
+
+
+def _lane_index(idx):
+  return (slice(None), *idx) if isinstance(idx, tuple) else (slice(None), Ellipsis)
+
+
+@batch_rule("get")
+def _get(bc, rule, info, in_batched):
+  from pallas_np.state.refs import _access, _dyn
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
+  if not in_batched[0] or any(in_batched[1:]) or not _plain_access(access):
+    return _lane_loop(rule, info, in_batched)
+  resolve = access.resolve
+
+  def get(ref, *leaves):
+    view, idx = resolve(ref, _dyn(access, leaves))
+    return view[_lane_index(idx)].copy()
+  return get, False, (True,)
+
+
+@batch_rule("swap")
+def _swap(bc, rule, info, in_batched):
+  from pallas_np.state.refs import _access, _dyn
+  if not any(in_batched):
+    return rule.compile(info), False, (False,)
+  access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
+  if not in_batched[0]:
+    raise NotBatchable("write to a ref shared by all lanes")
+  if any(in_batched[2:]) or not _plain_access(access):
+    return _lane_loop(rule, info, in_batched)
+  resolve = access.resolve
+  want_old = info.outvars_used[0]
+
+  def swap(ref, val, *leaves):
+    view, idx = resolve(ref, _dyn(access, leaves))
+    bidx = _lane_index(idx)
+    old = view[bidx].copy() if want_old else None
+    view[bidx] = val
+    return old
+  return swap, False, (True,)
+
+
+@batch_rule("addupdate")
+def _addupdate(bc, rule, info, in_batched):
+  from pallas_np.state.refs import _access, _dyn
+  if not any(in_batched):
+    return rule.compile(info), False, ()
+  access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
+  if not in_batched[0]:
+    raise NotBatchable("write to a ref shared by all lanes")
+  if any(in_batched[2:]) or not _plain_access(access):
+    return _lane_loop(rule, info, in_batched)
+  resolve = access.resolve
+
+  def addupdate(ref, val, *leaves):
+    view, idx = resolve(ref, _dyn(access, leaves))
+    view[_lane_index(idx)] += val
+    return []
+  return addupdate, False, ()
+
+
+@batch_rule("run_scoped")
+def _run_scoped(bc, rule, info, in_batched):
+  from pallas_np.grid import allocate
+  jaxpr = info.params["jaxpr"]
+  scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
+            for v in jaxpr.invars]
+  plan = bc.compile(jaxpr, constvars_as_args=True,
+                    in_batched=(*in_batched, *([True] * len(scoped)))).fn
+  params = bc.params
+
+  def run_scoped(ctx, *consts):
+    n = ctx.batch_size
+    return plan(ctx, *consts, *[allocate((n, *a.shape), a.dtype, params) for a in scoped])
+  return run_scoped, True, tuple(_plan_out(plan_obj=None, n=len(info.out_avals)))
+
+
+def _plan_out(plan_obj, n):
+  return [True] * n if plan_obj is None else list(plan_obj.out_batched)
+
+
+# -- control flow: lane groups ------------------------------------------------------
+class _LaneGroup:
+  """Selects a subset of lanes from batched operands and writes refs back."""
+  __slots__ = ("sel", "is_slice", "count")
+
+  def __init__(self, mask):
+    idx = np.flatnonzero(mask)
+    self.count = len(idx)
+    if self.count and idx[-1] - idx[0] + 1 == self.count:
+      self.sel = slice(int(idx[0]), int(idx[-1]) + 1)
+      self.is_slice = True
+    else:
+      self.sel = idx
+      self.is_slice = False
+
+  def take(self, args, flags):
+    return [a[self.sel] if f else a for a, f in zip(args, flags)]
+
+  def put_back_refs(self, full, sub, flags, is_ref):
+    if self.is_slice:
+      return  # views: writes already landed
+    for a, s, f, r in zip(full, sub, flags, is_ref):
+      if f and r:
+        a[self.sel] = s
+
+  def ctx(self, ctx, pid_batched):
+    sub = RunContext(ctx.kernel_name, ctx.params)
+    sub.num_programs = ctx.num_programs
+    sub.grid_point = ctx.grid_point
+    sub.extra = ctx.extra
+    sub.program_ids = tuple(p[self.sel] if b else p
+                            for p, b in zip(ctx.program_ids, pid_batched))
+    sub.batch_size = self.count
+    return sub
+
+
+def _pid_batched(bc, ctx):
+  return tuple(i in bc.batched_pid_axes for i in range(len(ctx.program_ids)))
+
+
+def _lift(vals, have, want, n):
+  """Give unbatched values a lane axis where ``want`` says batched."""
+  return [_to_lanes(v, n) if w and not h else v for v, h, w in zip(vals, have, want)]
+
+
+def _fixpoint_carry(compile_body, n_carry, carry_in):
+  """Carry batchedness of a loop: batched if batched on entry or made
+  batched by the body."""
+  carry = tuple(carry_in)
+  for _ in range(n_carry + 2):
+    plan = compile_body(carry)
+    out = tuple(plan.out_batched[:n_carry])
+    new = tuple(a or b for a, b in zip(carry, out))
+    if new == carry:
+      return carry, plan
+    carry = new
+  raise NotBatchable("loop carry batchedness did not converge")
+
+
+@batch_rule("cond")
+def _cond(bc, rule, info, in_batched):
+  idx_b, *ops_b = in_batched
+  ops_b = tuple(ops_b)
+  branches = [bc.compile(b, in_batched=ops_b) for b in info.params["branches"]]
+  n_out = len(info.out_avals)
+  out_b = tuple(any(p.out_batched[j] for p in branches) for j in range(n_out))
+  fns = [p.fn for p in branches]
+  lifts = [tuple(p.out_batched) for p in branches]
+  last = len(fns) - 1
+  written = set()
+  for b in info.params["branches"]:
+    written |= jc.written_invar_positions(b.jaxpr)
+  is_ref = [i in written for i in range(len(ops_b))]  # refs to copy back
+  out_dtypes = [np.dtype(jc.physical_dtype(a.dtype)) for a in info.out_avals]
+  out_shapes = [tuple(a.shape) for a in info.out_avals]
+
+  if not idx_b:
+    def cond(ctx, index, *ops):
+      i = int(index)
+      i = 0 if i < 0 else (last if i > last else i)
+      outs = fns[i](ctx, *ops)
+      if lifts[i] != out_b:
+        outs = _lift(outs, lifts[i], out_b, ctx.batch_size)
+      return outs
+    return cond, True, out_b
+
+  out_b = (True,) * n_out
+
+  def cond_lanes(ctx, index, *ops):
+    index = np.clip(np.asarray(index).astype(np.int64), 0, last)
+    first = int(index[0])
+    if (index == first).all():  # every lane takes one branch
+      outs = fns[first](ctx, *ops)
+      return _lift(outs, lifts[first], out_b, ctx.batch_size)
+    n = ctx.batch_size
+    results = [np.empty((n, *s), d) for s, d in zip(out_shapes, out_dtypes)]
+    pid_b = _pid_batched(bc, ctx)
+    for k in range(last + 1):
+      mask = index == k
+      if not mask.any():
+        continue
+      group = _LaneGroup(mask)
+      sub_ops = group.take(ops, ops_b)
+      outs = fns[k](group.ctx(ctx, pid_b), *sub_ops)
+      group.put_back_refs(ops, sub_ops, ops_b, is_ref)
+      for r, o in zip(results, outs):
+        r[group.sel] = o
+    return results
+  return cond_lanes, True, out_b
+
+
+@batch_rule("while")
+def _while(bc, rule, info, in_batched):
+  p = info.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cc_b = tuple(in_batched[:nc])
+  bc_b = tuple(in_batched[nc:nc + nb])
+  carry0 = tuple(in_batched[nc + nb:])
+  n_carry = len(carry0)
+  carry_b, body = _fixpoint_carry(
+      lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, carry0)
+  cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+  body_fn, cond_fn = body.fn, cond.fn
+  body_lift = tuple(body.out_batched)
+  pred_b = cond.out_batched[0]
+  carry_avals = info.in_avals[nc + nb:]
+  carry_is_ref = [isinstance(a, jc.AbstractRef) for a in carry_avals]
+  body_written = jc.written_invar_positions(p["body_jaxpr"].jaxpr)
+  bconst_is_ref = [i in body_written for i in range(nb)]  # refs to copy back
+  if any(carry_is_ref):
+    raise NotBatchable("refs in a while carry")
+
+  if not pred_b:
+    def while_loop(ctx, *args):
+      cconsts = args[:nc]
+      bconsts = args[nc:nc + nb]
+      carry = _lift(args[nc + nb:], carry0, carry_b, ctx.batch_size)
+      while cond_fn(ctx, *cconsts, *carry)[0]:
+        carry = body_fn(ctx, *bconsts, *carry)
+        if body_lift != carry_b:
+          carry = _lift(carry, body_lift, carry_b, ctx.batch_size)
+      return carry
+    return while_loop, True, carry_b
+
+  carry_b = (True,) * n_carry
+  if body_lift != carry_b:  # the body must agree once every carry is batched
+    body = bc.compile(p["body_jaxpr"], in_batched=bc_b + carry_b)
+    body_fn, body_lift = body.fn, tuple(body.out_batched)
+  cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+  cond_fn = cond.fn
+
+  def while_lanes(ctx, *args):
+    cconsts = args[:nc]
+    bconsts = args[nc:nc + nb]
+    n = ctx.batch_size
+    carry = [np.array(_to_lanes(v, n)) if not b else np.array(v)
+             for v, b in zip(args[nc + nb:], carry0)]
+    pid_b = _pid_batched(bc, ctx)
+    while True:
+      pred = np.asarray(cond_fn(ctx, *cconsts, *carry)[0])
+      if not pred.any():
+        return carry
+      if pred.all():
+        new = body_fn(ctx, *bconsts, *carry)
+        carry = [np.array(v) for v in _lift(new, body_lift, carry_b, n)]
+        continue
+      group = _LaneGroup(pred)
+      sub_ctx = group.ctx(ctx, pid_b)
+      sub_b = group.take(bconsts, bc_b)
+      new = body_fn(sub_ctx, *sub_b, *[c[group.sel] for c in carry])
+      group.put_back_refs(bconsts, sub_b, bc_b, bconst_is_ref)
+      for c, v in zip(carry, _lift(new, body_lift, carry_b, group.count)):
+        c[group.sel] = v
+  return while_lanes, True, carry_b
+
+
+@batch_rule("scan")
+def _scan(bc, rule, info, in_batched):
+  p = info.params
+  num_consts, num_carry = p["num_consts"], p["num_carry"]
+  length = int(p["length"])
+  reverse = bool(p["reverse"])
+  consts_b = tuple(in_batched[:num_consts])
+  carry0 = tuple(in_batched[num_consts:num_consts + num_carry])
+  xs_b = tuple(in_batched[num_consts + num_carry:])
+  if any(isinstance(a, jc.AbstractRef) for a in info.in_avals[num_consts:]):
+    raise NotBatchable("refs in a scan carry")
+  carry_b, body = _fixpoint_carry(
+      lambda cb: bc.compile(p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry, carry0)
+  body_fn = body.fn
+  body_lift = tuple(body.out_batched[:num_carry])
+  ys_b = tuple(body.out_batched[num_carry:])
+  y_avals = info.out_avals[num_carry:]
+  order = range(length - 1, -1, -1) if reverse else range(length)
+
+  def scan(ctx, *args):
+    n = ctx.batch_size
+    consts = args[:num_consts]
+    carry = _lift(args[num_consts:num_consts + num_carry], carry0, carry_b, n)
+    xs = args[num_consts + num_carry:]
+    ys = [np.empty((n, *a.shape) if b else tuple(a.shape),
+                   np.dtype(jc.physical_dtype(a.dtype))) for a, b in zip(y_avals, ys_b)]
+    for i in order:
+      out = body_fn(ctx, *consts, *carry, *[x[:, i] if b else x[i] for x, b in zip(xs, xs_b)])
+      carry = out[:num_carry]
+      if body_lift != carry_b:
+        carry = _lift(carry, body_lift, carry_b, n)
+      for y, v, b in zip(ys, out[num_carry:], ys_b):
+        if b:
+          y[:, i] = v
+        else:
+          y[i] = v
+    return (*carry, *ys)
+  return scan, True, carry_b + ys_b
+
+
+# -- the grid side -------------------------------------------------------------------
+_PARALLEL = ("parallel", "core_parallel", "subcore_parallel")
+_MAX_GRID = 1 << 22          # points evaluated up front for the analysis
+_SLAB_BYTES = 32 << 20       # block bytes per vectorized pass
+_MAX_LANES = 1 << 14
+
+
+def declared_parallel(compiler_params, num_local) -> tuple[bool, ...]:
+  """Which local grid axes the kernel declares parallel."""
+  sem = None
+  if compiler_params is None:
+    return (False,) * num_local
+  items = compiler_params.values() if isinstance(compiler_params, dict) else [compiler_params]
+  for cp in items:
+    sem = getattr(cp, "dimension_semantics", None)
+    if sem is not None:
+      break
+  if sem is None or len(sem) != num_local:
+    return (False,) * num_local
+  out = []
+  for s in sem:
+    s = getattr(s, "value", s)
+    out.append(str(s).lower() in _PARALLEL)
+  return tuple(out)
+
+
+class GridVectorizer:
+  """Per KernelPlan: the static part of the analysis and the compiled
+  batched kernels/index maps (built lazily, once)."""
+
+  def __init__(self, kp, compiler_params=None):
+    self.kp = kp
+    self.reason = None
+    self.last_failure = None
+    self.candidates: tuple[int, ...] = ()
+    self._kernels: dict[Any, Any] = {}
+    self._maps: dict[Any, Any] = {}
+    params = kp.params
+    if params.trace is not None or params.pdb or params.detect_races:
+      self.reason = "an option that observes grid order (trace/pdb/detect_races) is on"
+      return
+    if kp.written_inputs:
+      self.reason = "the kernel writes an input ref"
+      return
+    for geo in kp.blocks[kp.num_inputs:]:
+      if "element" in geo.kinds:
+        self.reason = "an output has Element block dims"
+        return
+    local = kp.local_dims
+    par = declared_parallel(compiler_params, len(local))
+    cands = []
+    for d in range(len(kp.grid)):
+      if d in kp.vmapped_dims:
+        cands.append(d)
+      elif not kp.scratch_avals or par[local.index(d)]:
+        cands.append(d)
+    self.candidates = tuple(cands)
+    if not cands:
+      self.reason = "no grid axis is parallel (scratch persists across the grid)"
+
+  # -- compiled pieces ----------------------------------------------------------
+  def index_maps(self, batched_axes):
+    key = batched_axes
+    hit = self._maps.get(key)
+    if hit is None:
+      kp = self.kp
+      comp = BatchCompiler(kp.params, kp.name + "_index_map", frozenset())
+      flags = tuple(d in batched_axes for d in range(len(kp.grid))) + (False,) * kp.num_index
+      hit = [comp.compile(bm.index_map_jaxpr, in_batched=flags)
+             for bm in kp.grid_mapping.block_mappings]
+      self._maps[key] = hit
+    return hit
+
+  def kernel(self, batched_axes, operand_batched):
+    key = (batched_axes, operand_batched)
+    hit = self._kernels.get(key)
+    if hit is None:
+      kp = self.kp
+      local = kp.local_dims
+      pid_axes = frozenset(local.index(d) for d in batched_axes if d in local)
+      comp = BatchCompiler(kp.params, kp.name, pid_axes)
+      flags = ((False,) * kp.num_index + operand_batched
+               + (True,) * len(kp.scratch_avals))
+      hit = comp.compile(kp.kernel.jaxpr, in_batched=flags)
+      self._kernels[key] = hit
+    return hit
+
+  # -- analysis on a concrete grid -----------------------------------------------
+  def choose(self, grid, index_ops):
+    """(batched_axes, block indices of every grid point per operand) or None."""
+    total = math.prod(grid)
+    if not self.candidates or total <= 1 or total > _MAX_GRID:
+      return None
+    ndim = len(grid)
+    coords = np.indices(grid, dtype=np.int32).reshape(ndim, -1)
+    maps = self.index_maps(tuple(range(ndim)))
+    ctx = RunContext(self.kp.name, self.kp.params)
+    ctx.batch_size = total
+    block_idx = []
+    for m, geo in zip(maps, self.kp.blocks):
+      outs = m.fn(ctx, *coords, *index_ops)
+      cols = [np.broadcast_to(np.asarray(o, np.int64), (total,)) for o in outs]
+      block_idx.append(cols)
+    cands = [d for d in self.candidates if grid[d] > 1]
+    options = [tuple(cands)] + sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
+    for axes in options:
+      if not axes:
+        continue
+      if self._owned(grid, coords, axes, block_idx):
+        return axes, block_idx
+    return None
+
+  def _owned(self, grid, coords, axes, block_idx):
+    """Every output block is touched by grid points of one lane only."""
+    kp = self.kp
+    lane = np.ravel_multi_index(tuple(coords[d] for d in axes), tuple(grid[d] for d in axes))
+    for cols, geo in zip(block_idx[kp.num_inputs:], kp.blocks[kp.num_inputs:]):
+      if not cols:
+        return False  # a 0-d output: one block shared by everyone
+      key = np.zeros(lane.shape, np.int64)
+      for c in cols:
+        lo, hi = int(c.min()), int(c.max())
+        key = key * (hi - lo + 1) + (c - lo)
+      order = np.lexsort((lane, key))
+      k, l = key[order], lane[order]
+      if np.any((k[1:] == k[:-1]) & (l[1:] != l[:-1])):
+        return False
+    return True
+
+
+def _windows(buf, geo):
+  """View of ``buf`` indexed by block position: W[i0, i1, ...] is the block."""
+  pos_shape, strides = [], []
+  blk_shape, blk_strides = [], []
+  for d, (kind, b) in enumerate(zip(geo.kinds, geo.sizes)):
+    mult = b if kind == "blocked" else 1
+    n = geo.padded_shape[d]
+    pos_shape.append((n - b) // mult + 1 if n >= b else 0)
+    strides.append(buf.strides[d] * mult)
+    if kind != "squeezed":
+      blk_shape.append(b)
+      blk_strides.append(buf.strides[d])
+  return np.lib.stride_tricks.as_strided(
+      buf, shape=(*pos_shape, *blk_shape), strides=(*strides, *blk_strides),
+      writeable=buf.flags.writeable)
+
+
+def run_vectorized(kp, gv: GridVectorizer, grid, index_ops, buffers, scratch_avals):
+  """Run the whole grid vectorized. Returns False (having touched nothing)
+  when the analysis says no."""
+  chosen = gv.choose(grid, index_ops)
+  if chosen is None:
+    return False
+  axes, block_idx = chosen
+  n_ops = len(buffers)
+  n_in = kp.num_inputs
+  maps = gv.index_maps(axes)
+  # Operands whose block does not depend on a batched axis are shared.
+  operand_batched = tuple(True if i >= n_in else any(m.out_batched)
+                          for i, m in enumerate(maps))
+  kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
+  params = kp.params
+  clamp = kp.clamp
+  blocks = kp.blocks
+  windows = [_windows(buf, geo) for buf, geo in zip(buffers, blocks)]
+  pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, blocks)]
+  seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
+  lane_shape = tuple(grid[d] for d in axes)
+  n_lanes = math.prod(lane_shape)
+  lane_bytes = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
+                   for geo, b in zip(blocks, operand_batched) if b)
+  lane_bytes += sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
+                    for a in scratch_avals)
+  per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
+  threads = max(1, int(params.num_threads))
+  if threads > 1:
+    per_slab = min(per_slab, -(-n_lanes // threads))
+  slabs = [(s, min(s + per_slab, n_lanes)) for s in range(0, n_lanes, per_slab)]
+  lane_coords = np.indices(lane_shape, dtype=np.int32).reshape(len(axes), -1)
+  local = kp.local_dims
+  num_programs = tuple(np.int32(grid[d]) for d in local)
+  seq_points = list(itertools.product(*[range(grid[d]) for d in seq_axes]))
+  grid_strides = np.array([math.prod(grid[d + 1:]) for d in range(len(grid))], np.int64)
+
+  def run_slab(lo, hi):
+    n = hi - lo
+    ctx = RunContext(kp.name, params)
+    ctx.num_programs = num_programs
+    ctx.batch_size = n
+    ids = [None] * len(grid)
+    for k, d in enumerate(axes):
+      ids[d] = lane_coords[k, lo:hi]
+    lane_flat = sum(ids[d].astype(np.int64) * grid_strides[d] for d in axes)
+    scratch = [np.full((n, *a.shape), _fill(a.dtype, params),
+                       np.dtype(jc.physical_dtype(a.dtype))) for a in scratch_avals]
+    shared_last = [None] * n_ops
+    shared_view = [None] * n_ops
+    for point in seq_points:
+      flat = lane_flat.copy()
+      for d, v in zip(seq_axes, point):
+        ids[d] = np.int32(v)
+        flat += int(v) * int(grid_strides[d])
+      ctx.program_ids = tuple(ids[d] for d in local)
+      ctx.grid_point = None
+      views = [None] * n_ops
+      writeback = []
+      for b in range(n_ops):
+        cols = [c[flat] for c in block_idx[b]]
+        cols = _check_positions(cols, pos_limits[b], clamp, blocks[b])
+        if not operand_batched[b]:
+          key = tuple(int(c[0]) for c in cols)
+          if key != shared_last[b]:
+            shared_last[b] = key
+            shared_view[b] = windows[b][key] if key else windows[b]
+          views[b] = shared_view[b]
+          continue
+        view, copied = _gather(windows[b], cols)
+        views[b] = view
+        if copied and b >= n_in:
+          writeback.append((b, cols, view))
+      kernel(ctx, *index_ops, *views, *scratch)
+      for b, cols, view in writeback:
+        windows[b][tuple(cols)] = view
+
+  if threads > 1 and len(slabs) > 1:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      for f in [pool.submit(run_slab, lo, hi) for lo, hi in slabs]:
+        f.result()
+  else:
+    for lo, hi in slabs:
+      run_slab(lo, hi)
+  return True
+
+
+def _fill(dtype, params):
+  from pallas_np.grid import fill_value
+  return fill_value(dtype, params)
+
+
+def _check_positions(cols, limits, clamp, geo):
+  out = []
+  for d, (c, lim) in enumerate(zip(cols, limits)):
+    if c.size and (c.min() < 0 or c.max() >= lim):
+      if not clamp:
+        raise IndexError(f"block index out of bounds on dimension {d} of {geo.origin}")
+      c = np.clip(c, 0, lim - 1)
+    out.append(c)
+  return out
+
+
+def _gather(window, cols):
+  """The lanes' blocks as one array with a leading lane axis: a view when
+  one block coordinate steps by one from lane to lane and the others are
+  fixed; else a copy (written back after the step for outputs)."""
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  if len(varying) <= 1:
+    d = varying[0] if varying else 0
+    c = cols[d]
+    start = int(c[0])
+    if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
+        n < 3 or (np.diff(c) == 1).all()):
+      idx = tuple(slice(start, start + n) if k == d else int(cols[k][0])
+                  for k in range(len(cols)))
+      return window[idx], False
+  return window[tuple(cols)], True

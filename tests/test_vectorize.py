@@ -1,0 +1,441 @@
+"""Grid vectorization: the batched pass must give exactly what the sequential
+grid loop and interpret=True give, and must really be taken where the
+analysis says the grid points are independent (and not where they aren't)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_np
+from pallas_np.grid import KernelPlan
+from tests.conftest import assert_same
+
+VEC = pallas_np.InterpretParams(vectorize=True, check_avals=True)
+SEQ = pallas_np.InterpretParams(vectorize=False, check_avals=True)
+
+
+@pytest.fixture
+def modes(monkeypatch):
+  """Records KernelPlan.last_mode of every run."""
+  seen = []
+  orig = KernelPlan.run
+
+  def run(self, *args):
+    try:
+      return orig(self, *args)
+    finally:
+      seen.append(self.last_mode)
+  monkeypatch.setattr(KernelPlan, "run", run)
+  return seen
+
+
+def check(make_call, *args, expect_mode, modes, rtol=1e-5, atol=1e-5, threads=None):
+  """numpy vectorized == numpy sequential == interpret=True; and the
+  vectorized run took the expected path."""
+  vec = VEC if threads is None else pallas_np.InterpretParams(
+      vectorize=True, check_avals=True, num_threads=threads)
+  modes.clear()
+  got = make_call(vec)(*args)
+  assert modes and modes[-1] == expect_mode, modes
+  seq = make_call(SEQ)(*args)
+  assert modes[-1] == "sequential"
+  want = make_call(True)(*args)
+  for g, s, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(seq),
+                     jax.tree_util.tree_leaves(want)):
+    assert_same(g, s, rtol=0, atol=0)  # same NumPy ops, lane by lane
+    assert_same(g, w, rtol=rtol, atol=atol)
+  return got
+
+
+# -- a bitonic sort, one row per grid step -----------------------------------------
+def _bitonic_rows(x):
+  """Sort the last axis (power of two) with compare-exchange stages."""
+  n = x.shape[-1]
+  lead = x.shape[:-1]
+  k = 2
+  while k <= n:
+    j = k // 2
+    while j >= 1:
+      y = x.reshape(*lead, n // (2 * j), 2, j)
+      a, b = y[..., 0, :], y[..., 1, :]
+      lo, hi = jnp.minimum(a, b), jnp.maximum(a, b)
+      blk = lax.broadcasted_iota(jnp.int32, a.shape, len(lead))
+      desc = ((blk * 2 * j) // k) % 2 == 1
+      first = jnp.where(desc, hi, lo)
+      second = jnp.where(desc, lo, hi)
+      x = jnp.concatenate([first[..., None, :], second[..., None, :]], axis=-2).reshape(*lead, n)
+      j //= 2
+    k *= 2
+  return x
+
+
+def sort_kernel(x_ref, o_ref):
+  o_ref[...] = _bitonic_rows(x_ref[...])
+
+
+def test_bitonic_one_row_per_step(modes):
+  x = jax.random.normal(jax.random.key(0), (64, 32))
+
+  def make(interp):
+    return pl.pallas_call(
+        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(64,),
+        in_specs=[pl.BlockSpec((1, 32), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 32), lambda i: (i, 0)), interpret=interp)
+  got = check(make, x, expect_mode="vectorized", modes=modes)
+  np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
+
+
+def test_threads_same_result(modes):
+  x = jax.random.normal(jax.random.key(1), (16, 32))
+
+  def make(interp):
+    return pl.pallas_call(
+        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(16,),
+        in_specs=[pl.BlockSpec((1, 32), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 32), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes, threads=2)
+
+
+# -- matmuls ----------------------------------------------------------------------
+def matmul_kernel(x_ref, y_ref, z_ref):
+  z_ref[...] = jnp.maximum(x_ref[...] @ y_ref[...], 0.0)
+
+
+def test_blockspec_matmul(modes):
+  k1, k2 = jax.random.split(jax.random.key(2))
+  x = jax.random.normal(k1, (64, 32))
+  y = jax.random.normal(k2, (32, 48))
+
+  def make(interp):
+    return pl.pallas_call(
+        matmul_kernel, out_shape=jax.ShapeDtypeStruct((64, 48), jnp.float32), grid=(4, 3),
+        in_specs=[pl.BlockSpec((16, 32), lambda i, j: (i, 0)),
+                  pl.BlockSpec((32, 16), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((16, 16), lambda i, j: (i, j)), interpret=interp)
+  check(make, x, y, expect_mode="vectorized", modes=modes, rtol=1e-5, atol=1e-5)
+
+
+def acc_matmul_kernel(x_ref, y_ref, z_ref, acc_ref):
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+  @pl.when(k == pl.num_programs(2) - 1)
+  def _():
+    z_ref[...] = acc_ref[...].astype(z_ref.dtype)
+
+
+def _acc_matmul(semantics):
+  def make(interp):
+    kw = {}
+    if semantics is not None:
+      kw["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics)
+    return pl.pallas_call(
+        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((32, 32), jnp.bfloat16),
+        grid=(2, 2, 4),
+        in_specs=[pl.BlockSpec((16, 8), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((8, 16), lambda i, j, k: (k, j))],
+        out_specs=pl.BlockSpec((16, 16), lambda i, j, k: (i, j)),
+        scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)], interpret=interp, **kw)
+  return make
+
+
+def _bf16_xy():
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return (jax.random.normal(k1, (32, 32)).astype(jnp.bfloat16),
+          jax.random.normal(k2, (32, 32)).astype(jnp.bfloat16))
+
+
+def test_scratch_accumulator_parallel_axes_batched(modes):
+  # i, j batched; the "arbitrary" k axis stays sequential per lane.
+  check(_acc_matmul(("parallel", "parallel", "arbitrary")), *_bf16_xy(),
+        expect_mode="vectorized", modes=modes, rtol=1e-2, atol=1e-2)
+
+
+def test_scratch_without_semantics_stays_sequential(modes):
+  check(_acc_matmul(None), *_bf16_xy(), expect_mode="sequential", modes=modes,
+        rtol=1e-2, atol=1e-2)
+
+
+def test_output_revisited_along_reduction_axis(modes):
+  # No scratch: accumulate in the output block across k. Lanes must own
+  # their blocks, so only i (or j) may be batched.
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...] * (pl.program_id(1) + 1).astype(jnp.float32)
+
+  x = jax.random.normal(jax.random.key(4), (16, 64))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32), grid=(2, 2, 4),
+        in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, j * 4 + k))],
+        out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_parallel_axis_that_shares_an_output_block_falls_back(modes):
+  # Declared parallel but every grid point adds into one block: the ownership
+  # check refuses, the sequential loop gives interpret=True's answer.
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...]
+
+  x = jnp.arange(64.0).reshape(8, 8)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((1, 8), jnp.float32), grid=(8,),
+        in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda i: (0, 0)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interp)
+  check(make, x, expect_mode="sequential", modes=modes)
+
+
+def test_vmapped_pallas_call(modes):
+  k1, k2 = jax.random.split(jax.random.key(5))
+  x = jax.random.normal(k1, (3, 32, 16))
+  y = jax.random.normal(k2, (3, 16, 32))
+
+  def make(interp):
+    f = pl.pallas_call(
+        matmul_kernel, out_shape=jax.ShapeDtypeStruct((32, 32), jnp.float32), grid=(2,),
+        in_specs=[pl.BlockSpec((16, 16), lambda i: (i, 0)),
+                  pl.BlockSpec((16, 32), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((16, 32), lambda i: (i, 0)), interpret=interp)
+    return jax.vmap(f)
+  check(make, x, y, expect_mode="vectorized", modes=modes)
+
+
+# -- control flow that depends on program_id ---------------------------------------
+def test_cond_on_batched_program_id(modes):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[...]
+
+    @pl.when(i % 3 == 1)  # scattered lanes: copied in and out
+    def _():
+      o_ref[...] = x_ref[...] * 2.0
+
+    @pl.when(i < 5)  # a contiguous lane range: views
+    def _():
+      o_ref[...] += 100.0
+
+    o_ref[...] = lax.cond(i % 2 == 0, lambda v: v + 1.0, lambda v: v - 1.0, o_ref[...])
+
+  x = jnp.arange(12 * 8, dtype=jnp.float32).reshape(12, 8)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(12,),
+        in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_switch_with_batched_index(modes):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = lax.switch(i % 3, [lambda v: v * 2.0, lambda v: v + 7.0,
+                                    lambda v: jnp.sin(v)], x_ref[...])
+
+  x = jnp.linspace(-2.0, 2.0, 9 * 4, dtype=jnp.float32).reshape(9, 4)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(9,),
+        in_specs=[pl.BlockSpec((1, 4), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 4), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_fori_loop_with_batched_trip_count(modes):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def body(t, carry):
+      o_ref[...] += x_ref[...] * t.astype(jnp.float32)
+      return carry + 1
+    n = lax.fori_loop(0, i + 1, body, jnp.int32(0))
+    o_ref[...] += n.astype(jnp.float32)
+
+  x = jnp.ones((6, 8), jnp.float32)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(6,),
+        in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_scan_and_static_fori_loop(modes):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0).astype(jnp.float32)
+
+    def step(c, row):
+      c = c * 0.5 + row + i
+      return c, c * 2.0
+    c, ys = lax.scan(step, jnp.zeros((8,), jnp.float32), x_ref[...])
+    o_ref[...] = ys + c[None, :]
+    o_ref[...] = lax.fori_loop(0, 3, lambda t, v: v + i * t, o_ref[...])
+
+  x = jax.random.normal(jax.random.key(6), (20, 8))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(5,),
+        in_specs=[pl.BlockSpec((4, 8), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((4, 8), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_dynamic_slice_of_shared_input_by_program_id(modes):
+  # x is one block shared by all lanes; each lane reads its own rows.
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[pl.ds(i * 2, 2), :] * 3.0 + x_ref[0, :][None, :]
+
+  x = jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+        in_specs=[pl.BlockSpec((16, 4), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((2, 4), lambda i: (i, 0)), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_scalar_prefetch_index_map(modes):
+  def kernel(perm_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + perm_ref[pl.program_id(0)].astype(jnp.float32)
+
+  perm = jnp.array([3, 0, 2, 1], jnp.int32)
+  x = jnp.arange(4 * 8, dtype=jnp.float32).reshape(4, 8)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(4,),
+            in_specs=[pl.BlockSpec((1, 8), lambda i, p: (p[i], 0))],
+            out_specs=pl.BlockSpec((1, 8), lambda i, p: (i, 0))),
+        interpret=interp)
+  check(make, perm, x, expect_mode="vectorized", modes=modes)
+
+
+def test_edge_blocks_and_reductions(modes):
+  # 10 rows in blocks of 4: the last block is partial (padding dropped).
+  def kernel(x_ref, o_ref, s_ref):
+    x = x_ref[...]
+    m = jnp.max(x, axis=1, keepdims=True)
+    e = jnp.exp(x - m)
+    o_ref[...] = e / jnp.sum(e, axis=1, keepdims=True)
+    s_ref[...] = jnp.cumsum(x, axis=1) + jnp.argmax(x, axis=1)[:, None].astype(jnp.float32)
+
+  x = jax.random.normal(jax.random.key(7), (10, 16))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2, grid=(3,),
+        in_specs=[pl.BlockSpec((4, 16), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((4, 16), lambda i: (i, 0))] * 2, interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_batched_dot_general_and_run_scoped(modes):
+  def kernel(q_ref, k_ref, o_ref):
+    def body(tmp_ref):
+      s = jnp.einsum("hqd,hkd->hqk", q_ref[...], k_ref[...])
+      tmp_ref[...] = s * 0.5
+      o_ref[...] = jnp.einsum("hqk,hkd->hqd", tmp_ref[...], k_ref[...])
+    pl.run_scoped(body, pltpu.VMEM((2, 4, 4), jnp.float32))
+
+  k1, k2 = jax.random.split(jax.random.key(8))
+  q = jax.random.normal(k1, (6, 4, 8))
+  k = jax.random.normal(k2, (2, 4, 8))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(3,),
+        in_specs=[pl.BlockSpec((2, 4, 8), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((2, 4, 8), lambda i: (0, 0, 0))],
+        out_specs=pl.BlockSpec((2, 4, 8), lambda i: (i, 0, 0)), interpret=interp)
+  check(make, q, k, expect_mode="vectorized", modes=modes, rtol=1e-5, atol=1e-5)
+
+
+def test_program_id_written_to_ref(modes):
+  # Batched int indexing into a lane-private output block, bf16 output.
+  def kernel(o_ref):
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[0, j] = (i * 10 + j).astype(o_ref.dtype)
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 3 * 8), jnp.bfloat16), grid=(4, 3),
+        out_specs=pl.BlockSpec((1, 8), lambda i, j: (i, j)), interpret=interp)
+  check(make, expect_mode="vectorized", modes=modes)
+
+
+def test_whole_output_written_by_every_point_stays_sequential(modes):
+  def kernel(o_ref):
+    i = pl.program_id(0)
+    o_ref[i] = i
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.int32), grid=(8,),
+        out_specs=pl.BlockSpec((8,), lambda i: (0,)), interpret=interp)
+  check(make, expect_mode="sequential", modes=modes)
+
+
+def test_error_in_one_lane_names_its_grid_point(modes):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[pl.ds(i * 2 + (i == 5).astype(jnp.int32) * 100, 2), :]
+
+  x = jnp.zeros((16, 4), jnp.float32)
+  f = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+      in_specs=[pl.BlockSpec((16, 4), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((2, 4), lambda i: (i, 0)), interpret=VEC)
+  with pytest.raises(IndexError) as info:
+    pallas_np.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+        in_specs=[pl.BlockSpec((16, 4), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((2, 4), lambda i: (i, 0)), interpret=VEC)(x)
+  assert isinstance(info.value, pallas_np.KernelError)
+  assert info.value.program_ids == (5,)
+  del f
+
+
+def test_vectorize_false_and_auto(modes):
+  x = jax.random.normal(jax.random.key(9), (8, 16))
+
+  def make(interp):
+    return pl.pallas_call(
+        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
+  modes.clear()
+  make("numpy")(x)
+  assert modes[-1] == "vectorized"  # the default (vectorize=None) decides
+  make(SEQ)(x)
+  assert modes[-1] == "sequential"
