@@ -183,14 +183,12 @@ class KernelPlan:
     gv = self._vectorizer
     if gv.reason is not None:
       return None
-    grid, index_ops, buffers, out_bufs = self._prepare(args)
     try:
-      done = vectorize.run_vectorized(self, gv, grid, index_ops, buffers,
-                                      self.scratch_avals)
+      out_bufs = vectorize.run_vectorized(self, gv, lambda: self._prepare(args))
     except Exception as e:  # NotBatchable, or an error to re-raise precisely
       gv.last_failure = e
       return None
-    if not done:
+    if out_bufs is None:
       return None
     self.last_mode = "vectorized"
     return self._results(out_bufs)

@@ -743,29 +743,9 @@ def _scan(bc, rule, info, in_batched):
 
 
 # -- the grid side -------------------------------------------------------------------
-_PARALLEL = ("parallel", "core_parallel", "subcore_parallel")
 _MAX_GRID = 1 << 22          # points evaluated up front for the analysis
 _SLAB_BYTES = 32 << 20       # block bytes per vectorized pass
 _MAX_LANES = 1 << 14
-
-
-def declared_parallel(compiler_params, num_local) -> tuple[bool, ...]:
-  """Which local grid axes the kernel declares parallel."""
-  sem = None
-  if compiler_params is None:
-    return (False,) * num_local
-  items = compiler_params.values() if isinstance(compiler_params, dict) else [compiler_params]
-  for cp in items:
-    sem = getattr(cp, "dimension_semantics", None)
-    if sem is not None:
-      break
-  if sem is None or len(sem) != num_local:
-    return (False,) * num_local
-  out = []
-  for s in sem:
-    s = getattr(s, "value", s)
-    out.append(str(s).lower() in _PARALLEL)
-  return tuple(out)
 
 
 class GridVectorizer:
@@ -790,17 +770,9 @@ class GridVectorizer:
       if "element" in geo.kinds:
         self.reason = "an output has Element block dims"
         return
-    local = kp.local_dims
-    par = declared_parallel(compiler_params, len(local))
-    cands = []
-    for d in range(len(kp.grid)):
-      if d in kp.vmapped_dims:
-        cands.append(d)
-      elif not kp.scratch_avals or par[local.index(d)]:
-        cands.append(d)
-    self.candidates = tuple(cands)
-    if not cands:
-      self.reason = "no grid axis is parallel (scratch persists across the grid)"
+    self.candidates = tuple(range(len(kp.grid)))
+    if not self.candidates:
+      self.reason = "no grid"
 
   # -- compiled pieces ----------------------------------------------------------
   def index_maps(self, batched_axes):
@@ -846,10 +818,19 @@ class GridVectorizer:
       cols = [np.broadcast_to(np.asarray(o, np.int64), (total,)) for o in outs]
       block_idx.append(cols)
     cands = [d for d in self.candidates if grid[d] > 1]
-    options = [tuple(cands)] + sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
+    scratch = bool(self.kp.scratch_avals)
+    options = [] if scratch else [tuple(cands)]
+    # With scratch, lanes must be consecutive in grid order (batched axes
+    # before sequential ones) for the scratch hand-over check to be exact.
+    for m in range(ndim, 0, -1):
+      options.append(tuple(d for d in cands if d < m))
+    if not scratch:
+      options += sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
+    seen = set()
     for axes in options:
-      if not axes:
+      if not axes or axes in seen:
         continue
+      seen.add(axes)
       if self._owned(grid, coords, axes, block_idx):
         return axes, block_idx
     return None
@@ -889,68 +870,140 @@ def _windows(buf, geo):
       writeable=buf.flags.writeable)
 
 
-def run_vectorized(kp, gv: GridVectorizer, grid, index_ops, buffers, scratch_avals):
-  """Run the whole grid vectorized. Returns False (having touched nothing)
-  when the analysis says no."""
+def run_vectorized(kp, gv: GridVectorizer, prepare):
+  """Run the whole grid vectorized; the output buffers, or None (nothing
+  returned, fall back to the sequential loop) when the analysis says no.
+
+  ``prepare()`` gives fresh (grid, index_ops, buffers, out_bufs).
+
+  Scratch persists across grid points, so in grid order lane ``l`` starts
+  from the scratch lane ``l-1`` left. Kernels (nearly) always re-initialise
+  it, so we run once with lane-private scratch, then again with each lane
+  starting from the previous lane's final scratch of the first run: if every
+  lane ends with the same scratch as in the first run, each lane started from
+  exactly the state it has in grid order (by induction over lanes), so the
+  second run is the sequential result. Otherwise: sequential loop."""
+  grid, index_ops, buffers, out_bufs = prepare()
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
-    return False
+    return None
   axes, block_idx = chosen
-  n_ops = len(buffers)
   n_in = kp.num_inputs
   maps = gv.index_maps(axes)
   # Operands whose block does not depend on a batched axis are shared.
   operand_batched = tuple(True if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
   kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
-  params = kp.params
-  clamp = kp.clamp
-  blocks = kp.blocks
-  windows = [_windows(buf, geo) for buf, geo in zip(buffers, blocks)]
-  pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, blocks)]
-  seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
-  lane_shape = tuple(grid[d] for d in axes)
-  n_lanes = math.prod(lane_shape)
-  lane_bytes = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
-                   for geo, b in zip(blocks, operand_batched) if b)
-  lane_bytes += sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
-                    for a in scratch_avals)
-  per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
-  threads = max(1, int(params.num_threads))
-  if threads > 1:
-    per_slab = min(per_slab, -(-n_lanes // threads))
-  slabs = [(s, min(s + per_slab, n_lanes)) for s in range(0, n_lanes, per_slab)]
-  lane_coords = np.indices(lane_shape, dtype=np.int32).reshape(len(axes), -1)
-  local = kp.local_dims
-  num_programs = tuple(np.int32(grid[d]) for d in local)
-  seq_points = list(itertools.product(*[range(grid[d]) for d in seq_axes]))
-  grid_strides = np.array([math.prod(grid[d + 1:]) for d in range(len(grid))], np.int64)
+  runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel)
+  from pallas_np import debugging
+  runs = 2 if kp.scratch_avals else 1
+  runner.progress = debugging.progress_bar(kp.name, math.prod(grid) * runs, kp.params)
+  try:
+    return _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs)
+  finally:
+    if runner.progress is not None:
+      runner.progress.close()
 
-  def run_slab(lo, hi):
+
+def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
+  if not kp.scratch_avals:
+    runner.run(index_ops, buffers, None)
+    return out_bufs
+  first = runner.run(index_ops, buffers, None)
+  grid, index_ops, buffers, out_bufs = prepare()
+  handed = [np.concatenate([np.full((1, *a.shape), _fill(a.dtype, kp.params), f.dtype), f[:-1]])
+            for a, f in zip(kp.scratch_avals, first)]
+  second = runner.run(index_ops, buffers, handed)
+  for f, g in zip(first, second):
+    if f[:-1].tobytes() != g[:-1].tobytes():
+      gv.last_failure = "scratch carried from one lane to the next"
+      return None
+  return out_bufs
+
+
+class _SlabRunner:
+  """Walks the lanes slab by slab, each slab through every sequential grid
+  point in order."""
+
+  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel):
+    self.kp, self.grid, self.axes = kp, grid, axes
+    self.block_idx = block_idx
+    self.operand_batched = operand_batched
+    self.kernel = kernel
+    blocks = kp.blocks
+    self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
+    lane_shape = tuple(grid[d] for d in axes)
+    self.n_lanes = math.prod(lane_shape)
+    lane_bytes = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
+                     for geo, b in zip(blocks, operand_batched) if b)
+    lane_bytes += sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
+                      for a in kp.scratch_avals)
+    per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
+    self.threads = max(1, int(kp.params.num_threads))
+    if self.threads > 1:
+      per_slab = min(per_slab, -(-self.n_lanes // self.threads))
+    self.slabs = [(s, min(s + per_slab, self.n_lanes)) for s in range(0, self.n_lanes, per_slab)]
+    self.lane_coords = np.indices(lane_shape, dtype=np.int32).reshape(len(axes), -1)
+    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    self.seq_points = list(itertools.product(*[range(grid[d]) for d in self.seq_axes]))
+    self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
+    self.progress = None
+    self.done = 0
+
+  def run(self, index_ops, buffers, scratch_init):
+    """Returns the final scratch of every lane."""
+    kp = self.kp
+    windows = [_windows(buf, geo) for buf, geo in zip(buffers, kp.blocks)]
+    finals = [np.empty((self.n_lanes, *a.shape), np.dtype(jc.physical_dtype(a.dtype)))
+              for a in kp.scratch_avals]
+    if self.threads > 1 and len(self.slabs) > 1:
+      with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+        futures = [pool.submit(self._slab, lo, hi, index_ops, windows, scratch_init, finals)
+                   for lo, hi in self.slabs]
+        for f in futures:
+          f.result()
+    else:
+      for lo, hi in self.slabs:
+        self._slab(lo, hi, index_ops, windows, scratch_init, finals)
+    return finals
+
+  def _slab(self, lo, hi, index_ops, windows, scratch_init, finals):
+    kp = self.kp
+    params = kp.params
+    blocks = kp.blocks
+    grid, axes, local = self.grid, self.axes, kp.local_dims
+    operand_batched = self.operand_batched
+    n_in = kp.num_inputs
+    n_ops = len(windows)
+    pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, blocks)]
     n = hi - lo
     ctx = RunContext(kp.name, params)
-    ctx.num_programs = num_programs
+    ctx.num_programs = self.num_programs
     ctx.batch_size = n
+    ctx.grid_point = None
     ids = [None] * len(grid)
     for k, d in enumerate(axes):
-      ids[d] = lane_coords[k, lo:hi]
-    lane_flat = sum(ids[d].astype(np.int64) * grid_strides[d] for d in axes)
-    scratch = [np.full((n, *a.shape), _fill(a.dtype, params),
-                       np.dtype(jc.physical_dtype(a.dtype))) for a in scratch_avals]
+      ids[d] = self.lane_coords[k, lo:hi]
+    lane_flat = sum(ids[d].astype(np.int64) * self.grid_strides[d] for d in axes)
+    if scratch_init is None:
+      scratch = [np.full((n, *a.shape), _fill(a.dtype, params),
+                         np.dtype(jc.physical_dtype(a.dtype))) for a in kp.scratch_avals]
+    else:
+      scratch = [np.array(s[lo:hi]) for s in scratch_init]
     shared_last = [None] * n_ops
     shared_view = [None] * n_ops
-    for point in seq_points:
-      flat = lane_flat.copy()
-      for d, v in zip(seq_axes, point):
+    kernel = self.kernel
+    for point in self.seq_points:
+      flat = lane_flat
+      for d, v in zip(self.seq_axes, point):
         ids[d] = np.int32(v)
-        flat += int(v) * int(grid_strides[d])
+        flat = flat + v * self.grid_strides[d]
       ctx.program_ids = tuple(ids[d] for d in local)
-      ctx.grid_point = None
       views = [None] * n_ops
       writeback = []
       for b in range(n_ops):
-        cols = [c[flat] for c in block_idx[b]]
-        cols = _check_positions(cols, pos_limits[b], clamp, blocks[b])
+        cols = [c[flat] for c in self.block_idx[b]]
+        cols = _check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
         if not operand_batched[b]:
           key = tuple(int(c[0]) for c in cols)
           if key != shared_last[b]:
@@ -965,15 +1018,11 @@ def run_vectorized(kp, gv: GridVectorizer, grid, index_ops, buffers, scratch_ava
       kernel(ctx, *index_ops, *views, *scratch)
       for b, cols, view in writeback:
         windows[b][tuple(cols)] = view
-
-  if threads > 1 and len(slabs) > 1:
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      for f in [pool.submit(run_slab, lo, hi) for lo, hi in slabs]:
-        f.result()
-  else:
-    for lo, hi in slabs:
-      run_slab(lo, hi)
-  return True
+      if self.progress is not None:
+        self.done += n
+        self.progress.tick(self.done)
+    for f, s in zip(finals, scratch):
+      f[lo:hi] = s
 
 
 def _fill(dtype, params):

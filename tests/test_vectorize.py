@@ -161,9 +161,35 @@ def test_scratch_accumulator_parallel_axes_batched(modes):
         expect_mode="vectorized", modes=modes, rtol=1e-2, atol=1e-2)
 
 
-def test_scratch_without_semantics_stays_sequential(modes):
-  check(_acc_matmul(None), *_bf16_xy(), expect_mode="sequential", modes=modes,
+def test_scratch_without_semantics(modes):
+  # Scratch re-initialised at k == 0: the hand-over check proves lanes
+  # independent without any dimension_semantics.
+  check(_acc_matmul(None), *_bf16_xy(), expect_mode="vectorized", modes=modes,
         rtol=1e-2, atol=1e-2)
+
+
+def test_scratch_carried_across_a_parallel_axis_falls_back(modes):
+  # A buggy kernel: scratch initialised only at (0, 0), so every i sees what
+  # the previous i left. interpret=True's (sequential) answer must come out.
+  def kernel(x_ref, o_ref, acc_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32), grid=(4, 3),
+        in_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda i, j: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((1, 8), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interp)
+  check(make, jnp.ones((4, 8)), expect_mode="sequential", modes=modes)
 
 
 def test_output_revisited_along_reduction_axis(modes):
