@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import debugging, races
+from pallas_np import debugging, races, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
@@ -177,7 +177,6 @@ class KernelPlan:
     """Batched grid (pallas_np.vectorize); None when it does not apply or
     failed (then the sequential run starts again from fresh buffers and
     reports any error at its exact grid point)."""
-    from pallas_np import vectorize
     if self._vectorizer is None:
       self._vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
     gv = self._vectorizer

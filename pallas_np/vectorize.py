@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import blas, registry
 from pallas_np.errors import UnsupportedError
 from pallas_np.evaluator import Compiler, RunContext, _Const  # noqa: F401
 
@@ -420,7 +420,7 @@ def _dot_general(bc, rule, info, in_batched):
       n = x.shape[0]
       x = np.transpose(np.asarray(x, dtype=acc), lperm).reshape(n * M, K)
       y = np.transpose(np.asarray(y, dtype=acc), rperm).reshape(K, N)
-      return finish(np.matmul(x, y), n)
+      return finish(blas.matmul_for(n * M * K * N)(x, y), n)
     return dot_lhs, False, (True,)
 
   def dot(x, y):
@@ -429,7 +429,8 @@ def _dot_general(bc, rule, info, in_batched):
     y = np.transpose(np.asarray(y, dtype=acc), rperm)
     x = x.reshape(n * Bd, M, K) if lb_ else np.broadcast_to(x.reshape(Bd, M, K), (n, Bd, M, K)).reshape(n * Bd, M, K)
     y = y.reshape(n * Bd, K, N) if rb_ else np.broadcast_to(y.reshape(Bd, K, N), (n, Bd, K, N)).reshape(n * Bd, K, N)
-    return finish(np.matmul(x, y), n)
+    matmul = blas.matmul_for(n * Bd * M * K * N)
+    return finish(matmul(np.ascontiguousarray(x), np.ascontiguousarray(y)), n)
   return dot, False, (True,)
 
 
@@ -744,7 +745,13 @@ def _scan(bc, rule, info, in_batched):
 
 # -- the grid side -------------------------------------------------------------------
 _MAX_GRID = 1 << 22          # points evaluated up front for the analysis
-_SLAB_BYTES = 32 << 20       # block bytes per vectorized pass
+_SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
+# vectorize=None (auto) batches only grids whose per-grid-point blocks are
+# small: there the Python cost per grid point dominates. With bigger blocks
+# NumPy is already busy and the batched temporaries only fall out of cache.
+# Kernels with scratch pay two passes (the hand-over check), hence less.
+_AUTO_LANE_BYTES = 64 << 10
+_AUTO_LANE_BYTES_SCRATCH = 16 << 10
 _MAX_LANES = 1 << 14
 
 
@@ -893,6 +900,11 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   # Operands whose block does not depend on a batched axis are shared.
   operand_batched = tuple(True if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
+  if kp.params.vectorize is None:
+    limit = _AUTO_LANE_BYTES_SCRATCH if kp.scratch_avals else _AUTO_LANE_BYTES
+    if _lane_bytes(kp, operand_batched) > limit:
+      gv.last_failure = "blocks too big to gain from batching (auto mode)"
+      return None
   kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
   runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel)
   from pallas_np import debugging
@@ -921,6 +933,14 @@ def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
   return out_bufs
 
 
+def _lane_bytes(kp, operand_batched):
+  """Bytes of the blocks and scratch one lane owns."""
+  n = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
+          for geo, b in zip(kp.blocks, operand_batched) if b)
+  return n + sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
+                 for a in kp.scratch_avals)
+
+
 class _SlabRunner:
   """Walks the lanes slab by slab, each slab through every sequential grid
   point in order."""
@@ -934,10 +954,7 @@ class _SlabRunner:
     self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
     lane_shape = tuple(grid[d] for d in axes)
     self.n_lanes = math.prod(lane_shape)
-    lane_bytes = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
-                     for geo, b in zip(blocks, operand_batched) if b)
-    lane_bytes += sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
-                      for a in kp.scratch_avals)
+    lane_bytes = _lane_bytes(kp, operand_batched)
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
     self.threads = max(1, int(kp.params.num_threads))
     if self.threads > 1:

@@ -17,7 +17,7 @@ import numpy as np
 
 from jax import lax
 
-from pallas_np import registry
+from pallas_np import blas, registry
 from pallas_np.dtypes import np_dtype, is_low_precision_float
 
 
@@ -56,6 +56,7 @@ def _dot_general(e):
   ltrivial = lperm == tuple(range(lnd))
   rtrivial = rperm == tuple(range(rnd))
   bool_out = out == np.bool_
+  matmul = blas.matmul_for(B * M * K * N)
 
   def dot(x, y):
     x = np.asarray(x, dtype=acc)
@@ -64,7 +65,11 @@ def _dot_general(e):
       x = np.transpose(x, lperm)
     if not rtrivial:
       y = np.transpose(y, rperm)
-    r = np.matmul(x.reshape(B, M, K), y.reshape(B, K, N))
+    if B == 1:  # 2-D matmul: BLAS also for transposed operands
+      r = matmul(x.reshape(M, K), y.reshape(K, N))
+    else:  # NumPy's batched matmul only uses BLAS for contiguous operands
+      r = matmul(np.ascontiguousarray(x.reshape(B, M, K)),
+                    np.ascontiguousarray(y.reshape(B, K, N)))
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)

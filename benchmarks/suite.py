@@ -1,0 +1,244 @@
+"""The kernel benchmark suite: interpret="numpy" vs interpret=True vs
+pltpu.InterpretParams(), cold and warm, written to benchmarks/RESULTS.md.
+
+    python benchmarks/suite.py                 # everything (~10 min on 2 cores)
+    python benchmarks/suite.py --quick         # four small kernels
+    python benchmarks/suite.py --kernels bitonic_1024x256_r1,softmax --modes numpy,interpret
+
+Every (kernel, mode) runs in a fresh process: *cold* is its first call
+(tracing, compiling, running; imports excluded), *warm* the median of the
+following calls. numpy mode calls ``pallas_np.pallas_call`` (eager: no XLA
+compilation at all); the others call ``pl.pallas_call`` (which JAX jits).
+Each result is checked against the kernel's reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+MODES = {
+    "numpy": "interpret=\"numpy\" (pallas_np.pallas_call, vectorize=auto)",
+    "numpy_seq": "interpret=InterpretParams(vectorize=False)",
+    "interpret": "interpret=True",
+    "tpu": "interpret=pltpu.InterpretParams()",
+}
+DEFAULT_MODES = ("numpy", "interpret", "tpu")
+
+
+def _interpret_value(mode):
+  import pallas_np
+  from jax.experimental.pallas import tpu as pltpu
+  return {"numpy": pallas_np.InterpretParams(),
+          "numpy_seq": pallas_np.InterpretParams(vectorize=False),
+          "interpret": True,
+          "tpu": pltpu.InterpretParams()}[mode]
+
+
+def child(kernel, mode, warm_budget, max_reps):
+  """Measure one (kernel, mode) in this (fresh) process; print JSON."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("PALLAS_NP_PROGRESS", "0")
+  sys.path.insert(0, ROOT)
+  import jax
+  import numpy as np
+  from benchmarks import kernels
+  case = kernels.all_cases()[kernel]()
+  args = jax.block_until_ready(case.args)
+  fn = case.make(_interpret_value(mode))
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  cold = time.perf_counter() - t0
+  times = []
+  start = time.perf_counter()
+  while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < warm_budget):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+    if time.perf_counter() - start > 4 * warm_budget:
+      break
+  err = None
+  if case.reference is not None:
+    want = np.asarray(case.reference(*args), np.float64)
+    got = np.asarray(out, np.float64)
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+  mode_used = None
+  if mode.startswith("numpy"):
+    from pallas_np import api
+    plans = [entry[1] for entry in api._plan_cache.values()]
+    mode_used = plans[-1].last_mode if plans else None
+  print(json.dumps({"name": case.name, "cold": cold, "warm": float(np.median(times)),
+                    "reps": len(times), "err": err, "tol": case.tol,
+                    "grid_mode": mode_used}))
+
+
+def run_child(kernel, mode, timeout, warm_budget, max_reps):
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", kernel, mode,
+         "--warm-budget", str(warm_budget), "--max-reps", str(max_reps)]
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  try:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timeout ({timeout}s)"}
+  for line in reversed(p.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+  return {"error": tail[0][:200]}
+
+
+def geomean(xs):
+  xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+  return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def machine():
+  cpu = platform.processor() or ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  import jax
+  import numpy as np
+  load = os.getloadavg() if hasattr(os, "getloadavg") else None
+  return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores; "
+          f"Python {platform.python_version()}, JAX {jax.__version__}, NumPy {np.__version__}"
+          + (f"; load average {load[0]:.1f} at start" if load else ""))
+
+
+def fmt_ms(r):
+  if r is None:
+    return "-"
+  if "error" in r:
+    return "n/a"
+  return f"{r['cold'] * 1e3:.0f}", f"{r['warm'] * 1e3:.2f}"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--child", nargs=2, metavar=("KERNEL", "MODE"), help=argparse.SUPPRESS)
+  ap.add_argument("--quick", action="store_true", help="four small kernels")
+  ap.add_argument("--kernels", help="comma-separated kernel names (see benchmarks/kernels.py)")
+  ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                  help=f"comma-separated, from {', '.join(MODES)}")
+  ap.add_argument("--warm-budget", type=float, default=2.0, help="seconds of warm calls")
+  ap.add_argument("--max-reps", type=int, default=50)
+  ap.add_argument("--timeout", type=float, default=300, help="seconds per (kernel, mode)")
+  ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+  args = ap.parse_args(argv)
+  if args.child:
+    child(*args.child, args.warm_budget, args.max_reps)
+    return
+
+  sys.path.insert(0, ROOT)
+  from benchmarks import kernels
+  names = list(kernels.all_cases(args.quick))
+  if args.kernels:
+    names = [n.strip() for n in args.kernels.split(",")]
+  modes = [m.strip() for m in args.modes.split(",")]
+  info = machine()
+  print(info, flush=True)
+  results = {}
+  for name in names:
+    for mode in modes:
+      r = run_child(name, mode, args.timeout, args.warm_budget, args.max_reps)
+      results[(name, mode)] = r
+      shown = (f"cold {r['cold'] * 1e3:9.1f} ms  warm {r['warm'] * 1e3:9.2f} ms"
+               + (f"  [{r['grid_mode']}]" if r.get("grid_mode") else "")
+               if "error" not in r else r["error"])
+      print(f"{name:24s} {mode:10s} {shown}", flush=True)
+  write_results(args, names, modes, results, info)
+
+
+def write_results(args, names, modes, results, info):
+  def get(name, mode):
+    r = results.get((name, mode))
+    return r if r is not None and "error" not in r else None
+
+  lines = ["# Benchmark results", "",
+           f"Machine: {info}.", "",
+           f"Command: `python benchmarks/suite.py {' '.join(sys.argv[1:])}`".rstrip() + " "
+           f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC).", "",
+           "Modes: " + "; ".join(f"**{m}** = {MODES[m]}" for m in modes) + ".", "",
+           "*cold* = first call in a fresh process (trace + compile + run; imports "
+           "excluded), *warm* = median of later calls. Times in ms.", ""]
+  head = ["kernel"] + [f"{m} cold" for m in modes] + [f"{m} warm" for m in modes]
+  ratio_cols = []
+  if "numpy" in modes and "interpret" in modes:
+    ratio_cols += ["warm numpy/interpret", "cold interpret/numpy"]
+  if "numpy" in modes and "tpu" in modes:
+    ratio_cols += ["warm tpu/numpy"]
+  head += ratio_cols + ["check"]
+  lines.append("| " + " | ".join(head) + " |")
+  lines.append("|" + "---|" * len(head))
+  warm_ratios, cold_ratios, tpu_ratios = [], [], []
+  for name in names:
+    label = next((r["name"] for m in modes if (r := get(name, m))), name)
+    row = [f"{label} (`{name}`)"]
+    for key in ("cold", "warm"):
+      for m in modes:
+        r = results.get((name, m))
+        if r is None or "error" in r:
+          row.append(r["error"] if r else "-")
+        else:
+          row.append(f"{r[key] * 1e3:.1f}" if key == "cold" else f"{r[key] * 1e3:.2f}")
+    n, i, t = get(name, "numpy"), get(name, "interpret"), get(name, "tpu")
+    if "warm numpy/interpret" in ratio_cols:
+      w = n["warm"] / i["warm"] if n and i else None
+      c = i["cold"] / n["cold"] if n and i else None
+      row += [f"{w:.2f}" if w else "-", f"{c:.1f}" if c else "-"]
+      if w:
+        warm_ratios.append(w)
+      if c:
+        cold_ratios.append(c)
+    if "warm tpu/numpy" in ratio_cols:
+      r = t["warm"] / n["warm"] if n and t else None
+      row.append(f"{r:.1f}" if r else "-")
+      if r:
+        tpu_ratios.append(r)
+    checks = []
+    for m in modes:
+      r = get(name, m)
+      if r and r.get("err") is not None:
+        ok = r["err"] <= max(r["tol"], 0) + (1e-6 if r["tol"] else 0)
+        checks.append("ok" if ok else f"{m} err {r['err']:.1e}")
+    grid_mode = (get(name, "numpy") or {}).get("grid_mode")
+    row.append(", ".join(sorted(set(checks))) + (f" ({grid_mode} grid)" if grid_mode else ""))
+    lines.append("| " + " | ".join(row) + " |")
+  lines.append("")
+  if warm_ratios:
+    lines.append(f"- Warm geometric mean numpy / interpret=True: **{geomean(warm_ratios):.2f}** "
+                 f"(target <= 1.0; < 1 means numpy is faster).")
+    lines.append(f"- Cold geometric mean interpret=True / numpy: **{geomean(cold_ratios):.1f}** "
+                 f"(target >= 20).")
+  if tpu_ratios:
+    lines.append(f"- Warm geometric mean pltpu.InterpretParams() / numpy: "
+                 f"**{geomean(tpu_ratios):.1f}**.")
+  b = "bitonic_1024x256_r1"
+  n, i = get(b, "numpy"), get(b, "interpret")
+  if n and i:
+    lines.append(f"- Bitonic 1024x256, one row per grid step, warm: numpy {n['warm'] * 1e3:.1f} ms "
+                 f"vs interpret=True {i['warm'] * 1e3:.1f} ms "
+                 f"({'faster' if n['warm'] < i['warm'] else 'slower'}).")
+  lines.append("")
+  with open(args.out, "w") as f:
+    f.write("\n".join(lines))
+  print("\n".join(lines[-6:]))
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
