@@ -158,3 +158,30 @@ try:
   from jax._src.pallas.triton import primitives as triton_primitives  # noqa: F811
 except Exception:  # pragma: no cover - a jaxlib without the Triton dialect
   triton_primitives = None
+
+
+def np_to_jax(x):
+  """A jax.Array of a NumPy result, by the cheapest route: one
+  ``batched_device_put`` on the default CPU device (the array may be
+  aliased, not copied: results are fresh arrays nobody mutates later)."""
+  import numpy as np
+  x = np.asarray(x)
+  try:
+    dev, sharding = _default_placement()
+    return _xc.batched_device_put(ShapedArray(x.shape, x.dtype), sharding, [x], [dev], False)
+  except Exception:  # pragma: no cover - exotic dtypes/devices: JAX's own route
+    return jax.device_put(x)
+
+
+_placement = None
+
+
+def _default_placement():
+  global _placement
+  if _placement is None:
+    dev = jax.devices()[0]
+    _placement = (dev, jax.sharding.SingleDeviceSharding(dev))
+  return _placement
+
+
+from jax._src.lib import xla_client as _xc  # noqa: E402

@@ -161,8 +161,10 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
 
 
 def _eager_call(jax_fn, interp, args):
-  outs, out_tree = eager_numpy_call(jax_fn, interp, args)
-  outs = [jax.device_put(o) for o in outs]
+  # Outputs may become jax.Arrays without a copy, so none may share memory
+  # with an input or a constant of the plan (own_outputs).
+  outs, out_tree = eager_numpy_call(jax_fn, interp, args, own_outputs=True)
+  outs = [jc.np_to_jax(o) for o in outs]
   return jax.tree_util.tree_unflatten(out_tree, outs)
 
 

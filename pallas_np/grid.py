@@ -153,12 +153,14 @@ class KernelPlan:
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self._vectorizer = None
+    self._may_vectorize = not all(isinstance(g, int) for g in self.grid) or \
+        int(np.prod(self.grid, dtype=np.int64)) > 1
     # "vectorized" or "sequential": how the last run() went (for tests/benchmarks).
     self.last_mode = None
 
   # -- execution ---------------------------------------------------------------
   def run(self, *args) -> list[np.ndarray]:
-    if self.params.vectorize is not False:
+    if self.params.vectorize is not False and self._may_vectorize:
       out = self._run_vectorized(args)
       if out is not None:
         return out
@@ -247,7 +249,7 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = int(np.prod(grid, dtype=np.int64)) if grid else 1
-    progress = debugging.progress_bar(self.name, total, params)
+    progress = debugging.progress_bar(self.name, total, params) if total > 1 else None
     try:
       for step, point in enumerate(itertools.product(*map(range, grid))):
         ids = tuple(np.int32(i) for i in point)
