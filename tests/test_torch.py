@@ -322,6 +322,50 @@ def test_torch_pallas_call_program_id_when_and_factories():
   _close(call(x), want, rtol=1e-5, atol=1e-5)
 
 
+def prefetch_loop_kernel(idx_ref, x_ref, o_ref, acc_ref):
+  acc_ref[...] = torch.zeros(acc_ref.shape)
+
+  def body(i, count):
+    acc_ref[...] += x_ref[...] * (i + 1)
+    return count + 1  # a JaxTensor carry
+  count = jax.lax.fori_loop(0, 3, body, torch.tensor(0))
+  o_ref[...] = acc_ref[...] + count
+
+
+def test_torch_pallas_call_scalar_prefetch_scratch_and_fori_loop():
+  from jax.experimental.pallas import tpu as pltpu
+  x = torch.randn(4, 8, 128)
+  idx = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+  call = pt.torch_pallas_call(
+      prefetch_loop_kernel, out_shape=torch.empty(4, 8, 128),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(4,),
+          in_specs=[pl.BlockSpec((None, 8, 128), lambda i, idx: (idx[i], 0, 0))],
+          out_specs=pl.BlockSpec((None, 8, 128), lambda i, idx: (i, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)]))
+  _close(call(idx, x), x[idx.long()] * 6 + 3, rtol=1e-6, atol=1e-6)
+
+
+def window_kernel(off_ref, x_ref, o_ref):
+  o_ref[...] = x_ref[pl.ds(off_ref[0], 8), :]  # a torch-side value as pl.ds start
+
+  @pl.when(pt.interop.jax_view(o_ref[...].sum() > 0))  # predicates must be JAX values
+  def _():
+    o_ref[...] = -o_ref[...]
+
+
+@pytest.mark.parametrize("offset", [0, 5, 24])
+def test_torch_pallas_call_smem_dynamic_slice_and_when(offset):
+  from jax.experimental.pallas import tpu as pltpu
+  x = torch.randn(32, 128, generator=torch.Generator().manual_seed(offset))
+  call = pt.torch_pallas_call(
+      window_kernel, out_shape=torch.empty(8, 128),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec((32, 128), lambda: (0, 0))])
+  want = x[offset:offset + 8]
+  want = -want if want.sum() > 0 else want
+  _close(call(torch.tensor([offset], dtype=torch.int32), x), want, rtol=0, atol=0)
+
+
 # One line per covered op family: the same torch function runs inside a kernel
 # (mapped onto JAX) and eagerly in torch; the results must agree.
 _OP_CASES = {

@@ -93,6 +93,8 @@ def unwrap(x):
     return jax_dtype(x)
   if isinstance(x, torch.Size):
     return tuple(x)
+  if isinstance(x, jc.Slice):  # pl.ds(start, size) with torch-side values
+    return jc.Slice(unwrap(x.start), unwrap(x.size), x.stride)
   if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
     return type(x)(unwrap(v) for v in x)
   if isinstance(x, dict):
@@ -195,6 +197,17 @@ class JaxTensor:
     if name.startswith("__"):
       raise AttributeError(name)
     return functools.partial(_call_method, name, self)
+
+
+# A pytree node, so JaxTensors flow through lax.fori_loop/cond carries.
+def _unflatten_jax_tensor(_, children):
+  t = object.__new__(JaxTensor)  # JAX may unflatten placeholders: no conversion
+  t._value = children[0]
+  return t
+
+
+jax.tree_util.register_pytree_node(JaxTensor, lambda t: ((t._value,), None),
+                                   _unflatten_jax_tensor)
 
 
 def _call_method(name, self, *args, **kwargs):
