@@ -209,6 +209,8 @@ def test_custom_ops_pass_torch_opcheck():
 
 # -- paged attention ---------------------------------------------------------------
 def _paged_reference(q, k_pages, v_pages, lengths, page_indices):
+  # The JAX kernel loads K/V pages as bfloat16 (its dequantize step), q stays f32.
+  k_pages, v_pages = k_pages.bfloat16().float(), v_pages.bfloat16().float()
   batch, heads, dim = q.shape
   kv_heads, _, page_size, _ = k_pages.shape
   group = heads // kv_heads
