@@ -94,9 +94,9 @@ def post_mortem(e: BaseException, plan, point):
   """pdb at the innermost generated-plan frame of ``e``'s traceback.
 
   The generated code is ``v7 = f3(v2, v5)``: ``ll`` lists it, every local is
-  a NumPy value or a ref (a NumPy array, writable); the kernel's arguments
-  are also bound under their Python names, and ``ctx.grid_point`` is where
-  we are in the grid.
+  a NumPy value or a ref (a NumPy array, writable); the frame's arguments
+  are also bound under their Python names (``x_ref``; ``j``, ``acc`` in a
+  loop body), and ``ctx.grid_point`` is where we are in the grid.
   """
   import pdb
 
@@ -124,7 +124,7 @@ def post_mortem(e: BaseException, plan, point):
     where = f"\n  failing eqn: {eqns[-1]}\n  at {jc.source_summary(eqns[-1].source_info)}"
   debugger.message(
       f"pallas_np: {type(e).__name__} in kernel '{plan.name}' at grid point {point}: {e}"
-      f"{where}\n  locals are NumPy values/refs; kernel args are also bound by name; "
+      f"{where}\n  locals are NumPy values/refs; arguments are also bound by their Python names; "
       "'ll' shows the generated plan, 'c' continues (the error is re-raised).")
   debugger.interaction(None, tb)
 
