@@ -171,6 +171,8 @@ class RaceDetector:
       return self._access_general(region, ptr, view, index, kind, mask)
     group_view, step_view = shadows
     groups = group_view[index]
+    if mask is not None and not isinstance(groups, np.ndarray):  # one element
+      return self._access_general(region, ptr, view, index, kind, mask)
     if mask is not None:
       mask = np.broadcast_to(np.asarray(mask, bool), np.shape(groups))
     seen = groups if mask is None else np.asarray(groups)[mask]
