@@ -160,6 +160,12 @@ class KernelPlan:
 
   # -- execution ---------------------------------------------------------------
   def run(self, *args) -> list[np.ndarray]:
+    # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
+    # negative values on purpose (e.g. paged attention's mask_value).
+    with np.errstate(all="ignore"):
+      return self._run(*args)
+
+  def _run(self, *args) -> list[np.ndarray]:
     if self.params.vectorize is not False and self._may_vectorize:
       out = self._run_vectorized(args)
       if out is not None:

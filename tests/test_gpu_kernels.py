@@ -1,6 +1,7 @@
 """jax.experimental.pallas.ops.gpu (the Triton-path ops) under
 ``force_numpy_interpret()`` on CPU, against each module's reference."""
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,9 @@ def test_paged_attention():
   tables = jax.random.permutation(KEYS[11], total_pages).reshape(BD, pages_per_seq)
   tables = tables.astype(jnp.int32)
   lengths = jnp.array([37, 64], jnp.int32)
-  with numpy_mode():
+  # The kernel multiplies by a huge mask value on purpose: IEEE inf, no warning.
+  with numpy_mode(), warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
     got = paged_attention.paged_attention(QD, k_pages, v_pages, tables, lengths,
                                           block_h=16, pages_per_compute_block=2, k_splits=2)
   # Un-page K/V into [batch, seq, kv_heads, head_dim] for the reference.
