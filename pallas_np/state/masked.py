@@ -82,12 +82,16 @@ class MaskedAccess:
       self.access.resolve(args[self.ref_pos], self.leaves(args))
       raise AssertionError("unreachable")
     view, coords = got
-    in_bounds = np.ones(self.shape, dtype=bool)
+    in_bounds = np.True_  # broadcastable to the access' shape
     safe = []
     for c, n in zip(coords, view.shape):
+      if c.size and 0 <= c.min() and c.max() < n:
+        safe.append(c)
+        continue
       ok = (c >= 0) & (c < n)
-      in_bounds &= ok
+      in_bounds = in_bounds & ok
       safe.append(np.where(ok, c, 0))
+    in_bounds = np.broadcast_to(in_bounds, self.shape)
     mask = np.asarray(mask, dtype=bool)
     bad = mask & ~in_bounds
     if not self.clamp and bad.any():
@@ -105,7 +109,6 @@ class MaskedAccess:
     """Every lane's current value; the fill where it points outside."""
     if not view.size:
       return np.full(self.shape, self.fill, dtype=view.dtype)
-    # in_bounds has the access' full shape, so np.where broadcasts for us.
     return np.where(in_bounds, view[safe], self.fill).astype(view.dtype, copy=False)
 
   def scatter(self, view, safe, in_bounds, mask, val):
