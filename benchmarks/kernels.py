@@ -343,6 +343,96 @@ def case_gpu_attention(b=2, h=4, s=512, d=64, bq=64, bk=64, causal=True):
               (q, k, v), functools.partial(_attention_ref, causal=causal))
 
 
+# -- JAX's GPU (Triton-path) ops, jax.experimental.pallas.ops.gpu ------------------------
+# These take ``interpret=`` themselves and jit internally, so every mode (numpy
+# included) runs under jit; numpy mode reaches the interpreter through the
+# io_callback lowering rather than the eager path.
+def _gpu_op_case(label, op, args, reference, tol=1e-4, grad=False):
+  def flat(fn):
+    if not grad:
+      return fn
+    g = jax.grad(lambda *a: (fn(*a) * jnp.cos(a[0])).sum(), argnums=tuple(range(len(args))))
+    return lambda *a: jnp.concatenate([x.ravel() for x in g(*a)])
+
+  def make(interp):
+    return jax.jit(flat(lambda *a: op(*a, interpret=interp)))
+  return Case(label, make, args, flat(reference), tol=tol)
+
+
+def case_gpu_ops_mha(s=512, causal=True, grad=False):
+  from jax.experimental.pallas.ops.gpu import attention
+  b, h, d = 1, 2, 64
+  q, k, v = _normal(20, (b, s, h, d)), _normal(21, (b, s, h, d)), _normal(22, (b, s, h, d))
+  blocks = attention.BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                                block_q_dq=64, block_kv_dq=64)
+  op = lambda q, k, v, interpret: attention.mha(q, k, v, None, causal=causal,
+                                                block_sizes=blocks, interpret=interpret)
+  ref = lambda q, k, v: attention.mha_reference(q, k, v, None, causal=causal)
+  return _gpu_op_case(f"ops.gpu mha {'bwd' if grad else 'fwd'} s{s}", op, (q, k, v), ref,
+                      grad=grad)
+
+
+def case_gpu_ops_norm(which="layer_norm", rows=256, n=1000, grad=False):
+  from jax.experimental.pallas.ops.gpu import layer_norm, rms_norm
+  mod = {"layer_norm": layer_norm, "rms_norm": rms_norm}[which]
+  x, w, b = _normal(23, (4, rows // 4, n)), _normal(24, (n,)), _normal(25, (n,))
+  op = lambda x, w, b, interpret: getattr(mod, which)(x, w, b, interpret=interpret)
+  ref = getattr(mod, f"{which}_reference")
+  return _gpu_op_case(f"ops.gpu {which} {'bwd' if grad else 'fwd'} {rows}x{n}", op,
+                      (x, w, b), ref, grad=grad)
+
+
+def case_gpu_ops_softmax(rows=256, n=1000):
+  from jax.experimental.pallas.ops.gpu import softmax
+  x = _normal(26, (4, rows // 4, n))
+  return _gpu_op_case(f"ops.gpu softmax {rows}x{n}", softmax.softmax, (x,),
+                      lambda x: jax.nn.softmax(x, axis=-1), tol=1e-5)
+
+
+def case_gpu_ops_decode(kind="gqa", s=2048):
+  from jax.experimental.pallas.ops.gpu import decode_attention
+  b, nq, d, kvh = 2, 16, 64, 2
+  q = _normal(27, (b, nq, d))
+  kv_shape = (b, s, d) if kind == "mqa" else (b, s, kvh, d)
+  k, v = _normal(28, kv_shape), _normal(29, kv_shape)
+  op = lambda q, k, v, interpret: getattr(decode_attention, kind)(
+      q, k, v, block_k=128, k_splits=4, interpret=interpret)
+  return _gpu_op_case(f"ops.gpu decode {kind} s{s}", op, (q, k, v),
+                      getattr(decode_attention, f"{kind}_reference"))
+
+
+def case_gpu_ops_paged(s=2048, page=16):
+  from jax.experimental.pallas.ops.gpu import paged_attention
+  b, nq, d, kvh = 2, 16, 64, 2
+  pps = s // page
+  q = _normal(30, (b, nq, d))
+  k_pages, v_pages = _normal(31, (kvh, b * pps, page, d)), _normal(32, (kvh, b * pps, page, d))
+  tables = jax.random.permutation(jax.random.key(33), b * pps).reshape(b, pps).astype(jnp.int32)
+  lengths = jnp.array([s - 100, s], jnp.int32)
+  op = lambda q, kp, vp, t, l, interpret: paged_attention.paged_attention(
+      q, kp, vp, t, l, pages_per_compute_block=4, k_splits=4, interpret=interpret)
+
+  def ref(q, kp, vp, t, l):
+    unpage = lambda p: p[:, t].reshape(kvh, b, pps * page, d).transpose(1, 2, 0, 3)
+    return paged_attention.paged_attention_reference(q, unpage(kp), unpage(vp), l)
+  return _gpu_op_case(f"ops.gpu paged_attention s{s}", op,
+                      (q, k_pages, v_pages, tables, lengths), ref)
+
+
+GPU_OP_CASES = {
+    "gpu_ops_mha_fwd": case_gpu_ops_mha,
+    "gpu_ops_mha_bwd": functools.partial(case_gpu_ops_mha, grad=True),
+    "gpu_ops_layer_norm_fwd": case_gpu_ops_norm,
+    "gpu_ops_layer_norm_bwd": functools.partial(case_gpu_ops_norm, grad=True),
+    "gpu_ops_rms_norm_fwd": functools.partial(case_gpu_ops_norm, "rms_norm"),
+    "gpu_ops_rms_norm_bwd": functools.partial(case_gpu_ops_norm, "rms_norm", grad=True),
+    "gpu_ops_softmax": case_gpu_ops_softmax,
+    "gpu_ops_decode_mqa": functools.partial(case_gpu_ops_decode, "mqa"),
+    "gpu_ops_decode_gqa": case_gpu_ops_decode,
+    "gpu_ops_paged_attention": case_gpu_ops_paged,
+}
+
+
 def all_cases(quick=False):
   """The suite, as zero-argument builders (cases build their inputs lazily)."""
   cases = {
@@ -358,6 +448,7 @@ def all_cases(quick=False):
       "flash_attention": case_flash_attention,
       "paged_attention": case_paged_attention,
       "gpu_attention": case_gpu_attention,
+      **GPU_OP_CASES,
   }
   if quick:
     keep = ("add", "matmul_relu", "bitonic_8x128_r8", "softmax")
