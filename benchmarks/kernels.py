@@ -80,31 +80,8 @@ def case_fused_matmul(n=512):
   return case_matmul(n, jax.nn.relu, "matmul+relu")
 
 
-# -- bitonic sort ------------------------------------------------------------------
-def bitonic_rows(x):
-  """Sort along the last axis (a power of two) with compare-exchange stages."""
-  n = x.shape[-1]
-  lead = x.shape[:-1]
-  k = 2
-  while k <= n:
-    j = k // 2
-    while j >= 1:
-      y = x.reshape(*lead, n // (2 * j), 2, j)
-      a, b = y[..., 0, :], y[..., 1, :]
-      lo, hi = jnp.minimum(a, b), jnp.maximum(a, b)
-      blk = lax.broadcasted_iota(jnp.int32, a.shape, len(lead))
-      desc = ((blk * 2 * j) // k) % 2 == 1
-      first = jnp.where(desc, hi, lo)
-      second = jnp.where(desc, lo, hi)
-      x = jnp.concatenate([first[..., None, :], second[..., None, :]], axis=-2)
-      x = x.reshape(*lead, n)
-      j //= 2
-    k *= 2
-  return x
-
-
-def bitonic_kernel(x_ref, o_ref):
-  o_ref[...] = bitonic_rows(x_ref[...])
+# -- bitonic sort: the kernel of benchmarks/bitonic_sort.py ------------------------
+from benchmarks.bitonic_sort import bitonic_kernel  # noqa: E402
 
 
 def case_bitonic(rows=1024, n=256, rows_per_block=1):

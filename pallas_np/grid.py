@@ -18,6 +18,7 @@ copies.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Sequence
 
@@ -31,8 +32,13 @@ from pallas_np.params import InterpretParams
 
 
 def fill_value(dtype, params: InterpretParams):
-  dtype = np.dtype(jc.physical_dtype(dtype))
-  if params.uninitialized == "zero":
+  return _fill_value(np.dtype(jc.physical_dtype(dtype)), params.uninitialized)
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_value(dtype, uninitialized):
+  """Cached: every grid run allocates outputs and scratch."""
+  if uninitialized == "zero":
     return np.zeros((), dtype)
   return jc.uninitialized_value_np(dtype)
 
@@ -217,6 +223,9 @@ class KernelPlan:
         x = geo.pad(x, params)
       elif (self.num_index + i) in self.written_inputs:
         x = np.array(x)  # private copy: the caller's array is not ours to mutate
+      if (self.num_index + i) not in self.written_inputs and x.flags.writeable:
+        x = x.view()  # read-only blocks: refs read from them without copying
+        x.flags.writeable = False
       in_bufs.append(x)
     out_bufs = []
     for o, geo in enumerate(self.blocks[self.num_inputs:]):

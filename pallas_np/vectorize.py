@@ -452,7 +452,7 @@ def _lane_index(idx):
 
 @batch_rule("get")
 def _get(bc, rule, info, in_batched):
-  from pallas_np.state.refs import _access, _dyn
+  from pallas_np.state.refs import _access, _dyn, _read
   if not any(in_batched):
     return rule.compile(info), False, (False,)
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
@@ -462,7 +462,7 @@ def _get(bc, rule, info, in_batched):
 
   def get(ref, *leaves):
     view, idx = resolve(ref, _dyn(access, leaves))
-    return view[_lane_index(idx)].copy()
+    return _read(view[_lane_index(idx)])
   return get, False, (True,)
 
 

@@ -37,6 +37,14 @@ def _copy(x):
   return x.copy() if isinstance(x, np.ndarray) else x
 
 
+def _read(x):
+  """A value read from a ref: a copy, since the kernel may overwrite the ref
+  while the value is alive -- except from read-only memory (input blocks the
+  kernel never writes: the grid marks them read-only), which nothing can
+  change during the run, so the view itself is the value."""
+  return x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x
+
+
 @registry.register(jc.state_primitives.get_p)
 def _get(e):
   ref_aval = e.in_avals[0]
@@ -47,11 +55,11 @@ def _get(e):
 
     def get(ref, *_literal_indices):  # literal index operands are still passed
       view, idx = resolve(ref, ())
-      return _copy(view[idx])
+      return _read(view[idx])
     return get
   def get(ref, *leaves):
     view, idx = resolve(ref, _dyn(access, leaves))
-    return _copy(view[idx])
+    return _read(view[idx])
   return get
 
 
