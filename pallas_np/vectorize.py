@@ -766,6 +766,7 @@ class GridVectorizer:
     self.candidates: tuple[int, ...] = ()
     self._kernels: dict[Any, Any] = {}
     self._maps: dict[Any, Any] = {}
+    self._chosen: dict[Any, Any] = {}
     params = kp.params
     if params.trace is not None or params.pdb or params.detect_races:
       self.reason = "an option that observes grid order (trace/pdb/detect_races) is on"
@@ -810,7 +811,16 @@ class GridVectorizer:
 
   # -- analysis on a concrete grid -----------------------------------------------
   def choose(self, grid, index_ops):
-    """(batched_axes, block indices of every grid point per operand) or None."""
+    """(batched_axes, block indices of every grid point per operand) or None.
+    Cached per grid when the index maps depend on nothing else (no scalar
+    prefetch)."""
+    if self.kp.num_index:
+      return self._choose(grid, index_ops)
+    if grid not in self._chosen:
+      self._chosen[grid] = self._choose(grid, index_ops)
+    return self._chosen[grid]
+
+  def _choose(self, grid, index_ops):
     total = math.prod(grid)
     if not self.candidates or total <= 1 or total > _MAX_GRID:
       return None

@@ -15,6 +15,15 @@ import pallas_np
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
 
+def _normal(seed, shape):
+  # NumPy's generator: jax.random would compile an XLA program per shape.
+  return _rng_normal(np.random.default_rng(seed), shape)
+
+
+def _rng_normal(rng, shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
 VEC = pallas_np.InterpretParams(vectorize=True, check_avals=True)
 SEQ = pallas_np.InterpretParams(vectorize=False, check_avals=True)
 
@@ -79,25 +88,25 @@ def sort_kernel(x_ref, o_ref):
 
 
 def test_bitonic_one_row_per_step(modes):
-  x = jax.random.normal(jax.random.key(0), (64, 32))
+  x = _normal(0, (32, 16))
 
   def make(interp):
     return pl.pallas_call(
-        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(64,),
-        in_specs=[pl.BlockSpec((1, 32), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 32), lambda i: (i, 0)), interpret=interp)
+        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(32,),
+        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
   got = check(make, x, expect_mode="vectorized", modes=modes)
   np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
 
 
 def test_threads_same_result(modes):
-  x = jax.random.normal(jax.random.key(1), (16, 32))
+  x = _normal(1, (8, 16))
 
   def make(interp):
     return pl.pallas_call(
-        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(16,),
-        in_specs=[pl.BlockSpec((1, 32), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 32), lambda i: (i, 0)), interpret=interp)
+        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
   check(make, x, expect_mode="vectorized", modes=modes, threads=2)
 
 
@@ -107,9 +116,9 @@ def matmul_kernel(x_ref, y_ref, z_ref):
 
 
 def test_blockspec_matmul(modes):
-  k1, k2 = jax.random.split(jax.random.key(2))
-  x = jax.random.normal(k1, (64, 32))
-  y = jax.random.normal(k2, (32, 48))
+  rng = np.random.default_rng(2)
+  x = _rng_normal(rng, (64, 32))
+  y = _rng_normal(rng, (32, 48))
 
   def make(interp):
     return pl.pallas_call(
@@ -150,9 +159,9 @@ def _acc_matmul(semantics):
 
 
 def _bf16_xy():
-  k1, k2 = jax.random.split(jax.random.key(3))
-  return (jax.random.normal(k1, (32, 32)).astype(jnp.bfloat16),
-          jax.random.normal(k2, (32, 32)).astype(jnp.bfloat16))
+  rng = np.random.default_rng(3)
+  return (_rng_normal(rng, (32, 32)).astype(jnp.bfloat16),
+          _rng_normal(rng, (32, 32)).astype(jnp.bfloat16))
 
 
 def test_scratch_accumulator_parallel_axes_batched(modes):
@@ -201,7 +210,7 @@ def test_output_revisited_along_reduction_axis(modes):
       o_ref[...] = jnp.zeros_like(o_ref)
     o_ref[...] += x_ref[...] * (pl.program_id(1) + 1).astype(jnp.float32)
 
-  x = jax.random.normal(jax.random.key(4), (16, 64))
+  x = _normal(4, (16, 64))
 
   def make(interp):
     return pl.pallas_call(
@@ -233,9 +242,9 @@ def test_parallel_axis_that_shares_an_output_block_falls_back(modes):
 
 
 def test_vmapped_pallas_call(modes):
-  k1, k2 = jax.random.split(jax.random.key(5))
-  x = jax.random.normal(k1, (3, 32, 16))
-  y = jax.random.normal(k2, (3, 16, 32))
+  rng = np.random.default_rng(5)
+  x = _rng_normal(rng, (3, 32, 16))
+  y = _rng_normal(rng, (3, 16, 32))
 
   def make(interp):
     f = pl.pallas_call(
@@ -321,7 +330,7 @@ def test_scan_and_static_fori_loop(modes):
     o_ref[...] = ys + c[None, :]
     o_ref[...] = lax.fori_loop(0, 3, lambda t, v: v + i * t, o_ref[...])
 
-  x = jax.random.normal(jax.random.key(6), (20, 8))
+  x = _normal(6, (20, 8))
 
   def make(interp):
     return pl.pallas_call(
@@ -374,7 +383,7 @@ def test_edge_blocks_and_reductions(modes):
     o_ref[...] = e / jnp.sum(e, axis=1, keepdims=True)
     s_ref[...] = jnp.cumsum(x, axis=1) + jnp.argmax(x, axis=1)[:, None].astype(jnp.float32)
 
-  x = jax.random.normal(jax.random.key(7), (10, 16))
+  x = _normal(7, (10, 16))
 
   def make(interp):
     return pl.pallas_call(
@@ -392,9 +401,9 @@ def test_batched_dot_general_and_run_scoped(modes):
       o_ref[...] = jnp.einsum("hqk,hkd->hqd", tmp_ref[...], k_ref[...])
     pl.run_scoped(body, pltpu.VMEM((2, 4, 4), jnp.float32))
 
-  k1, k2 = jax.random.split(jax.random.key(8))
-  q = jax.random.normal(k1, (6, 4, 8))
-  k = jax.random.normal(k2, (2, 4, 8))
+  rng = np.random.default_rng(8)
+  q = _rng_normal(rng, (6, 4, 8))
+  k = _rng_normal(rng, (2, 4, 8))
 
   def make(interp):
     return pl.pallas_call(
@@ -453,7 +462,7 @@ def test_error_in_one_lane_names_its_grid_point(modes):
 
 
 def test_vectorize_false_and_auto(modes):
-  x = jax.random.normal(jax.random.key(9), (8, 16))
+  x = _normal(9, (8, 16))
 
   def make(interp):
     return pl.pallas_call(
