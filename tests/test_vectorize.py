@@ -173,8 +173,9 @@ def test_scratch_accumulator_parallel_axes_batched(modes):
 def test_scratch_without_semantics(modes):
   # Scratch re-initialised at k == 0: the hand-over check proves lanes
   # independent without any dimension_semantics.
+  # (on two threads: each thread's lanes keep their own scratch)
   check(_acc_matmul(None), *_bf16_xy(), expect_mode="vectorized", modes=modes,
-        rtol=1e-2, atol=1e-2)
+        rtol=1e-2, atol=1e-2, threads=2)
 
 
 def test_scratch_carried_across_a_parallel_axis_falls_back(modes):
