@@ -177,8 +177,11 @@ def main(argv=None):
     rpb = min(rpb, rows)
     for mode in modes:
       if mode == "tpu" and prev_tpu is not None:
-        # Cost grows at least linearly in elements; extrapolate.
-        est = prev_tpu[1] * rows * n / prev_tpu[0] * 1.5
+        # Cold = compile (about constant) + one run; a run grows with the
+        # elements. Extrapolate the run time, with margin.
+        elems, cold, warm = prev_tpu
+        run = warm * rows * n / elems * 1.5
+        est = (cold - warm) + run + max(3 * run, min(15 * run, max_warm_s))
         if est > TPU_BUDGET_S:
           results[(rows, n, mode)] = {"skipped": f"est. {est:.0f}s > {TPU_BUDGET_S:.0f}s"}
           tpu_skip_reason = True
@@ -187,7 +190,7 @@ def main(argv=None):
                 max_warm_s=max_warm_s)
       results[(rows, n, mode)] = r
       if mode == "tpu" and "cold" in r:
-        prev_tpu = (rows * n, r["cold"] + r["warm"] * (r.get("reps", 3)))
+        prev_tpu = (rows * n, r["cold"], r["warm"])
       if "error" in r or not r.get("ok", True):
         failed = True
       print(f"  {rows}x{n} (rows/block {rpb}) {mode:9s} "

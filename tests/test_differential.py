@@ -575,3 +575,73 @@ def test_vmap_of_kernel_with_grid():
                        interpret=interpret)
     return jax.vmap(f)
   run_both(make, randn(3, 16, 128))
+
+
+def test_vmap_with_scalar_prefetch():
+  def k(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + idx_ref[pl.program_id(0)].astype(jnp.float32)
+
+  def make(interpret):
+    return jax.vmap(pl.pallas_call(
+        k, out_shape=sds((8, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,),
+            in_specs=[pl.BlockSpec((4, 128), lambda i, idx: (idx[i], 0))],
+            out_specs=pl.BlockSpec((4, 128), lambda i, idx: (i, 0))),
+        interpret=interpret))
+  idx = jnp.array([[1, 0], [0, 1], [1, 1]], jnp.int32)
+  run_both(make, idx, randn(3, 8, 128))
+
+
+def test_accumulate_into_revisited_output_block():
+  # No scratch: the output block stays resident across the "arbitrary" axis.
+  def k(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...] @ y_ref[...]
+  x, y = randn(32, 64), randn(64, 32)
+  run_both(call(k, sds((32, 32), jnp.float32), grid=(2, 4),
+                in_specs=[pl.BlockSpec((16, 16), lambda i, kk: (i, kk)),
+                          pl.BlockSpec((16, 32), lambda i, kk: (kk, 0))],
+                out_specs=pl.BlockSpec((16, 32), lambda i, kk: (i, 0)),
+                compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=("parallel", "arbitrary"))),
+           x, y, rtol=1e-5, atol=1e-4)
+
+
+def test_bool_and_float16_refs():
+  def k(x_ref, m_ref, h_ref, o_ref, b_ref):
+    m = m_ref[...]
+    h = h_ref[...]
+    o_ref[...] = jnp.where(m, h * h + 1, -h)
+    b_ref[...] = m ^ (x_ref[...] > 0)
+  x = randn(8, 128)
+  m = jnp.asarray(_rng.integers(0, 2, (8, 128)).astype(bool))
+  h = randn(8, 128, dtype=np.float16)
+  run_both(call(k, (sds((8, 128), jnp.float16), sds((8, 128), jnp.bool_))), x, m, h,
+           rtol=1e-3, atol=1e-3)
+
+
+def test_smem_scalar_scratch_counter_and_program_id_in_loop():
+  def k(x_ref, o_ref, count_ref, acc_ref):
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+      count_ref[0] = 0
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def body(r, c):
+      @pl.when(r % 2 == i % 2)
+      def _():
+        acc_ref[r, :] += x_ref[r, :]
+      return c + jnp.where(r % 2 == i % 2, 1, 0)
+    count_ref[0] += lax.fori_loop(0, 8, body, jnp.int32(0))
+    o_ref[...] = acc_ref[...] + count_ref[0].astype(jnp.float32)
+  x = randn(24, 128)
+  run_both(call(k, sds((24, 128), jnp.float32), grid=(3,),
+                in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                scratch_shapes=[pltpu.SMEM((1,), jnp.int32), pltpu.VMEM((8, 128), jnp.float32)]),
+           x)

@@ -298,3 +298,16 @@ def test_eager_pallas_np_call_compiles_nothing():
     logger.removeHandler(handler)
   np.testing.assert_array_equal(out, 32 + np.repeat(np.arange(4.0), 16)[:, None] * np.ones(16))
   np.testing.assert_array_equal(out2, 64 + np.repeat(np.arange(4.0), 16)[:, None] * np.ones(16))
+
+
+def test_jvp_of_plain_kernel_uses_jax_jvp_rule():
+  # JAX differentiates the kernel itself (its pallas_call JVP rule builds a
+  # tangent kernel, which sums tangents with autodiff's add_any).
+  def k(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...]) * x_ref[...]
+  x = jnp.linspace(0, 1, 8 * 128, dtype=jnp.float32).reshape(8, 128)
+  f = lambda interp: pl.pallas_call(k, out_shape=_sds(x), interpret=interp)
+  got = jax.jvp(f("numpy"), (x,), (jnp.ones_like(x),))
+  want = jax.jvp(f(True), (x,), (jnp.ones_like(x),))
+  for g, w in zip(got, want):
+    assert_same(g, w, rtol=1e-6)

@@ -1,6 +1,7 @@
 """Identity-like primitives that only matter to compilers or autodiff."""
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 
 from pallas_np import _compat as jc
@@ -21,3 +22,9 @@ for _p in [getattr(lax, "stop_gradient_p", None),
 @registry.register(lax.optimization_barrier_p)
 def _optimization_barrier(e):
   return lambda *xs: xs
+
+
+# Autodiff's own addition (JVPs of kernels sum tangents with it): a plain add.
+_add_any_p = jc.optional_primitive("jax._src.ad_util", "add_jaxvals_p")
+if _add_any_p is not None:
+  registry.register_numpy(_add_any_p, np.add)
