@@ -151,7 +151,9 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="two small sizes (CI)")
   ap.add_argument("--rows-per-block", type=int, default=0,
                   help="rows per grid step (default: ~128K elements per block)")
-  ap.add_argument("--modes", default=",".join(MODES))
+  ap.add_argument("--modes", default="",
+                  help=f"comma-separated subset of {','.join(MODES)} (default: all; "
+                  "--quick: numpy,hlo,tpu)")
   ap.add_argument("--sizes", default="", help="e.g. 8x128,1024x1024")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--size", help=argparse.SUPPRESS)
@@ -166,8 +168,8 @@ def main(argv=None):
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")]
   else:
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-  modes = args.modes.split(",")
-  max_warm_s = 1.0 if args.quick else 3.0
+  modes = (args.modes or ("numpy,hlo,tpu" if args.quick else ",".join(MODES))).split(",")
+  max_warm_s = 0.5 if args.quick else 3.0
   results = {}
   tpu_skip_reason = None
   prev_tpu = None  # (elements, seconds) of the last TPU-interpret run
