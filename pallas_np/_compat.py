@@ -21,6 +21,8 @@ from jax._src.lax.control_flow import conditionals as lax_conditionals
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas import pallas_call as pallas_call_mod
 from jax._src.pallas import primitives as pallas_primitives
+from jax._src.pallas.mosaic import primitives as mosaic_primitives
+from jax._src.pallas.mosaic import core as mosaic_core
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.state import indexing as state_indexing
@@ -47,6 +49,7 @@ Indirect = pallas_core.Indirect
 DynamicGridDim = pallas_core.DynamicGridDim
 
 AbstractRef = state_types.AbstractRef
+TransformedRef = state_types.TransformedRef
 NDIndexer = state_indexing.NDIndexer
 Slice = state_indexing.Slice
 RefBitcaster = getattr(state_types, "RefBitcaster", None)

@@ -29,6 +29,7 @@ from pallas_np import debugging, races, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
+from pallas_np.state import dma
 
 
 def fill_value(dtype, params: InterpretParams):
@@ -44,6 +45,9 @@ def _fill_value(dtype, uninitialized):
 
 
 def allocate(shape, dtype, params: InterpretParams) -> np.ndarray:
+  if jc.is_semaphore_dtype(dtype):
+    # Semaphores count DMA bytes: int64 cells (see pallas_np.state.dma).
+    return np.zeros(shape, np.int64)
   dtype = np.dtype(jc.physical_dtype(dtype))
   return np.full(shape, fill_value(dtype, params), dtype=dtype)
 
@@ -282,6 +286,8 @@ class KernelPlan:
         kernel(ctx, *index_ops, *views, *scratch)
         if progress is not None:
           progress.tick(step + 1)
+      if ctx.extra:
+        dma.check_finished(ctx)
     except KernelError:
       raise
     except Exception as e:

@@ -1,0 +1,258 @@
+"""TPU (Mosaic) primitives: roll, bitcast, PRNG, delay, trace values,
+semaphores and DMAs (data movement lives in ``pallas_np.state.dma``)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.dtypes import np_dtype
+from pallas_np.state import dma as dma_mod
+from pallas_np.state.indexing import RefAccess
+
+mp = jc.mosaic_primitives
+pp = jc.pallas_primitives
+
+
+# -- value primitives ----------------------------------------------------------
+@registry.register(mp.roll_p)
+def _roll(e):
+  axis = int(e.params["axis"])
+  stride, stride_axis = e.params["stride"], e.params["stride_axis"]
+  if stride is None:
+    return lambda x, shift: np.roll(x, int(shift), axis)
+
+  def roll_strided(x, shift):
+    # Slice k along stride_axis is rolled by shift + k * stride.
+    shift = int(shift)
+    parts = [np.roll(xs, shift + k * stride, axis)
+             for k, xs in enumerate(np.split(x, x.shape[stride_axis], stride_axis))]
+    return np.concatenate(parts, stride_axis)
+  return roll_strided
+
+
+@registry.register(mp.bitcast_p)
+def _bitcast(e):
+  """TPU bitcast packs/unpacks along the second-minor dim (see the Mosaic
+  lowering of ``bitcast_p``)."""
+  src = np_dtype(e.in_avals[0].dtype)
+  dst = np_dtype(e.params["ty"])
+  if src.itemsize == dst.itemsize:
+    return lambda x: np.ascontiguousarray(x).view(dst)
+  if src.itemsize < dst.itemsize:
+    packing = dst.itemsize // src.itemsize
+
+    def pack(x):
+      *lead, m, n = x.shape
+      y = np.swapaxes(x.reshape(*lead, m // packing, packing, n), -1, -2)
+      return np.ascontiguousarray(y).view(dst).reshape(*lead, m // packing, n)
+    return pack
+  packing = src.itemsize // dst.itemsize
+
+  def unpack(x):
+    *lead, m, n = x.shape
+    y = np.ascontiguousarray(x).view(dst).reshape(*lead, m, n, packing)
+    return np.ascontiguousarray(np.swapaxes(y, -1, -2)).reshape(*lead, m * packing, n)
+  return unpack
+
+
+# -- PRNG -----------------------------------------------------------------------
+_PRNG_KEY = "tpu_prng"
+
+
+@registry.register(mp.prng_seed_p, needs_ctx=True)
+def _prng_seed(e):
+  """The TPU's hardware PRNG cannot be reproduced on CPU (TPU interpret mode
+  returns zeros); we seed NumPy's Philox with the seed words so sampling is
+  deterministic per seed and statistically sound."""
+  def seed(ctx, *seeds):
+    flat = []
+    for s in seeds:
+      flat.extend(int(w) for w in np.asarray(s).astype(np.uint32).ravel())
+    ctx.extra[_PRNG_KEY] = np.random.Generator(np.random.Philox(key=_key_from(flat)))
+    return []
+  return seed
+
+
+def _key_from(words):
+  key = 0
+  for i, w in enumerate(words[:4]):
+    key |= (int(w) & 0xFFFFFFFF) << (32 * i)
+  return key
+
+
+@registry.register(mp.prng_random_bits_p, needs_ctx=True)
+def _prng_random_bits(e):
+  shape = tuple(e.params["shape"])
+
+  def bits(ctx):
+    gen = ctx.extra.get(_PRNG_KEY)
+    if gen is None:
+      raise RuntimeError("pltpu.prng_random_bits called before pltpu.prng_seed")
+    return gen.integers(0, 1 << 32, size=shape, dtype=np.uint64).astype(
+        np.uint32).view(np.int32)
+  return bits
+
+
+# -- no-ops for a CPU ------------------------------------------------------------
+registry.register(pp.delay_p, needs_ctx=True)(lambda e: (lambda ctx, nanos: []))
+registry.register(mp.trace_value_p, needs_ctx=True)(lambda e: (lambda ctx, v: []))
+registry.register(mp.touch_p, needs_ctx=True)(lambda e: (lambda ctx, *refs: []))
+
+
+# -- refs with transforms inside pytrees (DMA and semaphore operands) -----------
+def _ref_operand(e, node, transforms=None):
+  """``node`` is a Var position or a TransformedRef of positions (from
+  unflattening the eqn's tree with positions), or a position plus
+  ``transforms``: compile it into ``fn(args) -> (view, idx)``."""
+  if node is None:
+    return None
+  if isinstance(node, jc.TransformedRef):
+    node, transforms = node.ref, node.transforms
+  if not isinstance(node, int):
+    raise NotImplementedError("nested transformed refs in a DMA/semaphore operand")
+  ref_pos = node
+  if not transforms:
+    return lambda args: (args[ref_pos], Ellipsis)
+  leaves, tree = jax.tree_util.tree_flatten(transforms)
+  invars = e.eqn.invars
+  aval = e.in_avals[ref_pos]
+  access = RefAccess(tree, [invars[p] for p in leaves], aval.shape,
+                     ref_dtype=aval.dtype,
+                     clamp=e.compiler.params.bounds_check == "clamp")
+  dyn = [leaves[k] for k in access.dynamic_positions]
+  resolve = access.resolve
+  return lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
+
+
+def _positions(tree, n):
+  return tree.unflatten(list(range(n))) if hasattr(tree, "unflatten") else \
+      jax.tree_util.tree_unflatten(tree, list(range(n)))
+
+
+def _device_is_self(e, device_id_node):
+  """A remote operation is local when its device id is this (the only) device."""
+  if device_id_node is None:
+    return None
+  leaves = jax.tree_util.tree_leaves(device_id_node)
+
+  def check(args):
+    for p in leaves:
+      if int(args[p]) != 0:
+        raise NotImplementedError(
+            f"remote DMA/semaphore to device {int(args[p])}: the NumPy "
+            "interpreter simulates one device (only device id 0 = itself)")
+  return check
+
+
+@registry.register(mp.dma_start_p, needs_ctx=True, foldable=False)
+def _dma_start(e):
+  n = len(e.eqn.invars)
+  src, dst, dst_sem, src_sem, device_id = _positions(e.params["tree"], n)
+  get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
+  get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
+  check_device = _device_is_self(e, device_id)
+  add = bool(e.params.get("add", False))
+  source = e.source
+
+  def dma_start(ctx, *args):
+    if check_device is not None:
+      check_device(args)
+    s_view, s_idx = get_src(args)
+    d_view, d_idx = get_dst(args)
+    src_shape = np.shape(s_view[s_idx]) if s_idx is not Ellipsis else s_view.shape
+    dst_shape = np.shape(d_view[d_idx]) if d_idx is not Ellipsis else d_view.shape
+    if src_shape != dst_shape:
+      raise ValueError(f"DMA shape mismatch: source {src_shape}, destination {dst_shape}")
+    dsem = dma_mod.sem_cell(*get_dst_sem(args))
+    ssem = dma_mod.sem_cell(*get_src_sem(args)) if get_src_sem is not None else None
+    dma_mod.start(ctx, (s_view, s_idx), (d_view, d_idx), dsem, ssem, add=add,
+                  source=source)
+    return []
+  return dma_start
+
+
+@registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False)
+def _dma_wait(e):
+  n = len(e.eqn.invars)
+  src, dst, sem, _, device_id = _positions(e.params["tree"], n)
+  get_sem = _ref_operand(e, sem)
+  # TPU interpret mode waits for the byte size of the (transformed) source.
+  if isinstance(src, int):
+    aval = e.in_avals[src]
+    shape, dtype = aval.shape, aval.dtype
+  else:
+    leaves, tree = jax.tree_util.tree_flatten(src.transforms)
+    aval = e.in_avals[src.ref]
+    acc = RefAccess(tree, [e.eqn.invars[p] for p in leaves], aval.shape,
+                    ref_dtype=aval.dtype, clamp=True)
+    shape = acc.result_shape
+    dtype = aval.dtype
+    for t in src.transforms:
+      if jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
+        dtype = t.dtype
+  nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
+  what = f"DMA wait at {e.source}"
+
+  def dma_wait(ctx, *args):
+    dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), nbytes, what=what)
+    return []
+  return dma_wait
+
+
+@registry.register(pp.semaphore_signal_p, needs_ctx=True, foldable=False)
+def _semaphore_signal(e):
+  n = len(e.eqn.invars)
+  ref, transforms, inc, device_id, core_index = jax.tree_util.tree_unflatten(
+      e.params["args_tree"], list(range(n)))
+  get_sem = _ref_operand(e, ref, transforms)
+  check_device = _device_is_self(e, device_id)
+
+  def signal(ctx, *args):
+    if check_device is not None:
+      check_device(args)
+    if core_index is not None and int(args[core_index]) != 0:
+      raise NotImplementedError("signalling another core: the NumPy interpreter runs one core")
+    cell = dma_mod.sem_cell(*get_sem(args))
+    cell[...] += int(args[inc])
+    return []
+  return signal
+
+
+@registry.register(pp.semaphore_wait_p, needs_ctx=True, foldable=False)
+def _semaphore_wait(e):
+  n = len(e.eqn.invars)
+  ref, transforms, value, decrement = jax.tree_util.tree_unflatten(
+      e.params["args_tree"], list(range(n)))
+  get_sem = _ref_operand(e, ref, transforms)
+  what = f"semaphore_wait at {e.source}"
+  dec_atom = e.eqn.invars[decrement] if isinstance(decrement, int) else None
+  dec_static = (bool(decrement) if dec_atom is None else
+                bool(dec_atom.val) if isinstance(dec_atom, jc.Literal) else None)
+
+  def sem_wait(ctx, *args):
+    cell = dma_mod.sem_cell(*get_sem(args))
+    val = int(args[value])
+    dec = dec_static if dec_static is not None else bool(args[decrement])
+    dma_mod.wait(ctx, cell, val, what=what)
+    if not dec:
+      cell[...] += val
+    return []
+  return sem_wait
+
+
+@registry.register(pp.semaphore_read_p, needs_ctx=True, foldable=False)
+def _semaphore_read(e):
+  n = len(e.eqn.invars)
+  ref, transforms = jax.tree_util.tree_unflatten(e.params["args_tree"], list(range(n)))
+  get_sem = _ref_operand(e, ref, transforms)
+
+  def read(ctx, *args):
+    return np.int32(dma_mod.sem_cell(*get_sem(args))[()])
+  return read
+
+
+@registry.register(mp.get_barrier_semaphore_p, needs_ctx=True, foldable=False)
+def _get_barrier_semaphore(e):
+  return lambda ctx: dma_mod.barrier_semaphore(ctx)

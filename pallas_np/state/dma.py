@@ -1,0 +1,148 @@
+"""Semaphores and DMAs with the visibility rules of TPU interpret mode.
+
+TPU interpret mode (``pltpu.InterpretParams()``, ``dma_execution_mode=
+"on_wait"``, the default) does not move data when a DMA starts: the DMA is
+queued on its semaphore(s) and runs when somebody waits on one of them and the
+count is too low. Waiting pops the *most recently* queued DMA first, reads the
+source at that moment and writes the destination. We do the same, so a kernel
+that races its own DMAs sees the same values as under TPU interpret mode.
+
+A semaphore is a 0-d cell of an int64 NumPy array (``grid.allocate`` gives
+semaphore scratch int64 so byte counts of DMA semaphores cannot overflow); its
+address identifies it in the per-run table of pending DMAs kept in
+``RunContext.extra``. The interpreter runs one core, so a wait that its queued
+DMAs cannot satisfy can never be satisfied: it raises instead of hanging.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+
+_STATE_KEY = "tpu_dma"
+
+STARTED, READ, DONE = 0, 1, 2
+
+
+class DmaState:
+  """Per-run DMA bookkeeping (lives in ``RunContext.extra``)."""
+  __slots__ = ("tasks", "dmas", "barrier")
+
+  def __init__(self):
+    self.tasks: dict[int, list] = {}  # semaphore address -> LIFO of callables
+    self.dmas: list[Dma] = []  # started, not yet completed
+    self.barrier = None
+
+
+def state_of(ctx) -> DmaState:
+  st = ctx.extra.get(_STATE_KEY)
+  if st is None:
+    st = ctx.extra[_STATE_KEY] = DmaState()
+  return st
+
+
+def sem_cell(view, idx) -> np.ndarray:
+  """A writable 0-d view of one semaphore."""
+  if idx is Ellipsis:
+    cell = view
+  else:
+    cell = view[(*idx, Ellipsis)] if isinstance(idx, tuple) else view[idx, ...]
+  if cell.ndim != 0:
+    raise ValueError(f"expected a single semaphore, got a semaphore array of shape {cell.shape}")
+  return cell
+
+
+def sem_key(cell: np.ndarray) -> int:
+  return cell.__array_interface__["data"][0]
+
+
+class Dma:
+  __slots__ = ("src", "dst", "src_sem", "dst_sem", "state", "data", "add",
+               "source", "grid_point")
+
+  def __init__(self, src, dst, src_sem, dst_sem, add, source, grid_point):
+    self.src = src  # (view, idx)
+    self.dst = dst
+    self.src_sem = src_sem
+    self.dst_sem = dst_sem
+    self.add = add
+    self.source = source
+    self.grid_point = grid_point
+    self.state = STARTED
+    self.data = None
+
+  def read(self):
+    if self.state != STARTED:
+      return
+    view, idx = self.src
+    self.data = np.array(view[idx])
+    if self.src_sem is not None:
+      self.src_sem[...] += self.data.nbytes
+    self.state = READ
+
+  def read_and_write(self):
+    self.read()
+    if self.state == DONE:
+      return
+    view, idx = self.dst
+    data = self.data
+    if self.add:
+      view[idx] += data
+    else:
+      view[idx] = data
+    self.dst_sem[...] += data.nbytes
+    self.data = None
+    self.state = DONE
+
+
+def start(ctx, src, dst, dst_sem, src_sem, *, add, source):
+  st = state_of(ctx)
+  dma = Dma(src, dst, src_sem, dst_sem, add, source, tuple(int(p) for p in ctx.grid_point))
+  st.dmas.append(dma)
+  if src_sem is not None:
+    st.tasks.setdefault(sem_key(src_sem), []).append((src_sem, dma.read))
+  st.tasks.setdefault(sem_key(dst_sem), []).append((dst_sem, dma.read_and_write))
+
+
+def wait(ctx, cell: np.ndarray, value: int, *, what: str):
+  """Wait until the semaphore reaches ``value`` and decrement it, running
+  queued DMAs (newest first) while it is too low."""
+  if cell[()] < value:
+    st = ctx.extra.get(_STATE_KEY)
+    queue = st.tasks.get(sem_key(cell)) if st is not None else None
+    while cell[()] < value and queue:
+      _, task = queue.pop()
+      task()
+    if st is not None:
+      st.dmas = [d for d in st.dmas if d.state != DONE]
+    if cell[()] < value:
+      raise RuntimeError(
+          f"deadlock: {what} waits for the semaphore to reach {value}, but its "
+          f"value is {int(cell[()])} and no pending DMA or other core can signal "
+          "it (the NumPy interpreter runs one core: on a TPU this wait would "
+          "hang forever)")
+  cell[...] -= value
+
+
+def barrier_semaphore(ctx) -> np.ndarray:
+  st = state_of(ctx)
+  if st.barrier is None:
+    st.barrier = np.zeros((), np.int64)
+  return st.barrier
+
+
+def check_finished(ctx):
+  """Called when a kernel's grid is done: report DMAs nobody waited for."""
+  st = ctx.extra.get(_STATE_KEY)
+  if st is None:
+    return
+  pending = [d for d in st.dmas if d.state != DONE]
+  st.dmas = []
+  st.tasks = {}
+  if pending:
+    d = pending[0]
+    raise RuntimeError(
+        f"{len(pending)} DMA(s) still in flight when the kernel ended; the first "
+        f"was started at {d.source} at grid point {d.grid_point} and never "
+        "waited on (TPU interpret mode would never copy its data). Wait on its "
+        "semaphore (`.wait()`) before the kernel ends.")
