@@ -160,6 +160,7 @@ class KernelPlan:
     self.written_inputs = frozenset(
         i for i in range(self.num_index + self.num_inputs) if i in written)
     self.clamp = params.bounds_check == "clamp"
+    self.parallel_prefix = _parallel_prefix(kwargs_compiler_params(_unused), len(self.grid))
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self._vectorizer = None
@@ -176,11 +177,16 @@ class KernelPlan:
       return self._run(*args)
 
   def _run(self, *args) -> list[np.ndarray]:
-    if self.params.vectorize is not False and self._may_vectorize:
+    cores = self.params.num_cores > 1 and self.parallel_prefix
+    if self.params.vectorize is not False and self._may_vectorize and not cores:
       out = self._run_vectorized(args)
       if out is not None:
         return out
     grid, index_ops, buffers, out_bufs = self._prepare(args)
+    if cores:
+      self._run_cores(grid, index_ops, buffers)
+      self.last_mode = "sequential"
+      return self._results(out_bufs)
     scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
     detector = races.for_run(self, grid, buffers, scratch)
     if detector is None:
@@ -248,7 +254,24 @@ class KernelPlan:
       results.append(buf)
     return results
 
-  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None):
+  def _run_cores(self, grid, index_ops, buffers):
+    """Megacore: the leading 'parallel' grid dims are split into contiguous
+    chunks, one per TensorCore (as TPU interpret mode does); each core has its
+    own scratch, scalar-prefetch (SMEM) copies and DMA state."""
+    n_par = self.parallel_prefix
+    par_points = int(np.prod(grid[:n_par], dtype=np.int64))
+    rest = int(np.prod(grid[n_par:], dtype=np.int64))
+    per_core = -(-par_points // self.params.num_cores) * rest
+    points = list(itertools.product(*map(range, grid)))
+    for core in range(self.params.num_cores):
+      chunk = points[core * per_core:(core + 1) * per_core]
+      if not chunk:
+        break
+      scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
+      self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
+                     points=chunk)
+
+  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None):
     params = self.params
     ctx = RunContext(self.name, params)
     local = self.local_dims
@@ -269,8 +292,10 @@ class KernelPlan:
     point = ()
     total = int(np.prod(grid, dtype=np.int64)) if grid else 1
     progress = debugging.progress_bar(self.name, total, params) if total > 1 else None
+    if points is None:
+      points = itertools.product(*map(range, grid))
     try:
-      for step, point in enumerate(itertools.product(*map(range, grid))):
+      for step, point in enumerate(points):
         ids = tuple(np.int32(i) for i in point)
         ctx.grid_point = point
         ctx.program_ids = tuple(ids[d] for d in local)
@@ -324,6 +349,27 @@ class KernelPlan:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)
     return err
+
+
+def kwargs_compiler_params(extra: dict):
+  return extra.get("compiler_params") or {}
+
+
+def _parallel_prefix(compiler_params, ndim: int) -> int:
+  """Number of leading grid dims with 'parallel' semantics (TPU
+  ``dimension_semantics``; other compiler params are ignored)."""
+  if isinstance(compiler_params, dict):  # older JAX: {"mosaic_tpu": params}
+    compiler_params = compiler_params.get("mosaic_tpu") or compiler_params.get("mosaic")
+  sems = getattr(compiler_params, "dimension_semantics", None)
+  if not sems:
+    return 0
+  n = 0
+  for sem in sems:
+    name = getattr(sem, "name", None) or getattr(sem, "value", None) or str(sem)
+    if str(name).lower() not in ("parallel", "core_parallel"):
+      break
+    n += 1
+  return min(n, ndim)
 
 
 def _kernel_name(jaxpr) -> str:

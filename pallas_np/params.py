@@ -40,6 +40,11 @@ class InterpretParams:
     progress: show a progress bar for grids that run longer than ~2 s
       (``PALLAS_NP_PROGRESS=0`` turns it off everywhere).
     num_threads: threads over independent grid slabs (1 = off).
+    num_cores: TensorCores per device (like ``pltpu.InterpretParams(
+      num_cores_or_threads=...)``): the leading 'parallel' grid dims are split
+      across cores, each with its own scratch and scalar-prefetch copies.
+      Kernels written for megacore (e.g. paged attention's ``megacore_mode``)
+      need 2.
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
@@ -51,6 +56,7 @@ class InterpretParams:
   trace: Callable[..., Any] | None = None
   progress: bool = True
   num_threads: int = 1
+  num_cores: int = 1
 
   def __post_init__(self):
     if self.bounds_check not in ("raise", "clamp"):

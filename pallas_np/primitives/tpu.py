@@ -102,54 +102,81 @@ registry.register(mp.touch_p, needs_ctx=True)(lambda e: (lambda ctx, *refs: []))
 
 
 # -- refs with transforms inside pytrees (DMA and semaphore operands) -----------
-def _ref_operand(e, node, transforms=None):
-  """``node`` is a Var position or a TransformedRef of positions (from
-  unflattening the eqn's tree with positions), or a position plus
-  ``transforms``: compile it into ``fn(args) -> (view, idx)``."""
+class _Pos:
+  """Marks the k-th eqn invar inside an unflattened operand tree (DMA trees
+  keep static Python ints as statics, so plain ints would be ambiguous)."""
+  __slots__ = ("k",)
+
+  def __init__(self, k):
+    self.k = k
+
+
+def _positions(e, tree):
+  marks = [_Pos(i) for i in range(len(e.eqn.invars))]
+  if hasattr(tree, "unflatten"):
+    return tree.unflatten(marks)
+  return jax.tree_util.tree_unflatten(tree, marks)
+
+
+def _atom(e, leaf):
+  if isinstance(leaf, _Pos):
+    return e.eqn.invars[leaf.k]
+  return jc.Literal(leaf, None)  # a static index baked into the tree
+
+
+def _ref_operand(e, node, transforms=()):
+  """``node`` is a ``_Pos`` or a TransformedRef of ``_Pos``/statics (from
+  ``_positions``), or a ``_Pos`` plus ``transforms``: compile it into
+  ``fn(args) -> (view, idx)``."""
   if node is None:
     return None
   if isinstance(node, jc.TransformedRef):
     node, transforms = node.ref, node.transforms
-  if not isinstance(node, int):
+  if not isinstance(node, _Pos):
     raise NotImplementedError("nested transformed refs in a DMA/semaphore operand")
-  ref_pos = node
+  ref_pos = node.k
   if not transforms:
     return lambda args: (args[ref_pos], Ellipsis)
   leaves, tree = jax.tree_util.tree_flatten(transforms)
-  invars = e.eqn.invars
   aval = e.in_avals[ref_pos]
-  access = RefAccess(tree, [invars[p] for p in leaves], aval.shape,
+  access = RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
                      ref_dtype=aval.dtype,
                      clamp=e.compiler.params.bounds_check == "clamp")
-  dyn = [leaves[k] for k in access.dynamic_positions]
+  dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
   return lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
 
 
-def _positions(tree, n):
-  return tree.unflatten(list(range(n))) if hasattr(tree, "unflatten") else \
-      jax.tree_util.tree_unflatten(tree, list(range(n)))
+def _arg(e, leaf):
+  """Compile a scalar operand (``_Pos`` or static) into ``fn(args)``."""
+  if isinstance(leaf, _Pos):
+    atom = e.eqn.invars[leaf.k]
+    if isinstance(atom, jc.Literal):
+      val = atom.val
+      return lambda args: val
+    k = leaf.k
+    return lambda args: args[k]
+  return lambda args: leaf
 
 
 def _device_is_self(e, device_id_node):
   """A remote operation is local when its device id is this (the only) device."""
   if device_id_node is None:
     return None
-  leaves = jax.tree_util.tree_leaves(device_id_node)
+  getters = [_arg(e, l) for l in jax.tree_util.tree_leaves(device_id_node)]
 
   def check(args):
-    for p in leaves:
-      if int(args[p]) != 0:
+    for get in getters:
+      if int(get(args)) != 0:
         raise NotImplementedError(
-            f"remote DMA/semaphore to device {int(args[p])}: the NumPy "
+            f"remote DMA/semaphore to device {int(get(args))}: the NumPy "
             "interpreter simulates one device (only device id 0 = itself)")
   return check
 
 
 @registry.register(mp.dma_start_p, needs_ctx=True, foldable=False)
 def _dma_start(e):
-  n = len(e.eqn.invars)
-  src, dst, dst_sem, src_sem, device_id = _positions(e.params["tree"], n)
+  src, dst, dst_sem, src_sem, device_id = _positions(e, e.params["tree"])
   get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
   get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
   check_device = _device_is_self(e, device_id)
@@ -175,17 +202,16 @@ def _dma_start(e):
 
 @registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False)
 def _dma_wait(e):
-  n = len(e.eqn.invars)
-  src, dst, sem, _, device_id = _positions(e.params["tree"], n)
+  src, dst, sem, _, device_id = _positions(e, e.params["tree"])
   get_sem = _ref_operand(e, sem)
   # TPU interpret mode waits for the byte size of the (transformed) source.
-  if isinstance(src, int):
-    aval = e.in_avals[src]
+  if isinstance(src, _Pos):
+    aval = e.in_avals[src.k]
     shape, dtype = aval.shape, aval.dtype
   else:
     leaves, tree = jax.tree_util.tree_flatten(src.transforms)
-    aval = e.in_avals[src.ref]
-    acc = RefAccess(tree, [e.eqn.invars[p] for p in leaves], aval.shape,
+    aval = e.in_avals[src.ref.k]
+    acc = RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
                     ref_dtype=aval.dtype, clamp=True)
     shape = acc.result_shape
     dtype = aval.dtype
@@ -203,38 +229,34 @@ def _dma_wait(e):
 
 @registry.register(pp.semaphore_signal_p, needs_ctx=True, foldable=False)
 def _semaphore_signal(e):
-  n = len(e.eqn.invars)
-  ref, transforms, inc, device_id, core_index = jax.tree_util.tree_unflatten(
-      e.params["args_tree"], list(range(n)))
+  ref, transforms, inc, device_id, core_index = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
   check_device = _device_is_self(e, device_id)
+  get_inc = _arg(e, inc)
+  get_core = _arg(e, core_index) if core_index is not None else None
 
   def signal(ctx, *args):
     if check_device is not None:
       check_device(args)
-    if core_index is not None and int(args[core_index]) != 0:
+    if get_core is not None and int(get_core(args)) != 0:
       raise NotImplementedError("signalling another core: the NumPy interpreter runs one core")
     cell = dma_mod.sem_cell(*get_sem(args))
-    cell[...] += int(args[inc])
+    cell[...] += int(get_inc(args))
     return []
   return signal
 
 
 @registry.register(pp.semaphore_wait_p, needs_ctx=True, foldable=False)
 def _semaphore_wait(e):
-  n = len(e.eqn.invars)
-  ref, transforms, value, decrement = jax.tree_util.tree_unflatten(
-      e.params["args_tree"], list(range(n)))
+  ref, transforms, value, decrement = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
   what = f"semaphore_wait at {e.source}"
-  dec_atom = e.eqn.invars[decrement] if isinstance(decrement, int) else None
-  dec_static = (bool(decrement) if dec_atom is None else
-                bool(dec_atom.val) if isinstance(dec_atom, jc.Literal) else None)
+  get_value, get_dec = _arg(e, value), _arg(e, decrement)
 
   def sem_wait(ctx, *args):
     cell = dma_mod.sem_cell(*get_sem(args))
-    val = int(args[value])
-    dec = dec_static if dec_static is not None else bool(args[decrement])
+    val = int(get_value(args))
+    dec = bool(get_dec(args))
     dma_mod.wait(ctx, cell, val, what=what)
     if not dec:
       cell[...] += val
@@ -244,8 +266,7 @@ def _semaphore_wait(e):
 
 @registry.register(pp.semaphore_read_p, needs_ctx=True, foldable=False)
 def _semaphore_read(e):
-  n = len(e.eqn.invars)
-  ref, transforms = jax.tree_util.tree_unflatten(e.params["args_tree"], list(range(n)))
+  ref, transforms = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
 
   def read(ctx, *args):

@@ -119,8 +119,9 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str):
       raise RuntimeError(
           f"deadlock: {what} waits for the semaphore to reach {value}, but its "
           f"value is {int(cell[()])} and no pending DMA or other core can signal "
-          "it (the NumPy interpreter runs one core: on a TPU this wait would "
-          "hang forever)")
+          "it: on a TPU this wait would hang forever. (Kernels that split a "
+          "'parallel' grid dim across TensorCores, e.g. megacore modes, need "
+          "InterpretParams(num_cores=2).)")
   cell[...] -= value
 
 
