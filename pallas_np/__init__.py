@@ -12,6 +12,7 @@ from pallas_np import primitives as _primitives  # noqa: F401  (registers rules)
 from pallas_np import state as _state  # noqa: F401
 from pallas_np import control_flow as _control_flow  # noqa: F401
 from pallas_np.debugging import kernel_errors
+from pallas_np.primitives.tpu import assume_tpu_chip
 from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpret,
                            unset_numpy_interpret, clear_caches, install as _install)
 
@@ -25,4 +26,4 @@ __version__ = "0.1.0"
 __all__ = ["pallas_call", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",
            "PallasNumpyError", "KernelError", "UnsupportedError", "RaceError",
-           "kernel_errors"]
+           "kernel_errors", "assume_tpu_chip"]

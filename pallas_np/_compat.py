@@ -23,6 +23,7 @@ from jax._src.pallas import pallas_call as pallas_call_mod
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.mosaic import primitives as mosaic_primitives
 from jax._src.pallas.mosaic import core as mosaic_core
+from jax._src.pallas.mosaic import tpu_info as mosaic_tpu_info
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.state import indexing as state_indexing
@@ -188,3 +189,9 @@ def _default_placement():
 
 
 from jax._src.lib import xla_client as _xc  # noqa: E402
+
+
+def register_tpu_device_kind(kind: str, make_info):
+  """Let TPU-only tracing helpers (emit_pipeline's tiling inference) run on a
+  non-TPU default device by naming the TpuInfo to assume for it."""
+  mosaic_tpu_info.registry[kind] = make_info

@@ -124,9 +124,30 @@ def test_ragged_paged_attention():
   with numpy_mode():
     got = rpa.ragged_paged_attention(*args, sm_scale=0.1, num_kv_pages_per_block=2,
                                      num_queries_per_block=8)
-  want = rpa.ref_ragged_paged_attention(*args, sm_scale=0.1)
+  want = _ragged_reference(*[np.asarray(a) for a in args], sm_scale=0.1)
   n = sum(q_lens)
-  np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got)[:n], want[:n], rtol=1e-4, atol=1e-4)
+
+
+def _ragged_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
+  """NumPy port of ``ref_ragged_paged_attention`` (which takes ~13 s un-jitted):
+  causal attention of each sequence's queries over its gathered KV pages;
+  K and V heads are interleaved in ``kv_pages``' head axis."""
+  out = np.zeros_like(q)
+  nq, nkv = q.shape[1], kv_pages.shape[2] // 2
+  for i in range(int(num_seqs[0])):
+    q_start, q_end, kv_len = cu_q_lens[i], cu_q_lens[i + 1], kv_lens[i]
+    kv = kv_pages[page_indices[i]].reshape(-1, 2 * nkv, q.shape[2])[:kv_len]
+    k = np.repeat(kv[:, 0::2], nq // nkv, axis=1)
+    v = np.repeat(kv[:, 1::2], nq // nkv, axis=1)
+    qs = q[q_start:q_end]
+    logits = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
+    q_pos = kv_len - (q_end - q_start) + np.arange(q_end - q_start)
+    logits = np.where(np.arange(kv_len)[None, :] <= q_pos[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out[q_start:q_end] = np.einsum("hqk,khd->qhd", p, v)
+  return out
 
 
 _SPLASH_BLOCKS = sa.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,

@@ -277,3 +277,14 @@ def _semaphore_read(e):
 @registry.register(mp.get_barrier_semaphore_p, needs_ctx=True, foldable=False)
 def _get_barrier_semaphore(e):
   return lambda ctx: dma_mod.barrier_semaphore(ctx)
+
+
+def assume_tpu_chip(version: str = "v5e", num_cores: int = 1):
+  """Make JAX's TPU-only tracing helpers (``pltpu.emit_pipeline`` infers DMA
+  tilings from the device's TpuInfo) trace on a CPU by assuming this chip.
+  Affects tracing only; kernels still run in the NumPy interpreter."""
+  from jax.experimental.pallas import tpu as pltpu
+  import jax as _jax
+  chip = pltpu.ChipVersion(version)
+  kind = _jax.devices()[0].device_kind
+  jc.register_tpu_device_kind(kind, lambda: pltpu.get_tpu_info_for_chip(chip, num_cores))
