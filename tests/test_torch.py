@@ -218,8 +218,10 @@ def _paged_reference(q, k_pages, v_pages, lengths, page_indices):
   for b in range(batch):
     n = int(lengths[b])
     pages = page_indices[b]
-    k = k_pages[:, pages].reshape(kv_heads, -1, dim)[:, :n]
-    v = v_pages[:, pages].reshape(kv_heads, -1, dim)[:, :n]
+    # The kernel reads K and V pages as bfloat16 (MultiPageAsyncCopyDescriptor
+    # ._maybe_dequantize), so the reference rounds them the same way.
+    k = k_pages[:, pages].reshape(kv_heads, -1, dim)[:, :n].bfloat16().float()
+    v = v_pages[:, pages].reshape(kv_heads, -1, dim)[:, :n].bfloat16().float()
     for h in range(heads):
       s = k[h // group] @ q[b, h]
       out[b, h] = torch.softmax(s, -1) @ v[h // group]
