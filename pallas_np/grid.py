@@ -160,7 +160,7 @@ class KernelPlan:
     self.written_inputs = frozenset(
         i for i in range(self.num_index + self.num_inputs) if i in written)
     self.clamp = params.bounds_check == "clamp"
-    self.parallel_prefix = _parallel_prefix(kwargs_compiler_params(_unused), len(self.grid))
+    self.parallel_prefix = _parallel_prefix(compiler_params or {}, len(self.grid))
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self._vectorizer = None
@@ -349,10 +349,6 @@ class KernelPlan:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)
     return err
-
-
-def kwargs_compiler_params(extra: dict):
-  return extra.get("compiler_params") or {}
 
 
 def _parallel_prefix(compiler_params, ndim: int) -> int:
