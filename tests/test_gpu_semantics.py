@@ -106,6 +106,22 @@ def test_masked_gather_with_integer_array_index():
   np.testing.assert_allclose(np.asarray(got), np.asarray(x) / np.asarray(x).sum(), rtol=1e-6)
 
 
+def test_masked_window_starting_before_zero():
+  """A sliding window ``pl.ds(i - 3, 8)`` masked to ``idx >= 0``: Triton
+  semantics (interpret=True's dynamic_slice would shift the window instead)."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * 4 - 3 + jnp.arange(8)
+    w = pltriton.load(x_ref.at[pl.ds(i * 4 - 3, 8)], mask=(idx >= 0) & (idx < 12), other=0.0)
+    o_ref[pl.ds(i, 1)] = jnp.sum(w, keepdims=True)
+
+  x = np.arange(1, 13, dtype=np.float32)
+  got = pallas_np.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3,), jnp.float32),
+                              grid=(3,))(x)
+  want = [sum(x[j] for j in range(i * 4 - 3, i * 4 + 5) if 0 <= j < 12) for i in range(3)]
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_masked_off_lanes_without_other_read_memory_like_interpret_true():
   def kernel(x_ref, o_ref):
     o_ref[...] = pltriton.load(x_ref, mask=jnp.arange(8) % 2 == 0) * 3.0
