@@ -175,6 +175,12 @@ def write_results(args, names, modes, results, info):
            "Modes: " + "; ".join(f"**{m}** = {MODES[m]}" for m in modes) + ".", "",
            "*cold* = first call in a fresh process (trace + compile + run; imports "
            "excluded), *warm* = median of later calls. Times in ms.", ""]
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+  if load > (os.cpu_count() or 1):
+    lines += [f"**Noisy run**: the machine was shared (load average {load:.1f} at the end on "
+              f"{os.cpu_count()} cores), so single timings can be off by several times "
+              "(multi-threaded code, OpenBLAS and XLA alike, suffers most); compare ratios "
+              "across reruns before trusting one.", ""]
   head = ["kernel"] + [f"{m} cold" for m in modes] + [f"{m} warm" for m in modes]
   ratio_cols = []
   if "numpy" in modes and "interpret" in modes:

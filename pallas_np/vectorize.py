@@ -80,7 +80,10 @@ class BatchCompiler(Compiler):
     brule = _BATCH_RULES.get(info.primitive.name)
     if brule is not None:
       return brule(self, rule, info, in_batched)
-    if not any(in_batched) and not rule.needs_ctx and not _has_subjaxprs(info.eqn):
+    eqn = info.eqn
+    if (not any(in_batched) and not rule.needs_ctx and not _has_subjaxprs(eqn)
+        and all(isinstance(eff, _REF_EFFECTS) for eff in eqn.effects)):
+      # Same value for every lane: computed once per pass.
       return rule.compile(info), False, (False,) * len(info.out_avals)
     return _lane_loop(rule, info, in_batched)
 
@@ -509,22 +512,20 @@ def _addupdate(bc, rule, info, in_batched):
 
 @batch_rule("run_scoped")
 def _run_scoped(bc, rule, info, in_batched):
+  """Scoped buffers are lane-private: allocated with a lane axis."""
   from pallas_np.grid import allocate
   jaxpr = info.params["jaxpr"]
   scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
             for v in jaxpr.invars]
-  plan = bc.compile(jaxpr, constvars_as_args=True,
-                    in_batched=(*in_batched, *([True] * len(scoped)))).fn
+  compiled = bc.compile(jaxpr, constvars_as_args=True,
+                        in_batched=(*in_batched, *([True] * len(scoped))))
+  plan = compiled.fn
   params = bc.params
 
   def run_scoped(ctx, *consts):
     n = ctx.batch_size
     return plan(ctx, *consts, *[allocate((n, *a.shape), a.dtype, params) for a in scoped])
-  return run_scoped, True, tuple(_plan_out(plan_obj=None, n=len(info.out_avals)))
-
-
-def _plan_out(plan_obj, n):
-  return [True] * n if plan_obj is None else list(plan_obj.out_batched)
+  return run_scoped, True, tuple(compiled.out_batched)
 
 
 # -- control flow: lane groups ------------------------------------------------------
@@ -750,7 +751,7 @@ _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 # small: there the Python cost per grid point dominates. With bigger blocks
 # NumPy is already busy and the batched temporaries only fall out of cache.
 # Kernels with scratch pay two passes (the hand-over check), hence less.
-_AUTO_LANE_BYTES = 64 << 10
+_AUTO_LANE_BYTES = 64 << 10      # exclusive
 _AUTO_LANE_BYTES_SCRATCH = 16 << 10
 _MAX_LANES = 1 << 14
 
@@ -912,7 +913,7 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
                           for i, m in enumerate(maps))
   if kp.params.vectorize is None:
     limit = _AUTO_LANE_BYTES_SCRATCH if kp.scratch_avals else _AUTO_LANE_BYTES
-    if _lane_bytes(kp, operand_batched) > limit:
+    if _lane_bytes(kp, operand_batched) >= limit:
       gv.last_failure = "blocks too big to gain from batching (auto mode)"
       return None
   kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
