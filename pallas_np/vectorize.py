@@ -745,7 +745,7 @@ def _scan(bc, rule, info, in_batched):
 
 
 # -- the grid side -------------------------------------------------------------------
-_MAX_GRID = 1 << 22          # points evaluated up front for the analysis
+_MAX_GRID = 1 << 20          # points evaluated up front for the analysis
 _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 # vectorize=None (auto) batches only grids whose per-grid-point blocks are
 # small: there the Python cost per grid point dominates. With bigger blocks
@@ -857,16 +857,17 @@ class GridVectorizer:
     """Every output block is touched by grid points of one lane only."""
     kp = self.kp
     lane = np.ravel_multi_index(tuple(coords[d] for d in axes), tuple(grid[d] for d in axes))
-    for cols, geo in zip(block_idx[kp.num_inputs:], kp.blocks[kp.num_inputs:]):
+    for cols in block_idx[kp.num_inputs:]:
       if not cols:
         return False  # a 0-d output: one block shared by everyone
-      key = np.zeros(lane.shape, np.int64)
+      # Sort grid points by (block, lane); a block seen with two lanes fails.
+      order = np.lexsort((lane, *reversed(cols)))
+      same_block = np.ones(len(order) - 1, bool)
       for c in cols:
-        lo, hi = int(c.min()), int(c.max())
-        key = key * (hi - lo + 1) + (c - lo)
-      order = np.lexsort((lane, key))
-      k, l = key[order], lane[order]
-      if np.any((k[1:] == k[:-1]) & (l[1:] != l[:-1])):
+        cs = c[order]
+        same_block &= cs[1:] == cs[:-1]
+      ls = lane[order]
+      if np.any(same_block & (ls[1:] != ls[:-1])):
         return False
     return True
 
