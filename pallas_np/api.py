@@ -186,12 +186,15 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
     compiler = Compiler(interp, "pallas_call")
     plan = compiler.compile(closed)
     out_tree = jax.tree_util.tree_structure(traced.out_info)
-    entry = [plan, out_tree, None, closed.jaxpr]
+    # Python scalars and float64/int64 NumPy values take JAX's canonical
+    # dtypes (float32/int32 without x64), as the traced jaxpr says.
+    in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
+    entry = [plan, out_tree, None, closed.jaxpr, in_dtypes]
     _eager_cache[key] = entry
     while len(_eager_cache) > _PLAN_CACHE_SIZE:
       _eager_cache.popitem(last=False)
-  plan, out_tree, input_free, jaxpr = entry
-  np_args = [np.asarray(x) for x in leaves]
+  plan, out_tree, input_free, jaxpr, in_dtypes = entry
+  np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, in_dtypes)]
   outs = [np.asarray(o) for o in plan(RunContext("pallas_call", interp), *np_args)]
   if own_outputs:
     if input_free is None:

@@ -311,3 +311,15 @@ def test_jvp_of_plain_kernel_uses_jax_jvp_rule():
   want = jax.jvp(f(True), (x,), (jnp.ones_like(x),))
   for g, w in zip(got, want):
     assert_same(g, w, rtol=1e-6)
+
+
+def test_eager_scalars_and_wide_numpy_inputs_take_jax_dtypes():
+  # A Python float / np.float64 / Python int operand becomes float32/int32 in
+  # the traced jaxpr (no x64); the eager path must feed the kernel that dtype.
+  def k(x_ref, s_ref, o_ref):
+    o_ref[...] = x_ref[...] * s_ref[...]
+  x = jnp.arange(8, dtype=jnp.float32)
+  out_shape = jax.ShapeDtypeStruct((8,), jnp.float32)
+  for args in [(x, 2.5), (np.arange(8, dtype=np.float32), np.float64(2.5)), (x, 3)]:
+    want = pl.pallas_call(k, out_shape=out_shape, interpret=True)(*args)
+    assert_same(pallas_np.pallas_call(k, out_shape=out_shape)(*args), want)
