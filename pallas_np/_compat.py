@@ -85,6 +85,31 @@ def physical_dtype(dtype):
   return dtype
 
 
+# -- extended dtypes (PRNG keys) and decompositions ---------------------------
+from jax._src.random import prng as jax_prng  # noqa: E402
+from jax._src.random import threefry2x32 as jax_threefry  # noqa: E402
+
+
+def physical_aval(aval):
+  """The aval of the NumPy array that holds values of ``aval`` (key arrays are
+  their uint32 key data, with a trailing key dimension)."""
+  dtype = getattr(aval, "dtype", None)
+  if dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.extended) \
+      and not is_semaphore_dtype(dtype):
+    return jax_core.physical_aval(aval)
+  return aval
+
+
+def is_extended_dtype(dtype) -> bool:
+  return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.extended)
+
+
+def trace_to_jaxpr(fn, avals):
+  """ClosedJaxpr of ``fn`` applied to arrays of the given (physical) avals."""
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  return jax.make_jaxpr(fn)(*args)
+
+
 def is_semaphore_dtype(dtype) -> bool:
   return hasattr(getattr(dtype, "_rules", None), "pallas_interpret_element_aval")
 

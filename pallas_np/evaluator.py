@@ -364,7 +364,8 @@ def _foldable_size(eqn) -> bool:
 
 
 def _checked(fn, info: registry.EqnInfo, multiple: bool):
-  avals = [a if used else None for a, used in zip(info.out_avals, info.outvars_used)]
+  avals = [jc.physical_aval(a) if used else None
+           for a, used in zip(info.out_avals, info.outvars_used)]
   name = info.primitive.name
 
   def check(val, aval):

@@ -64,7 +64,6 @@ def _native_or_f32(np_fn):
 
 # -- arithmetic ---------------------------------------------------------------
 for _p, _f in [(lax.add_p, np.add), (lax.sub_p, np.subtract), (lax.mul_p, np.multiply),
-               (lax.max_p, np.maximum), (lax.min_p, np.minimum),
                (lax.and_p, np.bitwise_and), (lax.or_p, np.bitwise_or),
                (lax.xor_p, np.bitwise_xor), (lax.not_p, np.invert),
                (lax.eq_p, np.equal), (lax.ne_p, np.not_equal), (lax.lt_p, np.less),
@@ -72,6 +71,31 @@ for _p, _f in [(lax.add_p, np.add), (lax.sub_p, np.subtract), (lax.mul_p, np.mul
                (lax.ge_p, np.greater_equal), (lax.neg_p, np.negative),
                (lax.is_finite_p, np.isfinite), (lax.nextafter_p, np.nextafter)]:
   reg(_p, _f)
+
+
+def _minmax(ufunc, is_max):
+  def compile_rule(e):
+    dt = _in_dtype(e)
+    if dt.kind not in "fV" and not is_low_precision_float(dt):
+      return ufunc
+    # XLA: NaN propagates (as np.maximum) and +0.0 > -0.0; NumPy returns
+    # either zero. x + y of two zeros is the XLA max; -(-x + -y) the min.
+    if is_max:
+      return lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: a + b)
+    return lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: -((-a) + (-b)))
+  return compile_rule
+
+
+def _fix_zero(r, x, y, combine):
+  zero = r == 0
+  if not np.any(zero):
+    return r
+  both = zero & (np.asarray(x) == 0) & (np.asarray(y) == 0)
+  return np.where(both, combine(x, y), r).astype(r.dtype, copy=False)[()]
+
+
+registry.register(lax.max_p)(_minmax(np.maximum, True))
+registry.register(lax.min_p)(_minmax(np.minimum, False))
 
 
 @registry.register(lax.abs_p)
@@ -182,10 +206,22 @@ for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
                (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
                (lax.erf_inv_p, scipy.special.erfinv),
                (lax.lgamma_p, scipy.special.gammaln),
-               (lax.digamma_p, scipy.special.psi),
                (lax.bessel_i0e_p, scipy.special.i0e),
                (lax.bessel_i1e_p, scipy.special.i1e)]:
   _reg_unary(_p, _f)
+
+_reg_unary(lax.digamma_p, lambda x: np.where((x <= 0) & (x == np.floor(x)), np.nan,
+                                              scipy.special.psi(x)))
+
+
+@registry.register(lax.exp2_p)
+def _exp2(e):
+  # XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's dtype.
+  dt = _in_dtype(e)
+  ln2 = np.asarray(np.log(2.0), dt)
+  exp = _unary_float(np.exp)(e)
+  return lambda x: exp(np.multiply(x, ln2, dtype=dt))
+
 
 _reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
 _reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
@@ -246,11 +282,14 @@ def _shift(kind):
         ux = np.asarray(x).view(udt) if np.ndim(x) else np.asarray(x, dt).view(udt)
         r = np.right_shift(ux, np.where(ok, s, 0).astype(udt))
         return np.where(ok, r.view(dt) if np.ndim(r) else np.asarray(r).view(dt), np.zeros((), dt))[()]
-    else:  # arithmetic
+    else:  # arithmetic: sign-extends the bit pattern, unsigned types too
+      sdt = np.dtype(f"int{bits}")
       def f(x, s):
         ok = (s >= 0) & (s < bits) if dt.kind == "i" else s < bits
-        s_eff = np.where(ok, s, bits - 1).astype(dt)
-        return np.right_shift(x, s_eff)[()]
+        s_eff = np.where(ok, s, bits - 1).astype(sdt)
+        sx = np.asarray(x).view(sdt) if dt != sdt else x
+        r = np.asarray(np.right_shift(sx, s_eff))
+        return (r.view(dt) if dt != sdt else r)[()]
     return f
   return compile_rule
 
@@ -263,7 +302,9 @@ registry.register(lax.shift_right_arithmetic_p)(_shift("arithmetic"))
 @registry.register(lax.population_count_p)
 def _popcount(e):
   dt = _in_dtype(e)
-  return lambda x: np.bitwise_count(x).astype(dt)
+  # np.bitwise_count counts |x| for signed ints; XLA counts the bit pattern.
+  udt = np.dtype(f"uint{dt.itemsize * 8}")
+  return lambda x: np.bitwise_count(np.asarray(x).view(udt)).astype(dt)[()]
 
 
 @registry.register(lax.clz_p)
@@ -373,3 +414,35 @@ def _complex(e):
 def _conj(e):
   out = _out_dtype(e)
   return lambda x, **_: np.conj(x).astype(out)[()]
+
+
+# -- more special functions (scipy.special; XLA agrees within a few ulp) -----
+for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
+                  ("zeta_p", scipy.special.zeta)]:
+  if hasattr(lax, _name):
+    registry.register(getattr(lax, _name))(_binary_float(_f))
+
+
+if hasattr(lax, "polygamma_p"):
+  registry.register(lax.polygamma_p)(_binary_float(scipy.special.polygamma))
+
+
+if hasattr(lax, "regularized_incomplete_beta_p"):
+  @registry.register(lax.regularized_incomplete_beta_p)
+  def _betainc(e):
+    dt = _in_dtype(e)
+    work = np.float32 if is_low_precision_float(dt) else dt
+
+    def betainc(a, b, x):
+      a, b, x = (np.asarray(v, work) for v in (a, b, x))
+      return np.asarray(scipy.special.betainc(a, b, x), dt)[()]
+    return betainc
+
+
+# -- mulhi: traced from JAX's own decomposition (bit-exact by construction) ---
+if hasattr(jc.lax_internal, "mulhi_p"):
+  @registry.register(jc.lax_internal.mulhi_p)
+  def _mulhi(e):
+    closed = jc.trace_to_jaxpr(jc.lax_internal._mulhi_impl, e.in_avals)
+    plan = e.compiler.compile(closed).fn
+    return lambda x, y: plan(None, x, y)[0]

@@ -1,4 +1,5 @@
-"""Identity-like primitives that only matter to compilers or autodiff."""
+"""Primitives that only matter to compilers, autodiff or the host:
+identities, platform selection, debug printing and host callbacks."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,3 +29,65 @@ def _optimization_barrier(e):
 _add_any_p = jc.optional_primitive("jax._src.ad_util", "add_jaxvals_p")
 if _add_any_p is not None:
   registry.register_numpy(_add_any_p, np.add)
+
+
+# -- platform-dependent code: interpret=True lowers for the CPU ------------
+_platform_index_p = jc.optional_primitive(
+    "jax._src.lax.control_flow.conditionals", "platform_index_p")
+if _platform_index_p is not None:
+  @registry.register(_platform_index_p)
+  def _platform_index(e):
+    import numpy as np
+    platforms = e.params["platforms"]
+    chosen = None
+    for i, ps in enumerate(platforms):
+      if ps is not None and "cpu" in ps:
+        chosen = i
+        break
+    if chosen is None:
+      chosen = next((i for i, ps in enumerate(platforms) if ps is None), None)
+    if chosen is None:
+      raise e.unsupported(f"lax.platform_dependent without a 'cpu' or default branch "
+                          f"(platforms {platforms})")
+    value = np.int32(chosen)
+    return lambda: value
+
+
+# -- host callbacks (debug printing/callbacks live in primitives/debug.py) --
+for _name in ("pure_callback_p", "io_callback_p"):
+  _cb = jc.optional_primitive("jax._src.callback", _name)
+  if _cb is not None:
+    @registry.register(_cb, foldable=False)
+    def _host_callback(e):
+      import numpy as np
+      from pallas_np.dtypes import np_dtype
+      callback = e.params["callback"]
+      outs = [(tuple(a.shape), np_dtype(a.dtype)) for a in e.out_avals]
+
+      def host_callback(*args):
+        results = callback(*args)
+        return [np.asarray(r, dt).reshape(shape) for r, (shape, dt) in zip(results, outs)]
+      return host_callback
+
+
+_composite_p = getattr(jc.lax_internal, "composite_p", None)
+if _composite_p is not None:
+  @registry.register(_composite_p, needs_ctx=True)
+  def _composite(e):
+    return e.compiler.compile(e.params["jaxpr"]).fn
+
+
+_random_clone_p = jc.optional_primitive("jax._src.random", "random_clone_p")
+if _random_clone_p is not None:
+  registry.register(_random_clone_p)(_identity_single)
+
+
+_zeros_like_p = jc.optional_primitive("jax._src.ad_util", "zeros_like_p")
+if _zeros_like_p is not None:
+  @registry.register(_zeros_like_p)
+  def _zeros_like(e):
+    import numpy as np
+    from pallas_np.dtypes import np_dtype
+    aval = jc.physical_aval(e.out_aval)
+    value = np.zeros(tuple(aval.shape), np_dtype(aval.dtype))
+    return lambda x: value

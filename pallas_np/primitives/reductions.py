@@ -50,6 +50,8 @@ def _reduce_max(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
   init = _identity(dt, "max")
+  if dt.kind in "fV":
+    return lambda x: _signed_zero_fix(np.max(x, axis=axes, initial=init), x, axes, True)
   return lambda x: np.max(x, axis=axes, initial=init)
 
 
@@ -58,7 +60,25 @@ def _reduce_min(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
   init = _identity(dt, "min")
+  if dt.kind in "fV":
+    return lambda x: _signed_zero_fix(np.min(x, axis=axes, initial=init), x, axes, False)
   return lambda x: np.min(x, axis=axes, initial=init)
+
+
+def _signed_zero_fix(r, x, axes, is_max):
+  """XLA orders -0.0 below +0.0 in max/min; NumPy returns either zero."""
+  zero = r == 0
+  if not np.any(zero):
+    return r
+  x = np.asarray(x)
+  neg = np.signbit(x) & (x == 0)
+  pos = ~np.signbit(x) & (x == 0)
+  if is_max:  # -0.0 only if no +0.0 among the maxima
+    sign_neg = ~np.any(pos, axis=axes)
+  else:
+    sign_neg = np.any(neg, axis=axes)
+  fixed = np.where(sign_neg, np.array(-0.0, r.dtype), np.array(0.0, r.dtype))
+  return np.where(zero, fixed, r).astype(r.dtype, copy=False)[()]
 
 
 def _bitwise_reduce(ufunc, bool_fn):
@@ -98,7 +118,7 @@ def _cumulative(accumulate):
 
     def f(x):
       if low:
-        x = np.asarray(x, np.float32)
+        return _low_precision_scan(x, axis, reverse, accumulate, dt)
       if reverse:
         x = np.flip(x, axis)
       y = accumulate(x, axis, dt if not low else np.float32)
@@ -107,6 +127,37 @@ def _cumulative(accumulate):
       return np.asarray(y, dtype=dt)
     return f
   return compile_rule
+
+
+def _low_precision_scan(x, axis, reverse, accumulate, dt):
+  """bf16/f16 scans round every partial result back to the dtype, as XLA's
+  elementwise upcast-compute-round does (bit-exact for short scans; XLA
+  switches to a tree for long ones)."""
+  x = np.moveaxis(np.asarray(x), axis, 0)
+  n = x.shape[0]
+
+  def add(acc, v):
+    pair = np.stack([acc, v]).astype(np.float32)
+    return np.asarray(accumulate(pair, 0, np.float32)[1], dt)
+  if reverse and n <= 64:
+    # XLA's reduce-window sums each suffix window left to right.
+    out = np.empty_like(x)
+    for i in range(n):
+      acc = x[i]
+      for k in range(i + 1, n):
+        acc = add(acc, x[k])
+      out[i] = acc
+    return np.moveaxis(out, 0, axis)
+  if reverse:
+    x = x[::-1]
+  out = np.empty_like(x)
+  acc = None
+  for k in range(x.shape[0]):
+    acc = x[k] if acc is None else add(acc, x[k])
+    out[k] = acc
+  if reverse:
+    out = out[::-1]
+  return np.moveaxis(out, 0, axis)
 
 
 registry.register(lax.cumsum_p)(_cumulative(
@@ -120,3 +171,31 @@ registry.register(lax.cummin_p)(_cumulative(
     lambda x, axis, dt: np.minimum.accumulate(x, axis=axis)))
 registry.register(lax.cumlogsumexp_p)(_cumulative(
     lambda x, axis, dt: np.logaddexp.accumulate(x, axis=axis)))
+
+
+@registry.register(lax.reduce_p)
+def _reduce(e):
+  """``lax.reduce`` with a custom (possibly variadic) monoid: a sequential
+  left fold over the reduced elements, the computation applied to whole
+  slices at a time (it is elementwise by construction)."""
+  import dataclasses
+  from pallas_np.evaluator import Compiler
+  dims = tuple(int(d) for d in e.params["dimensions"])
+  closed = e.params["jaxpr"]
+  n = len(e.out_avals)
+  # The monoid's jaxpr is written for scalars; we feed it arrays.
+  compiler = Compiler(dataclasses.replace(e.compiler.params, check_avals=False),
+                      e.compiler.name)
+  combine = compiler.compile(closed).fn
+  out_dts = [np_dtype(a.dtype) for a in e.out_avals]
+
+  def reduce(*args):
+    operands, inits = args[:n], args[n:]
+    moved = [np.moveaxis(np.asarray(x), dims, tuple(range(-len(dims), 0))) for x in operands]
+    lead = moved[0].shape[:moved[0].ndim - len(dims)]
+    flat = [m.reshape(*lead, -1) for m in moved]
+    acc = [np.broadcast_to(np.asarray(i, dt), lead) for i, dt in zip(inits, out_dts)]
+    for k in range(flat[0].shape[-1]):
+      acc = combine(None, *acc, *[f[..., k] for f in flat])
+    return [np.asarray(a, dt).reshape(lead) for a, dt in zip(acc, out_dts)]
+  return reduce

@@ -1,0 +1,94 @@
+"""jax.random inside kernels: key arrays, threefry2x32, random bits.
+
+A key array is held as its uint32 key data (shape + (2,) for threefry), which
+is what JAX lowers it to, so ``random_wrap``/``random_unwrap`` are identities.
+The key operations (seed, split, fold_in, bits) are lowered by JAX as the PRNG
+implementation's own functions traced to a jaxpr; we trace the same functions
+and compile them with the same compiler, so results are bit-exact with JAX by
+construction, down to the NumPy ``threefry2x32`` below.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+
+prng = jc.jax_prng
+
+
+def _compile_traced(e, fn, in_avals):
+  closed = jc.trace_to_jaxpr(fn, in_avals)
+  plan = e.compiler.compile(closed).fn
+  return lambda *args: plan(None, *args)[0]
+
+
+@registry.register(prng.random_seed_p)
+def _random_seed(e):
+  aval, = e.in_avals
+  impl = e.params["impl"]
+  return _compile_traced(e, prng.iterated_vmap_unary(aval.ndim, impl.seed), [aval])
+
+
+@registry.register(prng.random_split_p)
+def _random_split(e):
+  aval, = e.in_avals
+  impl = aval.dtype._impl
+  shape = tuple(e.params["shape"])
+  fn = prng.iterated_vmap_unary(aval.ndim, lambda k: impl.split(k, shape))
+  return _compile_traced(e, fn, [jc.physical_aval(aval)])
+
+
+@registry.register(prng.random_fold_in_p)
+def _random_fold_in(e):
+  keys_aval, msgs_aval = e.in_avals
+  impl = keys_aval.dtype._impl
+  fn = prng.iterated_vmap_binary_bcast(keys_aval.shape, msgs_aval.shape, impl.fold_in)
+  return _compile_traced(e, fn, [jc.physical_aval(keys_aval), msgs_aval])
+
+
+@registry.register(prng.random_bits_p)
+def _random_bits(e):
+  aval, = e.in_avals
+  impl = aval.dtype._impl
+  bit_width = int(e.params["bit_width"])
+  shape = tuple(e.params["shape"])
+  fn = prng.iterated_vmap_unary(aval.ndim, lambda k: impl.random_bits(k, bit_width, shape))
+  return _compile_traced(e, fn, [jc.physical_aval(aval)])
+
+
+registry.register(prng.random_wrap_p)(lambda e: (lambda x: x))
+registry.register(prng.random_unwrap_p)(lambda e: (lambda x: x))
+
+
+@registry.register(prng.iota_2x32_shape_p)
+def _iota_2x32_shape(e):
+  shape = tuple(e.params["shape"])
+  counts = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
+  hi = (counts >> np.uint64(32)).astype(np.uint32)
+  lo = counts.astype(np.uint32)
+  return lambda: (hi, lo)
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k1, k2, x1, x2):
+  """Threefry-2x32 with 20 rounds (Salmon et al. 2011), as JAX computes it."""
+  shape = np.broadcast_shapes(np.shape(k1), np.shape(k2), np.shape(x1), np.shape(x2))
+  u32 = np.uint32
+  k1, k2, x1, x2 = (np.broadcast_to(np.asarray(a, u32), shape) for a in (k1, k2, x1, x2))
+  ks = [k1, k2, k1 ^ k2 ^ u32(0x1BD11BDA)]
+  x = [x1 + ks[0], x2 + ks[1]]
+  with np.errstate(over="ignore"):
+    for i in range(5):
+      for r in _ROTATIONS[i % 2]:
+        x[0] = x[0] + x[1]
+        x[1] = (x[1] << u32(r)) | (x[1] >> u32(32 - r))
+        x[1] = x[0] ^ x[1]
+      x[0] = x[0] + ks[(i + 1) % 3]
+      x[1] = x[1] + ks[(i + 2) % 3] + u32(i + 1)
+  return [np.asarray(x[0], u32), np.asarray(x[1], u32)]
+
+
+registry.register(jc.jax_threefry.threefry2x32_p)(lambda e: threefry2x32)

@@ -1,0 +1,369 @@
+"""Differential fuzzing core: random elementwise / reduction / scan / shape /
+gather-scatter / sort / ref-indexing kernels over random shapes and dtypes,
+numpy mode vs interpret=True.
+
+One hypothesis example is one kernel computing many independent ops (each op
+writes its own output ref), so one interpret=True compile checks many cases.
+A *case* is one op's output compared. Integer and bool results must be
+bit-exact; float results within a few ulp of the output dtype (looser for
+transcendentals, sum-scaled for reductions); NaN positions must agree.
+Denormals are treated as zero: XLA's CPU backend flushes them, NumPy does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+from jax import lax
+from jax.experimental import pallas as pl
+
+FLOATS = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
+INTS = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32)]
+CONVERT_TARGETS = FLOATS + INTS + [np.dtype(np.bool_), np.dtype(ml_dtypes.float8_e4m3fn),
+                                   np.dtype(ml_dtypes.float8_e5m2)]
+
+
+@dataclasses.dataclass
+class Op:
+  name: str
+  fn: Callable  # (x_ref, y_ref, i_ref) -> array
+  kind: str     # "exact", "ulp", "transcendental", "sum"
+
+
+def _is_float(dt):
+  return dt in FLOATS
+
+
+# -- op catalogue ------------------------------------------------------------
+_UNARY_F = {
+    "neg": (jnp.negative, "exact"), "abs": (jnp.abs, "exact"), "floor": (jnp.floor, "exact"),
+    "ceil": (jnp.ceil, "exact"), "round": (jnp.round, "exact"),
+    "round_away": (lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), "exact"),
+    "sign": (jnp.sign, "exact"), "square": (jnp.square, "ulp"), "sqrt": (jnp.sqrt, "ulp"),
+    "rsqrt": (lax.rsqrt, "transcendental"), "exp": (jnp.exp, "transcendental"),
+    "exp2": (jnp.exp2, "transcendental"),
+    "log": (jnp.log, "transcendental"), "log1p": (jnp.log1p, "transcendental"),
+    "expm1": (jnp.expm1, "transcendental"), "tanh": (jnp.tanh, "transcendental"),
+    "logistic": (jax.nn.sigmoid, "transcendental"), "sin": (jnp.sin, "transcendental"),
+    "cos": (jnp.cos, "transcendental"), "atan": (jnp.arctan, "transcendental"),
+    "erf": (lax.erf, "transcendental"), "is_finite": (jnp.isfinite, "exact"),
+    "ipow2": (lambda x: lax.integer_pow(x, 2), "ulp"),
+    "ipow3": (lambda x: lax.integer_pow(x, 3), "ulp"),
+    "recip": (lambda x: 1 / x, "ulp"), "relu": (jax.nn.relu, "exact"),
+}
+_BINARY_F = {
+    "add": (jnp.add, "ulp"), "sub": (jnp.subtract, "ulp"), "mul": (jnp.multiply, "ulp"),
+    "div": (jnp.divide, "ulp"), "max": (lax.max, "exact"), "min": (lax.min, "exact"),
+    "rem": (lax.rem, "ulp"), "pow": (lax.pow, "transcendental"),
+    "atan2": (jnp.arctan2, "transcendental"), "nextafter": (jnp.nextafter, "exact"),
+    "eq": (jnp.equal, "exact"), "lt": (jnp.less, "exact"), "ge": (jnp.greater_equal, "exact"),
+    "where": (lambda x, y: jnp.where(x > y, x, y * 2), "ulp"),
+    "clamp": (lambda x, y: lax.clamp(jnp.minimum(y, 0).astype(x.dtype), x,
+                                     jnp.maximum(y, 0).astype(x.dtype)), "exact"),
+}
+_UNARY_I = {
+    "neg": lambda x: -x, "not": lambda x: ~x, "popcnt": lax.population_count, "clz": lax.clz,
+    "sign": lax.sign, "ipow2": lambda x: lax.integer_pow(x, 2),
+    "abs": lambda x: lax.abs(x) if jnp.issubdtype(x.dtype, jnp.signedinteger) else x,
+}
+_BINARY_I = {
+    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": lax.div, "rem": lax.rem,
+    "and": jnp.bitwise_and, "or": jnp.bitwise_or, "xor": jnp.bitwise_xor, "max": lax.max,
+    "min": lax.min, "shl": lax.shift_left, "shr_l": lax.shift_right_logical,
+    "shr_a": lax.shift_right_arithmetic, "eq": jnp.equal, "lt": jnp.less,
+    "mulhi": lax.mulhi,
+}
+
+
+def _value(ref):
+  return ref[...]
+
+
+def draw_ops(draw, dtype, shape, n_ops) -> list[Op]:
+  """Draw ``n_ops`` ops applicable to inputs of ``dtype``/``shape``."""
+  ndim = len(shape)
+  families = ["unary", "binary", "convert", "reduce", "scan", "shape", "gather",
+              "scatter", "sort", "ref_index", "dynamic_slice"]
+  ops = []
+  for _ in range(n_ops):
+    fam = draw(st.sampled_from(families))
+    ops.append(_draw_op(draw, fam, dtype, shape, ndim))
+  return ops
+
+
+def _draw_op(draw, fam, dtype, shape, ndim) -> Op:
+  isf = _is_float(dtype)
+  axis = draw(st.integers(0, ndim - 1))
+  if fam == "unary":
+    if isf:
+      name = draw(st.sampled_from(sorted(_UNARY_F)))
+      f, kind = _UNARY_F[name]
+    else:
+      name = draw(st.sampled_from(sorted(_UNARY_I)))
+      f, kind = _UNARY_I[name], "exact"
+    return Op(name, lambda x, y, i, f=f: f(x[...]), kind)
+  if fam == "binary":
+    if isf:
+      name = draw(st.sampled_from(sorted(_BINARY_F)))
+      f, kind = _BINARY_F[name]
+    else:
+      name = draw(st.sampled_from(sorted(_BINARY_I)))
+      f, kind = _BINARY_I[name], "exact"
+    swap = draw(st.booleans())
+    if swap:
+      return Op(name + "_swapped", lambda x, y, i, f=f: f(y[...], x[...]), kind)
+    return Op(name, lambda x, y, i, f=f: f(x[...], y[...]), kind)
+  if fam == "convert":
+    to = draw(st.sampled_from(CONVERT_TARGETS))
+    return Op(f"convert_{to.name}", lambda x, y, i, to=to: lax.convert_element_type(x[...], to),
+              "exact")
+  if fam == "reduce":
+    choices = ["sum", "max", "min", "argmax", "argmin"]
+    if not isf:
+      choices += ["prod", "and", "or", "xor"]
+    name = draw(st.sampled_from(choices))
+    f = {"sum": lambda v: jnp.sum(v, axis=axis), "max": lambda v: jnp.max(v, axis=axis),
+         "min": lambda v: jnp.min(v, axis=axis), "argmax": lambda v: jnp.argmax(v, axis=axis),
+         "argmin": lambda v: jnp.argmin(v, axis=axis), "prod": lambda v: jnp.prod(v, axis=axis),
+         "and": lambda v: lax.reduce_and(v, (axis,)), "or": lambda v: lax.reduce_or(v, (axis,)),
+         "xor": lambda v: lax.reduce_xor(v, (axis,))}[name]
+    kind = "sum" if name in ("sum",) and isf else "exact"
+    return Op(f"reduce_{name}_{axis}", lambda x, y, i, f=f: f(x[...]), kind)
+  if fam == "scan":
+    name = draw(st.sampled_from(["cumsum", "cummax", "cummin"]))
+    reverse = draw(st.booleans())
+    f = {"cumsum": lax.cumsum, "cummax": lax.cummax, "cummin": lax.cummin}[name]
+    kind = "sum" if name == "cumsum" and isf else "exact"
+    return Op(f"{name}_{axis}_{reverse}",
+              lambda x, y, i, f=f: f(x[...], axis=axis, reverse=reverse), kind)
+  if fam == "shape":
+    name = draw(st.sampled_from(["transpose", "rev", "slice", "pad", "concat", "reshape",
+                                 "broadcast", "select_n"]))
+    if name == "transpose":
+      perm = tuple(draw(st.permutations(range(ndim))))
+      return Op(f"transpose{perm}", lambda x, y, i: jnp.transpose(x[...], perm), "exact")
+    if name == "rev":
+      dims = tuple(sorted(set(draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=ndim)))))
+      return Op(f"rev{dims}", lambda x, y, i: lax.rev(x[...], dims), "exact")
+    if name == "slice":
+      starts, limits, strides = [], [], []
+      for n in shape:
+        s = draw(st.integers(0, n - 1))
+        l = draw(st.integers(s + 1, n))
+        starts.append(s); limits.append(l); strides.append(draw(st.integers(1, 3)))
+      return Op(f"slice{starts}{limits}{strides}",
+                lambda x, y, i: lax.slice(x[...], starts, limits, strides), "exact")
+    if name == "pad":
+      cfg = []
+      for n in shape:
+        lo = draw(st.integers(-(n - 1) // 2, 2))
+        hi = draw(st.integers(-(n - 1) // 2, 2))
+        cfg.append((lo, hi, draw(st.integers(0, 2))))
+      return Op(f"pad{cfg}", lambda x, y, i: lax.pad(x[...], jnp.zeros((), x.dtype) + 1, cfg),
+                "exact")
+    if name == "concat":
+      return Op(f"concat{axis}", lambda x, y, i: jnp.concatenate([x[...], y[...]], axis=axis),
+                "exact")
+    if name == "reshape":
+      return Op("reshape", lambda x, y, i: x[...].reshape(-1)[::-1], "exact")
+    if name == "broadcast":
+      return Op("broadcast", lambda x, y, i: lax.broadcast_in_dim(
+          x[...], (2, *shape), tuple(range(1, ndim + 1))), "exact")
+    return Op("select_n", lambda x, y, i: lax.select_n(x[...] < y[...], x[...], y[...]),
+              "exact")
+  if fam == "gather":
+    mode = draw(st.sampled_from(["index", "clip", "fill"]))
+    def gather(x, y, i, mode=mode):
+      idx = i[...] % (shape[axis] + 3) - 2
+      if mode == "index":  # plain x[idx]: negative wraps, out of range clamps
+        return jnp.moveaxis(jnp.moveaxis(x[...], axis, 0)[idx], 0, axis)
+      return jnp.take(x[...], idx, axis=axis, mode=mode)
+    return Op(f"gather_{axis}_{mode}", gather, "exact")
+  if fam == "scatter":
+    mode = draw(st.sampled_from(["drop", "clip"]))
+    how = draw(st.sampled_from(["set", "add", "max", "min"]))
+    def scatter(x, y, i, mode=mode, how=how):
+      idx = i[...] % (shape[0] + 2) - 1
+      upd = y[...][:1] if shape[0] else y[...]
+      upd = jnp.broadcast_to(upd, (idx.shape[0], *shape[1:]))
+      at = x[...].at[idx]
+      if how == "set":
+        # duplicate indices make "set" order-dependent: use unique ones
+        return x[...].at[jnp.arange(min(shape[0], 2))].set(upd[:min(shape[0], 2)], mode=mode)
+      return getattr(at, how)(upd, mode=mode)
+    return Op(f"scatter_{how}_{mode}", scatter, "sum" if isf and how == "add" else "exact")
+  if fam == "sort":
+    name = draw(st.sampled_from(["sort", "argsort", "sort2", "top_k"]))
+    if name == "sort":
+      return Op(f"sort{axis}", lambda x, y, i: jnp.sort(x[...], axis=axis), "exact")
+    if name == "argsort":
+      return Op(f"argsort{axis}", lambda x, y, i: jnp.argsort(x[...], axis=axis, stable=True),
+                "exact")
+    if name == "sort2":
+      return Op(f"sort2_{axis}", lambda x, y, i: lax.sort((x[...], y[...]), dimension=axis,
+                                                           num_keys=1, is_stable=True)[1], "exact")
+    k = draw(st.integers(1, shape[-1]))
+    return Op(f"top_k{k}", lambda x, y, i: lax.top_k(x[...], k)[1], "exact")
+  if fam == "ref_index":
+    idx = []
+    for n in shape:
+      kind = draw(st.sampled_from(["full", "int", "ds", "ds_stride"]))
+      if kind == "full":
+        idx.append(slice(None))
+      elif kind == "int":
+        idx.append(draw(st.integers(0, n - 1)))
+      else:
+        stride = 1 if kind == "ds" else draw(st.integers(2, 3))
+        size = draw(st.integers(1, max(1, (n - 1) // stride + 1)))
+        start = draw(st.integers(0, n - ((size - 1) * stride + 1)))
+        idx.append(pl.ds(start, size, stride=stride))
+    idx = tuple(idx)
+    return Op(f"ref{idx}", lambda x, y, i: x[idx], "exact")
+  # dynamic_slice with a data-dependent (possibly out-of-range) start: clamps.
+  sizes = tuple(draw(st.integers(1, n)) for n in shape)
+  def dyn(x, y, i):
+    starts = [i[k % i.shape[0]] % 7 - 2 for k in range(ndim)]
+    return lax.dynamic_slice(x[...], starts, sizes)
+  return Op(f"dynamic_slice{sizes}", dyn, "exact")
+
+
+# -- inputs ---------------------------------------------------------------------
+_SPECIAL_F = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, 2.5, -2.5, np.inf, -np.inf, np.nan,
+              3.0, 100.0, -1e4, 1e-3, 65504.0, 7.0]
+
+
+def make_inputs(seed, dtype, shape):
+  rng = np.random.default_rng(seed)
+  n = int(np.prod(shape))
+  def one():
+    if _is_float(dtype):
+      scale = rng.choice([1.0, 4.0, 50.0])
+      v = (rng.standard_normal(n) * scale).astype(np.float32)
+      mask = rng.random(n) < 0.25
+      v[mask] = rng.choice(np.array(_SPECIAL_F, np.float32), mask.sum())
+      return v.astype(dtype).reshape(shape)
+    info = np.iinfo(dtype)
+    v = rng.integers(0, 2 ** 64, n, dtype=np.uint64).astype(dtype)
+    mask = rng.random(n) < 0.4
+    small = rng.integers(-3, 40, n).astype(np.int64)
+    v[mask] = small[mask].astype(dtype)
+    special = rng.random(n) < 0.1
+    v[special] = np.array(rng.choice([info.min, info.max, 0, 1]), dtype=dtype)
+    return v.reshape(shape)
+  x, y = one(), one()
+  idx = rng.integers(0, 1000, 4).astype(np.int32)
+  return x, y, idx
+
+
+# -- one kernel per program ---------------------------------------------------
+def run_program(dtype, shape, ops, seed):
+  """Run the ops both ways; a list of (op name, error or None), or None when
+  interpret=True cannot run the kernel."""
+  x, y, idx = make_inputs(seed, dtype, shape)
+  out_structs = _out_structs(ops, x, y, idx)
+
+  def kernel(x_ref, y_ref, i_ref, *outs):
+    for op, o in zip(ops, outs):
+      o[...] = op.fn(x_ref, y_ref, i_ref)
+
+  def call(interpret):
+    return pl.pallas_call(kernel, out_shape=out_structs, interpret=interpret)(x, y, idx)
+
+  try:
+    want = [np.asarray(w) for w in call(True)]
+  except Exception:
+    # The oracle itself fails (e.g. JAX 0.10's discharge of some mixed
+    # int/strided ref indexers raises "Invalid type of idxer"): nothing to
+    # compare against. Callers count these as skipped kernels.
+    return None
+  got = [np.asarray(g) for g in call("numpy")]
+  results = []
+  for op, g, w in zip(ops, got, want):
+    results.append((op.name, compare(g, w, op.kind, x)))
+  return results
+
+
+def _out_structs(ops, x, y, idx):
+  structs = []
+  for op in ops:
+    s = jax.eval_shape(lambda x, y, i, op=op: op.fn(_ValRef(x), _ValRef(y), _ValRef(i)),
+                       *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y, idx)])
+    structs.append(jax.ShapeDtypeStruct(s.shape, s.dtype))
+  return structs
+
+
+class _ValRef:
+  """Lets an op written against refs be shape-evaluated on values."""
+  def __init__(self, v):
+    self.v = v
+    self.shape = v.shape
+    self.dtype = v.dtype
+
+  def __getitem__(self, idx):
+    if idx is Ellipsis:
+      return self.v
+    if isinstance(idx, tuple) and any(isinstance(d, pl.Slice) for d in idx):
+      idx = tuple(slice(d.start, d.start + (d.size - 1) * d.stride + 1, d.stride)
+                  if isinstance(d, pl.Slice) else d for d in idx)
+    return self.v[idx]
+
+
+def _flush(a):
+  """Denormals to zero (XLA's CPU backend runs with FTZ/DAZ)."""
+  if a.dtype.kind in "biu":
+    return a
+  f = a.astype(np.float64)
+  tiny = float(ml_dtypes.finfo(a.dtype).tiny)
+  return np.where(np.abs(f) < tiny, 0.0, f)
+
+
+def compare(g, w, kind, x) -> str | None:
+  if g.shape != w.shape or g.dtype != w.dtype:
+    return f"shape/dtype {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+  if g.dtype.kind in "biu":
+    bad = g != w
+    if bad.any():
+      i = np.argwhere(bad)[0]
+      return f"{bad.sum()} mismatches, first at {tuple(i)}: {g[tuple(i)]} vs {w[tuple(i)]}"
+    return None
+  gf, wf = _flush(g), _flush(w)
+  if (np.isnan(gf) != np.isnan(wf)).any():
+    i = np.argwhere(np.isnan(gf) != np.isnan(wf))[0]
+    return f"NaN mismatch at {tuple(i)}: {gf[tuple(i)]} vs {wf[tuple(i)]}"
+  eps = float(ml_dtypes.finfo(g.dtype).eps)
+  ulps = {"exact": 0, "ulp": 1, "transcendental": 2, "sum": 4}[kind]
+  scale = np.abs(wf)
+  if kind == "transcendental" and g.dtype == np.float32:
+    ulps = 64
+  if kind == "sum":
+    xf = np.abs(_flush(np.asarray(x)))
+    xf = xf[np.isfinite(xf)]
+    scale = np.maximum(scale, (xf.max() if xf.size else 0.0) * max(x.shape))
+  tol = ulps * eps * scale
+  ok = (gf == wf) | (np.isnan(gf) & np.isnan(wf))
+  if kind == "exact":
+    # Signed zeros must agree too (unless a denormal was flushed).
+    raw_zero = (g.astype(np.float64) == 0) & (w.astype(np.float64) == 0)
+    ok &= ~raw_zero | (np.signbit(gf) == np.signbit(wf))
+  else:
+    ok |= np.abs(gf - wf) <= tol
+  if not ok.all():
+    i = tuple(np.argwhere(~ok)[0])
+    return f"{(~ok).sum()} mismatches, first at {i}: {g[i]} vs {w[i]} (kind {kind})"
+  return None
+
+
+@st.composite
+def programs(draw, max_ops=12):
+  dtype = draw(st.sampled_from(FLOATS + INTS))
+  ndim = draw(st.integers(1, 3))
+  shape = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+  n_ops = draw(st.integers(max_ops // 2, max_ops))
+  ops = draw_ops(draw, dtype, shape, n_ops)
+  seed = draw(st.integers(0, 2 ** 31 - 1))
+  return dtype, shape, ops, seed

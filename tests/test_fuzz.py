@@ -1,0 +1,45 @@
+"""Differential fuzzing, numpy mode vs interpret=True (see tests/fuzz_core.py).
+
+CI runs a deterministic slice (derandomized, fixed examples). The long run
+(>= 10,000 cases) is ``pytest -m slow tests/test_fuzz.py`` or
+``python scripts/fuzz_long.py``.
+"""
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from tests.fuzz_core import programs, run_program
+
+CI_EXAMPLES = int(os.environ.get("PALLAS_NP_FUZZ_EXAMPLES", "60"))
+
+
+def _check(program):
+  dtype, shape, ops, seed = program
+  try:
+    results = run_program(dtype, shape, ops, seed)
+  except Exception as e:
+    raise AssertionError(f"dtype={dtype} shape={shape} seed={seed} "
+                         f"ops={[o.name for o in ops]}: {type(e).__name__}: {e}") from e
+  if results is None:
+    return  # interpret=True cannot run this kernel: nothing to compare
+  failures = [(name, err) for name, err in results if err]
+  assert not failures, f"dtype={dtype} shape={shape} seed={seed}: {failures}"
+
+
+# No shrinking: one XLA compile per step makes it take minutes; the failing
+# program (dtype, shape, op names, seed) is in the assertion message.
+@settings(max_examples=CI_EXAMPLES, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+@given(programs(max_ops=12))
+def test_fuzz_ci_slice(program):
+  _check(program)
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("PALLAS_NP_FUZZ_LONG_EXAMPLES", "1000")),
+          deadline=None, database=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.generate])
+@given(programs(max_ops=20))
+def test_fuzz_long(program):
+  _check(program)
