@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.fuzz_core import programs, run_program
 
-CI_EXAMPLES = int(os.environ.get("PALLAS_NP_FUZZ_EXAMPLES", "60"))
+CI_EXAMPLES = int(os.environ.get("PALLAS_NP_FUZZ_EXAMPLES", "50"))
 
 
 def _check(program):
