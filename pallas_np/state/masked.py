@@ -1,5 +1,6 @@
-"""Masked (Triton-style) ref accesses: ``pl.load``/``pl.store`` with ``mask``
-and the ``atomic_*`` read-modify-writes.
+"""Masked (Triton-style) ref accesses: ``pltriton.load``/``store`` with a
+``mask`` (the ``masked_load``/``masked_swap`` primitives) and the machinery
+``atomics.py`` shares.
 
 On the GPU a masked access is a tensor of pointers plus a predicate: lanes
 whose mask is off are never dereferenced, so they may point anywhere, e.g.
@@ -116,7 +117,6 @@ class MaskedAccess:
     active = mask & in_bounds  # full shape
     index = tuple(np.broadcast_to(c, self.shape)[active] for c in safe)
     view[index] = np.broadcast_to(val, self.shape)[active]
-    return index, active
 
 
 @registry.register(jc.pallas_primitives.load_p)
@@ -160,17 +160,22 @@ def _masked_swap(e):
       view, idx = hit
       if acc.note is not None:
         acc.note(view, idx, kind, None if mask_pos is None else args[mask_pos])
-      old = np.array(view[idx]) if want_old or mask_pos is not None else None
       if mask_pos is None:
+        old = np.array(view[idx]) if want_old else None
         view[idx] = val
         return old
+      mask = args[mask_pos]
       region = view[idx]
-      if isinstance(region, np.ndarray) and np.shares_memory(region, view):
+      is_view = isinstance(region, np.ndarray) and np.shares_memory(region, view)
+      old = np.array(region) if want_old or not is_view else None
+      if is_view:
         np.copyto(region, np.broadcast_to(val, region.shape),
-                  where=np.broadcast_to(args[mask_pos], region.shape))
+                  where=np.broadcast_to(mask, region.shape))
       else:  # integer-array index: NumPy handed us a copy
-        view[idx] = np.where(args[mask_pos], val, old)
-      return np.where(args[mask_pos], old, val).astype(old.dtype, copy=False)
+        view[idx] = np.where(mask, val, old)
+      if not want_old:
+        return None
+      return np.where(mask, old, val).astype(old.dtype, copy=False)
     if mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
