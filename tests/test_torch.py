@@ -446,6 +446,12 @@ def test_torch_compile_runs_generic_kernels_after_a_graph_break():
   x = torch.randn(8)
   _close(compiled(x), x * 3 + 1)
 
+  def relu_kernel(a_ref, o_ref):
+    o_ref[...] = torch.relu(a_ref[...])
+  built_inside = torch.compile(
+      lambda x: pt.torch_pallas_call(relu_kernel, out_shape=x)(x) * 2, backend="aot_eager")
+  _close(built_inside(x), torch.relu(x) * 2)
+
 
 def test_make_kernel_from_pallas_on_strided_views():
   base = torch.randn(16, 32)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pallas_np.torch.convert import numpy_dtype_to_torch, to_numpy, to_torch
-from pallas_np.torch.kernels import TorchNumpyRunner
+from pallas_np.torch.kernels import TorchNumpyRunner, eager_under_compile
 from pallas_np.torch.torch_ops import JaxTensor, TorchRef, jax_dtype, torch_kernel
 
 
@@ -44,7 +44,7 @@ def torch_view(x):
   if callable(x):
     runner = TorchNumpyRunner(x)
 
-    @torch.compiler.disable  # torch.compile: a graph break, then this runs eagerly
+    @eager_under_compile  # torch.compile: a graph break, then this runs eagerly
     @functools.wraps(x)
     def torch_fn(*args, **kwargs):
       return runner(args, kwargs)

@@ -8,6 +8,8 @@ NumPy results are wrapped as tensors without copying.
 """
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -22,6 +24,22 @@ from pallas_np.torch.convert import numpy_dtype_to_torch, to_numpy, to_torch
 
 def _interp(interpret) -> InterpretParams:
   return interpret if isinstance(interpret, InterpretParams) else resolve("numpy")
+
+
+def eager_under_compile(fn: Callable) -> Callable:
+  """``torch.compiler.disable`` without importing torch._dynamo up front
+  (seconds): nobody can be compiling until dynamo is imported. Under
+  torch.compile the graph breaks around ``fn``, which runs eagerly."""
+  disabled = []
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    if "torch._dynamo" not in sys.modules:
+      return fn(*args, **kwargs)
+    if not disabled:
+      disabled.append(torch.compiler.disable(fn))
+    return disabled[0](*args, **kwargs)
+  return call
 
 
 def _is_operand(a) -> bool:
@@ -92,7 +110,7 @@ def make_kernel_from_pallas(kernel: Callable, output_shape_dtype_fn: Callable, *
   """
   runner = TorchNumpyRunner(kernel, interpret)
 
-  @torch.compiler.disable  # torch.compile: a graph break, then this runs eagerly
+  @eager_under_compile  # torch.compile: a graph break, then this runs eagerly
   def pallas_kernel(*args, static_argnums: Sequence[int] = (), **kwargs):
     # static_argnums is accepted for torch_xla compatibility: every
     # non-tensor argument is static here.

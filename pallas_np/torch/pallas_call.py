@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 
 from pallas_np.params import InterpretParams, resolve
 from pallas_np.torch.interop import jax_view, torch_view
+from pallas_np.torch.kernels import eager_under_compile
 from pallas_np.torch.torch_ops import jax_dtype
 
 
@@ -27,6 +28,7 @@ def _shape_dtype(x):
   return x
 
 
+@eager_under_compile
 def torch_pallas_call(kernel, out_shape, *, interpret: Any = None, **kwargs):
   """``pl.pallas_call`` with a kernel body written with torch ops on refs;
   the returned callable takes and returns CPU torch tensors.
