@@ -818,6 +818,8 @@ class GridVectorizer:
     if self.kp.num_index:
       return self._choose(grid, index_ops)
     if grid not in self._chosen:
+      if len(self._chosen) >= 16:  # dynamic grids: keep the cache bounded
+        self._chosen.clear()
       self._chosen[grid] = self._choose(grid, index_ops)
     return self._chosen[grid]
 
