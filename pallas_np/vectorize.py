@@ -10,16 +10,21 @@ or are shared by all lanes).
 
 When is it safe (the analysis, all of it conservative):
 
-* Batched axes are the grid axes declared ``"parallel"`` (or core/subcore
-  parallel, or added by ``jax.vmap``); when the kernel has no scratch, any
-  axis may be batched (nothing can be carried from one grid point to the
-  next except through outputs, which the next check covers).
 * Every output block is owned by one lane: no two grid points that differ in
-  a batched coordinate touch the same output block (checked on the evaluated
-  index maps of the whole grid, so scalar-prefetch-driven maps are covered).
+  a batched coordinate touch the same output block (checked on the index
+  maps evaluated over the whole grid, so scalar-prefetch-driven maps are
+  covered). Any grid axis may be batched; the first candidate set that
+  passes wins (all axes, then grid prefixes, then single axes).
+* Scratch persists across grid points. Kernels with scratch batch only a
+  grid prefix (lanes consecutive in grid order) and run twice: with
+  lane-private scratch, then with each lane starting from the previous
+  lane's final scratch of the first run. Equal final scratch in both runs
+  proves each lane started from its grid-order state (induction), so the
+  second run is the sequential result; otherwise the sequential loop runs.
+  ``dimension_semantics`` is thus checked, never trusted.
 * The kernel writes no input (aliased inputs are private copies, but shared
-  by every grid point), no output has ``Element`` dims (overlapping windows),
-  and no debugging option that observes grid order is on.
+  by every grid point), no output has ``Element`` dims (overlapping
+  windows), and no debugging option that observes grid order is on.
 * Every primitive has a batched rule, or is pure / touches only its own ref
   operands, so it can be run lane by lane inside the pass ("lane loop").
   Anything else (context-dependent TPU/GPU primitives, callbacks, prints)
@@ -38,14 +43,13 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import blas, registry
-from pallas_np.errors import UnsupportedError
-from pallas_np.evaluator import Compiler, RunContext, _Const  # noqa: F401
+from pallas_np.evaluator import Compiler, RunContext
 
 
 class NotBatchable(Exception):
