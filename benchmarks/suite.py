@@ -92,8 +92,10 @@ def run_child(kernel, mode, timeout, warm_budget, max_reps):
   for line in reversed(p.stdout.splitlines()):
     if line.startswith("{"):
       return json.loads(line)
-  tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-  return {"error": tail[0][:200]}
+  lines = (p.stderr or p.stdout).strip().splitlines()
+  errors = [l for l in lines if ("Error" in l or "Exception" in l) and not l.startswith(" ")
+            and not l.startswith("For simplicity")]
+  return {"error": (errors or lines or ["no output"])[-1][:200]}
 
 
 def geomean(xs):
@@ -170,7 +172,7 @@ def write_results(args, names, modes, results, info):
 
   lines = ["# Benchmark results", "",
            f"Machine: {info}.", "",
-           f"Command: `python benchmarks/suite.py {' '.join(sys.argv[1:])}`".rstrip() + " "
+           f"Command: `{' '.join(['python benchmarks/suite.py', *sys.argv[1:]])}` "
            f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC).", "",
            "Modes: " + "; ".join(f"**{m}** = {MODES[m]}" for m in modes) + ".", "",
            "*cold* = first call in a fresh process (trace + compile + run; imports "
@@ -190,7 +192,8 @@ def write_results(args, names, modes, results, info):
   head += ratio_cols + ["check"]
   lines.append("| " + " | ".join(head) + " |")
   lines.append("|" + "---|" * len(head))
-  warm_ratios, cold_ratios, tpu_ratios = [], [], []
+  warm_ratios, cold_ratios, tpu_ratios = {}, {}, {}
+  errors = {}
   for name in names:
     label = next((r["name"] for m in modes if (r := get(name, m))), name)
     row = [f"{label} (`{name}`)"]
@@ -198,7 +201,9 @@ def write_results(args, names, modes, results, info):
       for m in modes:
         r = results.get((name, m))
         if r is None or "error" in r:
-          row.append(r["error"] if r else "-")
+          if r and key == "cold":
+            errors.setdefault(r["error"], []).append(f"{name}/{m}")
+          row.append("error" if r else "-")
         else:
           row.append(f"{r[key] * 1e3:.1f}" if key == "cold" else f"{r[key] * 1e3:.2f}")
     n, i, t = get(name, "numpy"), get(name, "interpret"), get(name, "tpu")
@@ -207,14 +212,14 @@ def write_results(args, names, modes, results, info):
       c = i["cold"] / n["cold"] if n and i else None
       row += [f"{w:.2f}" if w else "-", f"{c:.1f}" if c else "-"]
       if w:
-        warm_ratios.append(w)
+        warm_ratios[name] = w
       if c:
-        cold_ratios.append(c)
+        cold_ratios[name] = c
     if "warm tpu/numpy" in ratio_cols:
       r = t["warm"] / n["warm"] if n and t else None
       row.append(f"{r:.1f}" if r else "-")
       if r:
-        tpu_ratios.append(r)
+        tpu_ratios[name] = r
     checks = []
     for m in modes:
       r = get(name, m)
@@ -225,14 +230,26 @@ def write_results(args, names, modes, results, info):
     row.append(", ".join(sorted(set(checks))) + (f" ({grid_mode} grid)" if grid_mode else ""))
     lines.append("| " + " | ".join(row) + " |")
   lines.append("")
-  if warm_ratios:
-    lines.append(f"- Warm geometric mean numpy / interpret=True: **{geomean(warm_ratios):.2f}** "
-                 f"(target <= 1.0; < 1 means numpy is faster).")
-    lines.append(f"- Cold geometric mean interpret=True / numpy: **{geomean(cold_ratios):.1f}** "
-                 f"(target >= 20).")
-  if tpu_ratios:
-    lines.append(f"- Warm geometric mean pltpu.InterpretParams() / numpy: "
-                 f"**{geomean(tpu_ratios):.1f}**.")
+  if errors:
+    lines.append("Errors (first line of the exception): " + "; ".join(
+        f"{', '.join(where)}: `{msg}`" for msg, where in errors.items()) + ".")
+    lines.append("")
+
+  def summary(label, keep):
+    w = [v for k, v in warm_ratios.items() if keep(k)]
+    c = [v for k, v in cold_ratios.items() if keep(k)]
+    t = [v for k, v in tpu_ratios.items() if keep(k)]
+    if w:
+      lines.append(f"- {label}: warm geometric mean numpy / interpret=True **{geomean(w):.2f}** "
+                   f"(target <= 1.0), cold geometric mean interpret=True / numpy "
+                   f"**{geomean(c):.1f}** (target >= 20)"
+                   + (f", warm pltpu.InterpretParams() / numpy **{geomean(t):.1f}**" if t else "")
+                   + f" ({len(w)} kernels).")
+
+  core = lambda k: not k.startswith("gpu_ops_")
+  summary("Suite kernels", core)
+  if any(not core(k) for k in warm_ratios):
+    summary("With JAX's GPU ops (`gpu_ops_*`)", lambda k: True)
   b = "bitonic_1024x256_r1"
   n, i = get(b, "numpy"), get(b, "interpret")
   if n and i:
