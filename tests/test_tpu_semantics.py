@@ -177,21 +177,25 @@ def test_bitcast_and_repeat():
   compare(fn)
 
 
-def test_stateful_prng():
-  def kernel(seed_ref, o_ref):
-    pltpu.prng_seed(seed_ref[0])
-    bits = pltpu.prng_random_bits((64, 128))
-    # uniform floats in [1, 2) from the 23 mantissa bits, as jax.random does
-    mant = jax.lax.shift_right_logical(bits, 9) | 0x3F800000
-    o_ref[...] = jax.lax.bitcast_convert_type(mant, f32) - 1.0
-  run = lambda seed: _call(kernel, jax.ShapeDtypeStruct((64, 128), f32),
-                           in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)])(
-                               jnp.array([seed], jnp.int32))
+def test_prng_seed_random_bits_and_stateful_sampling():
+  def kernel(seed_ref, bits_ref, uni_ref, nrm_ref):
+    pltpu.prng_seed(seed_ref[0], seed_ref[1])
+    bits_ref[...] = pltpu.prng_random_bits((64, 128))
+    uni_ref[...] = pltpu.stateful_uniform((64, 128), jnp.float32, minval=2.0, maxval=4.0)
+    nrm_ref[...] = pltpu.stateful_normal((64, 128), jnp.float32)
+  shapes = (jax.ShapeDtypeStruct((64, 128), jnp.int32),
+            jax.ShapeDtypeStruct((64, 128), f32), jax.ShapeDtypeStruct((64, 128), f32))
+  run = lambda seed: _call(kernel, shapes, in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)])(
+      jnp.array([seed, 7], jnp.int32))
   with numpy_mode():
-    a, b, c = np.asarray(run(1)), np.asarray(run(1)), np.asarray(run(2))
-  np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(a, c)
-  assert a.min() >= 0 and a.max() < 1 and abs(a.mean() - 0.5) < 0.02
+    a, b, c = ([np.asarray(x) for x in run(s)] for s in (1, 1, 2))
+  for x, y in zip(a, b):  # deterministic per seed
+    np.testing.assert_array_equal(x, y)
+  assert not np.array_equal(a[0], c[0]) and not np.array_equal(a[1], c[1])
+  bits, uni, nrm = a
+  assert len(np.unique(bits)) > 8000  # 8192 draws of 32 bits: ~no repeats
+  assert uni.min() >= 2 and uni.max() < 4 and abs(uni.mean() - 3) < 0.05
+  assert abs(nrm.mean()) < 0.05 and abs(nrm.std() - 1) < 0.05
 
 
 def test_delay_trace_scopes_and_trace_value():
