@@ -23,7 +23,6 @@ def _call(kernel, out_shape, **kw):
 def _late_write_kernel(x_hbm, o_ref, buf, sem):
   """Starts a copy, then overwrites its source before waiting: TPU interpret
   mode (on_wait) copies what the source holds at the wait."""
-  buf[...] = x_hbm[...] if False else jnp.zeros_like(buf)
   pltpu.sync_copy(x_hbm, buf)
   cp = pltpu.make_async_copy(buf, o_ref, sem)
   cp.start()
@@ -261,3 +260,42 @@ def test_megacore_split_gives_each_core_its_own_scratch():
   with numpy_mode(num_cores=2):
     got = np.asarray(run())
   assert got[0, 0, 0] == 3 and got[1, 0, 0] == 3
+
+
+def test_emit_pipeline_with_allocations_reused_twice():
+  pallas_np.assume_tpu_chip("v5e")
+  x = jnp.arange(32 * 256, dtype=f32).reshape(32, 256)
+
+  def inner(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 3.0
+
+  spec = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+  pipeline, make_allocations = pltpu.emit_pipeline_with_allocations(
+      inner, grid=(4, 2), in_specs=[spec], out_specs=[spec])
+
+  def kernel(x_hbm, o_hbm, o2_hbm):
+    def body(allocs):
+      pipeline(x_hbm, o_hbm, allocations=allocs)
+      pipeline(o_hbm, o2_hbm, allocations=allocs)
+    pl.run_scoped(body, make_allocations(x_hbm, o_hbm))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  fn = lambda: _call(kernel, (jax.ShapeDtypeStruct(x.shape, f32),) * 2,
+                     in_specs=[any_spec], out_specs=(any_spec, any_spec))(x)
+  with numpy_mode():
+    o1, o2 = fn()
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(x) * 3)
+  np.testing.assert_array_equal(np.asarray(o2), np.asarray(x) * 9)
+
+
+def test_accumulating_dma():
+  x = jnp.arange(8 * 128, dtype=f32).reshape(8, 128)
+
+  def kernel(x_hbm, o_ref, sem):
+    o_ref[...] = jnp.ones_like(o_ref)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).start(add=True)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).wait()
+  with numpy_mode():
+    got = _call(kernel, jax.ShapeDtypeStruct(x.shape, f32),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                scratch_shapes=[pltpu.SemaphoreType.DMA])(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x) + 1)
