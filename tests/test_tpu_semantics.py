@@ -299,3 +299,20 @@ def test_accumulating_dma():
                 in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
                 scratch_shapes=[pltpu.SemaphoreType.DMA])(x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(x) + 1)
+
+
+def test_race_detector_sees_dma_writes():
+  """Two 'parallel' grid points DMA into the same output rows."""
+  x = jnp.arange(16 * 128, dtype=f32).reshape(16, 128)
+
+  def kernel(x_hbm, o_hbm, sem):
+    i = pl.program_id(0)
+    cp = pltpu.make_async_copy(x_hbm.at[pl.ds(i * 8, 8)], o_hbm.at[pl.ds(0, 8)], sem)
+    cp.start()
+    cp.wait()
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  with numpy_mode(detect_races=True), pytest.raises(Exception, match="(?i)race"):
+    jax.block_until_ready(_call(
+        kernel, jax.ShapeDtypeStruct(x.shape, f32), grid=(2,), in_specs=[any_spec],
+        out_specs=any_spec, scratch_shapes=[pltpu.SemaphoreType.DMA],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_np import _compat as jc
+from pallas_np import races
 
 _STATE_KEY = "tpu_dma"
 
@@ -75,6 +75,7 @@ class Dma:
     if self.state != STARTED:
       return
     view, idx = self.src
+    races.note(view, idx, "read")
     self.data = np.array(view[idx])
     if self.src_sem is not None:
       self.src_sem[...] += self.data.nbytes
@@ -86,6 +87,7 @@ class Dma:
       return
     view, idx = self.dst
     data = self.data
+    races.note(view, idx, "readwrite" if self.add else "write")
     if self.add:
       view[idx] += data
     else:
