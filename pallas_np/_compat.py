@@ -222,23 +222,8 @@ def register_tpu_device_kind(kind: str, make_info):
   mosaic_tpu_info.registry[kind] = make_info
 
 
-from jax._src.random import prng as jax_prng  # noqa: E402
-random_seed_p = jax_prng.random_seed_p
-random_bits_p = jax_prng.random_bits_p
-random_split_p = jax_prng.random_split_p
-random_fold_in_p = jax_prng.random_fold_in_p
-
-
-def is_key_dtype(dtype) -> bool:
-  return isinstance(dtype, jax_prng.KeyTy)
-
-
 def is_pallas_stateful_key(dtype) -> bool:
-  """Keys of pltpu's stateful samplers: placeholders whose random_bits is
-  the kernel's prng_random_bits."""
+  """Keys of pltpu's stateful samplers: placeholders whose random_bits is the
+  kernel's prng_random_bits (which needs the run context)."""
   from jax._src.pallas.mosaic import random as mosaic_random
   return getattr(dtype, "_impl", None) is mosaic_random.tpu_internal_stateful_impl
-
-
-def key_impl_name(dtype) -> str:
-  return getattr(getattr(dtype, "_impl", None), "name", "?")

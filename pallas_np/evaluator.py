@@ -176,7 +176,10 @@ class Compiler:
   # -- per-eqn lowering (overridden by the batch compiler) --------------------
   def lower_eqn(self, rule, info, in_batched):
     """(callable, needs_ctx, out_batched) of one eqn."""
-    return rule.compile(info), rule.needs_ctx, (False,) * len(info.out_avals)
+    fn = rule.compile(info)
+    if isinstance(fn, registry.NeedsCtx):
+      return fn.fn, True, (False,) * len(info.out_avals)
+    return fn, rule.needs_ctx, (False,) * len(info.out_avals)
 
   def check_wrapper(self, fn, info, multiple, out_batched):
     return _checked(fn, info, multiple)
@@ -370,8 +373,6 @@ def _checked(fn, info: registry.EqnInfo, multiple: bool):
 
   def check(val, aval):
     if aval is None or isinstance(aval, jc.AbstractRef) or not hasattr(aval, "shape"):
-      return
-    if jc.is_key_dtype(aval.dtype):  # PRNG keys are opaque placeholders
       return
     shape = np.shape(val)
     dtype = getattr(val, "dtype", None)

@@ -63,6 +63,17 @@ class EqnInfo:
         f"supported by the NumPy interpreter, at {self.source}")
 
 
+class NeedsCtx:
+  """What a compile rule returns, wrapping its callable, to get the run
+  context for *this* eqn only (e.g. jax.random on pltpu's stateful key, whose
+  bits come from the kernel's PRNG state); the plan then calls ``fn(ctx,
+  *inputs)``, never folds it and the grid is not vectorized."""
+  __slots__ = ("fn",)
+
+  def __init__(self, fn):
+    self.fn = fn
+
+
 def register(prim, *, needs_ctx: bool = False, foldable: bool = True):
   def deco(compile_fn):
     _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)

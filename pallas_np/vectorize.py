@@ -88,7 +88,10 @@ class BatchCompiler(Compiler):
     if (not any(in_batched) and not rule.needs_ctx and not _has_subjaxprs(eqn)
         and all(isinstance(eff, _REF_EFFECTS) for eff in eqn.effects)):
       # Same value for every lane: computed once per pass.
-      return rule.compile(info), False, (False,) * len(info.out_avals)
+      fn = rule.compile(info)
+      if isinstance(fn, registry.NeedsCtx):
+        raise NotBatchable(f"'{info.primitive.name}' needs the run context")
+      return fn, False, (False,) * len(info.out_avals)
     return _lane_loop(rule, info, in_batched)
 
   def check_wrapper(self, fn, info, multiple, out_batched):
@@ -119,6 +122,8 @@ def _lane_loop(rule, info, in_batched):
     if isinstance(a, jc.AbstractRef) and not b and _writes_ref(eqn):
       raise NotBatchable("write to a ref shared by all lanes")
   fn = rule.compile(info)
+  if isinstance(fn, registry.NeedsCtx):
+    raise NotBatchable(f"'{info.primitive.name}' needs the run context")
   flags = tuple(in_batched)
   multiple = info.primitive.multiple_results
   used = info.outvars_used

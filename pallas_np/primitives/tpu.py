@@ -90,42 +90,9 @@ def _prng_random_bits_fn(shape):
   return bits
 
 
-# Stateful sampling (pltpu.stateful_uniform/normal/bits/bernoulli) runs
-# jax.random on a placeholder key of the "_pl_stateful" impl, whose
-# random_bits is prng_random_bits: the key carries no state of its own.
-def _stateful_only(e, dtype):
-  if not jc.is_pallas_stateful_key(dtype):
-    raise NotImplementedError(
-        f"jax.random with key implementation '{jc.key_impl_name(dtype)}' inside "
-        "a kernel (only pltpu's stateful samplers are supported)")
-
-
-@registry.register(jc.random_seed_p, foldable=False)
-def _random_seed(e):
-  _stateful_only(e, e.out_aval.dtype)
-  shape = e.out_aval.shape
-  return lambda seed: np.zeros(shape, np.uint32)
-
-
-@registry.register(jc.random_bits_p, needs_ctx=True)
-def _random_bits(e):
-  _stateful_only(e, e.in_avals[0].dtype)
-  draw = _prng_random_bits_fn(tuple(e.params["shape"]))
-  width = int(e.params["bit_width"])
-  out = np_dtype(e.out_aval.dtype)
-
-  def bits(ctx, key):
-    b = draw(ctx).view(np.uint32)
-    return (b >> (32 - width)).astype(out) if width < 32 else b.astype(out)
-  return bits
-
-
-for _p, _name in [(jc.random_split_p, "split"), (jc.random_fold_in_p, "fold_in")]:
-  @registry.register(_p)
-  def _split_or_fold(e, _name=_name):
-    _stateful_only(e, e.in_avals[0].dtype)
-    shape = e.out_aval.shape
-    return lambda key, *rest: np.zeros(shape, np.uint32)
+# Stateful sampling (pltpu.stateful_uniform/normal/...) is jax.random on pltpu's
+# stateful key impl, whose random_bits binds prng_random_bits: the jax.random
+# rules (primitives/random.py) trace it and hand this rule the run context.
 
 
 # -- no-ops for a CPU ------------------------------------------------------------
