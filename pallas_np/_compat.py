@@ -222,8 +222,10 @@ def register_tpu_device_kind(kind: str, make_info):
   mosaic_tpu_info.registry[kind] = make_info
 
 
-def is_pallas_stateful_key(dtype) -> bool:
-  """Keys of pltpu's stateful samplers: placeholders whose random_bits is the
-  kernel's prng_random_bits (which needs the run context)."""
+def is_pallas_tpu_key(dtype) -> bool:
+  """Keys of pltpu's PRNG impls (the stateful samplers' placeholder key and
+  ``pltpu.to_pallas_key``/``sample_block`` keys): their random_bits seeds and
+  draws the kernel's hardware PRNG, which needs the run context."""
   from jax._src.pallas.mosaic import random as mosaic_random
-  return getattr(dtype, "_impl", None) is mosaic_random.tpu_internal_stateful_impl
+  impl = getattr(dtype, "_impl", None)
+  return impl is mosaic_random.tpu_internal_stateful_impl or impl is mosaic_random.tpu_key_impl

@@ -20,10 +20,10 @@ prng = jc.jax_prng
 def _compile_traced(e, fn, in_avals):
   closed = jc.trace_to_jaxpr(fn, in_avals)
   plan = e.compiler.compile(closed).fn
-  if any(jc.is_pallas_stateful_key(getattr(a, "dtype", None))
+  if any(jc.is_pallas_tpu_key(getattr(a, "dtype", None))
          for a in (*e.in_avals, *e.out_avals)):
-    # pltpu's stateful key: its bits come from the kernel's PRNG state, and
-    # its seed function returns the int32 seed for a uint32 key.
+    # pltpu's keys: their bits come from the kernel's PRNG state, and the
+    # stateful key's seed function returns the int32 seed for a uint32 key.
     out_dtype = np.dtype(jc.physical_aval(e.out_aval).dtype)
     return registry.NeedsCtx(
         lambda ctx, *args: np.asarray(plan(ctx, *args)[0]).astype(out_dtype, copy=False))
