@@ -5,7 +5,7 @@ multiply, waking the BLAS threads costs far more than the product (measured
 on the 2-core dev machine under load: 36 ms instead of 40 us for a 128x64 @
 64x128 product made between other Python work). So GEMMs below a size run
 with the thread count set to 1 for the call (two ~1 us ctypes calls); big
-ones keep every thread while the machine's cores are idle. Nothing happens
+ones keep every thread. Nothing happens
 when NumPy's BLAS is not an OpenBLAS we can find (plain ``np.matmul``)."""
 from __future__ import annotations
 
@@ -60,29 +60,10 @@ def _matmul_one_thread(x, y):
       _set(prev)
 
 
-def _matmul_big(x, y):
-  """All BLAS threads, unless the machine's cores are already busy: OpenBLAS
-  threads spin, and on oversubscribed cores a 512x1024x512 product took
-  ~95 ms on 2 threads vs ~26 ms on 1 (shared 2-core dev machine); on idle
-  cores 2 threads are up to 2x faster."""
-  if _busy():
-    return _matmul_one_thread(x, y)
-  return np.matmul(x, y)
-
-
-def _busy() -> bool:
-  try:
-    load = os.getloadavg()[0]
-  except OSError:  # pragma: no cover - no load average on this platform
-    return False
-  return load > (os.cpu_count() or 1) - 0.5
-
-
 def matmul_for(macs: int):
   """A matmul for GEMMs of ``macs`` multiply-accumulates: on one BLAS thread
-  below MULTITHREAD_MACS, on all of them above (while cores are idle)."""
-  if _set is None:
+  below MULTITHREAD_MACS, on all of them above. (The choice depends only on
+  the shapes, never on machine load, so results are reproducible.)"""
+  if _set is None or macs >= MULTITHREAD_MACS:
     return np.matmul
-  if macs >= MULTITHREAD_MACS:
-    return _matmul_big
   return _matmul_one_thread
