@@ -40,6 +40,20 @@ def test_ndindexer_forms():
   run_both(lambda interp: functools.partial(_call, kernel, outs, interpret=interp), x, idx)
 
 
+def test_strided_ds_mixed_with_int_index_vs_numpy():
+  # interpret=True cannot run this form (JAX 0.10 discharge bug): NumPy reference.
+  x = rng.standard_normal((4, 3, 7)).astype(np.float32)
+
+  def kernel(x_ref, o1, o2):
+    o1[...] = x_ref[1, pl.ds(0, 2), pl.ds(1, 3, stride=2)]
+    o2[...] = x_ref[pl.ds(0, 2, stride=3), :, 6]
+
+  o1, o2 = pallas_np.pallas_call(kernel, out_shape=[
+      jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((2, 3), jnp.float32)])(x)
+  np.testing.assert_array_equal(np.asarray(o1), x[1, 0:2, 1:6:2])
+  np.testing.assert_array_equal(np.asarray(o2), x[0:4:3, :, 6])
+
+
 def test_ref_transforms_bitcast_reshape_and_stores():
   x = rng.standard_normal((8, 16)).astype(np.float32)
 
