@@ -229,3 +229,18 @@ def is_pallas_tpu_key(dtype) -> bool:
   from jax._src.pallas.mosaic import random as mosaic_random
   impl = getattr(dtype, "_impl", None)
   return impl is mosaic_random.tpu_internal_stateful_impl or impl is mosaic_random.tpu_key_impl
+
+
+def infer_argnums_and_argnames(fun, static_argnums, static_argnames):
+  """jax.jit's own completion of static_argnums <-> static_argnames."""
+  import inspect
+  from jax._src import api_util
+  try:
+    sig = inspect.signature(fun)
+  except (TypeError, ValueError):
+    sig = None
+  if sig is None:
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums or ())
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames or ())
+    return nums, names
+  return api_util.infer_argnums_and_argnames(sig, static_argnums, static_argnames)
