@@ -12,6 +12,9 @@ interpreter: ``pallas_np.force_numpy_interpret()``, JAX's interpret-mode
 config set to ``True`` (the HLO interpreter), or
 ``pltpu.force_tpu_interpret_mode()``. Each result is checked against the
 numpy-mode result of the same kernel (max abs difference reported).
+Mode ``numpy-jit`` calls ``pallas_np.jit(fn)`` instead of ``jax.jit(fn)``:
+the whole program, XLA ops around the kernels included, runs in the NumPy
+evaluator (no XLA compilation at all); opt in with ``--modes numpy,numpy-jit``.
 Targets: warm numpy >= 10x faster than TPU interpret mode, first call >= 10x
 faster than interpret=True.
 """
@@ -30,6 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODES = ("numpy", "interpret", "tpu")
+ALL_MODES = MODES + ("numpy-jit",)  # numpy-jit: opt-in (--modes)
 
 
 # -- cases: name -> () -> (fn, args) at "small laptop" shapes ---------------------
@@ -152,7 +156,9 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 
 @contextlib.contextmanager
 def _mode(mode):
-  if mode == "numpy":
+  if mode == "numpy-jit":  # pallas_np.jit forces numpy mode itself
+    yield
+  elif mode == "numpy":
     import pallas_np
     with pallas_np.force_numpy_interpret():
       yield
@@ -177,7 +183,8 @@ def child(kernel, mode, warm_budget, max_reps, out_path):
   import numpy as np
   import pallas_np  # noqa: F401
   fn, args = CASES[kernel]()
-  fn = jax.jit(fn)  # as a serving/training loop would call it
+  # as a serving/training loop would call it
+  fn = pallas_np.jit(fn) if mode == "numpy-jit" else jax.jit(fn)
   args = jax.block_until_ready(args)
   with _mode(mode):
     t0 = time.perf_counter()
@@ -252,6 +259,17 @@ def main():
     print(f"| {k} | {fmt(n, 'cold')} | {fmt(n, 'warm')} | {fmt(h, 'cold')} | {fmt(h, 'warm')} "
           f"| {fmt(t, 'cold')} | {fmt(t, 'warm')} | {ratio(n, t, 'warm')} "
           f"| {ratio(n, h, 'cold')} | {'; '.join(diffs) or '-'} |")
+  if "numpy-jit" in modes:
+    print()
+    print("| kernel | numpy-jit cold s | numpy-jit warm s | cold: numpy / numpy-jit "
+          "| cold: interpret=True / numpy-jit | max abs diff vs numpy |")
+    print("|---" * 6 + "|")
+    for k in kernels:
+      n, h, j = (results.get((k, m), {}) for m in ("numpy", "interpret", "numpy-jit"))
+      a, b = os.path.join(tmp, f"{k}_numpy.npz"), os.path.join(tmp, f"{k}_numpy-jit.npz")
+      diff = f"{_max_diff(a, b):.1e}" if os.path.exists(a) and os.path.exists(b) else "-"
+      print(f"| {k} | {fmt(j, 'cold')} | {fmt(j, 'warm')} | {ratio(j, n, 'cold')} "
+            f"| {ratio(j, h, 'cold')} | {diff} |")
   errors = {f"{k}/{m}": r["error"] for (k, m), r in results.items() if "error" in r}
   for where, err in errors.items():
     print(f"- {where}: {err}")
