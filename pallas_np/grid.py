@@ -263,13 +263,21 @@ class KernelPlan:
     rest = int(np.prod(grid[n_par:], dtype=np.int64))
     per_core = -(-par_points // self.params.num_cores) * rest
     points = list(itertools.product(*map(range, grid)))
+    detector = races.for_run(self, grid, buffers, [])
     for core in range(self.params.num_cores):
       chunk = points[core * per_core:(core + 1) * per_core]
       if not chunk:
         break
       scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
-      self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
-                     points=chunk)
+      if detector is None:
+        self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
+                       points=chunk)
+        continue
+      for i, buf in enumerate(scratch):
+        detector.track(f"scratch_operands[{i}] of core {core}", buf, scratch=True)
+      with races.activate(detector):
+        self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
+                       detector, points=chunk)
 
   def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None):
     params = self.params
@@ -327,13 +335,18 @@ class KernelPlan:
     prim = None
     source = None
     if eqns:
-      inner = eqns[-1]
-      prim = inner.primitive.name
-      source = jc.source_summary(inner.source_info)
-      where = f" in primitive '{prim}' at {source}"
-      if len(eqns) > 1:
-        chain = " <- ".join(jc.source_summary(q.source_info) for q in reversed(eqns[:-1]))
-        where += f" (called from {chain})"
+      prim = eqns[-1].primitive.name
+      # Eqns traced inside JAX helpers (pltpu.sync_copy, ...) have no user
+      # frame: name the innermost line that is the user's.
+      lines = [jc.source_summary(q.source_info) for q in eqns]
+      lines = [l for l in lines if l and l != "<unknown source>"]
+      if lines:
+        source = lines[-1]
+        where = f" in primitive '{prim}' at {source}"
+        if len(lines) > 1:
+          where += f" (called from {' <- '.join(reversed(lines[:-1]))})"
+      else:
+        where = f" in primitive '{prim}'"
     origin = debugging.index_map_origin(self, e.__traceback__)
     if origin is not None:
       where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")

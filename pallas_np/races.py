@@ -116,8 +116,11 @@ class RaceDetector:
   def begin(self, step: int, point: Sequence[int], block_indices=()):
     """Enter grid point ``point``; ``block_indices[b]`` is operand b's
     current block index (None: its index map is constant)."""
-    self.step = step
     self.point = tuple(int(p) for p in point)
+    step = 0  # linear grid index: steps of megacore chunks restart at 0
+    for c, n in zip(self.point, self.grid):
+      step = step * n + c
+    self.step = step
     coords = tuple(self.point[a] for a in self.group_axes)
     group = 0
     for c, n in zip(coords, self.group_shape):

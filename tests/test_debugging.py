@@ -562,3 +562,50 @@ def test_pdb_in_fori_loop_body_binds_loop_names(monkeypatch, capsys):
   x = np.arange(8.0)
   acc = sum(x[i * 2 + j:i * 2 + j + 2] for i in range(3) for j in range(3)) + x[6:8]
   assert f"(1, {acc.tolist()})" in capsys.readouterr().out
+
+
+# -- DMAs (TPU): bounds and races -------------------------------------------------
+def dma_rows_kernel(x_hbm, o_hbm, buf, sem, *, src_shift, same_dst):
+  i = pl.program_id(0)
+  pltpu.sync_copy(x_hbm.at[pl.ds(i * 8 + src_shift, 8)], buf)  # BUG if src_shift > 0
+  pltpu.sync_copy(buf, o_hbm.at[pl.ds(0 if same_dst else i * 8, 8)])
+
+
+def dma_rows(interpret, *, src_shift=0, same_dst=False, semantics="parallel"):
+  import functools
+  return pl.pallas_call(
+      functools.partial(dma_rows_kernel, src_shift=src_shift, same_dst=same_dst),
+      out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32), grid=(2,),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec(memory_space=pl.ANY),
+      scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=(semantics,)),
+      interpret=interpret)
+
+
+X16 = np.arange(16 * 128, dtype=np.float32).reshape(16, 128)
+
+
+def test_dma_slice_out_of_bounds_raises():
+  with pytest.raises(IndexError) as info, pallas_np.kernel_errors():
+    dma_rows("numpy", src_shift=1)(X16)
+  assert info.value.program_ids == (1,) and info.value.primitive == "dma_start"
+  assert "pl.ds(start=9, size=8) [9:17]" in str(info.value)
+  assert _line_of(dma_rows_kernel, "BUG if src_shift") in info.value.source
+
+
+def test_dma_writes_from_parallel_points_race():
+  ok = dma_rows(RACES)(X16)  # disjoint rows: no race
+  np.testing.assert_array_equal(np.asarray(ok), X16)
+  with pytest.raises(pallas_np.RaceError, match=r"grid point \(1,\) writes element "
+                     r"\(0, 0\) that grid point \(0,\) wrote"), pallas_np.kernel_errors():
+    dma_rows(RACES, same_dst=True)(X16)  # both write rows 0:8
+  # Sequential ("arbitrary") grid: the same writes are fine.
+  dma_rows(RACES, same_dst=True, semantics="arbitrary")(X16)
+
+
+def test_race_detection_under_megacore():
+  params = pallas_np.InterpretParams(detect_races=True, num_cores=2)
+  with pytest.raises(pallas_np.RaceError, match="both map its block"), \
+      pallas_np.kernel_errors():
+    one_block_for_all(params, PARALLEL)(jnp.arange(8.0))
