@@ -148,12 +148,18 @@ def uninitialized_value_np(dtype):
   return np.zeros((), dtype)
 
 
-def optional_primitive(module_path: str, name: str):
-  """A primitive that may not exist in every supported JAX version."""
+def internal_module(module: str):
+  """``jax._src.<module>`` (e.g. ``"pjit"``); raises ImportError if missing."""
   import importlib
+  return importlib.import_module(f"jax._src.{module}")
+
+
+def optional_primitive(module: str, name: str):
+  """Primitive ``name`` of ``jax._src.<module>``; None where this JAX version
+  does not have it."""
   try:
-    return getattr(importlib.import_module(module_path), name)
-  except (ImportError, AttributeError):
+    return getattr(internal_module(module), name, None)
+  except ImportError:
     return None
 
 

@@ -41,22 +41,22 @@ from pallas_np import registry  # noqa: E402
 
 CATEGORIES: list[tuple[str, list[str]]] = [
     ("lax", [
-        "jax._src.lax.lax", "jax._src.lax.slicing", "jax._src.lax.special",
-        "jax._src.lax.control_flow.loops", "jax._src.lax.control_flow.conditionals",
-        "jax._src.lax.control_flow.solves", "jax._src.lax.windowed_reductions",
-        "jax._src.lax.convolution", "jax._src.lax.linalg", "jax._src.lax.fft",
-        "jax._src.lax.ann", "jax._src.lax.parallel", "jax._src.random.prng",
-        "jax._src.random.threefry2x32", "jax._src.random", "jax._src.ad_util",
-        "jax._src.ad_checkpoint", "jax._src.custom_derivatives", "jax._src.pjit",
-        "jax._src.debugging", "jax._src.callback", "jax._src.core",
+        "lax.lax", "lax.slicing", "lax.special",
+        "lax.control_flow.loops", "lax.control_flow.conditionals",
+        "lax.control_flow.solves", "lax.windowed_reductions",
+        "lax.convolution", "lax.linalg", "lax.fft",
+        "lax.ann", "lax.parallel", "random.prng",
+        "random.threefry2x32", "random", "ad_util",
+        "ad_checkpoint", "custom_derivatives", "pjit",
+        "debugging", "callback", "core",
     ]),
     ("pallas/state", [
-        "jax._src.pallas.primitives", "jax._src.state.primitives",
-        "jax._src.pallas.pallas_call", "jax._src.pallas.core",
+        "pallas.primitives", "state.primitives",
+        "pallas.pallas_call", "pallas.core",
     ]),
-    ("pallas TPU (Mosaic)", ["jax._src.pallas.mosaic.primitives"]),
-    ("pallas GPU (Triton)", ["jax._src.pallas.triton.primitives"]),
-    ("pallas GPU (Mosaic GPU)", ["jax._src.pallas.mosaic_gpu.primitives"]),
+    ("pallas TPU (Mosaic)", ["pallas.mosaic.primitives"]),
+    ("pallas GPU (Triton)", ["pallas.triton.primitives"]),
+    ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives"]),
 ]
 
 # Primitives that never reach a kernel body as such (tracing machinery,
@@ -79,7 +79,7 @@ def all_primitives() -> dict[str, list[Any]]:
     prims = []
     for m in modules:
       try:
-        mod = importlib.import_module(m)
+        mod = jc.internal_module(m)
       except Exception as e:  # e.g. Mosaic GPU needs a GPU toolchain
         label = f"{label} (not importable here: {type(e).__name__}: {e})"
         continue

@@ -18,17 +18,17 @@ def _call_rule(jaxpr_param):
 _prim = jc.optional_primitive
 
 for _prim_obj, _param in [
-    (_prim("jax._src.pjit", "jit_p"), "jaxpr"),
-    (_prim("jax._src.pjit", "pjit_p"), "jaxpr"),
+    (_prim("pjit", "jit_p"), "jaxpr"),
+    (_prim("pjit", "pjit_p"), "jaxpr"),
     (jc.jax_core.closed_call_p, "call_jaxpr"),
     (getattr(jc.jax_core, "call_p", None), "call_jaxpr"),
-    (_prim("jax._src.lax.eval_jaxpr", "eval_jaxpr_p"), "jaxpr"),
-    (_prim("jax._src.custom_derivatives", "custom_jvp_call_jaxpr_p"), "fun_jaxpr"),
-    (_prim("jax._src.custom_derivatives", "custom_jvp_call_p"), "call_jaxpr"),
-    (_prim("jax._src.custom_derivatives", "custom_vjp_call_p"), "call_jaxpr"),
-    (_prim("jax._src.custom_derivatives", "custom_vjp_call_jaxpr_p"), "fun_jaxpr"),
-    (_prim("jax._src.ad_checkpoint", "remat_p"), "jaxpr"),
-    (_prim("jax._src.pallas.primitives", "jaxpr_call_p"), "jaxpr"),
+    (_prim("lax.eval_jaxpr", "eval_jaxpr_p"), "jaxpr"),
+    (_prim("custom_derivatives", "custom_jvp_call_jaxpr_p"), "fun_jaxpr"),
+    (_prim("custom_derivatives", "custom_jvp_call_p"), "call_jaxpr"),
+    (_prim("custom_derivatives", "custom_vjp_call_p"), "call_jaxpr"),
+    (_prim("custom_derivatives", "custom_vjp_call_jaxpr_p"), "fun_jaxpr"),
+    (_prim("ad_checkpoint", "remat_p"), "jaxpr"),
+    (_prim("pallas.primitives", "jaxpr_call_p"), "jaxpr"),
 ]:
   if _prim_obj is not None:
     registry.register(_prim_obj, needs_ctx=True)(_call_rule(_param))

@@ -11,11 +11,11 @@ from pallas_np import registry
 _identity_single = lambda e: (lambda x: x)
 
 for _p in [getattr(lax, "stop_gradient_p", None),
-           jc.optional_primitive("jax._src.ad_util", "stop_gradient_p"),
+           jc.optional_primitive("ad_util", "stop_gradient_p"),
            lax.reduce_precision_p if False else None,
-           jc.optional_primitive("jax._src.pjit", "sharding_constraint_p"),
-           jc.optional_primitive("jax._src.core", "pvary_p"),
-           jc.optional_primitive("jax._src.lax.parallel", "pvary_p")]:
+           jc.optional_primitive("pjit", "sharding_constraint_p"),
+           jc.optional_primitive("core", "pvary_p"),
+           jc.optional_primitive("lax.parallel", "pvary_p")]:
   if _p is not None and not _p.multiple_results:
     registry.register(_p)(_identity_single)
 
@@ -26,14 +26,14 @@ def _optimization_barrier(e):
 
 
 # Autodiff's own addition (JVPs of kernels sum tangents with it): a plain add.
-_add_any_p = jc.optional_primitive("jax._src.ad_util", "add_jaxvals_p")
+_add_any_p = jc.optional_primitive("ad_util", "add_jaxvals_p")
 if _add_any_p is not None:
   registry.register_numpy(_add_any_p, np.add)
 
 
 # -- platform-dependent code: interpret=True lowers for the CPU ------------
 _platform_index_p = jc.optional_primitive(
-    "jax._src.lax.control_flow.conditionals", "platform_index_p")
+    "lax.control_flow.conditionals", "platform_index_p")
 if _platform_index_p is not None:
   @registry.register(_platform_index_p)
   def _platform_index(e):
@@ -55,7 +55,7 @@ if _platform_index_p is not None:
 
 # -- host callbacks (debug printing/callbacks live in primitives/debug.py) --
 for _name in ("pure_callback_p", "io_callback_p"):
-  _cb = jc.optional_primitive("jax._src.callback", _name)
+  _cb = jc.optional_primitive("callback", _name)
   if _cb is not None:
     @registry.register(_cb, foldable=False)
     def _host_callback(e):
@@ -77,12 +77,12 @@ if _composite_p is not None:
     return e.compiler.compile(e.params["jaxpr"]).fn
 
 
-_random_clone_p = jc.optional_primitive("jax._src.random", "random_clone_p")
+_random_clone_p = jc.optional_primitive("random", "random_clone_p")
 if _random_clone_p is not None:
   registry.register(_random_clone_p)(_identity_single)
 
 
-_zeros_like_p = jc.optional_primitive("jax._src.ad_util", "zeros_like_p")
+_zeros_like_p = jc.optional_primitive("ad_util", "zeros_like_p")
 if _zeros_like_p is not None:
   @registry.register(_zeros_like_p)
   def _zeros_like(e):

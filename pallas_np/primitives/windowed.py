@@ -16,7 +16,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype, is_low_precision_float
 
-_wr = jc.optional_primitive("jax._src.lax.windowed_reductions", "reduce_window_sum_p")
+_wr = jc.optional_primitive("lax.windowed_reductions", "reduce_window_sum_p")
 
 
 def _windows(x, init, p):
@@ -72,7 +72,7 @@ def _simple(kind):
 
 
 if _wr is not None:
-  import jax._src.lax.windowed_reductions as _w
+  _w = jc.internal_module("lax.windowed_reductions")
   registry.register(_w.reduce_window_sum_p)(_simple("sum"))
   registry.register(_w.reduce_window_max_p)(_simple("max"))
   registry.register(_w.reduce_window_min_p)(_simple("min"))
