@@ -138,8 +138,8 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
   exactly like ``pl.pallas_call(..., interpret="numpy")``.
   """
   from jax.experimental import pallas as pl
-  if interpret is None or interpret is True:
-    interpret = "numpy" if interpret is None else interpret
+  if interpret is None:
+    interpret = "numpy"
   jax_fn = pl.pallas_call(kernel, out_shape, interpret=interpret, **kwargs)
   if not is_numpy_mode(interpret):
     return jax_fn
