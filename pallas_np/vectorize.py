@@ -400,26 +400,14 @@ for _n in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
 def _dot_general(bc, rule, info, in_batched):
   if not any(in_batched):
     return rule.compile(info), False, (False,)
-  from pallas_np.primitives.dot import _acc_dtype
-  from pallas_np.dtypes import np_dtype
-  (lc, rc), (lb, rb) = info.params["dimension_numbers"]
-  lhs_aval, rhs_aval = info.in_avals
-  lnd, rnd = len(lhs_aval.shape), len(rhs_aval.shape)
-  lf = [d for d in range(lnd) if d not in lc and d not in lb]
-  rf = [d for d in range(rnd) if d not in rc and d not in rb]
-  ls, rs = lhs_aval.shape, rhs_aval.shape
-  Bd = math.prod(ls[d] for d in lb)
-  M = math.prod(ls[d] for d in lf)
-  K = math.prod(ls[d] for d in lc)
-  N = math.prod(rs[d] for d in rf)
-  out_shape = tuple(info.out_aval.shape)
-  acc, _ = _acc_dtype(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
-                      info.params.get("preferred_element_type"))
-  out = np_dtype(info.out_aval.dtype)
+  from pallas_np.primitives.dot import DotGeometry
+  g = DotGeometry(info)
+  Bd, M, K, N = g.B, g.M, g.K, g.N
+  out_shape, acc, out = g.out_shape, g.acc, g.out
   bool_out = out == np.bool_
   lb_, rb_ = in_batched
-  lperm = (0, *[d + 1 for d in (*lb, *lf, *lc)]) if lb_ else (*lb, *lf, *lc)
-  rperm = (0, *[d + 1 for d in (*rb, *rc, *rf)]) if rb_ else (*rb, *rc, *rf)
+  lperm = (0, *[d + 1 for d in g.lperm]) if lb_ else g.lperm
+  rperm = (0, *[d + 1 for d in g.rperm]) if rb_ else g.rperm
 
   def finish(r, n):
     if bool_out:

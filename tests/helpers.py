@@ -1,4 +1,6 @@
 """Differential-testing helpers: run one kernel both ways and compare."""
+import logging
+
 import jax
 import numpy as np
 
@@ -16,3 +18,16 @@ def run_both(make_call, *args, rtol=1e-5, atol=1e-5):
   for g, w in zip(got_leaves, want_leaves):
     assert_same(g, w, rtol=rtol, atol=atol)
   return got
+
+
+class CompileLog(logging.Handler):
+  """Collects JAX's "Compiling ..." log lines (use with jax.log_compiles())."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.messages = []
+
+  def emit(self, record):
+    msg = record.getMessage()
+    if "ompil" in msg and "tracing" not in msg:
+      self.messages.append(msg)

@@ -11,6 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 
 import pallas_np
+from tests.helpers import CompileLog
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
 
@@ -258,15 +259,6 @@ def test_unsupported_primitive_names_primitive_and_line(how):
   assert isinstance(info.value, pallas_np.UnsupportedError)
 
 
-class _CompileLog(logging.Handler):
-  def __init__(self):
-    super().__init__(logging.DEBUG)
-    self.messages = []
-
-  def emit(self, record):
-    msg = record.getMessage()
-    if "ompil" in msg and "tracing" not in msg:
-      self.messages.append(msg)
 
 
 def test_eager_pallas_np_call_compiles_nothing():
@@ -283,7 +275,7 @@ def test_eager_pallas_np_call_compiles_nothing():
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
-  handler = _CompileLog()
+  handler = CompileLog()
   logger = logging.getLogger("jax")
   logger.addHandler(handler)
   try:

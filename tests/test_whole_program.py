@@ -10,6 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pallas_np
+from tests.helpers import CompileLog
 from tests.conftest import assert_same
 
 
@@ -34,15 +35,6 @@ def _args(seed=0):
           jnp.asarray(rng.standard_normal((16, 24)), jnp.float32))
 
 
-class _CompileLog(logging.Handler):
-  def __init__(self):
-    super().__init__()
-    self.messages = []
-
-  def emit(self, record):
-    msg = record.getMessage()
-    if "ompil" in msg and "tracing" not in msg:
-      self.messages.append(msg)
 
 
 def test_matches_jax_jit_interpret_true_and_compiles_nothing():
@@ -54,7 +46,7 @@ def test_matches_jax_jit_interpret_true_and_compiles_nothing():
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
-  handler = _CompileLog()
+  handler = CompileLog()
   logger = logging.getLogger("jax")
   logger.addHandler(handler)
   try:

@@ -35,24 +35,37 @@ def _acc_dtype(lhs_dt, rhs_dt, pref):
   return out, out
 
 
+class DotGeometry:
+  """dot_general as (batch, free, contract) x (batch, contract, free): the
+  permutations, the 3-D sizes and the dtypes, worked out once per eqn (shared
+  with the batched rule in vectorize.py)."""
+
+  def __init__(self, e):
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    lhs_aval, rhs_aval = e.in_avals
+    lnd, rnd = len(lhs_aval.shape), len(rhs_aval.shape)
+    lf = [d for d in range(lnd) if d not in lc and d not in lb]
+    rf = [d for d in range(rnd) if d not in rc and d not in rb]
+    self.lperm = (*lb, *lf, *lc)
+    self.rperm = (*rb, *rc, *rf)
+    ls, rs = lhs_aval.shape, rhs_aval.shape
+    self.B = math.prod(ls[d] for d in lb)
+    self.M = math.prod(ls[d] for d in lf)
+    self.K = math.prod(ls[d] for d in lc)
+    self.N = math.prod(rs[d] for d in rf)
+    self.out_shape = tuple(e.out_aval.shape)
+    self.acc, _ = _acc_dtype(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
+                             e.params.get("preferred_element_type"))
+    self.out = np_dtype(e.out_aval.dtype)
+    self.lnd, self.rnd = lnd, rnd
+
+
 @registry.register(lax.dot_general_p)
 def _dot_general(e):
-  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-  lhs_aval, rhs_aval = e.in_avals
-  lnd, rnd = len(lhs_aval.shape), len(rhs_aval.shape)
-  lf = [d for d in range(lnd) if d not in lc and d not in lb]
-  rf = [d for d in range(rnd) if d not in rc and d not in rb]
-  lperm = (*lb, *lf, *lc)
-  rperm = (*rb, *rc, *rf)
-  ls, rs = lhs_aval.shape, rhs_aval.shape
-  B = math.prod(ls[d] for d in lb)
-  M = math.prod(ls[d] for d in lf)
-  K = math.prod(ls[d] for d in lc)
-  N = math.prod(rs[d] for d in rf)
-  out_shape = tuple(e.out_aval.shape)
-  acc, out = _acc_dtype(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
-                        e.params.get("preferred_element_type"))
-  out = np_dtype(e.out_aval.dtype)
+  g = DotGeometry(e)
+  lperm, rperm, B, M, K, N = g.lperm, g.rperm, g.B, g.M, g.K, g.N
+  out_shape, acc, out = g.out_shape, g.acc, g.out
+  lnd, rnd = g.lnd, g.rnd
   ltrivial = lperm == tuple(range(lnd))
   rtrivial = rperm == tuple(range(rnd))
   bool_out = out == np.bool_
