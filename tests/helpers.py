@@ -1,4 +1,5 @@
 """Differential-testing helpers: run one kernel both ways and compare."""
+import contextlib
 import logging
 
 import jax
@@ -31,3 +32,34 @@ class CompileLog(logging.Handler):
     msg = record.getMessage()
     if "ompil" in msg and "tracing" not in msg:
       self.messages.append(msg)
+
+
+_compile_events: list = []
+_listener_installed = False
+
+
+@contextlib.contextmanager
+def assert_no_xla_compiles():
+  """The body must compile nothing with XLA: checked with jax.log_compiles()
+  and JAX's compile-event listener, plus a positive control that the same
+  counters do see a compilation."""
+  import jax.numpy as jnp
+  global _listener_installed
+  if not _listener_installed:
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: _compile_events.append(name)
+        if "backend_compile" in name else None)
+    _listener_installed = True
+  _compile_events.clear()
+  handler = CompileLog()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      yield
+      assert _compile_events == [] and handler.messages == [], (
+          _compile_events, handler.messages)
+      jax.jit(lambda a: a * 7 + 3)(jnp.float32(1.5)).block_until_ready()
+      assert _compile_events and handler.messages, "positive control saw no compile"
+  finally:
+    logger.removeHandler(handler)
