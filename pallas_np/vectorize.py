@@ -275,13 +275,8 @@ def _broadcast_in_dim(bc, rule, info, in_batched):
     return rule.compile(info), False, (False,)
   if len(in_batched) > 1:
     raise NotBatchable("dynamic broadcast_in_dim")
-  shape = tuple(info.params["shape"])
-  bdims = tuple(info.params["broadcast_dimensions"])
-  in_shape = tuple(info.in_avals[0].shape)
-  expanded = [1] * len(shape)
-  for i, d in enumerate(bdims):
-    expanded[d] = in_shape[i]
-  expanded = tuple(expanded)
+  from pallas_np.primitives.shape import broadcast_geometry
+  shape, expanded = broadcast_geometry(info)
 
   def bcast(x):
     n = x.shape[0]

@@ -43,6 +43,18 @@ def modes(monkeypatch):
   return seen
 
 
+
+def row_blocks(kernel, x, rows=1):
+  """``make(interp)`` for a kernel over blocks of ``rows`` rows of ``x`` (one
+  output block per grid point: the shape vectorization batches)."""
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // rows,),
+        in_specs=[pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0)), interpret=interp)
+  return make
+
 def check(make_call, *args, expect_mode, modes, rtol=1e-5, atol=1e-5, threads=None):
   """numpy vectorized == numpy sequential == interpret=True; and the
   vectorized run took the expected path."""
@@ -90,11 +102,7 @@ def sort_kernel(x_ref, o_ref):
 def test_bitonic_one_row_per_step(modes):
   x = _normal(0, (32, 16))
 
-  def make(interp):
-    return pl.pallas_call(
-        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(32,),
-        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(sort_kernel, x, rows=1)
   got = check(make, x, expect_mode="vectorized", modes=modes)
   np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
 
@@ -102,11 +110,7 @@ def test_bitonic_one_row_per_step(modes):
 def test_threads_same_result(modes):
   x = _normal(1, (8, 16))
 
-  def make(interp):
-    return pl.pallas_call(
-        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
-        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(sort_kernel, x, rows=1)
   check(make, x, expect_mode="vectorized", modes=modes, threads=2)
 
 
@@ -275,11 +279,7 @@ def test_cond_on_batched_program_id(modes):
 
   x = jnp.arange(12 * 8, dtype=jnp.float32).reshape(12, 8)
 
-  def make(interp):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(12,),
-        in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(kernel, x, rows=1)
   check(make, x, expect_mode="vectorized", modes=modes)
 
 
@@ -291,11 +291,7 @@ def test_switch_with_batched_index(modes):
 
   x = jnp.linspace(-2.0, 2.0, 9 * 4, dtype=jnp.float32).reshape(9, 4)
 
-  def make(interp):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(9,),
-        in_specs=[pl.BlockSpec((1, 4), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 4), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(kernel, x, rows=1)
   check(make, x, expect_mode="vectorized", modes=modes)
 
 
@@ -312,11 +308,7 @@ def test_fori_loop_with_batched_trip_count(modes):
 
   x = jnp.ones((6, 8), jnp.float32)
 
-  def make(interp):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(6,),
-        in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(kernel, x, rows=1)
   check(make, x, expect_mode="vectorized", modes=modes)
 
 
@@ -333,11 +325,7 @@ def test_scan_and_static_fori_loop(modes):
 
   x = _normal(6, (20, 8))
 
-  def make(interp):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(5,),
-        in_specs=[pl.BlockSpec((4, 8), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((4, 8), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(kernel, x, rows=4)
   check(make, x, expect_mode="vectorized", modes=modes)
 
 
@@ -465,11 +453,7 @@ def test_error_in_one_lane_names_its_grid_point(modes):
 def test_vectorize_false_and_auto(modes):
   x = _normal(9, (8, 16))
 
-  def make(interp):
-    return pl.pallas_call(
-        sort_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
-        in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interp)
+  make = row_blocks(sort_kernel, x, rows=1)
   modes.clear()
   make("numpy")(x)
   assert modes[-1] == "vectorized"  # the default (vectorize=None) decides

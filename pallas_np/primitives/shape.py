@@ -27,15 +27,20 @@ def _iota(e):
   return lambda: value
 
 
-@registry.register(lax.broadcast_in_dim_p)
-def _broadcast_in_dim(e):
+def broadcast_geometry(e):
+  """(out shape, operand reshaped to the out rank) of a broadcast_in_dim."""
   shape = tuple(e.params["shape"])
-  bdims = tuple(e.params["broadcast_dimensions"])
   in_shape = tuple(e.in_avals[0].shape)
   expanded = [1] * len(shape)
-  for i, d in enumerate(bdims):
+  for i, d in enumerate(e.params["broadcast_dimensions"]):
     expanded[d] = in_shape[i]
-  expanded = tuple(expanded)
+  return shape, tuple(expanded)
+
+
+@registry.register(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(e):
+  shape, expanded = broadcast_geometry(e)
+  in_shape = tuple(e.in_avals[0].shape)
   if expanded == in_shape:
     return lambda x, *dyn: np.broadcast_to(x, shape)
   return lambda x, *dyn: np.broadcast_to(np.reshape(x, expanded), shape)
