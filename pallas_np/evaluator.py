@@ -21,6 +21,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.dtypes import is_low_precision_float
 from pallas_np.errors import UnsupportedError
 from pallas_np.params import InterpretParams
 
@@ -82,7 +83,7 @@ def _has_effects(eqn) -> bool:
 
 class _Emitter:
   """Mutable state of one generated function: globals, names, lines."""
-  __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads")
+  __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads", "zeros")
 
   def __init__(self):
     self.env_globals: dict[str, Any] = {}
@@ -90,6 +91,7 @@ class _Emitter:
     self.body: list[str] = []
     self.line_eqns: list[Any] = [None]  # line 1 = def
     self.reads: list[list[str]] = []  # per body line: the value names it reads
+    self.zeros = _ZeroTracker()
 
   def free_dead_values(self, returned):
     """Free each intermediate after its last use (``; del v3`` on the same
@@ -115,6 +117,77 @@ class _Emitter:
     g = self.fresh("k")
     self.env_globals[g] = value
     return g
+
+
+def _is_float(aval) -> bool:
+  dt = getattr(aval, "dtype", None)
+  if dt is None or jc.is_semaphore_dtype(dt):
+    return False
+  try:
+    dt = np.dtype(dt)
+  except TypeError:  # extended dtypes (PRNG keys)
+    return False
+  return dt.kind == "f" or is_low_precision_float(dt)
+
+
+def _has_zero(x) -> bool:
+  return bool(np.any(x == 0))
+
+
+class _ZeroTracker:
+  """Which values of a generated function are, element for element, copies
+  of which *source* values (through reshapes, slices, concatenates, max/min,
+  ... see ``registry.DATA_MOVEMENT``). A zero-sensitive op (float max/min)
+  whose operands come from a few sources checks those sources for zeros once
+  per run and takes its fast path when there are none: a bitonic sort's
+  hundreds of compare-exchanges share one check of the input block."""
+  __slots__ = ("sources", "flags")
+  MAX_SOURCES = 8
+
+  def __init__(self):
+    self.sources: dict[str, frozenset] = {}  # value name -> source names
+    self.flags: dict[str, str] = {}  # source name -> its has-zero flag
+
+  def of(self, atom, aval):
+    """Source names of a float operand; None if it may hold a zero that no
+    run-time check can rule out (a constant with a zero)."""
+    if isinstance(atom, _Const):
+      return None if _has_zero(atom.value) else frozenset()
+    return self.sources.get(atom[0], frozenset((atom[0],)))
+
+  def union(self, atoms, avals):
+    found = frozenset()
+    for a, aval in zip(atoms, avals):
+      if not _is_float(aval):
+        continue
+      s = self.of(a, aval)
+      if s is None:
+        return None
+      found |= s
+    return found if len(found) <= self.MAX_SOURCES else None
+
+  def moved(self, eqn, atoms, out_names):
+    srcs = self.union(atoms, [v.aval for v in eqn.invars])
+    if srcs is None:
+      return
+    for o, n in zip(eqn.outvars, out_names):
+      if n != "_" and _is_float(o.aval):
+        self.sources[n] = srcs
+
+  def guard(self, em, srcs, eqn) -> str:
+    """A Python condition, true when some source holds a zero; emits the
+    flag of each source not checked yet (once per run, where first needed)."""
+    conds = []
+    for s in sorted(srcs):
+      flag = self.flags.get(s)
+      if flag is None:
+        flag = self.flags[s] = em.fresh("z")
+        em.env_globals["_has_zero"] = _has_zero
+        em.body.append(f"{flag} = _has_zero({s})")
+        em.reads.append([s])
+        em.line_eqns.append(eqn)
+      conds.append(flag)
+    return " or ".join(conds)
 
 
 class _Const:
@@ -299,11 +372,23 @@ class Compiler:
             if not isinstance(o, jc.DropVar):
               env[o] = _Const(val)
           continue
+      fast = getattr(fn, "if_no_zeros", None)
+      zero_srcs = None
+      if fast is not None and not needs_ctx:
+        zero_srcs = em.zeros.union(in_atoms_e, info.in_avals)
+        if not zero_srcs:  # unknown (None), or all-constant operands
+          fast = None
       if check:
         fn = self.check_wrapper(fn, info, multiple, out_batched)
+        if fast is not None:
+          fast = self.check_wrapper(fast, info, multiple, out_batched)
       g = em.fresh("f")
       em.env_globals[g] = fn
       args = ", ".join(text(a) for a in in_atoms_e)
+      if fast is not None:
+        cond = em.zeros.guard(em, zero_srcs, eqn)
+        em.env_globals[g + "_nz"] = fast
+        g = f"({g} if {cond} else {g}_nz)"
       if needs_ctx:
         args = "ctx, " + args if args else "ctx"
       outs = []
@@ -315,6 +400,8 @@ class Compiler:
         else:
           outs.append("_")
       em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
+      if eqn.primitive.name in registry.DATA_MOVEMENT:
+        em.zeros.moved(eqn, in_atoms_e, outs)
       call = f"{g}({args})"
       if multiple:
         if not outs:

@@ -74,6 +74,23 @@ class NeedsCtx:
     self.fn = fn
 
 
+def zero_sensitive(exact: Callable, if_no_zeros: Callable) -> Callable:
+  """Marks a rule's callable whose exact result differs from the cheaper
+  ``if_no_zeros`` only when an operand holds a (signed) zero, like XLA's
+  float max/min (+0.0 > -0.0; NumPy returns either zero). The evaluator
+  proves zero-freeness per run from the values the operands were moved
+  from (see ``evaluator._ZeroTracker``) and then calls ``if_no_zeros``."""
+  exact.if_no_zeros = if_no_zeros
+  return exact
+
+
+# Primitives whose float outputs only hold (bitwise) copies of elements of
+# their float operands, so an output can hold a zero only if an operand does.
+DATA_MOVEMENT = frozenset("""reshape transpose rev slice squeeze expand_dims
+broadcast_in_dim concatenate copy copy_p dynamic_slice select_n pad max min
+stop_gradient optimization_barrier""".split())
+
+
 def register(prim, *, needs_ctx: bool = False, foldable: bool = True):
   def deco(compile_fn):
     _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)

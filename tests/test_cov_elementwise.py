@@ -242,3 +242,53 @@ def test_reduce_precision_and_complex():
                                  jnp.abs(lax.complex(a, b))], re, im)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def _exchange_network(a, b):
+  """Compare-exchanges through reshapes, slices, flips and concatenates (a
+  sorting network's shape), then max/min against a literal zero and against
+  values computed mid-kernel."""
+  x = jnp.concatenate([a, b], axis=0)
+  for _ in range(3):
+    y = x.reshape(x.shape[0] // 2, 2, x.shape[1])
+    lo, hi = jnp.minimum(y[:, 0], y[:, 1]), jnp.maximum(y[:, 0], y[:, 1])
+    x = jnp.concatenate([lo, jnp.flip(hi, 0)], 0)
+  z = x * 0.0
+  return x, jnp.maximum(x, 0.0), jnp.minimum(x, -0.0), jnp.maximum(z, jnp.flip(z, 1)), \
+      jnp.minimum(z, x)
+
+
+def _bits_equal(g, w):
+  np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+  np.testing.assert_array_equal(g.view(np.uint32)[~np.isnan(w)], w.view(np.uint32)[~np.isnan(w)])
+
+
+def test_max_min_zero_free_fast_path_plan():
+  """Each max/min of the network is guarded by one has-zero check of the
+  sources it was moved from, not by its own check; a literal zero operand
+  keeps the exact rule."""
+  from pallas_np.evaluator import Compiler
+  a = np.ones((8, 16), np.float32)
+  plan = Compiler().compile(jax.make_jaxpr(_exchange_network)(a, a))
+  # Sources: the two inputs and the mid-kernel product z.
+  assert plan.source.count("_has_zero(") == 3, plan.source
+  # 6 network ops + the two on z take the guarded fast path; max(x, 0.0) and
+  # min(x, -0.0) do not.
+  assert plan.source.count("_nz)(") == 8, plan.source
+
+
+@pytest.mark.parametrize("zeros", ["none", "signed", "nan"])
+def test_max_min_network_bitwise(zeros):
+  a = rng.standard_normal((8, 128)).astype(np.float32)
+  b = rng.standard_normal((8, 128)).astype(np.float32)
+  if zeros == "signed":
+    a[::2, ::3] = 0.0
+    a[1::2, 1::3] = -0.0
+    b[:, ::5] = -0.0
+    b[:, 1::5] = 0.0
+  elif zeros == "nan":
+    a[::3, ::7] = np.nan
+    b[1, :4] = [np.inf, -np.inf, -0.0, np.nan]
+  got, want = both(_exchange_network, a, b)
+  for g, w in zip(got, want):
+    _bits_equal(g, w)

@@ -81,8 +81,12 @@ def _minmax(ufunc, is_max):
     # XLA: NaN propagates (as np.maximum) and +0.0 > -0.0; NumPy returns
     # either zero. x + y of two zeros is the XLA max; -(-x + -y) the min.
     if is_max:
-      return lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: a + b)
-    return lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: -((-a) + (-b)))
+      exact = lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: a + b)
+    else:
+      exact = lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: -((-a) + (-b)))
+    # The zero check costs about as much as the max itself; the evaluator
+    # skips it when it has proven the operands zero-free (sorting networks).
+    return registry.zero_sensitive(exact, ufunc)
   return compile_rule
 
 
