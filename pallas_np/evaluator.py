@@ -121,6 +121,16 @@ class _Emitter:
 
 def _is_float(aval) -> bool:
   dt = getattr(aval, "dtype", None)
+  found = _IS_FLOAT.get(dt)
+  if found is None:
+    found = _IS_FLOAT[dt] = _is_float_dtype(dt)
+  return found
+
+
+_IS_FLOAT: dict = {}
+
+
+def _is_float_dtype(dt) -> bool:
   if dt is None or jc.is_semaphore_dtype(dt):
     return False
   try:
@@ -167,9 +177,13 @@ class _ZeroTracker:
     return found if len(found) <= self.MAX_SOURCES else None
 
   def moved(self, eqn, atoms, out_names):
-    srcs = self.union(atoms, [v.aval for v in eqn.invars])
-    if srcs is None:
-      return
+    a = atoms[0]
+    if len(atoms) == 1 and not isinstance(a, _Const):  # reshape, slice, ...
+      srcs = self.sources.get(a[0]) or frozenset((a[0],))
+    else:
+      srcs = self.union(atoms, [v.aval for v in eqn.invars])
+      if srcs is None:
+        return
     for o, n in zip(eqn.outvars, out_names):
       if n != "_" and _is_float(o.aval):
         self.sources[n] = srcs
