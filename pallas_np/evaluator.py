@@ -204,6 +204,215 @@ class _ZeroTracker:
     return " or ".join(conds)
 
 
+class _Fusion:
+  """Peepholes planned on one jaxpr before it is emitted (sequential plans
+  only; a batched value has a lane axis the indices below do not know):
+
+  * ``squeeze(slice(x))`` (what ``y[:, 0]`` traces to) becomes one indexing
+    op on ``x``.
+  * A ``concatenate`` whose operands are results of elementwise ufuncs read
+    nowhere else (possibly through a ``rev``, as in ``jnp.flip``) gets its
+    buffer allocated first, and each ufunc writes its slot with ``out=``: no
+    temporaries and no copy for the concatenate (a bitonic sort's
+    compare-exchange is min + max + concatenate).
+
+  Whether an operand really fuses is decided when its producer is emitted
+  (its rule must be a plain NumPy ufunc on native dtypes); the rest is
+  copied in by the concatenate's own line."""
+
+  def __init__(self, jaxpr, keep):
+    eqns = jaxpr.eqns
+    uses: dict = {}
+    for e in eqns:
+      for v in e.invars:
+        if isinstance(v, jc.Var):
+          uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+      if isinstance(v, jc.Var):
+        uses[v] = uses.get(v, 0) + 2  # never absorb an output
+    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    self.squeeze_of: dict[int, tuple] = {}  # squeeze eqn -> (operand var, index)
+    self.into: dict[int, tuple] = {}  # producer eqn -> (concat eqn, slot index)
+    self.rev_of: dict[int, int] = {}  # absorbed rev eqn -> its producer eqn
+    self.absorbed: set[int] = set()  # eqns emitted as part of another
+    self.concat_buffer: dict[int, str | None] = {}  # concat eqn -> buffer name
+    self.fused: dict[int, set] = {}  # concat eqn -> operand positions written
+    self.eqns = eqns
+
+    def single_use_producer(v):
+      if not isinstance(v, jc.Var) or uses.get(v) != 1:
+        return None
+      j = producer.get(v)
+      return j if j is not None and keep[j] else None
+
+    for i, e in enumerate(eqns):
+      if not keep[i]:
+        continue
+      name = e.primitive.name
+      if name == "squeeze":
+        j = single_use_producer(e.invars[0])
+        if j is not None and eqns[j].primitive.name == "slice":
+          s = eqns[j].params
+          strides = s["strides"] or (1,) * len(s["start_indices"])
+          dims = set(e.params["dimensions"])
+          index = tuple(int(st) if d in dims else slice(st, lim, step)
+                        for d, (st, lim, step) in enumerate(
+                            zip(s["start_indices"], s["limit_indices"], strides)))
+          self.squeeze_of[i] = (eqns[j].invars[0], index)
+          self.absorbed.add(j)
+      elif name == "concatenate" and _native(e.outvars[0].aval):
+        d = e.params["dimension"]
+        rank = len(e.outvars[0].aval.shape)
+        off = 0
+        for pos, x in enumerate(e.invars):
+          size = x.aval.shape[d]
+          slot = (slice(None),) * d + (slice(off, off + size),)
+          off += size
+          j = single_use_producer(x)
+          if j is None:
+            continue
+          rev = _rev_dims(eqns[j])
+          if rev is not None:
+            k = single_use_producer(eqns[j].invars[0])
+            if k is None:
+              continue
+            view = tuple(slice(None, None, -1) if a in rev else slice(None)
+                         for a in range(rank))
+            self.rev_of[j] = k
+            self.absorbed.add(j)
+            j, slot = k, (slot, view)
+          else:
+            slot = (slot,)
+          if len(eqns[j].outvars) == 1 and j not in self.absorbed:
+            self.into[j] = (i, pos, slot)
+            self.concat_buffer[i] = None
+
+  def emit_into(self, j, em, env, fn, in_atoms, info, text) -> bool:
+    """Emit producer ``j`` writing into its concatenate slot (False: not
+    fusable after all; emit it normally)."""
+    ufunc = getattr(fn, "if_no_zeros", fn)
+    eqn = self.eqns[j]
+    if (not isinstance(ufunc, np.ufunc) or all(isinstance(a, _Const) for a in in_atoms)
+        or not all(_native(a) and np.dtype(a.dtype) == np.dtype(info.out_aval.dtype)
+                   for a in info.in_avals) or np.dtype(info.out_aval.dtype) !=
+        np.dtype(self.eqns[self.into[j][0]].outvars[0].aval.dtype)):
+      self.into.pop(j)
+      return False
+    ci, pos, slot = self.into[j]
+    concat = self.eqns[ci]
+    buf = self.concat_buffer.get(ci)
+    if buf is None:
+      buf = self.concat_buffer[ci] = em.fresh("v")
+      aval = concat.outvars[0].aval
+      alloc = em.fresh("f")
+      shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+      em.env_globals[alloc] = lambda: np.empty(shape, dtype)
+      em.body.append(f"{buf} = {alloc}()")
+      em.reads.append([])
+      em.line_eqns.append(concat)
+    self.fused.setdefault(ci, set()).add(pos)
+    if len(slot) == 1:
+      (s,) = slot
+      into = lambda out, *xs: ufunc(*xs, out=out[s])
+      exact = lambda out, *xs: np.copyto(out[s], fn(*xs))
+    else:
+      s, view = slot
+      into = lambda out, *xs: ufunc(*xs, out=out[s][view])
+      exact = lambda out, *xs: np.copyto(out[s][view], fn(*xs))
+    g = em.fresh("f")
+    args = ", ".join([buf] + [text(a) for a in in_atoms])
+    if fn is not ufunc:  # zero-sensitive (float max/min)
+      srcs = em.zeros.union(in_atoms, info.in_avals)
+      em.env_globals[g] = exact
+      if srcs:
+        em.env_globals[g + "_nz"] = into
+        g = f"({g} if {em.zeros.guard(em, srcs, eqn)} else {g}_nz)"
+    else:
+      em.env_globals[g] = into
+    placeholder = em.fresh("_fused")
+    env[eqn.outvars[0]] = (placeholder, False)
+    if eqn.primitive.name in registry.DATA_MOVEMENT:
+      em.zeros.moved(eqn, in_atoms, [placeholder])
+    em.body.append(f"{g}({args})")
+    em.reads.append([buf] + [a[0] for a in in_atoms if not isinstance(a, _Const)])
+    em.line_eqns.append(eqn)
+    return True
+
+  def absorb(self, i, em, env) -> bool:
+    """An absorbed slice/rev: bind its output to a placeholder (its reader
+    handles it). False when its fusion fell through: emit it normally."""
+    if i in self.rev_of:
+      j = self.rev_of[i]
+      if j in self.into:
+        eqn = self.eqns[i]
+        producer_atom = env[self.eqns[j].outvars[0]]
+        placeholder = em.fresh("_fused")
+        env[eqn.outvars[0]] = (placeholder, False)
+        em.zeros.sources[placeholder] = em.zeros.sources.get(
+            producer_atom[0]) or frozenset((producer_atom[0],))
+        return True
+      return False
+    return True  # the slice of a squeeze(slice(x))
+
+  def emit_concat(self, ci, em, env, in_atoms, text):
+    eqn = self.eqns[ci]
+    buf = self.concat_buffer.get(ci)
+    if buf is None:  # no operand fused
+      buf = em.fresh("v")
+      rest = list(range(len(in_atoms)))
+      aval = eqn.outvars[0].aval
+      shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+      d = eqn.params["dimension"]
+      g = em.fresh("f")
+      em.env_globals[g] = lambda *xs: np.concatenate(xs, axis=d)
+      em.body.append(f"{buf} = {g}({', '.join(text(a) for a in in_atoms)})")
+      em.reads.append([a[0] for a in in_atoms if not isinstance(a, _Const)])
+      em.line_eqns.append(eqn)
+    else:
+      fused = self.fused.get(ci, set())
+      rest = [p for p in range(len(in_atoms)) if p not in fused]
+      if rest:
+        d = eqn.params["dimension"]
+        offsets = np.cumsum([0] + [v.aval.shape[d] for v in eqn.invars])
+        slots = [(slice(None),) * d + (slice(int(offsets[p]), int(offsets[p + 1])),)
+                 for p in rest]
+
+        def fill(out, *xs):
+          for s, x in zip(slots, xs):
+            out[s] = x
+        g = em.fresh("f")
+        em.env_globals[g] = fill
+        em.body.append(f"{g}({buf}, {', '.join(text(in_atoms[p]) for p in rest)})")
+        em.reads.append([buf] + [in_atoms[p][0] for p in rest
+                                 if not isinstance(in_atoms[p], _Const)])
+        em.line_eqns.append(eqn)
+    env[eqn.outvars[0]] = (buf, False)
+    em.zeros.moved(eqn, in_atoms, [buf])
+
+
+def _native(aval) -> bool:
+  dt = getattr(aval, "dtype", None)
+  try:
+    return dt is not None and np.dtype(dt).kind in "fiub" and not is_low_precision_float(dt)
+  except TypeError:
+    return False
+
+
+def _rev_dims(eqn):
+  """Dims reversed by a ``rev`` eqn or a ``jit`` wrapping one (jnp.flip)."""
+  if eqn.primitive.name == "rev":
+    return set(eqn.params["dimensions"])
+  callee = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+  if callee is None:
+    return None
+  body = getattr(callee, "jaxpr", callee)
+  if (len(body.eqns) == 1 and body.eqns[0].primitive.name == "rev"
+      and body.eqns[0].invars[0] is body.invars[0]
+      and body.outvars[0] is body.eqns[0].outvars[0]):
+    return set(body.eqns[0].params["dimensions"])
+  return None
+
+
 class _Const:
   """A value known at compile time (literal, closed-over const, folded)."""
   __slots__ = ("value",)
@@ -327,6 +536,8 @@ class Compiler:
           if isinstance(v, jc.Var):
             live.add(v)
 
+    fusion = None if self.batched or self.params.pdb else _Fusion(jaxpr, keep)
+
     def atom_of(v):
       if isinstance(v, jc.Literal):
         return _Const(np_constant(v.val, v.aval))
@@ -344,9 +555,27 @@ class Compiler:
     for i, eqn in enumerate(jaxpr.eqns):
       if not keep[i]:
         continue
-      in_atoms_e = [atom_of(v) for v in eqn.invars]
+      if fusion is not None and i in fusion.absorbed:
+        if fusion.absorb(i, em, env):
+          continue
       outvars_used = tuple(not isinstance(o, jc.DropVar) and o in live
                            for o in eqn.outvars)
+      if fusion is not None and i in fusion.squeeze_of:
+        # squeeze(slice(x)): one indexing op on x.
+        operand, index = fusion.squeeze_of[i]
+        in_atoms_e = [atom_of(operand)]
+        info = registry.EqnInfo(eqn, self, outvars_used)
+        fn, needs_ctx, out_batched = (lambda x, _i=index: x[_i]), False, (False,)
+        if isinstance(in_atoms_e[0], _Const):
+          env[eqn.outvars[0]] = _Const(fn(in_atoms_e[0].value))
+          continue
+        self._emit_call(em, env, eqn, info, fn, False, out_batched, in_atoms_e,
+                        outvars_used, text, check)
+        continue
+      in_atoms_e = [atom_of(v) for v in eqn.invars]
+      if fusion is not None and i in fusion.concat_buffer:
+        fusion.emit_concat(i, em, env, in_atoms_e, text)
+        continue
       callee = self._inline_callee(eqn)
       if callee is not None:
         sub_jaxpr, sub_consts = callee
@@ -386,48 +615,58 @@ class Compiler:
             if not isinstance(o, jc.DropVar):
               env[o] = _Const(val)
           continue
-      fast = getattr(fn, "if_no_zeros", None)
-      zero_srcs = None
-      if fast is not None and not needs_ctx:
-        zero_srcs = em.zeros.union(in_atoms_e, info.in_avals)
-        if not zero_srcs:  # unknown (None), or all-constant operands
-          fast = None
-      if check:
-        fn = self.check_wrapper(fn, info, multiple, out_batched)
-        if fast is not None:
-          fast = self.check_wrapper(fast, info, multiple, out_batched)
-      g = em.fresh("f")
-      em.env_globals[g] = fn
-      args = ", ".join(text(a) for a in in_atoms_e)
-      if fast is not None:
-        cond = em.zeros.guard(em, zero_srcs, eqn)
-        em.env_globals[g + "_nz"] = fast
-        g = f"({g} if {cond} else {g}_nz)"
-      if needs_ctx:
-        args = "ctx, " + args if args else "ctx"
-      outs = []
-      for o, used, b in zip(eqn.outvars, outvars_used, out_batched):
-        if used:
-          n = em.fresh("v")
-          env[o] = (n, b)
-          outs.append(n)
-        else:
-          outs.append("_")
-      em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
-      if eqn.primitive.name in registry.DATA_MOVEMENT:
-        em.zeros.moved(eqn, in_atoms_e, outs)
-      call = f"{g}({args})"
-      if multiple:
-        if not outs:
-          em.body.append(call)
-        elif len(outs) == 1:
-          em.body.append(f"{outs[0]}, = {call}")
-        else:
-          em.body.append(f"{', '.join(outs)} = {call}")
-      else:
-        em.body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
-      em.line_eqns.append(eqn)
+      if (fusion is not None and i in fusion.into and not needs_ctx
+          and fusion.emit_into(i, em, env, fn, in_atoms_e, info, text)):
+        continue
+      self._emit_call(em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,
+                      outvars_used, text, check)
     return [atom_of(v) for v in jaxpr.outvars]
+
+  def _emit_call(self, em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,
+                 outvars_used, text, check):
+    """One line ``outs = fN(args)`` for an eqn (with its zero guard)."""
+    multiple = eqn.primitive.multiple_results
+    fast = getattr(fn, "if_no_zeros", None)
+    zero_srcs = None
+    if fast is not None and not needs_ctx:
+      zero_srcs = em.zeros.union(in_atoms_e, info.in_avals)
+      if not zero_srcs:  # unknown (None), or all-constant operands
+        fast = None
+    if check:
+      fn = self.check_wrapper(fn, info, multiple, out_batched)
+      if fast is not None:
+        fast = self.check_wrapper(fast, info, multiple, out_batched)
+    g = em.fresh("f")
+    em.env_globals[g] = fn
+    args = ", ".join(text(a) for a in in_atoms_e)
+    if fast is not None:
+      cond = em.zeros.guard(em, zero_srcs, eqn)
+      em.env_globals[g + "_nz"] = fast
+      g = f"({g} if {cond} else {g}_nz)"
+    if needs_ctx:
+      args = "ctx, " + args if args else "ctx"
+    outs = []
+    for o, used, b in zip(eqn.outvars, outvars_used, out_batched):
+      if used:
+        n = em.fresh("v")
+        env[o] = (n, b)
+        outs.append(n)
+      else:
+        outs.append("_")
+    em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
+    if eqn.primitive.name in registry.DATA_MOVEMENT:
+      em.zeros.moved(eqn, in_atoms_e, outs)
+    call = f"{g}({args})"
+    if multiple:
+      if not outs:
+        em.body.append(call)
+      elif len(outs) == 1:
+        em.body.append(f"{outs[0]}, = {call}")
+      else:
+        em.body.append(f"{', '.join(outs)} = {call}")
+    else:
+      em.body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
+    em.line_eqns.append(eqn)
 
   @staticmethod
   def _inline_callee(eqn):
