@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import debugging, races, vectorize
+from pallas_np import debugging, malloc, races, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
@@ -134,6 +134,7 @@ class KernelPlan:
                compiler_params=None, **_unused):
     if jaxpr.constvars:
       raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
+    malloc.tune_once()
     self.params = params
     self.compiler_params = compiler_params
     gm = grid_mapping

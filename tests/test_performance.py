@@ -100,3 +100,30 @@ def test_small_gemm_on_one_blas_thread_matches_matmul():
   np.testing.assert_array_equal(small(a, b), np.matmul(a, b))
   big = blas.matmul_for(blas.MULTITHREAD_MACS)
   np.testing.assert_array_equal(big(a, b), np.matmul(a, b))
+
+
+def _malloc_state(env_value):
+  import os
+  import subprocess
+  import sys
+  code = ("import jax, jax.numpy as jnp, numpy as np, pallas_np\n"
+          "from pallas_np import malloc\n"
+          "from jax.experimental import pallas as pl\n"
+          "def k(x_ref, o_ref): o_ref[...] = x_ref[...] + 1\n"
+          "assert not malloc.tuned  # importing alone changes nothing\n"
+          "f = pallas_np.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))\n"
+          "assert float(f(jnp.ones((8, 128)))[0, 0]) == 2.0\n"
+          "print(malloc.tuned)\n")
+  env = dict(os.environ, PALLAS_NP_TUNE_MALLOC=env_value, JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  return out.stdout.strip().splitlines()[-1]
+
+
+def test_malloc_tuning_on_first_plan_and_opt_out():
+  import platform
+  if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    assert _malloc_state("1") == "True"
+  assert _malloc_state("0") == "False"
