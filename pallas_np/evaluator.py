@@ -12,6 +12,7 @@ source line without any bookkeeping on the hot path.
 from __future__ import annotations
 
 import itertools
+import math
 import linecache
 import sys
 import threading
@@ -150,13 +151,29 @@ class _ZeroTracker:
   ... see ``registry.DATA_MOVEMENT``). A zero-sensitive op (float max/min)
   whose operands come from a few sources checks those sources for zeros once
   per run and takes its fast path when there are none: a bitonic sort's
-  hundreds of compare-exchanges share one check of the input block."""
-  __slots__ = ("sources", "flags")
+  hundreds of compare-exchanges share one check of the input block. Not
+  when the sources are much bigger than the op (a max of a small slice of a
+  big block): its own check is then cheaper."""
+  __slots__ = ("sources", "flags", "sizes")
   MAX_SOURCES = 8
+  MAX_SOURCE_RATIO = 4
 
   def __init__(self):
     self.sources: dict[str, frozenset] = {}  # value name -> source names
     self.flags: dict[str, str] = {}  # source name -> its has-zero flag
+    self.sizes: dict[str, int] = {}  # value name -> element count
+
+  def note_size(self, name, aval):
+    shape = getattr(aval, "shape", None)
+    if shape is not None:
+      self.sizes[name] = math.prod(shape)
+
+  def worth_it(self, srcs, out_aval) -> bool:
+    """Checking ``srcs`` (once per run) beats checking the op's result."""
+    if any(s in self.flags for s in srcs):
+      return True  # some are checked anyway
+    total = sum(self.sizes.get(s, 0) for s in srcs)
+    return total <= self.MAX_SOURCE_RATIO * max(1, math.prod(getattr(out_aval, "shape", ())))
 
   def of(self, atom, aval):
     """Source names of a float operand; None if it may hold a zero that no
@@ -304,6 +321,7 @@ class _Fusion:
     if buf is None:
       buf = self.concat_buffer[ci] = em.fresh("v")
       aval = concat.outvars[0].aval
+      em.zeros.note_size(buf, aval)
       alloc = em.fresh("f")
       shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
       em.env_globals[alloc] = lambda: np.empty(shape, dtype)
@@ -323,6 +341,8 @@ class _Fusion:
     args = ", ".join([buf] + [text(a) for a in in_atoms])
     if fn is not ufunc:  # zero-sensitive (float max/min)
       srcs = em.zeros.union(in_atoms, info.in_avals)
+      if srcs and not em.zeros.worth_it(srcs, info.out_aval):
+        srcs = None
       em.env_globals[g] = exact
       if srcs:
         em.env_globals[g + "_nz"] = into
@@ -333,6 +353,8 @@ class _Fusion:
     env[eqn.outvars[0]] = (placeholder, False)
     if eqn.primitive.name in registry.DATA_MOVEMENT:
       em.zeros.moved(eqn, in_atoms, [placeholder])
+    else:  # a source with no name of its own: checked as part of the buffer
+      em.zeros.sources[placeholder] = frozenset((buf,))
     em.body.append(f"{g}({args})")
     em.reads.append([buf] + [a[0] for a in in_atoms if not isinstance(a, _Const)])
     em.line_eqns.append(eqn)
@@ -359,6 +381,7 @@ class _Fusion:
     buf = self.concat_buffer.get(ci)
     if buf is None:  # no operand fused
       buf = em.fresh("v")
+      em.zeros.note_size(buf, eqn.outvars[0].aval)
       rest = list(range(len(in_atoms)))
       aval = eqn.outvars[0].aval
       shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
@@ -484,6 +507,8 @@ class Compiler:
   def _codegen(self, jaxpr, consts, in_batched) -> Plan:
     em = _Emitter()
     arg_names = [em.fresh("a") for _ in jaxpr.invars]
+    for n, v in zip(arg_names, jaxpr.invars):
+      em.zeros.note_size(n, v.aval)
     outs = self._emit(em, jaxpr, consts, list(zip(arg_names, in_batched)),
                       [True] * len(jaxpr.outvars))
     ret = []
@@ -630,8 +655,8 @@ class Compiler:
     zero_srcs = None
     if fast is not None and not needs_ctx:
       zero_srcs = em.zeros.union(in_atoms_e, info.in_avals)
-      if not zero_srcs:  # unknown (None), or all-constant operands
-        fast = None
+      if not zero_srcs or not em.zeros.worth_it(zero_srcs, info.out_avals[0]):
+        fast = None  # unknown, all-constant operands, or too big to check
     if check:
       fn = self.check_wrapper(fn, info, multiple, out_batched)
       if fast is not None:
@@ -651,6 +676,7 @@ class Compiler:
         n = em.fresh("v")
         env[o] = (n, b)
         outs.append(n)
+        em.zeros.note_size(n, o.aval)
       else:
         outs.append("_")
     em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])

@@ -103,3 +103,19 @@ def test_squeezed_slices_match_interpret(index):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
                           interpret=interpret)(x)
   np.testing.assert_array_equal(np.asarray(call("numpy")), np.asarray(call(True)))
+
+
+def test_fused_non_movement_operand_as_zero_source():
+  """max(concatenate([x * 2, y]), z): the fused product has no value name of
+  its own, so the zero check of the max must look at the concatenate."""
+  def kernel(x_ref, y_ref, o_ref):
+    x, y = x_ref[...], y_ref[...]
+    c = jnp.concatenate([x * 2, y], axis=0)
+    o_ref[...] = jnp.maximum(c, jnp.flip(c, 0))
+
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  y = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  x[0, :3] = [0.0, -0.0, 0.0]
+  y[-1, :3] = [-0.0, 0.0, -0.0]
+  got, want = _run(kernel, jnp.asarray(x), jnp.asarray(y))
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
