@@ -168,19 +168,28 @@ class _ZeroTracker:
     if shape is not None:
       self.sizes[name] = math.prod(shape)
 
-  def worth_it(self, srcs, out_aval) -> bool:
-    """Checking ``srcs`` (once per run) beats checking the op's result."""
+  def guard_sources(self, atoms, avals, out_aval):
+    """Sources whose zero check can stand in for a zero-sensitive op's own,
+    or None: unknown, all-constant operands, or much bigger than the op."""
+    srcs = self.union(atoms, avals)
+    if not srcs:
+      return None
     if any(s in self.flags for s in srcs):
-      return True  # some are checked anyway
+      return srcs  # some are checked anyway
     total = sum(self.sizes.get(s, 0) for s in srcs)
-    return total <= self.MAX_SOURCE_RATIO * max(1, math.prod(getattr(out_aval, "shape", ())))
+    if total > self.MAX_SOURCE_RATIO * max(1, math.prod(getattr(out_aval, "shape", ()))):
+      return None
+    return srcs
+
+  def of_name(self, name) -> frozenset:
+    return self.sources.get(name) or frozenset((name,))
 
   def of(self, atom, aval):
     """Source names of a float operand; None if it may hold a zero that no
     run-time check can rule out (a constant with a zero)."""
     if isinstance(atom, _Const):
       return None if _has_zero(atom.value) else frozenset()
-    return self.sources.get(atom[0], frozenset((atom[0],)))
+    return self.of_name(atom[0])
 
   def union(self, atoms, avals):
     found = frozenset()
@@ -196,7 +205,7 @@ class _ZeroTracker:
   def moved(self, eqn, atoms, out_names):
     a = atoms[0]
     if len(atoms) == 1 and not isinstance(a, _Const):  # reshape, slice, ...
-      srcs = self.sources.get(a[0]) or frozenset((a[0],))
+      srcs = self.of_name(a[0])
     else:
       srcs = self.union(atoms, [v.aval for v in eqn.invars])
       if srcs is None:
@@ -340,9 +349,7 @@ class _Fusion:
     g = em.fresh("f")
     args = ", ".join([buf] + [text(a) for a in in_atoms])
     if fn is not ufunc:  # zero-sensitive (float max/min)
-      srcs = em.zeros.union(in_atoms, info.in_avals)
-      if srcs and not em.zeros.worth_it(srcs, info.out_aval):
-        srcs = None
+      srcs = em.zeros.guard_sources(in_atoms, info.in_avals, info.out_aval)
       em.env_globals[g] = exact
       if srcs:
         em.env_globals[g + "_nz"] = into
@@ -370,45 +377,31 @@ class _Fusion:
         producer_atom = env[self.eqns[j].outvars[0]]
         placeholder = em.fresh("_fused")
         env[eqn.outvars[0]] = (placeholder, False)
-        em.zeros.sources[placeholder] = em.zeros.sources.get(
-            producer_atom[0]) or frozenset((producer_atom[0],))
+        em.zeros.sources[placeholder] = em.zeros.of_name(producer_atom[0])
         return True
       return False
     return True  # the slice of a squeeze(slice(x))
 
   def emit_concat(self, ci, em, env, in_atoms, text):
+    """A concatenate with fused operands: copy in the others, if any."""
     eqn = self.eqns[ci]
-    buf = self.concat_buffer.get(ci)
-    if buf is None:  # no operand fused
-      buf = em.fresh("v")
-      em.zeros.note_size(buf, eqn.outvars[0].aval)
-      rest = list(range(len(in_atoms)))
-      aval = eqn.outvars[0].aval
-      shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    buf = self.concat_buffer[ci]
+    rest = [p for p in range(len(in_atoms)) if p not in self.fused[ci]]
+    if rest:
       d = eqn.params["dimension"]
-      g = em.fresh("f")
-      em.env_globals[g] = lambda *xs: np.concatenate(xs, axis=d)
-      em.body.append(f"{buf} = {g}({', '.join(text(a) for a in in_atoms)})")
-      em.reads.append([a[0] for a in in_atoms if not isinstance(a, _Const)])
-      em.line_eqns.append(eqn)
-    else:
-      fused = self.fused.get(ci, set())
-      rest = [p for p in range(len(in_atoms)) if p not in fused]
-      if rest:
-        d = eqn.params["dimension"]
-        offsets = np.cumsum([0] + [v.aval.shape[d] for v in eqn.invars])
-        slots = [(slice(None),) * d + (slice(int(offsets[p]), int(offsets[p + 1])),)
-                 for p in rest]
+      offsets = np.cumsum([0] + [v.aval.shape[d] for v in eqn.invars])
+      slots = [(slice(None),) * d + (slice(int(offsets[p]), int(offsets[p + 1])),)
+               for p in rest]
 
-        def fill(out, *xs):
-          for s, x in zip(slots, xs):
-            out[s] = x
-        g = em.fresh("f")
-        em.env_globals[g] = fill
-        em.body.append(f"{g}({buf}, {', '.join(text(in_atoms[p]) for p in rest)})")
-        em.reads.append([buf] + [in_atoms[p][0] for p in rest
-                                 if not isinstance(in_atoms[p], _Const)])
-        em.line_eqns.append(eqn)
+      def fill(out, *xs):
+        for s, x in zip(slots, xs):
+          out[s] = x
+      g = em.fresh("f")
+      em.env_globals[g] = fill
+      em.body.append(f"{g}({buf}, {', '.join(text(in_atoms[p]) for p in rest)})")
+      em.reads.append([buf] + [in_atoms[p][0] for p in rest
+                               if not isinstance(in_atoms[p], _Const)])
+      em.line_eqns.append(eqn)
     env[eqn.outvars[0]] = (buf, False)
     em.zeros.moved(eqn, in_atoms, [buf])
 
@@ -598,7 +591,7 @@ class Compiler:
                         outvars_used, text, check)
         continue
       in_atoms_e = [atom_of(v) for v in eqn.invars]
-      if fusion is not None and i in fusion.concat_buffer:
+      if fusion is not None and fusion.concat_buffer.get(i) is not None:
         fusion.emit_concat(i, em, env, in_atoms_e, text)
         continue
       callee = self._inline_callee(eqn)
@@ -654,9 +647,9 @@ class Compiler:
     fast = getattr(fn, "if_no_zeros", None)
     zero_srcs = None
     if fast is not None and not needs_ctx:
-      zero_srcs = em.zeros.union(in_atoms_e, info.in_avals)
-      if not zero_srcs or not em.zeros.worth_it(zero_srcs, info.out_avals[0]):
-        fast = None  # unknown, all-constant operands, or too big to check
+      zero_srcs = em.zeros.guard_sources(in_atoms_e, info.in_avals, info.out_avals[0])
+      if zero_srcs is None:
+        fast = None
     if check:
       fn = self.check_wrapper(fn, info, multiple, out_batched)
       if fast is not None:
