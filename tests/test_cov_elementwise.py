@@ -148,8 +148,7 @@ def _int_ops(dtype):
   }
 
 
-@pytest.mark.parametrize("dtype", INT_DTYPES)
-def test_integer_ops_bit_exact(dtype):
+def _check_int_ops(dtype):
   x = _int_inputs(dtype)
   y = np.roll(_int_inputs(dtype), 5)
   y[:3] = np.array([0, 0, 1]).astype(dtype)
@@ -161,17 +160,15 @@ def test_integer_ops_bit_exact(dtype):
     np.testing.assert_array_equal(g, w, err_msg=n)
 
 
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+def test_integer_ops_bit_exact(dtype):
+  _check_int_ops(dtype)
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
 def test_integer_ops_64bit(dtype):
   with jax.enable_x64(True):
-    x = _int_inputs(dtype)
-    y = np.roll(_int_inputs(dtype), 5)
-    y[:3] = np.array([0, 0, 1]).astype(dtype)
-    ops = _int_ops(dtype)
-    names = list(ops)
-    got, want = both(lambda a, b: [ops[n](a, b) for n in names], x, y)
-    for n, g, w in zip(names, got, want):
-      np.testing.assert_array_equal(g, w, err_msg=n)
+    _check_int_ops(dtype)
 
 
 ALL_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32,
@@ -292,3 +289,19 @@ def test_max_min_network_bitwise(zeros):
   got, want = both(_exchange_network, a, b)
   for g, w in zip(got, want):
     _bits_equal(g, w)
+
+
+def test_max_min_guard_skips_sources_much_bigger_than_the_op():
+  """max of one row of a big block: checking the whole block for zeros would
+  cost more than the op's own check, so the exact rule runs unguarded."""
+  from pallas_np.evaluator import Compiler
+  big = np.ones((64, 128), np.float32)
+  row = np.ones((1, 128), np.float32)
+  plan = Compiler().compile(jax.make_jaxpr(lambda x, r: jnp.maximum(x[:1], r))(big, row))
+  assert "_has_zero(" not in plan.source, plan.source
+  x = big.copy()
+  x[0, :2] = [0.0, -0.0]
+  r = row.copy()
+  r[0, :2] = [-0.0, 0.0]
+  got = plan(None, x, r)[0]
+  _bits_equal(np.asarray(got), np.asarray(jax.jit(lambda x, r: jnp.maximum(x[:1], r))(x, r)))
