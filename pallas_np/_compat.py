@@ -28,6 +28,8 @@ from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.state import indexing as state_indexing
 from jax._src import config as jax_config
+from jax._src import pjit as jax_pjit
+from jax._src import sharding_impls as jax_sharding_impls
 
 Jaxpr = jax_core.Jaxpr
 ClosedJaxpr = jax_core.ClosedJaxpr
@@ -38,6 +40,7 @@ DropVar = jax_core.DropVar
 Tracer = jax_core.Tracer
 Primitive = jax_core.Primitive
 ShapedArray = jax_core.ShapedArray
+subjaxprs = jax_core.subjaxprs  # the Jaxprs in a jaxpr's eqn params (one level)
 
 pallas_call_p = pallas_call_mod.pallas_call_p
 GridMapping = pallas_core.GridMapping
@@ -220,6 +223,28 @@ def _default_placement():
 
 
 from jax._src.lib import xla_client as _xc  # noqa: E402
+
+
+def install_jit_call_hook(hook):
+  """Put ``hook(jax_impl, *args, jaxpr=..., **jit_params)`` in front of the
+  function JAX runs when a ``jax.jit`` function (or an eagerly bound
+  primitive, which JAX runs through a jit) misses its C++ dispatch cache
+  and is called on concrete arrays: it lowers, XLA-compiles and runs the
+  jaxpr. The hook returns what JAX's does, ``(out_flat, compiled,
+  profiler, const_args)``; ``compiled=None`` keeps the C++ cache empty, so
+  later calls come back through the hook. Idempotent."""
+  current = jax_pjit._pjit_call_impl_python
+  if getattr(current, "pallas_np_hook", None) is hook:
+    return
+
+  def call_impl(*args, **params):
+    return hook(current, *args, **params)
+  call_impl.pallas_np_hook = hook
+  jax_pjit._pjit_call_impl_python = call_impl
+
+
+def is_unspecified_sharding(s) -> bool:
+  return isinstance(s, jax_sharding_impls.UnspecifiedValue)
 
 
 def register_tpu_device_kind(kind: str, make_info):

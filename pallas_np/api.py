@@ -168,13 +168,41 @@ def _eager_call(jax_fn, interp, args):
   return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
+class EagerPlan:
+  """A traced program (ClosedJaxpr) compiled for eager calls: the whole
+  jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels."""
+  __slots__ = ("plan", "jaxpr", "in_dtypes", "input_free", "interp", "name")
+
+  def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call"):
+    self.plan = Compiler(interp, name).compile(closed)
+    self.jaxpr = closed.jaxpr
+    # Python scalars and float64/int64 NumPy values take JAX's canonical
+    # dtypes (float32/int32 without x64), as the traced jaxpr says.
+    self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
+    self.input_free = None
+    self.interp = interp
+    self.name = name
+
+  def run(self, leaves, *, own_outputs=False) -> list:
+    """NumPy outputs of the program on ``leaves`` (flat, concrete).
+
+    ``own_outputs``: copy any output that may share memory with an input or
+    with a constant of the plan, so the caller may hand it out zero-copy."""
+    np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
+    outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
+    if own_outputs:
+      if self.input_free is None:
+        self.input_free = _input_free_outputs(self.jaxpr)
+      outs = [np.array(o) if i in self.input_free
+              or any(np.may_share_memory(o, a) for a in np_args) else o
+              for i, o in enumerate(outs)]
+    return outs
+
+
 def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   """Evaluate ``jax_fn(*args)`` (concrete arrays) with the NumPy evaluator,
   no XLA: returns the NumPy outputs (flat) and their pytree structure.
-  Compiled once per (function, argument shapes/dtypes, params).
-
-  ``own_outputs``: copy any output that may share memory with an input or
-  with a constant of the plan, so the caller may hand it out zero-copy."""
+  Compiled once per (function, argument shapes/dtypes, params)."""
   leaves, treedef = jax.tree_util.tree_flatten(args)
   avals = tuple((np.shape(x), _dtype_of(x), getattr(x, "weak_type", False))
                 for x in leaves)
@@ -182,26 +210,12 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   entry = _eager_cache.get(key)
   if entry is None:
     traced = jax.jit(jax_fn).trace(*args)
-    closed = traced.jaxpr
-    compiler = Compiler(interp, "pallas_call")
-    plan = compiler.compile(closed)
-    out_tree = jax.tree_util.tree_structure(traced.out_info)
-    # Python scalars and float64/int64 NumPy values take JAX's canonical
-    # dtypes (float32/int32 without x64), as the traced jaxpr says.
-    in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
-    entry = [plan, out_tree, None, closed.jaxpr, in_dtypes]
+    entry = (EagerPlan(traced.jaxpr, interp), jax.tree_util.tree_structure(traced.out_info))
     _eager_cache[key] = entry
     while len(_eager_cache) > _PLAN_CACHE_SIZE:
       _eager_cache.popitem(last=False)
-  plan, out_tree, input_free, jaxpr, in_dtypes = entry
-  np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, in_dtypes)]
-  outs = [np.asarray(o) for o in plan(RunContext("pallas_call", interp), *np_args)]
-  if own_outputs:
-    if input_free is None:
-      input_free = entry[2] = _input_free_outputs(jaxpr)
-    outs = [np.array(o) if i in input_free or any(np.may_share_memory(o, a) for a in np_args)
-            else o for i, o in enumerate(outs)]
-  return outs, out_tree
+  eager_plan, out_tree = entry
+  return eager_plan.run(leaves, own_outputs=own_outputs), out_tree
 
 
 def _input_free_outputs(jaxpr) -> frozenset:

@@ -45,6 +45,14 @@ class InterpretParams:
       across cores, each with its own scratch and scalar-prefetch copies.
       Kernels written for megacore (e.g. paged attention's ``megacore_mode``)
       need 2.
+    whole_program: a ``jax.jit`` function called eagerly on CPU arrays runs
+      entirely in the NumPy evaluator, with no XLA compilation, when its
+      program is a lone numpy-mode ``pallas_call`` (an eager
+      ``pl.pallas_call(..., interpret="numpy")``) or, under
+      ``force_numpy_interpret``, when it contains any ``pallas_call`` and
+      every primitive around the kernels has a NumPy rule (otherwise XLA
+      compiles the code around the kernels, which reach the interpreter
+      through ``io_callback``). ``False``: always the latter.
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
@@ -57,6 +65,7 @@ class InterpretParams:
   progress: bool = True
   num_threads: int = 1
   num_cores: int = 1
+  whole_program: bool = True
 
   def __post_init__(self):
     if self.bounds_check not in ("raise", "clamp"):

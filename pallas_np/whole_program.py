@@ -1,5 +1,5 @@
-"""``pallas_np.jit``: a ``jax.jit`` whose whole program runs in the NumPy
-evaluator.
+"""Whole programs in the NumPy evaluator: ``pallas_np.jit`` and eager jit
+calls.
 
 Library kernels (megablox ``gmm``, ``flash_attention``, ...) are themselves
 ``jax.jit`` functions with XLA work around the ``pallas_call`` (group
@@ -8,6 +8,13 @@ is still compiled by XLA on the first call, which can cost more than running
 the kernel. Here the program is traced to a jaxpr (no XLA) and evaluated by
 the same evaluator the eager ``pallas_np.pallas_call`` uses: its rule for the
 ``pallas_call`` primitive runs the kernel, jit bodies are inlined.
+
+The same happens without ``pallas_np.jit`` when a jitted function is called
+eagerly (``InterpretParams.whole_program``): JAX's eager call of a jit is
+hooked (``_compat.install_jit_call_hook``), and a program that is a lone
+numpy-mode pallas_call (what an eager ``pl.pallas_call(..., interpret=
+"numpy")`` is), or any program with a pallas_call under
+``force_numpy_interpret``, runs here instead of being compiled by XLA.
 """
 from __future__ import annotations
 
@@ -18,9 +25,13 @@ from typing import Any, Callable
 
 import jax
 
+import numpy as np
+
 from pallas_np import _compat as jc
-from pallas_np.api import _eager_call, _is_concrete, _PLAN_CACHE_SIZE, force_numpy_interpret
-from pallas_np.params import InterpretParams, resolve
+from pallas_np.api import (EagerPlan, _eager_call, _is_concrete, _PLAN_CACHE_SIZE,
+                           force_numpy_interpret)
+from pallas_np.errors import UnsupportedError
+from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 
 
 def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(),
@@ -82,3 +93,87 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(),
 
   call.jax_jitted = jax_jitted
   return call
+
+
+# -- eager jit calls ----------------------------------------------------------
+# (id(closed jaxpr), forced params) -> (closed jaxpr, EagerPlan | None)
+_routes: collections.OrderedDict = collections.OrderedDict()
+_routes_lock = threading.Lock()
+_cpu_default: list = []  # [bool], once: is JAX's default device a CPU?
+
+
+def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
+  """JAX's eager call of a jitted function, run by the NumPy evaluator when
+  ``_route`` says so (no XLA compilation), else by ``jax_impl``."""
+  forced = jc.interpret_mode_config.value
+  if forced is not None and not is_numpy_mode(forced):
+    return jax_impl(*args, jaxpr=jaxpr, **jit_params)
+  if not _cpu_default:
+    _cpu_default.append(jax.devices()[0].platform == "cpu")
+  if not _cpu_default[0] or (forced is None and not _single_numpy_kernel(jaxpr.jaxpr)):
+    return jax_impl(*args, jaxpr=jaxpr, **jit_params)
+  key = (id(jaxpr), forced)
+  with _routes_lock:
+    hit = _routes.get(key)
+  if hit is None or hit[0] is not jaxpr:
+    hit = (jaxpr, _route(jaxpr, jit_params, forced))
+    with _routes_lock:
+      _routes[key] = hit
+      while len(_routes) > _PLAN_CACHE_SIZE:
+        _routes.popitem(last=False)
+  eager_plan = hit[1]
+  if eager_plan is None or not all(_on_cpu(a) for a in args):
+    return jax_impl(*args, jaxpr=jaxpr, **jit_params)
+  outs = eager_plan.run(args, own_outputs=True)
+  return [jc.np_to_jax(o) for o in outs], None, None, []
+
+
+def _route(closed, jit_params, forced) -> EagerPlan | None:
+  """The NumPy plan of an eagerly called jit's program, or None for XLA."""
+  if forced is not None:
+    interp = resolve(forced)
+    if not _has_pallas_call(closed.jaxpr):
+      return None
+  else:
+    interp = resolve(closed.jaxpr.eqns[0].params["interpret"])
+  if not interp.whole_program:
+    return None
+  if not all(jc.is_unspecified_sharding(s)
+             for s in (*jit_params["in_shardings"], *jit_params["out_shardings"])):
+    return None  # placement the caller asked for: XLA's business
+  if any(l is not None for l in (*jit_params["in_layouts"], *jit_params["out_layouts"])):
+    return None
+  try:
+    return EagerPlan(closed, interp, jit_params["name"])
+  except UnsupportedError:
+    # A primitive around the kernels without a NumPy rule: XLA compiles the
+    # program and the kernels run through io_callback (an unsupported
+    # primitive inside a kernel raises again when that lowering compiles it).
+    return None
+
+
+def _single_numpy_kernel(jaxpr) -> bool:
+  eqns = jaxpr.eqns
+  return (len(eqns) == 1 and eqns[0].primitive is jc.pallas_call_p
+          and is_numpy_mode(eqns[0].params["interpret"]))
+
+
+def _has_pallas_call(jaxpr) -> bool:
+  return (any(eqn.primitive is jc.pallas_call_p for eqn in jaxpr.eqns)
+          or any(_has_pallas_call(sub) for sub in jc.subjaxprs(jaxpr)))
+
+
+def _on_cpu(x) -> bool:
+  if isinstance(x, (np.ndarray, np.generic, int, float, complex, bool)):
+    return True
+  sharding = getattr(x, "sharding", None)
+  if sharding is None:
+    return False
+  devices = sharding.device_set
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def install():
+  """Route eager jit calls as ``InterpretParams.whole_program`` says
+  (idempotent)."""
+  jc.install_jit_call_hook(_eager_jit_call)

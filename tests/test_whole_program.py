@@ -94,3 +94,103 @@ def test_unsupported_outer_primitive_raises():
   f = pallas_np.jit(lambda x: jnp.linalg.eigh(x)[0])
   with pytest.raises(pallas_np.UnsupportedError):
     f(jnp.eye(4, dtype=jnp.float32))
+
+
+# -- eager jit calls (InterpretParams.whole_program) -----------------------------
+def _lone_kernel(interpret):
+  return pl.pallas_call(functools.partial(_scale_kernel, factor=3.0),
+                        out_shape=jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(4,),
+                        in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
+                        out_specs=pl.BlockSpec((8, 16), lambda i: (i, 0)),
+                        interpret=interpret)
+
+
+def test_eager_pl_pallas_call_numpy_compiles_nothing():
+  # JAX runs an eager pl.pallas_call through a jit of the lone primitive.
+  x, _ = _args(4)
+  want = _lone_kernel(True)(x)
+  f = _lone_kernel("numpy")
+  x1 = jax.block_until_ready(x + 1.0)
+  with assert_no_xla_compiles():
+    got = f(x)
+    got_jit = jax.jit(f)(x)  # a jit that is only the kernel: the same
+    again = f(x1)
+  assert isinstance(got, jax.Array)
+  assert_same(got, want, rtol=1e-6, atol=1e-6)
+  assert_same(got_jit, want, rtol=1e-6, atol=1e-6)
+  assert_same(again, _lone_kernel(True)(x1), rtol=1e-6, atol=1e-6)
+
+
+def test_forced_eager_jit_runs_whole_program_in_numpy():
+  x, w = _args(5)
+  want = jax.jit(functools.partial(_program, interpret=True))(x, w)
+  f = jax.jit(_program)  # interpret=False inside, as library code is
+  x2 = x * 2.0
+  jax.block_until_ready(x2)
+  with pallas_np.force_numpy_interpret():
+    f(x, w)  # (one call to warm JAX's own tracing caches)
+    with assert_no_xla_compiles():
+      got = f(x, w)
+      got2 = f(x2, w)
+  for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert isinstance(g, jax.Array)
+    assert_same(g, e, rtol=1e-5, atol=1e-5)
+  want2 = jax.jit(functools.partial(_program, interpret=True))(x2, w)
+  assert_same(got2["y"], want2["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_forced_eager_jit_outputs_do_not_alias_inputs():
+  # Outputs forwarded from inputs (or constants) are copies: a jax.Array
+  # handed out zero-copy must not share memory with the caller's arrays.
+  x, _ = _args(6)
+  f = jax.jit(lambda a: (_lone_kernel(False)(a), a, jnp.arange(3.0)))
+  with pallas_np.force_numpy_interpret():
+    y, same, const = f(x)
+    _, _, const2 = f(x)
+  assert_same(y, _lone_kernel(True)(x), rtol=1e-6, atol=1e-6)
+  assert_same(same, x, rtol=0, atol=0)
+  assert not np.shares_memory(np.asarray(same), np.asarray(x))
+  assert not np.shares_memory(np.asarray(const), np.asarray(const2))
+
+
+def _compiles(fn):
+  """How many XLA compilations ``fn()`` triggers."""
+  from tests.helpers import CompileLog
+  import logging
+  handler = CompileLog()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      jax.block_until_ready(fn())
+  finally:
+    logger.removeHandler(handler)
+  return len(handler.messages)
+
+
+@pytest.mark.parametrize("case", ["opt_out", "unsupported_outer", "explicit_sharding",
+                                  "not_forced"])
+def test_eager_jit_keeps_xla_where_it_should(case):
+  x, w = _args(7)
+  params = pallas_np.InterpretParams()
+  program = _program
+  if case == "opt_out":
+    params = pallas_np.InterpretParams(whole_program=False)
+  elif case == "unsupported_outer":  # eigh has no NumPy rule: XLA around the kernel
+    program = lambda a, b, interpret=False: _program(
+        a + jnp.linalg.eigh(jnp.eye(16))[0].sum() / 100, b, interpret=interpret)
+  f = jax.jit(program)
+  if case == "explicit_sharding":
+    f = jax.jit(program, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  elif case == "not_forced":  # a user's jit around a numpy-mode kernel: XLA + io_callback
+    f = jax.jit(functools.partial(program, interpret="numpy"))
+  want = jax.jit(functools.partial(program, interpret=True))(x, w)
+  if case == "not_forced":
+    n = _compiles(lambda: f(x, w))
+    got = f(x, w)
+  else:
+    with pallas_np.force_numpy_interpret(params):
+      n = _compiles(lambda: f(x, w))
+      got = f(x, w)
+  assert n >= 1
+  assert_same(got["y"], want["y"], rtol=1e-5, atol=1e-5)
