@@ -169,8 +169,17 @@ def _on_cpu(x) -> bool:
   sharding = getattr(x, "sharding", None)
   if sharding is None:
     return False
-  devices = sharding.device_set
-  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+  found = _cpu_shardings.get(sharding)
+  if found is None:
+    devices = sharding.device_set
+    found = len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    if len(_cpu_shardings) > 1024:
+      _cpu_shardings.clear()
+    _cpu_shardings[sharding] = found
+  return found
+
+
+_cpu_shardings: dict = {}  # sharding -> on one CPU device? (arrays share a few)
 
 
 def install():

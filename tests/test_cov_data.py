@@ -23,6 +23,27 @@ def check(fn, *args, rtol=1e-5, atol=1e-5):
       raise AssertionError(f"output {i}: {err}") from None
 
 
+@pytest.mark.parametrize("shape,dtype", [
+    ((128, 1024), np.float32),  # 4 KiB rows: 8-row slabs
+    ((37, 512), np.float32),  # rows not a multiple of the slab
+    ((3, 40, 256), np.int32),  # batched swap of the last two axes
+    ((64, 1024), ml_dtypes.bfloat16),  # 2 KiB rows of a 2-byte type
+    ((8, 128), np.float32),  # small: NumPy's plain copy
+])
+def test_transpose_blocked_copy_bit_exact(shape, dtype):
+  from pallas_np.primitives import shape as shape_rules
+  rows, cols = shape[-2:]
+  uses_slabs = shape_rules._transpose_slab_rows(rows, cols, np.dtype(dtype).itemsize) > 0
+  assert uses_slabs == (shape != (8, 128))  # the cases exercise both paths
+  x = (rng.standard_normal(shape) * 100).astype(dtype)
+  perm = (*range(len(shape) - 2), len(shape) - 1, len(shape) - 2)
+  got, want = both(lambda x: [jnp.transpose(x, perm), jnp.transpose(x, perm) + x.swapaxes(-1, -2)], x)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+  np.testing.assert_array_equal(got[0], np.transpose(x, perm))
+
+
 def test_shape_ops():
   x = rng.standard_normal((6, 8)).astype(np.float32)
   i = np.array([2, -3], np.int32)

@@ -62,7 +62,37 @@ def _transpose(e):
   # Materialised, as XLA does: a lazy transposed view would hand its strided
   # layout on to every ufunc result downstream (NumPy keeps 'K' order), making
   # all later elementwise work run at strided speed.
+  shape = tuple(e.in_avals[0].shape)
+  rank = len(shape)
+  if rank >= 2 and perm == (*range(rank - 2), rank - 1, rank - 2):
+    itemsize = np.dtype(jc.physical_dtype(e.in_avals[0].dtype)).itemsize
+    slab = _transpose_slab_rows(shape[-2], shape[-1], itemsize)
+    if slab:
+      return lambda x: _swap_last_two_by_slabs(x, slab)
   return lambda x: np.ascontiguousarray(np.transpose(x, perm))
+
+
+def _transpose_slab_rows(rows: int, cols: int, itemsize: int) -> int:
+  """Rows per slab for a blocked swap of the last two axes, or 0 for NumPy's
+  plain copy. NumPy writes the output in order and reads the input down
+  its columns: with rows of >= 1 KiB (powers of two above all) every read
+  of a column maps to the same cache sets and the copy thrashes. Copying
+  slabs of a few rows keeps those lines in cache: a 128x1024 float32
+  block 420 -> ~90-140 us, 1024x1024 3.7 -> 0.9 ms (measured; 8 rows for
+  4 KiB rows, 16 for 2 KiB, 32 for 1 KiB, where each was fastest)."""
+  row_bytes = cols * itemsize
+  if row_bytes < 1024 or rows * cols < 4096:
+    return 0
+  slab = max(8, min(32, 32768 // row_bytes))
+  return slab if rows > slab else 0
+
+
+def _swap_last_two_by_slabs(x, slab):
+  rows = x.shape[-2]
+  out = np.empty((*x.shape[:-2], x.shape[-1], rows), x.dtype)
+  for i in range(0, rows, slab):
+    out[..., i:i + slab] = x[..., i:i + slab, :].swapaxes(-1, -2)
+  return out
 
 
 @registry.register(lax.squeeze_p)
