@@ -644,6 +644,11 @@ class Compiler:
                  outvars_used, text, check):
     """One line ``outs = fN(args)`` for an eqn (with its zero guard)."""
     multiple = eqn.primitive.multiple_results
+    specialise = getattr(fn, "specialise", None)
+    if specialise is not None and any(isinstance(a, _Const) for a in in_atoms_e):
+      better = specialise([a.value if isinstance(a, _Const) else None for a in in_atoms_e])
+      if better is not None:
+        fn = better
     fast = getattr(fn, "if_no_zeros", None)
     zero_srcs = None
     if fast is not None and not needs_ctx:

@@ -84,6 +84,16 @@ def zero_sensitive(exact: Callable, if_no_zeros: Callable) -> Callable:
   return exact
 
 
+def const_specialised(fn: Callable, specialise: Callable) -> Callable:
+  """Marks a rule's callable that has a cheaper exact form when some operands
+  are constants: ``specialise(consts)`` gets each operand's constant value
+  (None where not constant) and returns a callable with the same signature,
+  or None. Asked once per eqn at compile time (e.g. ``max(x, 0.0)``, a
+  ReLU, needs no zero check: adding +0.0 turns its -0.0 into XLA's +0.0)."""
+  fn.specialise = specialise
+  return fn
+
+
 # Primitives whose float outputs only hold (bitwise) copies of elements of
 # their float operands, so an output can hold a zero only if an operand does.
 DATA_MOVEMENT = frozenset("""reshape transpose rev slice squeeze expand_dims

@@ -305,3 +305,39 @@ def test_max_min_guard_skips_sources_much_bigger_than_the_op():
   r[0, :2] = [-0.0, 0.0]
   got = plan(None, x, r)[0]
   _bits_equal(np.asarray(got), np.asarray(jax.jit(lambda x, r: jnp.maximum(x[:1], r))(x, r)))
+
+
+def _against_constants(x):
+  nonuniform = jnp.where(jnp.arange(x.shape[1]) % 2 == 0, 0.0, 1.0).astype(x.dtype)
+  return (jnp.maximum(x, 0.0), jnp.maximum(0.0, x),  # ReLU, either side
+          jnp.maximum(x, -1.5), jnp.minimum(x, 2.0), jnp.minimum(-3.0, x),
+          jnp.maximum(x, jnp.nan),
+          jnp.minimum(x, 0.0), jnp.maximum(x, -0.0), jnp.minimum(x, -0.0),  # exact rule
+          jnp.maximum(x, nonuniform[None, :]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_max_min_against_constants_bitwise(dtype):
+  x = rng.standard_normal((8, 128)).astype(np.float32) * 3
+  x[:, :8] = [0.0, -0.0, np.nan, np.inf, -np.inf, -1.5, 2.0, -3.0]
+  x[1::2, 8::4] = -0.0
+  x[::2, 9::4] = 0.0
+  x = x.astype(dtype)
+  got, want = both(_against_constants, x)
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert g.dtype == w.dtype, i
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=str(i))
+    ok = ~np.isnan(w.astype(np.float32))
+    np.testing.assert_array_equal(g.view(np.uint8).reshape(*g.shape, -1)[ok],
+                                  w.view(np.uint8).reshape(*w.shape, -1)[ok], err_msg=str(i))
+
+
+def test_relu_plan_skips_the_zero_check():
+  """max(x, 0.0) runs NumPy's max plus +0.0 (no zero check, no fix-up);
+  a nonzero constant runs the bare ufunc."""
+  from pallas_np.evaluator import Compiler
+  a = np.ones((8, 16), np.float32)
+  plan = Compiler().compile(jax.make_jaxpr(lambda x: (jnp.maximum(x, 0.0), jnp.minimum(x, 2.0)))(a))
+  called = [v for k, v in plan.fn.__globals__.items() if k.startswith("f")]
+  assert any(getattr(f, "__name__", "") == "relu" for f in called), plan.source
+  assert np.minimum in called, plan.source

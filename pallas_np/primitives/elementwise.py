@@ -86,8 +86,37 @@ def _minmax(ufunc, is_max):
       exact = lambda x, y: _fix_zero(ufunc(x, y), x, y, lambda a, b: -((-a) + (-b)))
     # The zero check costs about as much as the max itself; the evaluator
     # skips it when it has proven the operands zero-free (sorting networks).
-    return registry.zero_sensitive(exact, ufunc)
+    return registry.const_specialised(registry.zero_sensitive(exact, ufunc),
+                                      lambda consts: _minmax_given(ufunc, is_max, consts))
   return compile_rule
+
+
+def _minmax_given(ufunc, is_max, consts):
+  """Exact max/min against a uniform constant, without the zero check: a
+  nonzero constant never ties with a zero, so NumPy's result is XLA's; and
+  max(x, +0.0) (a ReLU) is NumPy's result plus +0.0, which turns the only
+  wrong zero, -0.0, into +0.0 and changes nothing else (NaN stays NaN)."""
+  known = [c for c in consts if c is not None]
+  if len(known) != 1:
+    return None
+  c = np.asarray(known[0])
+  if c.size == 0:
+    return None
+  v = c.flat[0]
+  if not (np.all(c == v) or np.all(np.isnan(c))):
+    return None
+  if v != 0:  # also NaN: propagates either way
+    return ufunc
+  if is_max and not np.signbit(v):
+    zero = c.dtype.type(0)
+
+    def relu(x, y):
+      r = ufunc(x, y)
+      if isinstance(r, np.ndarray) and r.flags.writeable:
+        return np.add(r, zero, out=r)
+      return r + zero
+    return relu
+  return None
 
 
 def _fix_zero(r, x, y, combine):
