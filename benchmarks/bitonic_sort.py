@@ -10,7 +10,8 @@ it includes tracing and (for JAX's interpreters) XLA compilation, as a user
 sees it. The same process then times warm calls (median). Modes:
 
   numpy     pallas_np.pallas_call(...)           (eager: no XLA compilation)
-  numpy-pl  pl.pallas_call(..., interpret="numpy")  (jit + io_callback)
+  numpy-pl  pl.pallas_call(..., interpret="numpy")  (JAX's jit of the lone
+            kernel, which pallas_np evaluates directly: no XLA either)
   hlo       pl.pallas_call(..., interpret=True)  (JAX's HLO interpreter)
   tpu       pl.pallas_call(..., interpret=pltpu.InterpretParams())
 

@@ -322,8 +322,8 @@ def case_gpu_attention(b=2, h=4, s=512, d=64, bq=64, bk=64, causal=True):
 
 # -- JAX's GPU (Triton-path) ops, jax.experimental.pallas.ops.gpu ------------------------
 # These take ``interpret=`` themselves and jit internally, so every mode (numpy
-# included) runs under jit; numpy mode reaches the interpreter through the
-# io_callback lowering rather than the eager path.
+# included) runs under jit; in numpy mode that eagerly called jit runs whole in
+# the NumPy evaluator (InterpretParams.whole_program), as pallas_np.jit would.
 def _gpu_op_case(label, op, args, reference, tol=1e-4, grad=False):
   def flat(fn):
     if not grad:

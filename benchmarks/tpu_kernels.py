@@ -5,16 +5,18 @@ numpy mode vs interpret=True vs pltpu.InterpretParams(), cold and warm.
     python benchmarks/tpu_kernels.py --kernels flash_fwd,paged --modes numpy,tpu
 
 Every (kernel, mode) runs in a fresh process. *cold* is the first call
-(tracing, XLA compilation of the jitted wrapper, running; imports excluded),
-*warm* the median of the following calls. The kernels are called as a user
-would (under ``jax.jit``), unmodified, under a scope that routes every pallas_call to one
-interpreter: ``pallas_np.force_numpy_interpret()``, JAX's interpret-mode
-config set to ``True`` (the HLO interpreter), or
-``pltpu.force_tpu_interpret_mode()``. Each result is checked against the
-numpy-mode result of the same kernel (max abs difference reported).
-Mode ``numpy-jit`` calls ``pallas_np.jit(fn)`` instead of ``jax.jit(fn)``:
-the whole program, XLA ops around the kernels included, runs in the NumPy
-evaluator (no XLA compilation at all); opt in with ``--modes numpy,numpy-jit``.
+(tracing, compiling — XLA for JAX's interpreters —, running; imports
+excluded), *warm* the median of the following calls. The kernels are called
+as a user would (under ``jax.jit``), unmodified, under a scope that routes
+every pallas_call to one interpreter: ``pallas_np.force_numpy_interpret()``,
+JAX's interpret-mode config set to ``True`` (the HLO interpreter), or
+``pltpu.force_tpu_interpret_mode()``. In numpy mode the eagerly called jit
+then runs whole in the NumPy evaluator, XLA ops around the kernels included
+(``InterpretParams.whole_program``): no XLA compilation. Each result is
+checked against the numpy-mode result of the same kernel (max abs
+difference reported). Mode ``numpy-jit`` calls ``pallas_np.jit(fn)``
+instead of ``jax.jit(fn)`` (the same evaluation, explicitly); opt in with
+``--modes numpy,numpy-jit``.
 Targets: warm numpy >= 10x faster than TPU interpret mode, first call >= 10x
 faster than interpret=True.
 """

@@ -113,9 +113,13 @@ def install():
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------
 @registry.register(jc.pallas_call_p, foldable=False)
 def _compile_pallas_call(e: registry.EqnInfo):
-  # Only the eager path evaluates outer jaxprs; its compiler carries the
-  # options the call resolved (explicit, forced or default).
-  plan = get_kernel_plan(dict(e.params), e.compiler.params)
+  # Only the eager paths evaluate outer jaxprs; their compiler carries the
+  # options the call resolved (explicit, forced or default), or says that
+  # each kernel keeps its own.
+  interp = e.compiler.params
+  if e.compiler.kernel_params_from_eqns:
+    interp = resolve(e.params["interpret"])
+  plan = get_kernel_plan(dict(e.params), interp)
   return plan.run
 
 
@@ -173,8 +177,10 @@ class EagerPlan:
   jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels."""
   __slots__ = ("plan", "jaxpr", "in_dtypes", "input_free", "interp", "name")
 
-  def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call"):
-    self.plan = Compiler(interp, name).compile(closed)
+  def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
+               kernel_params_from_eqns: bool = False):
+    self.plan = Compiler(interp, name, kernel_params_from_eqns=kernel_params_from_eqns
+                         ).compile(closed)
     self.jaxpr = closed.jaxpr
     # Python scalars and float64/int64 NumPy values take JAX's canonical
     # dtypes (float32/int32 without x64), as the traced jaxpr says.

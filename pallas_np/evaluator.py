@@ -452,9 +452,13 @@ class Compiler:
 
   batched = False  # see pallas_np.vectorize.BatchCompiler
 
-  def __init__(self, params: InterpretParams | None = None, name: str = "kernel"):
+  def __init__(self, params: InterpretParams | None = None, name: str = "kernel", *,
+               kernel_params_from_eqns: bool = False):
     self.params = params or InterpretParams()
     self.name = name
+    # Whole programs run outside a force scope: each pallas_call eqn keeps
+    # the options of its own ``interpret=`` instead of ``params``.
+    self.kernel_params_from_eqns = kernel_params_from_eqns
     self._cache: dict[Any, tuple[Any, Plan]] = {}
 
   # -- public ---------------------------------------------------------------
@@ -638,7 +642,10 @@ class Compiler:
         continue
       self._emit_call(em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,
                       outvars_used, text, check)
-    return [atom_of(v) for v in jaxpr.outvars]
+    # Outputs nobody reads may be unbound: their eqns were dropped, or JAX
+    # left a DropVar there (a jit whose caller ignores an output).
+    return [atom_of(v) if live_out[k] and not isinstance(v, jc.DropVar) else None
+            for k, v in enumerate(jaxpr.outvars)]
 
   def _emit_call(self, em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,
                  outvars_used, text, check):

@@ -46,13 +46,13 @@ class InterpretParams:
       Kernels written for megacore (e.g. paged attention's ``megacore_mode``)
       need 2.
     whole_program: a ``jax.jit`` function called eagerly on CPU arrays runs
-      entirely in the NumPy evaluator, with no XLA compilation, when its
-      program is a lone numpy-mode ``pallas_call`` (an eager
-      ``pl.pallas_call(..., interpret="numpy")``) or, under
-      ``force_numpy_interpret``, when it contains any ``pallas_call`` and
-      every primitive around the kernels has a NumPy rule (otherwise XLA
-      compiles the code around the kernels, which reach the interpreter
-      through ``io_callback``). ``False``: always the latter.
+      entirely in the NumPy evaluator, with no XLA compilation, when every
+      ``pallas_call`` in it is numpy mode (an eager ``pl.pallas_call(...,
+      interpret="numpy")`` is such a jit), or under ``force_numpy_interpret``
+      when it contains any ``pallas_call``; unless a primitive around the
+      kernels has no NumPy rule (then XLA compiles the code around the
+      kernels, which reach the interpreter through ``io_callback``).
+      ``False``: always the latter.
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"

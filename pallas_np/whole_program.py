@@ -11,9 +11,9 @@ the same evaluator the eager ``pallas_np.pallas_call`` uses: its rule for the
 
 The same happens without ``pallas_np.jit`` when a jitted function is called
 eagerly (``InterpretParams.whole_program``): JAX's eager call of a jit is
-hooked (``_compat.install_jit_call_hook``), and a program that is a lone
-numpy-mode pallas_call (what an eager ``pl.pallas_call(..., interpret=
-"numpy")`` is), or any program with a pallas_call under
+hooked (``_compat.install_jit_call_hook``), and a program whose kernels are
+all numpy mode (an eager ``pl.pallas_call(..., interpret="numpy")`` is one:
+JAX wraps the lone primitive in a jit), or any program with a kernel under
 ``force_numpy_interpret``, runs here instead of being compiled by XLA.
 """
 from __future__ import annotations
@@ -110,13 +110,16 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   if not _cpu_default:
     _cpu_default.append(jax.devices()[0].platform == "cpu")
-  if not _cpu_default[0] or (forced is None and not _single_numpy_kernel(jaxpr.jaxpr)):
+  if not _cpu_default[0]:
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   key = (id(jaxpr), forced)
   with _routes_lock:
     hit = _routes.get(key)
   if hit is None or hit[0] is not jaxpr:
-    hit = (jaxpr, _route(jaxpr, jit_params, forced))
+    kernels = _kernel_interprets(jaxpr.jaxpr)
+    if not kernels:  # not ours; XLA's C++ cache keeps it from coming back
+      return jax_impl(*args, jaxpr=jaxpr, **jit_params)
+    hit = (jaxpr, _route(jaxpr, jit_params, forced, kernels))
     with _routes_lock:
       _routes[key] = hit
       while len(_routes) > _PLAN_CACHE_SIZE:
@@ -128,23 +131,25 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
   return [jc.np_to_jax(o) for o in outs], None, None, []
 
 
-def _route(closed, jit_params, forced) -> EagerPlan | None:
-  """The NumPy plan of an eagerly called jit's program, or None for XLA."""
-  if forced is not None:
+def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
+  """The NumPy plan of an eagerly called jit's program, or None for XLA.
+  ``kernels``: the ``interpret=`` of each pallas_call in it."""
+  if forced is not None:  # every kernel runs with the forced options
     interp = resolve(forced)
-    if not _has_pallas_call(closed.jaxpr):
+    if not interp.whole_program:
       return None
-  else:
-    interp = resolve(closed.jaxpr.eqns[0].params["interpret"])
-  if not interp.whole_program:
-    return None
+  else:  # every kernel must be numpy mode; each keeps its own options
+    if not all(is_numpy_mode(k) and resolve(k).whole_program for k in kernels):
+      return None
+    interp = resolve(kernels[0])
   if not all(jc.is_unspecified_sharding(s)
              for s in (*jit_params["in_shardings"], *jit_params["out_shardings"])):
     return None  # placement the caller asked for: XLA's business
   if any(l is not None for l in (*jit_params["in_layouts"], *jit_params["out_layouts"])):
     return None
   try:
-    return EagerPlan(closed, interp, jit_params["name"])
+    return EagerPlan(closed, interp, jit_params["name"],
+                     kernel_params_from_eqns=forced is None)
   except UnsupportedError:
     # A primitive around the kernels without a NumPy rule: XLA compiles the
     # program and the kernels run through io_callback (an unsupported
@@ -152,15 +157,12 @@ def _route(closed, jit_params, forced) -> EagerPlan | None:
     return None
 
 
-def _single_numpy_kernel(jaxpr) -> bool:
-  eqns = jaxpr.eqns
-  return (len(eqns) == 1 and eqns[0].primitive is jc.pallas_call_p
-          and is_numpy_mode(eqns[0].params["interpret"]))
-
-
-def _has_pallas_call(jaxpr) -> bool:
-  return (any(eqn.primitive is jc.pallas_call_p for eqn in jaxpr.eqns)
-          or any(_has_pallas_call(sub) for sub in jc.subjaxprs(jaxpr)))
+def _kernel_interprets(jaxpr) -> list:
+  """The ``interpret=`` of every pallas_call in a program (nested ones too)."""
+  found = [eqn.params["interpret"] for eqn in jaxpr.eqns if eqn.primitive is jc.pallas_call_p]
+  for sub in jc.subjaxprs(jaxpr):
+    found += _kernel_interprets(sub)
+  return found
 
 
 def _on_cpu(x) -> bool:

@@ -63,3 +63,16 @@ def assert_no_xla_compiles():
       assert _compile_events and handler.messages, "positive control saw no compile"
   finally:
     logger.removeHandler(handler)
+
+
+def count_xla_compiles(fn) -> int:
+  """How many XLA compilations ``fn()`` triggers (JAX's compile log)."""
+  handler = CompileLog()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      jax.block_until_ready(fn())
+  finally:
+    logger.removeHandler(handler)
+  return len(handler.messages)

@@ -74,10 +74,10 @@ def test_off_by_one_pl_ds_names_kernel_point_primitive_line():
 
 
 def test_error_under_jit_keeps_message_and_next_call_works():
-  # XLA work around the kernel: the jit is compiled, the kernel runs
-  # through io_callback and its error comes back as XLA's runtime error.
+  # Compiled by XLA (whole_program=False), the kernel runs through
+  # io_callback and its error comes back as XLA's runtime error.
   x = jnp.arange(8.0)
-  program = lambda v: off_by_one("numpy")(v * 1.0) + 0.0
+  program = off_by_one(pallas_np.InterpretParams(whole_program=False))
   with pytest.raises(jax.errors.JaxRuntimeError) as info:
     jax.jit(program)(x).block_until_ready()
   msg = str(info.value)
@@ -89,13 +89,14 @@ def test_error_under_jit_keeps_message_and_next_call_works():
   assert info.value.program_ids == (1,) and str(info.value) in msg
   ok = jax.jit(lambda v: pallas_np.pallas_call(
       lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + 1),
-      out_shape=jax.ShapeDtypeStruct((8,), jnp.float32))(v) * 1.0)(x)
+      out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+      interpret=pallas_np.InterpretParams(whole_program=False))(v) * 1.0)(x)
   np.testing.assert_array_equal(np.asarray(ok), np.arange(8.0) + 1)
 
 
-def test_error_of_a_lone_kernel_jit_is_typed():
-  # A jit that is only the kernel (an eager pl.pallas_call is one) runs in
-  # the NumPy evaluator directly: the kernel's own typed error, no XLA.
+def test_error_of_an_eager_jit_is_typed():
+  # A jit whose kernels are numpy mode (an eager pl.pallas_call is one) runs
+  # in the NumPy evaluator directly: the kernel's own typed error, no XLA.
   x = jnp.arange(8.0)
   with pytest.raises(IndexError) as info:
     jax.jit(off_by_one("numpy"))(x)

@@ -10,7 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 
 import pallas_np
-from tests.helpers import assert_no_xla_compiles
+from tests.helpers import assert_no_xla_compiles, count_xla_compiles
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
 
@@ -45,19 +45,30 @@ def scale(x, interpret):
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128) / 100
 
+# Eager jit calls of numpy-mode kernels run whole in the NumPy evaluator;
+# with whole_program=False XLA compiles them and the kernels run through
+# the io_callback lowering. Both routes are tested.
+NUMPY_MODES = pytest.mark.parametrize(
+    "mode", ["numpy", pallas_np.InterpretParams(whole_program=False)],
+    ids=["whole_program", "io_callback"])
 
-def test_eager_and_jit(numpy_runs):
+
+@NUMPY_MODES
+def test_eager_and_jit(numpy_runs, mode):
   want = scale(X, True)
-  assert_same(scale(X, "numpy"), want)
-  assert_same(jax.jit(lambda x: scale(x, "numpy"))(X), want)
-  assert len(numpy_runs) == 2
+  assert_same(scale(X, mode), want)
+  n = count_xla_compiles(lambda: jax.jit(lambda x: scale(x, mode) + 1.0)(X))
+  assert_same(jax.jit(lambda x: scale(x, mode))(X), want)
+  assert len(numpy_runs) == 3
+  assert (n > 0) == (mode != "numpy")
 
 
-def test_vmap(numpy_runs):
+@NUMPY_MODES
+def test_vmap(numpy_runs, mode):
   xs = jnp.stack([X, X + 1, X * 2])
   want = jax.vmap(lambda x: scale(x, True))(xs)
-  assert_same(jax.vmap(lambda x: scale(x, "numpy"))(xs), want)
-  assert_same(jax.jit(jax.vmap(lambda x: scale(x, "numpy")))(xs), want)
+  assert_same(jax.vmap(lambda x: scale(x, mode))(xs), want)
+  assert_same(jax.jit(jax.vmap(lambda x: scale(x, mode)))(xs), want)
   assert numpy_runs
 
 
@@ -87,18 +98,20 @@ def _make_square(interpret):
   return square
 
 
-def test_grad_of_custom_vjp_kernel(numpy_runs):
+@NUMPY_MODES
+def test_grad_of_custom_vjp_kernel(numpy_runs, mode):
   x = jnp.linspace(-2, 2, 8 * 128, dtype=jnp.float32).reshape(8, 128)
   loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x))))
-  got = jax.grad(loss(_make_square("numpy")))(x)
+  got = jax.grad(loss(_make_square(mode)))(x)
   want = jax.grad(loss(_make_square(True)))(x)
   assert_same(got, want)
   np.testing.assert_allclose(got, np.cos(np.asarray(x) ** 2) * 2 * np.asarray(x), rtol=1e-5)
-  assert_same(jax.jit(jax.grad(loss(_make_square("numpy"))))(x), want)
+  assert_same(jax.jit(jax.grad(loss(_make_square(mode))))(x), want)
   assert len(numpy_runs) >= 4  # forward and backward kernels, eager and jit
 
 
-def test_jvp_of_custom_jvp_kernel():
+@NUMPY_MODES
+def test_jvp_of_custom_jvp_kernel(mode):
   def make(interpret):
     @jax.custom_jvp
     def square(x):
@@ -112,19 +125,20 @@ def test_jvp_of_custom_jvp_kernel():
     return square
   x = jnp.linspace(-1, 1, 8 * 128, dtype=jnp.float32).reshape(8, 128)
   t = jnp.ones_like(x) * 0.5
-  got = jax.jvp(make("numpy"), (x,), (t,))
+  got = jax.jvp(make(mode), (x,), (t,))
   want = jax.jvp(make(True), (x,), (t,))
   for g, w in zip(got, want):
     assert_same(g, w)
 
 
-def test_scan_around_kernel(numpy_runs):
+@NUMPY_MODES
+def test_scan_around_kernel(numpy_runs, mode):
   def run(interpret):
     def step(carry, i):
       out = scale(carry, interpret) * 0.25 + i
       return out, out.sum()
     return lax.scan(step, X, jnp.arange(5, dtype=jnp.float32))
-  got, want = run("numpy"), run(True)
+  got, want = run(mode), run(True)
   assert_same(got[0], want[0], rtol=1e-6)
   assert_same(got[1], want[1], rtol=1e-6)
   assert len(numpy_runs) == 5

@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pallas_np
-from tests.helpers import assert_no_xla_compiles
+from tests.helpers import assert_no_xla_compiles, count_xla_compiles
 from tests.conftest import assert_same
 
 
@@ -153,27 +153,47 @@ def test_forced_eager_jit_outputs_do_not_alias_inputs():
   assert not np.shares_memory(np.asarray(const), np.asarray(const2))
 
 
-def _compiles(fn):
-  """How many XLA compilations ``fn()`` triggers."""
-  from tests.helpers import CompileLog
-  import logging
-  handler = CompileLog()
-  logger = logging.getLogger("jax")
-  logger.addHandler(handler)
-  try:
-    with jax.log_compiles():
-      jax.block_until_ready(fn())
-  finally:
-    logger.removeHandler(handler)
-  return len(handler.messages)
+def test_eager_jit_of_numpy_kernels_runs_whole_program_in_numpy():
+  # Not forced: a jit whose kernels are all numpy mode (here with XLA ops
+  # around them, as JAX's GPU ops are) runs whole in NumPy too.
+  x, w = _args(8)
+  f = jax.jit(functools.partial(_program, interpret="numpy"))
+  f(x, w)
+  with assert_no_xla_compiles():
+    got = f(x, w)
+  want = jax.jit(functools.partial(_program, interpret=True))(x, w)
+  for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert_same(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_jit_keeps_each_kernels_own_options():
+  # Outside a force scope each kernel runs with its own InterpretParams: the
+  # same out-of-bounds kernel clamps in one call and raises in the other.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(pl.program_id(0) * 4 + 1, 4)]  # one past the end at i=1
+
+  def call(params):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                          grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
+                          out_specs=pl.BlockSpec((4,), lambda i: (i,)), interpret=params)
+  clamp = pallas_np.InterpretParams(bounds_check="clamp")
+  x = jnp.arange(8.0)
+  f = jax.jit(lambda v: call(clamp)(v) + call("numpy")(v * 0.0 + 1.0)[:1].sum() * 0)
+  with pytest.raises(IndexError):
+    f(x)
+  g = jax.jit(lambda v: call(clamp)(v) * 2.0)
+  with assert_no_xla_compiles():
+    got = g(x)
+  assert_same(got, jax.jit(lambda v: call(True)(v) * 2.0)(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["opt_out", "unsupported_outer", "explicit_sharding",
-                                  "not_forced"])
+                                  "mixed_modes"])
 def test_eager_jit_keeps_xla_where_it_should(case):
   x, w = _args(7)
   params = pallas_np.InterpretParams()
   program = _program
+  forced = case != "mixed_modes"
   if case == "opt_out":
     params = pallas_np.InterpretParams(whole_program=False)
   elif case == "unsupported_outer":  # eigh has no NumPy rule: XLA around the kernel
@@ -182,15 +202,16 @@ def test_eager_jit_keeps_xla_where_it_should(case):
   f = jax.jit(program)
   if case == "explicit_sharding":
     f = jax.jit(program, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-  elif case == "not_forced":  # a user's jit around a numpy-mode kernel: XLA + io_callback
-    f = jax.jit(functools.partial(program, interpret="numpy"))
+  elif case == "mixed_modes":  # not forced, one kernel for JAX's interpreter: XLA
+    f = jax.jit(lambda a, b: jax.tree_util.tree_map(
+        lambda u, v: u + 0 * v, _program(a, b, interpret="numpy"), _program(a, b, interpret=True)))
   want = jax.jit(functools.partial(program, interpret=True))(x, w)
-  if case == "not_forced":
-    n = _compiles(lambda: f(x, w))
-    got = f(x, w)
-  else:
+  if forced:
     with pallas_np.force_numpy_interpret(params):
-      n = _compiles(lambda: f(x, w))
+      n = count_xla_compiles(lambda: f(x, w))
       got = f(x, w)
+  else:
+    n = count_xla_compiles(lambda: f(x, w))
+    got = f(x, w)
   assert n >= 1
   assert_same(got["y"], want["y"], rtol=1e-5, atol=1e-5)
