@@ -175,7 +175,7 @@ def _eager_call(jax_fn, interp, args):
 class EagerPlan:
   """A traced program (ClosedJaxpr) compiled for eager calls: the whole
   jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels."""
-  __slots__ = ("plan", "jaxpr", "in_dtypes", "input_free", "interp", "name")
+  __slots__ = ("plan", "jaxpr", "in_dtypes", "interp", "name")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
@@ -185,21 +185,20 @@ class EagerPlan:
     # Python scalars and float64/int64 NumPy values take JAX's canonical
     # dtypes (float32/int32 without x64), as the traced jaxpr says.
     self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
-    self.input_free = None
     self.interp = interp
     self.name = name
 
   def run(self, leaves, *, own_outputs=False) -> list:
     """NumPy outputs of the program on ``leaves`` (flat, concrete).
 
-    ``own_outputs``: copy any output that may share memory with an input or
-    with a constant of the plan, so the caller may hand it out zero-copy."""
+    ``own_outputs``: copy any output that may share memory with an input, a
+    constant of the plan (folded, or a read-only view such as a JAX
+    constant's buffer), so the caller may hand it out zero-copy."""
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
     outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
     if own_outputs:
-      if self.input_free is None:
-        self.input_free = _input_free_outputs(self.jaxpr)
-      outs = [np.array(o) if i in self.input_free
+      consts = self.plan.const_outputs
+      outs = [np.array(o) if i in consts or not o.flags.writeable
               or any(np.may_share_memory(o, a) for a in np_args) else o
               for i, o in enumerate(outs)]
     return outs
@@ -222,14 +221,6 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
       _eager_cache.popitem(last=False)
   eager_plan, out_tree = entry
   return eager_plan.run(leaves, own_outputs=own_outputs), out_tree
-
-
-def _input_free_outputs(jaxpr) -> frozenset:
-  """Outputs computed from constants only: the plan may return the same
-  (folded) array on every call."""
-  n = len(jaxpr.outvars)
-  return frozenset(i for i in range(n)
-                   if not any(jc.pe.dce_jaxpr(jaxpr, [j == i for j in range(n)])[1]))
 
 
 def _dtype_of(x):

@@ -64,10 +64,13 @@ def np_constant(val, aval) -> Any:
 
 class Plan:
   """A compiled jaxpr: ``plan(ctx, *args) -> tuple of outputs``."""
-  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source", "out_batched")
+  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source", "out_batched",
+               "const_outputs")
 
   def __init__(self, fn, jaxpr, filename, num_eqns, source):
     self.out_batched = ()
+    # Outputs that are constants of the plan (the same array every call).
+    self.const_outputs = frozenset()
     self.fn = fn
     self.jaxpr = jaxpr
     self.filename = filename
@@ -510,10 +513,12 @@ class Compiler:
                       [True] * len(jaxpr.outvars))
     ret = []
     out_batched = []
-    for a in outs:
+    const_outputs = set()
+    for k, a in enumerate(outs):
       if isinstance(a, _Const):
         ret.append(em.const(a.value))
         out_batched.append(False)
+        const_outputs.add(k)
       else:
         ret.append(a[0])
         out_batched.append(a[1])
@@ -535,6 +540,7 @@ class Compiler:
     exec(code, env_globals)
     plan = Plan(env_globals[fname], jaxpr, filename, len(line_eqns) - 2, source)
     plan.out_batched = tuple(out_batched)
+    plan.const_outputs = frozenset(const_outputs)
     return plan
 
   def _emit(self, em: _Emitter, jaxpr, consts, in_atoms, live_out):

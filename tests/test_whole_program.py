@@ -215,3 +215,21 @@ def test_eager_jit_keeps_xla_where_it_should(case):
     got = f(x, w)
   assert n >= 1
   assert_same(got["y"], want["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_eager_plan_never_hands_out_its_constants():
+  # A folded constant output (next to a kernel, whose effects used to defeat
+  # the old DCE-based check) and a pass-through input are copied every call,
+  # so a jax.Array made from them zero-copy never aliases the plan.
+  from pallas_np.api import EagerPlan
+  x, _ = _args(9)
+  closed = jax.make_jaxpr(lambda a: (_lone_kernel(False)(a), a, jnp.arange(3.0)))(x)
+  with pallas_np.force_numpy_interpret():
+    plan = EagerPlan(closed, pallas_np.InterpretParams())
+  first = plan.run([x], own_outputs=True)
+  second = plan.run([x], own_outputs=True)
+  assert plan.plan.const_outputs == {2}
+  assert not np.shares_memory(first[2], second[2])
+  assert not np.shares_memory(first[1], np.asarray(x))
+  assert not np.shares_memory(first[0], second[0])
+  np.testing.assert_array_equal(second[2], np.arange(3.0, dtype=np.float32))
