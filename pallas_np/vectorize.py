@@ -81,17 +81,19 @@ class BatchCompiler(Compiler):
     self.batched_pid_axes = frozenset(batched_pid_axes)
 
   def lower_eqn(self, rule, info, in_batched):
-    brule = _BATCH_RULES.get(info.primitive.name)
-    if brule is not None:
-      return brule(self, rule, info, in_batched)
     eqn = info.eqn
     if (not any(in_batched) and not rule.needs_ctx and not _has_subjaxprs(eqn)
         and all(isinstance(eff, _REF_EFFECTS) for eff in eqn.effects)):
-      # Same value for every lane: computed once per pass.
+      # Same value for every lane: computed once per pass. (Batch rules
+      # therefore only see eqns with some batched operand, or that need
+      # the run context or have sub-jaxprs.)
       fn = rule.compile(info)
       if isinstance(fn, registry.NeedsCtx):
         raise NotBatchable(f"'{info.primitive.name}' needs the run context")
       return fn, False, (False,) * len(info.out_avals)
+    brule = _BATCH_RULES.get(info.primitive.name)
+    if brule is not None:
+      return brule(self, rule, info, in_batched)
     return _lane_loop(rule, info, in_batched)
 
   def check_wrapper(self, fn, info, multiple, out_batched):
@@ -187,8 +189,6 @@ real imag complex conj bitcast_convert_type reciprocal""".split()
 @batch_rule(*_ELEMENTWISE)
 def _elementwise(bc, rule, info, in_batched):
   fn = rule.compile(info)
-  if not any(in_batched):
-    return fn, False, (False,)
   if info.primitive.name == "select_n" and len(in_batched) == 2:
     # select_n with one case returns it as is.
     return (lambda p, c: c), False, (in_batched[1],)
@@ -297,8 +297,6 @@ def _slice(bc, rule, info, in_batched):
 
 @batch_rule("concatenate")
 def _concatenate(bc, rule, info, in_batched):
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   dim = int(info.params["dimension"]) + 1
   flags = tuple(in_batched)
 
@@ -320,8 +318,6 @@ def _split(bc, rule, info, in_batched):
 
 @batch_rule("pad")
 def _pad(bc, rule, info, in_batched):
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   if in_batched[1]:
     return _lane_loop(rule, info, in_batched)
   from pallas_np.primitives.shape import pad_array
@@ -332,8 +328,6 @@ def _pad(bc, rule, info, in_batched):
 
 @batch_rule("dynamic_slice")
 def _dynamic_slice(bc, rule, info, in_batched):
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   if any(in_batched[1:]):
     return _lane_loop(rule, info, in_batched)
   sizes = tuple(info.params["slice_sizes"])
@@ -348,8 +342,6 @@ def _dynamic_slice(bc, rule, info, in_batched):
 
 @batch_rule("dynamic_update_slice")
 def _dynamic_update_slice(bc, rule, info, in_batched):
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   if any(in_batched[2:]):
     return _lane_loop(rule, info, in_batched)
   shape = tuple(info.in_avals[0].shape)
@@ -371,8 +363,6 @@ def _dynamic_update_slice(bc, rule, info, in_batched):
 # -- reductions: the unbatched rule with axes shifted past the lane axis -----------
 def _shifted_rule(param, single=False):
   def brule(bc, rule, info, in_batched):
-    if not any(in_batched):
-      return rule.compile(info), False, (False,) * len(info.out_avals)
     if len(in_batched) != 1:
       return _lane_loop(rule, info, in_batched)
     shifted = registry.EqnInfo(info.eqn, bc, info.outvars_used)
@@ -393,8 +383,6 @@ for _n in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
 
 @batch_rule("dot_general")
 def _dot_general(bc, rule, info, in_batched):
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   from pallas_np.primitives.dot import DotGeometry
   g = DotGeometry(info)
   Bd, M, K, N = g.B, g.M, g.K, g.N
@@ -448,8 +436,6 @@ def _lane_index(idx):
 @batch_rule("get")
 def _get(bc, rule, info, in_batched):
   from pallas_np.state.refs import _access, _dyn, _read
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
   if not in_batched[0] or any(in_batched[1:]) or not _plain_access(access):
     return _lane_loop(rule, info, in_batched)
@@ -464,8 +450,6 @@ def _get(bc, rule, info, in_batched):
 @batch_rule("swap")
 def _swap(bc, rule, info, in_batched):
   from pallas_np.state.refs import _access, _dyn
-  if not any(in_batched):
-    return rule.compile(info), False, (False,)
   access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
   if not in_batched[0]:
     raise NotBatchable("write to a ref shared by all lanes")
@@ -486,8 +470,6 @@ def _swap(bc, rule, info, in_batched):
 @batch_rule("addupdate")
 def _addupdate(bc, rule, info, in_batched):
   from pallas_np.state.refs import _access, _dyn
-  if not any(in_batched):
-    return rule.compile(info), False, ()
   access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
   if not in_batched[0]:
     raise NotBatchable("write to a ref shared by all lanes")
