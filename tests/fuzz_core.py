@@ -96,24 +96,25 @@ def draw_ops(draw, dtype, shape, n_ops) -> list[Op]:
   return ops
 
 
+def _draw_fn(draw, isf, float_table, int_table):
+  """(name, fn, comparison kind) from the float table (fn, kind) or the
+  integer table (fn; integers compare exactly)."""
+  if isf:
+    name = draw(st.sampled_from(sorted(float_table)))
+    f, kind = float_table[name]
+    return name, f, kind
+  name = draw(st.sampled_from(sorted(int_table)))
+  return name, int_table[name], "exact"
+
+
 def _draw_op(draw, fam, dtype, shape, ndim) -> Op:
   isf = _is_float(dtype)
   axis = draw(st.integers(0, ndim - 1))
   if fam == "unary":
-    if isf:
-      name = draw(st.sampled_from(sorted(_UNARY_F)))
-      f, kind = _UNARY_F[name]
-    else:
-      name = draw(st.sampled_from(sorted(_UNARY_I)))
-      f, kind = _UNARY_I[name], "exact"
+    name, f, kind = _draw_fn(draw, isf, _UNARY_F, _UNARY_I)
     return Op(name, lambda x, y, i, f=f: f(x[...]), kind)
   if fam == "binary":
-    if isf:
-      name = draw(st.sampled_from(sorted(_BINARY_F)))
-      f, kind = _BINARY_F[name]
-    else:
-      name = draw(st.sampled_from(sorted(_BINARY_I)))
-      f, kind = _BINARY_I[name], "exact"
+    name, f, kind = _draw_fn(draw, isf, _BINARY_F, _BINARY_I)
     swap = draw(st.booleans())
     if swap:
       return Op(name + "_swapped", lambda x, y, i, f=f: f(y[...], x[...]), kind)

@@ -20,6 +20,7 @@ import pallas_np
 from pallas_np import _compat as jc
 from pallas_np import debugging, races
 from tests.conftest import assert_same
+from tests.tpu_helpers import scratch_reset_only_at_origin
 from tests.helpers import run_both
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -302,24 +303,7 @@ def test_parallel_axes_override_without_compiler_params():
 
 
 def test_read_of_element_another_parallel_point_wrote():
-  def kernel(x_ref, o_ref, acc_ref):
-    i, j = pl.program_id(0), pl.program_id(1)
-
-    @pl.when((i == 0) & (j == 0))  # BUG: should be j == 0 for every i
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    acc_ref[...] += x_ref[...]
-    o_ref[...] = acc_ref[...]
-
-  def make(interpret):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((2, 8), jnp.float32), grid=(2, 3),
-        in_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))],
-        out_specs=pl.BlockSpec((1, 8), lambda i, j: (i, 0)),
-        scratch_shapes=[pltpu.VMEM((1, 8), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret)
+  make = scratch_reset_only_at_origin(2)
 
   with pytest.raises(pallas_np.RaceError) as info, pallas_np.kernel_errors():
     make(RACES)(jnp.ones((2, 8)))

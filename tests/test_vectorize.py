@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_np
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
+from tests.tpu_helpers import scratch_reset_only_at_origin
 
 def _normal(seed, shape):
   # NumPy's generator: jax.random would compile an XLA program per shape.
@@ -185,24 +186,7 @@ def test_scratch_without_semantics(modes):
 def test_scratch_carried_across_a_parallel_axis_falls_back(modes):
   # A buggy kernel: scratch initialised only at (0, 0), so every i sees what
   # the previous i left. interpret=True's (sequential) answer must come out.
-  def kernel(x_ref, o_ref, acc_ref):
-    i, j = pl.program_id(0), pl.program_id(1)
-
-    @pl.when((i == 0) & (j == 0))
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    acc_ref[...] += x_ref[...]
-    o_ref[...] = acc_ref[...]
-
-  def make(interp):
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32), grid=(4, 3),
-        in_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))],
-        out_specs=pl.BlockSpec((1, 8), lambda i, j: (i, 0)),
-        scratch_shapes=[pltpu.VMEM((1, 8), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interp)
+  make = scratch_reset_only_at_origin(4)
   check(make, jnp.ones((4, 8)), expect_mode="sequential", modes=modes)
 
 

@@ -41,3 +41,33 @@ def compare(fn, *, oracle=hlo_interpret, rtol=1e-5, atol=1e-5, **numpy_kw):
   for a, b in zip(g, w):
     assert_same(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
   return got
+
+
+def scratch_reset_only_at_origin(rows):
+  """``make(interpret)`` of a buggy (rows, 8) kernel over a (rows, 3) grid,
+  "parallel" x "arbitrary": its scratch accumulator is zeroed only at grid
+  point (0, 0) (it should be at j == 0 for every i), so each i carries on
+  from what the previous i left: a race across the parallel axis, and a
+  kernel that must not be vectorized over it."""
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref, acc_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))  # BUG: should be j == 0 for every i
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  def make(interpret):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, 8), jnp.float32), grid=(rows, 3),
+        in_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda i, j: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((1, 8), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret)
+  return make
