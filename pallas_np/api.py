@@ -175,13 +175,12 @@ def _eager_call(jax_fn, interp, args):
 class EagerPlan:
   """A traced program (ClosedJaxpr) compiled for eager calls: the whole
   jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels."""
-  __slots__ = ("plan", "jaxpr", "in_dtypes", "interp", "name")
+  __slots__ = ("plan", "in_dtypes", "interp", "name")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
     self.plan = Compiler(interp, name, kernel_params_from_eqns=kernel_params_from_eqns
                          ).compile(closed)
-    self.jaxpr = closed.jaxpr
     # Python scalars and float64/int64 NumPy values take JAX's canonical
     # dtypes (float32/int32 without x64), as the traced jaxpr says.
     self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
