@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from pallas_np import _compat as jc
@@ -60,6 +61,14 @@ def np_constant(val, aval) -> Any:
       return np.dtype(dtype).type(val) if np.dtype(dtype).kind != "V" else np.asarray(val, dtype)
     return np.asarray(val, dtype=dtype)
   return np.asarray(val) if not isinstance(val, np.ndarray) else val
+
+
+def _host_const(val, aval):
+  """A jaxpr const as NumPy: a jax.Array const left as is would make every
+  rule that folds or reads it dispatch (and XLA-compile) a JAX op."""
+  if isinstance(val, jax.Array) and not jc.is_extended_dtype(val.dtype):
+    return np_constant(np.asarray(val), aval)
+  return val
 
 
 class Plan:
@@ -548,7 +557,7 @@ class Compiler:
     pairs or _Const for its invars. Returns the atoms of its outvars."""
     env: dict[Any, Any] = {}  # var -> (name, batched) | _Const
     for v, c in zip(jaxpr.constvars, consts):
-      env[v] = _Const(c)
+      env[v] = _Const(_host_const(c, v.aval))
     for v, a in zip(jaxpr.invars, in_atoms):
       env[v] = a
     # Liveness: which vars are read by a kept eqn or the live outputs.

@@ -153,6 +153,21 @@ def test_forced_eager_jit_outputs_do_not_alias_inputs():
   assert not np.shares_memory(np.asarray(const), np.asarray(const2))
 
 
+def test_closed_over_jax_array_is_folded_without_xla_on_the_first_call():
+  # A jax.Array the program closes over is a const of its jaxpr; folding a
+  # reshape of it used to dispatch a JAX op, i.e. an XLA compile on every
+  # new program's first call (splash attention's mask tables did this).
+  x, _ = _args(9)
+  table = jax.block_until_ready(jnp.asarray(np.arange(512, dtype=np.float32).reshape(16, 32)))
+  prog = lambda interpret: jax.jit(
+      lambda a: _lone_kernel(interpret)(a + table.reshape(32, 16) * 0.5))
+  want = prog(True)(x)
+  with pallas_np.force_numpy_interpret():
+    with assert_no_xla_compiles():
+      got = prog(False)(x)
+  assert_same(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_eager_jit_of_numpy_kernels_runs_whole_program_in_numpy():
   # Not forced: a jit whose kernels are all numpy mode (here with XLA ops
   # around them, as JAX's GPU ops are) runs whole in NumPy too.
