@@ -756,6 +756,13 @@ class GridVectorizer:
     self.candidates = tuple(range(len(kp.grid)))
     if not self.candidates:
       self.reason = "no grid"
+      return
+    if params.vectorize is None:
+      # Outputs and scratch are batched whatever the analysis finds: when
+      # they alone are too big, skip the (costly, first-call) analysis.
+      outs_only = (False,) * kp.num_inputs + (True,) * kp.num_outputs
+      if _lane_bytes(kp, outs_only) >= _auto_lane_limit(kp):
+        self.reason = _TOO_BIG
 
   # -- compiled pieces ----------------------------------------------------------
   def index_maps(self, batched_axes):
@@ -888,11 +895,9 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   # Operands whose block does not depend on a batched axis are shared.
   operand_batched = tuple(True if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
-  if kp.params.vectorize is None:
-    limit = _AUTO_LANE_BYTES_SCRATCH if kp.scratch_avals else _AUTO_LANE_BYTES
-    if _lane_bytes(kp, operand_batched) >= limit:
-      gv.last_failure = "blocks too big to gain from batching (auto mode)"
-      return None
+  if kp.params.vectorize is None and _lane_bytes(kp, operand_batched) >= _auto_lane_limit(kp):
+    gv.last_failure = _TOO_BIG
+    return None
   kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
   runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel)
   from pallas_np import debugging
@@ -919,6 +924,13 @@ def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
       gv.last_failure = "scratch carried from one lane to the next"
       return None
   return out_bufs
+
+
+_TOO_BIG = "blocks too big to gain from batching (auto mode)"
+
+
+def _auto_lane_limit(kp):
+  return _AUTO_LANE_BYTES_SCRATCH if kp.scratch_avals else _AUTO_LANE_BYTES
 
 
 def _lane_bytes(kp, operand_batched):

@@ -443,3 +443,22 @@ def test_vectorize_false_and_auto(modes):
   assert modes[-1] == "vectorized"  # the default (vectorize=None) decides
   make(SEQ)(x)
   assert modes[-1] == "sequential"
+
+
+def test_auto_mode_skips_big_blocks_without_running_the_analysis(modes, monkeypatch):
+  # Output blocks alone over the auto limit: sequential, and decided before
+  # the batched index maps are compiled and evaluated (a first-call cost).
+  from pallas_np import vectorize
+  x = _normal(10, (8, 256))
+  make = row_blocks(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2.0), x, rows=2)
+  monkeypatch.setattr(vectorize, "_AUTO_LANE_BYTES", 1024)  # 2x256 f32 = 2 KiB per lane
+  analysed = []
+  orig = vectorize.GridVectorizer.index_maps
+  monkeypatch.setattr(vectorize.GridVectorizer, "index_maps",
+                      lambda self, axes: analysed.append(axes) or orig(self, axes))
+  modes.clear()
+  got = make("numpy")(x)
+  assert modes[-1] == "sequential" and not analysed
+  assert_same(got, x * 2.0, rtol=0, atol=0)
+  assert_same(make(VEC)(x), x * 2.0, rtol=0, atol=0)  # vectorize=True still batches
+  assert modes[-1] == "vectorized" and analysed
