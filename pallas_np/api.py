@@ -90,6 +90,7 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
   # Compiled now, at lowering time: an unsupported primitive raises here, as
   # itself, instead of as an XLA runtime error from inside the callback.
   plan = get_kernel_plan(plan_params, interp)
+  plan.kernel  # noqa: B018 (the lazily compiled sequential plan)
 
   def host_run(*args):
     return plan.run(*args)

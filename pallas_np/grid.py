@@ -141,7 +141,8 @@ class KernelPlan:
     self.grid_mapping = gm
     self.name = name or _kernel_name(jaxpr)
     self.compiler = Compiler(params, self.name)
-    self.kernel = self.compiler.compile(jaxpr)
+    self.kernel_jaxpr = jaxpr
+    self._kernel = None  # the sequential plan, compiled on first use
     if debug:
       print(f"pallas_np plan for {self.name}:\n{self.kernel.source}")
     self.grid = tuple(gm.grid)
@@ -169,6 +170,14 @@ class KernelPlan:
         int(np.prod(self.grid, dtype=np.int64)) > 1
     # "vectorized" or "sequential": how the last run() went (for tests/benchmarks).
     self.last_mode = None
+
+  @property
+  def kernel(self):
+    """The kernel's sequential plan. Compiled lazily: a vectorized grid
+    runs a batched plan instead, and the kernel is the biggest compile."""
+    if self._kernel is None:
+      self._kernel = self.compiler.compile(self.kernel_jaxpr)
+    return self._kernel
 
   # -- execution ---------------------------------------------------------------
   def run(self, *args) -> list[np.ndarray]:

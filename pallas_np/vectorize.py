@@ -787,7 +787,7 @@ class GridVectorizer:
       comp = BatchCompiler(kp.params, kp.name, pid_axes)
       flags = ((False,) * kp.num_index + operand_batched
                + (True,) * len(kp.scratch_avals))
-      hit = comp.compile(kp.kernel.jaxpr, in_batched=flags)
+      hit = comp.compile(kp.kernel_jaxpr, in_batched=flags)
       self._kernels[key] = hit
     return hit
 

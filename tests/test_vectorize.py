@@ -462,3 +462,19 @@ def test_auto_mode_skips_big_blocks_without_running_the_analysis(modes, monkeypa
   assert_same(got, x * 2.0, rtol=0, atol=0)
   assert_same(make(VEC)(x), x * 2.0, rtol=0, atol=0)  # vectorize=True still batches
   assert modes[-1] == "vectorized" and analysed
+
+
+def test_vectorized_run_never_compiles_the_sequential_plan(monkeypatch):
+  # The batched plan replaces the sequential one: compiling both doubled the
+  # first call's plan cost (bitonic 1024x256 one row per step: ~10 ms).
+  plans = []
+  orig = KernelPlan.run
+  monkeypatch.setattr(KernelPlan, "run", lambda self, *a: plans.append(self) or orig(self, *a))
+  x = _normal(11, (8, 16))
+  make = row_blocks(sort_kernel, x, rows=1)
+  got = make(VEC)(x)
+  assert plans[-1].last_mode == "vectorized" and plans[-1]._kernel is None
+  seq = make(SEQ)(x)
+  assert plans[-1].last_mode == "sequential" and plans[-1]._kernel is not None
+  assert_same(got, seq, rtol=0, atol=0)
+  assert_same(got, jnp.sort(x, axis=1), rtol=0, atol=0)
