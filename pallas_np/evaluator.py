@@ -16,6 +16,7 @@ import math
 import linecache
 import sys
 import threading
+import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -61,6 +62,24 @@ def np_constant(val, aval) -> Any:
       return np.dtype(dtype).type(val) if np.dtype(dtype).kind != "V" else np.asarray(val, dtype)
     return np.asarray(val, dtype=dtype)
   return np.asarray(val) if not isinstance(val, np.ndarray) else val
+
+
+# Code objects by generated source (without the function name): index maps,
+# cond branches and loop bodies often generate the same text, and Python's
+# compile() is ~50 us per call plus ~5-8 us per line.
+_CODE_CACHE: dict[str, types.CodeType] = {}
+_CODE_CACHE_SIZE = 2048
+
+
+def _function_code(signature_and_body: str) -> types.CodeType:
+  code = _CODE_CACHE.get(signature_and_body)
+  if code is None:
+    module = compile("def plan" + signature_and_body, "<pallas_np plan>", "exec")
+    code = next(c for c in module.co_consts if isinstance(c, types.CodeType))
+    if len(_CODE_CACHE) >= _CODE_CACHE_SIZE:
+      _CODE_CACHE.clear()
+    _CODE_CACHE[signature_and_body] = code
+  return code
 
 
 def _host_const(val, aval):
@@ -542,12 +561,12 @@ class Compiler:
     with _lock:
       filename = f"<pallas_np plan {next(_plan_counter)}: {self.name}>"
       _PLAN_SOURCES[filename] = line_eqns
-    code = compile(source, filename, "exec")
+    code = _function_code(source[source.index("("):]).replace(
+        co_filename=filename, co_name=fname, co_qualname=fname)
     # Make the generated source visible to tracebacks, pdb and py-spy.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    env_globals = em.env_globals
-    exec(code, env_globals)
-    plan = Plan(env_globals[fname], jaxpr, filename, len(line_eqns) - 2, source)
+    fn = types.FunctionType(code, em.env_globals, fname)
+    plan = Plan(fn, jaxpr, filename, len(line_eqns) - 2, source)
     plan.out_batched = tuple(out_batched)
     plan.const_outputs = frozenset(const_outputs)
     return plan

@@ -74,6 +74,38 @@ def test_off_by_one_pl_ds_names_kernel_point_primitive_line():
   assert races.current() is None
 
 
+
+def off_by_one_twin_kernel(x_ref, o_ref):
+  i = pl.program_id(0)
+  o_ref[...] = x_ref[pl.ds(i * 4 + 1, 4)]  # TWIN: the same code, another line
+
+
+def test_identical_plans_share_code_but_each_names_its_own_line(monkeypatch):
+  # Plans that generate the same text share one code object (compile() is
+  # the biggest part of a small plan's cost); errors must still point at
+  # each kernel's own source line.
+  from pallas_np import evaluator
+  compiled = []
+  monkeypatch.setattr(evaluator, "compile", lambda *a: compiled.append(a) or compile(*a),
+                      raising=False)
+  x = jnp.arange(8.0)
+  errors, compiles = [], []
+  for kernel in (off_by_one_kernel, off_by_one_twin_kernel):
+    compiled.clear()
+    call = pallas_np.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+        grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((4,), lambda i: (i,)))
+    with pytest.raises(IndexError) as info:
+      call(x)
+    errors.append(info.value)
+    compiles.append(len(compiled))
+  assert compiles[1] == 0  # the twin's plans are all cache hits
+  assert errors[0].kernel == "off_by_one_kernel"
+  assert errors[1].kernel == "off_by_one_twin_kernel"
+  assert _line_of(off_by_one_kernel, "BUG") in errors[0].source
+  assert _line_of(off_by_one_twin_kernel, "TWIN") in errors[1].source
+
 def test_error_under_jit_keeps_message_and_next_call_works():
   # Compiled by XLA (whole_program=False), the kernel runs through
   # io_callback and its error comes back as XLA's runtime error.
