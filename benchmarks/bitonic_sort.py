@@ -7,7 +7,8 @@ result is checked against ``np.sort``.
 
 For every size and mode a FRESH PROCESS is spawned, so the first call is cold:
 it includes tracing and (for JAX's interpreters) XLA compilation, as a user
-sees it. The same process then times warm calls (median). Modes:
+sees it. The same process then times warm calls (median). Each cell is run in
+``--repeats`` fresh processes (3; 1 with --quick) and the medians are shown. Modes:
 
   numpy     pallas_np.pallas_call(...)           (eager: no XLA compilation)
   numpy-pl  pl.pallas_call(..., interpret="numpy")  (JAX's jit of the lone
@@ -15,7 +16,7 @@ sees it. The same process then times warm calls (median). Modes:
   hlo       pl.pallas_call(..., interpret=True)  (JAX's HLO interpreter)
   tpu       pl.pallas_call(..., interpret=pltpu.InterpretParams())
 
-Usage: python benchmarks/bitonic_sort.py [--quick] [--rows-per-block N]
+Usage: python benchmarks/bitonic_sort.py [--quick] [--rows-per-block N] [--repeats N]
 """
 from __future__ import annotations
 
@@ -139,6 +140,17 @@ def spawn(mode, rows, n, rows_per_block, timeout, max_warm_s):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _median_of(runs):
+  """One cell from several fresh processes: median cold and warm (single
+  cold timings on a shared machine swing by 2x)."""
+  bad = [r for r in runs if "cold" not in r]
+  if bad:
+    return bad[0]
+  return {"cold": statistics.median(r["cold"] for r in runs),
+          "warm": statistics.median(r["warm"] for r in runs),
+          "ok": all(r["ok"] for r in runs), "colds": [r["cold"] for r in runs]}
+
+
 def _fmt(t):
   if t is None:
     return "-"
@@ -156,6 +168,8 @@ def main(argv=None):
                   help=f"comma-separated subset of {','.join(MODES)} (default: all; "
                   "--quick: numpy,hlo,tpu)")
   ap.add_argument("--sizes", default="", help="e.g. 8x128,1024x1024")
+  ap.add_argument("--repeats", type=int, default=0,
+                  help="fresh processes per cell, medians reported (default 3; --quick: 1)")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--size", help=argparse.SUPPRESS)
   ap.add_argument("--max-warm-s", type=float, default=3.0, help=argparse.SUPPRESS)
@@ -171,6 +185,7 @@ def main(argv=None):
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
   modes = (args.modes or ("numpy,hlo,tpu" if args.quick else ",".join(MODES))).split(",")
   max_warm_s = 0.5 if args.quick else 3.0
+  repeats = args.repeats or (1 if args.quick else 3)
   results = {}
   tpu_skip_reason = None
   prev_tpu = None  # (elements, seconds) of the last TPU-interpret run
@@ -189,8 +204,9 @@ def main(argv=None):
           results[(rows, n, mode)] = {"skipped": f"est. {est:.0f}s > {TPU_BUDGET_S:.0f}s"}
           tpu_skip_reason = True
           continue
-      r = spawn(mode, rows, n, rpb, timeout=TPU_BUDGET_S * 3 if mode == "tpu" else 600,
-                max_warm_s=max_warm_s)
+      r = _median_of(
+          [spawn(mode, rows, n, rpb, timeout=TPU_BUDGET_S * 3 if mode == "tpu" else 600,
+                 max_warm_s=max_warm_s) for _ in range(repeats)])
       results[(rows, n, mode)] = r
       if mode == "tpu" and "cold" in r:
         prev_tpu = (rows * n, r["cold"], r["warm"])
@@ -235,8 +251,8 @@ def main(argv=None):
   if tpu_skip_reason:
     print(f"tpu: TPU interpret mode skipped where its estimated time exceeds "
           f"{TPU_BUDGET_S:.0f}s (extrapolated from the previous size).")
-  print("Each cell is a fresh process: cold = first call incl. tracing/compiling; "
-        "warm = median of repeated calls.")
+  print(f"Each cell is the median of {repeats} fresh process(es): cold = first call incl. "
+        "tracing/compiling; warm = median of repeated calls.")
   return 1 if failed else 0
 
 
