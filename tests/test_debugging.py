@@ -44,19 +44,16 @@ def off_by_one_kernel(x_ref, o_ref):
   o_ref[...] = x_ref[pl.ds(i * 4 + 1, 4)]  # BUG: one past the end at i=1
 
 
-def off_by_one(interpret):
-  return pl.pallas_call(
-      off_by_one_kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+def off_by_one(interpret, kernel=off_by_one_kernel, call=pl.pallas_call):
+  return call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
       grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
       out_specs=pl.BlockSpec((4,), lambda i: (i,)), interpret=interpret)
 
 
 def test_off_by_one_pl_ds_names_kernel_point_primitive_line():
   x = jnp.arange(8.0)
-  call = pallas_np.pallas_call(
-      off_by_one_kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-      grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
-      out_specs=pl.BlockSpec((4,), lambda i: (i,)))
+  call = off_by_one("numpy", call=pallas_np.pallas_call)
   with pytest.raises(IndexError) as info:
     call(x)
   err = info.value
@@ -92,10 +89,7 @@ def test_identical_plans_share_code_but_each_names_its_own_line(monkeypatch):
   errors, compiles = [], []
   for kernel in (off_by_one_kernel, off_by_one_twin_kernel):
     compiled.clear()
-    call = pallas_np.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-        grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((4,), lambda i: (i,)))
+    call = off_by_one("numpy", kernel, call=pallas_np.pallas_call)
     with pytest.raises(IndexError) as info:
       call(x)
     errors.append(info.value)
