@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import debugging, malloc, races, vectorize
+from pallas_np import debugging, malloc, races, threads, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
@@ -166,9 +166,10 @@ class KernelPlan:
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self._vectorizer = None
+    self._threads = None  # threads.ThreadPlan, built on the first sequential run
     self._may_vectorize = not all(isinstance(g, int) for g in self.grid) or \
         int(np.prod(self.grid, dtype=np.int64)) > 1
-    # "vectorized" or "sequential": how the last run() went (for tests/benchmarks).
+    # "vectorized", "threaded" or "sequential": how the last run() went.
     self.last_mode = None
 
   @property
@@ -197,6 +198,15 @@ class KernelPlan:
       self._run_cores(grid, index_ops, buffers)
       self.last_mode = "sequential"
       return self._results(out_bufs)
+    if self._threads is None:
+      self._threads = threads.ThreadPlan(self)
+    if self._threads.reason is None:
+      chunks = self._threads.chunks(grid, index_ops)
+      if chunks is not None:
+        if threads.run(self, grid, index_ops, buffers, chunks):
+          self.last_mode = "threaded"
+          return self._results(out_bufs)
+        grid, index_ops, buffers, out_bufs = self._prepare(args)  # fresh, to re-run
     scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
     detector = races.for_run(self, grid, buffers, scratch)
     if detector is None:
@@ -289,7 +299,8 @@ class KernelPlan:
         self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
                        detector, points=chunk)
 
-  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None):
+  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
+                show_progress=True):
     params = self.params
     ctx = RunContext(self.name, params)
     local = self.local_dims
@@ -309,7 +320,8 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = int(np.prod(grid, dtype=np.int64)) if grid else 1
-    progress = debugging.progress_bar(self.name, total, params) if total > 1 else None
+    progress = (debugging.progress_bar(self.name, total, params)
+                if total > 1 and show_progress else None)
     if points is None:
       points = itertools.product(*map(range, grid))
     try:

@@ -39,7 +39,11 @@ class InterpretParams:
     trace: callable invoked per grid point with (kernel_name, program_ids).
     progress: show a progress bar for grids that run longer than ~2 s
       (``PALLAS_NP_PROGRESS=0`` turns it off everywhere).
-    num_threads: threads over independent grid slabs (1 = off).
+    num_threads: threads over independent grid points. ``None`` (default,
+      auto): as many as there are cores, only for kernels whose blocks are too
+      big to batch, whose NumPy calls are long and that do no GEMMs (see
+      pallas_np.threads); ``1``: off; ``n``: up to ``n`` threads wherever
+      legal (vectorized slabs, or whole lanes of the sequential grid).
     num_cores: TensorCores per device (like ``pltpu.InterpretParams(
       num_cores_or_threads=...)``): the leading 'parallel' grid dims are split
       across cores, each with its own scratch and scalar-prefetch copies.
@@ -63,7 +67,7 @@ class InterpretParams:
   pdb: bool = False
   trace: Callable[..., Any] | None = None
   progress: bool = True
-  num_threads: int = 1
+  num_threads: int | None = None
   num_cores: int = 1
   whole_program: bool = True
 
@@ -72,6 +76,8 @@ class InterpretParams:
       raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
+    if self.num_threads is not None and int(self.num_threads) < 1:
+      raise ValueError(f"num_threads must be None or >= 1, got {self.num_threads!r}")
     if self.parallel_axes is not None:  # hashable: the params are a cache key
       object.__setattr__(self, "parallel_axes", tuple(int(a) for a in self.parallel_axes))
 

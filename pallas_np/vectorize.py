@@ -743,16 +743,9 @@ class GridVectorizer:
     self._maps: dict[Any, Any] = {}
     self._chosen: dict[Any, Any] = {}
     params = kp.params
-    if params.trace is not None or params.pdb or params.detect_races:
-      self.reason = "an option that observes grid order (trace/pdb/detect_races) is on"
+    self.reason = order_free_reason(kp)
+    if self.reason is not None:
       return
-    if kp.written_inputs:
-      self.reason = "the kernel writes an input ref"
-      return
-    for geo in kp.blocks[kp.num_inputs:]:
-      if "element" in geo.kinds:
-        self.reason = "an output has Element block dims"
-        return
     self.candidates = tuple(range(len(kp.grid)))
     if not self.candidates:
       self.reason = "no grid"
@@ -818,41 +811,66 @@ class GridVectorizer:
       outs = m.fn(ctx, *coords, *index_ops)
       cols = [np.broadcast_to(np.asarray(o, np.int64), (total,)) for o in outs]
       block_idx.append(cols)
-    cands = [d for d in self.candidates if grid[d] > 1]
-    scratch = bool(self.kp.scratch_avals)
-    options = [] if scratch else [tuple(cands)]
-    # With scratch, lanes must be consecutive in grid order (batched axes
-    # before sequential ones) for the scratch hand-over check to be exact.
-    for m in range(ndim, 0, -1):
-      options.append(tuple(d for d in cands if d < m))
-    if not scratch:
-      options += sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
-    seen = set()
-    for axes in options:
-      if not axes or axes in seen:
-        continue
-      seen.add(axes)
-      if self._owned(grid, coords, axes, block_idx):
-        return axes, block_idx
-    return None
+    axes = lane_axes(grid, coords, block_idx[self.kp.num_inputs:],
+                     bool(self.kp.scratch_avals))
+    return None if axes is None else (axes, block_idx)
 
-  def _owned(self, grid, coords, axes, block_idx):
-    """Every output block is touched by grid points of one lane only."""
-    kp = self.kp
-    lane = np.ravel_multi_index(tuple(coords[d] for d in axes), tuple(grid[d] for d in axes))
-    for cols in block_idx[kp.num_inputs:]:
-      if not cols:
-        return False  # a 0-d output: one block shared by everyone
-      # Sort grid points by (block, lane); a block seen with two lanes fails.
-      order = np.lexsort((lane, *reversed(cols)))
-      same_block = np.ones(len(order) - 1, bool)
-      for c in cols:
-        cs = c[order]
-        same_block &= cs[1:] == cs[:-1]
-      ls = lane[order]
-      if np.any(same_block & (ls[1:] != ls[:-1])):
-        return False
-    return True
+
+def order_free_reason(kp) -> str | None:
+  """Why grid points of ``kp`` may not run out of grid order (batched or on
+  threads), before looking at the index maps; None if they may."""
+  params = kp.params
+  if params.trace is not None or params.pdb or params.detect_races:
+    return "an option that observes grid order (trace/pdb/detect_races) is on"
+  if kp.written_inputs:
+    return "the kernel writes an input ref"
+  for geo in kp.blocks[kp.num_inputs:]:
+    if "element" in geo.kinds:
+      return "an output has Element block dims"
+  return None
+
+
+def lane_axes(grid, coords, out_block_idx, scratch: bool):
+  """The grid axes whose coordinates make a *lane* such that every output
+  block is touched by one lane only, or None. ``coords``: (ndim, points)
+  grid coordinates in grid order; ``out_block_idx``: per output, the block
+  index columns over those points. Tried in order: all axes, grid prefixes,
+  single axes (longest first). With scratch, lanes must be consecutive in
+  grid order (batched axes before sequential ones) for the vectorizer's
+  scratch hand-over check to be exact: prefixes only."""
+  ndim = len(grid)
+  cands = [d for d in range(ndim) if grid[d] > 1]
+  options = [] if scratch else [tuple(cands)]
+  for m in range(ndim, 0, -1):
+    options.append(tuple(d for d in cands if d < m))
+  if not scratch:
+    options += sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
+  seen = set()
+  for axes in options:
+    if not axes or axes in seen:
+      continue
+    seen.add(axes)
+    if _owned(grid, coords, axes, out_block_idx):
+      return axes
+  return None
+
+
+def _owned(grid, coords, axes, out_block_idx):
+  """Every output block is touched by grid points of one lane only."""
+  lane = np.ravel_multi_index(tuple(coords[d] for d in axes), tuple(grid[d] for d in axes))
+  for cols in out_block_idx:
+    if not cols:
+      return False  # a 0-d output: one block shared by everyone
+    # Sort grid points by (block, lane); a block seen with two lanes fails.
+    order = np.lexsort((lane, *reversed(cols)))
+    same_block = np.ones(len(order) - 1, bool)
+    for c in cols:
+      cs = c[order]
+      same_block &= cs[1:] == cs[:-1]
+    ls = lane[order]
+    if np.any(same_block & (ls[1:] != ls[:-1])):
+      return False
+  return True
 
 
 def _windows(buf, geo):
@@ -956,7 +974,8 @@ class _SlabRunner:
     self.n_lanes = math.prod(lane_shape)
     lane_bytes = _lane_bytes(kp, operand_batched)
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
-    self.threads = max(1, int(kp.params.num_threads))
+    # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
+    self.threads = max(1, int(kp.params.num_threads or 1))
     if self.threads > 1:
       per_slab = min(per_slab, -(-self.n_lanes // self.threads))
     self.slabs = [(s, min(s + per_slab, self.n_lanes)) for s in range(0, self.n_lanes, per_slab)]

@@ -1,0 +1,190 @@
+"""Independent grid points on a thread pool: the multi-core way to take the
+grid loop away when blocks are too big to batch (pallas_np.vectorize).
+
+Why it can pay: NumPy releases the GIL inside every ufunc, copy and BLAS
+call. When each NumPy call of a kernel is long (tens of microseconds: blocks
+of ~10^5 elements, as in a bitonic sort of 128 rows x 1024), two threads on
+two cores overlap most of the work. When calls are short, GIL hand-offs make
+threads a loss, and GEMMs already use every core through BLAS (numbers in
+GUIDE.md, "Performance"). So ``num_threads=None`` (auto) runs threads only for
+*wide*, GEMM-free kernels; ``num_threads=n`` asks for them whenever legal.
+
+Legal when (all checked, nothing trusted):
+
+* the vectorizer's order-free conditions (``vectorize.order_free_reason``);
+* no scratch (it carries state from one grid point to the next);
+* every primitive is context-free: no DMA, semaphores, PRNG state, prints or
+  callbacks (their order or shared state would differ between threads);
+* every output block is owned by one *lane* (``vectorize.lane_axes``, on
+  the index maps evaluated at every grid point, scalar prefetch included).
+
+Each thread walks whole lanes, their grid points in JAX order, so every
+output block sees the same sequence of writes as in the sequential loop:
+results are identical. If anything raises, the grid runs again sequentially
+from fresh buffers, so the error names the first failing grid point exactly
+as in sequential mode.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import os
+import threading
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry, vectorize
+from pallas_np.evaluator import RunContext
+
+# Rules that take the run context but keep no state across grid points.
+_CONTEXT_FREE = frozenset("""program_id num_programs cond while scan pjit jit closed_call
+core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat checkpoint
+composite run_scoped delay trace_value touch""".split())
+_GEMMS = frozenset(("dot_general", "ragged_dot", "ragged_dot_general"))
+# Auto mode: a kernel is wide when the median eqn result has at least this
+# many elements (a float32 ufunc over it takes ~10 us: GIL hand-offs amortised).
+_WIDE_ELEMENTS = 1 << 15
+
+
+def cores() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
+
+
+class ThreadPlan:
+  """Per KernelPlan: whether (and on how many threads) its grid may run on a
+  thread pool; ``reason`` says why not."""
+
+  def __init__(self, kp):
+    self.kp = kp
+    self.threads = 1
+    self._lanes: dict = {}
+    self.reason = self._static_reason(kp)
+    if self.reason is None:
+      requested = kp.params.num_threads
+      self.threads = cores() if requested is None else int(requested)
+      if self.threads < 2:
+        self.reason = "one thread (num_threads=1 or one core)"
+
+  @staticmethod
+  def _static_reason(kp):
+    requested = kp.params.num_threads
+    if requested is not None and int(requested) < 2:
+      return "num_threads=1"
+    reason = vectorize.order_free_reason(kp)
+    if reason is not None:
+      return reason
+    if kp.scratch_avals:
+      return "the kernel has scratch (state carried across grid points)"
+    if kp.params.num_cores > 1:
+      return "num_cores > 1 (megacore split)"
+    sizes, gemm = [], False
+    for eqn in _all_eqns(kp.kernel_jaxpr):
+      name = eqn.primitive.name
+      rule = registry.lookup(eqn.primitive)
+      if rule is not None and rule.needs_ctx and name not in _CONTEXT_FREE:
+        return f"`{name}` depends on grid order or per-core state"
+      gemm = gemm or name in _GEMMS
+      sizes.append(max((math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars),
+                       default=0))
+    if requested is None:
+      if gemm:
+        return "auto: GEMMs already use every core through BLAS"
+      if not sizes or float(np.median(sizes)) < _WIDE_ELEMENTS:
+        return "auto: NumPy calls too short to gain from threads"
+    return None
+
+  def chunks(self, grid, index_ops):
+    """Grid points per thread (each a list in grid order), or None when no
+    lane structure gives every output block a single owner."""
+    kp = self.kp
+    if kp.num_index:
+      lanes = self._lane_ids(grid, index_ops)
+    else:
+      if grid not in self._lanes:
+        if len(self._lanes) >= 16:  # dynamic grids: keep the cache bounded
+          self._lanes.clear()
+        self._lanes[grid] = self._lane_ids(grid, index_ops)
+      lanes = self._lanes[grid]
+    if lanes is None:
+      return None
+    n_lanes = int(lanes.max()) + 1
+    n = min(self.threads, n_lanes)
+    if n < 2:
+      return None
+    owner = lanes * n // n_lanes  # contiguous runs of lanes per thread
+    points = list(itertools.product(*map(range, grid)))
+    return [[p for p, o in zip(points, owner) if o == t] for t in range(n)]
+
+  def _lane_ids(self, grid, index_ops):
+    """Lane id of every grid point (grid order), or None."""
+    kp = self.kp
+    total = math.prod(grid)
+    if total <= 1 or total > vectorize._MAX_GRID:
+      return None
+    ndim = len(grid)
+    coords = np.indices(grid, dtype=np.int32).reshape(ndim, -1)
+    ctx = RunContext(kp.name, kp.params)
+    ctx.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    out_maps = [m.fn for m in kp.index_maps[kp.num_inputs:]]
+    rows = [[] for _ in out_maps]
+    try:
+      for point in itertools.product(*map(range, grid)):
+        ids = tuple(np.int32(i) for i in point)
+        ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+        for r, m in zip(rows, out_maps):
+          r.append(tuple(int(i) for i in m(ctx, *ids, *index_ops)))
+    except Exception:  # the sequential run reports it at its grid point
+      return None
+    out_block_idx = [list(np.array(r, np.int64).reshape(total, -1).T) for r in rows]
+    axes = vectorize.lane_axes(grid, coords, out_block_idx, scratch=False)
+    if axes is None:
+      return None
+    return np.ravel_multi_index(tuple(coords[d] for d in axes),
+                                tuple(grid[d] for d in axes))
+
+
+def run(kp, grid, index_ops, buffers, chunks) -> bool:
+  """Run ``chunks`` of grid points concurrently (the first in this thread).
+  False if any raised: the caller re-runs the grid sequentially."""
+  kp.kernel  # noqa: B018 (compile before the threads share it)
+  futures = [_pool().submit(_run_chunk, kp, grid, index_ops, buffers, c)
+             for c in chunks[1:]]
+  ok = _run_chunk(kp, grid, index_ops, buffers, chunks[0])
+  for f in futures:
+    ok = f.result() and ok
+  return ok
+
+
+def _run_chunk(kp, grid, index_ops, buffers, points) -> bool:
+  try:
+    with np.errstate(all="ignore"):  # errstate is per thread
+      kp._run_grid(grid, index_ops, buffers, [], points=points, show_progress=False)
+    return True
+  except Exception:
+    return False
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool():
+  global _POOL
+  if _POOL is None:
+    with _POOL_LOCK:
+      if _POOL is None:
+        # Threads start on demand, up to the most any run asks for.
+        _POOL = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="pallas_np")
+  return _POOL
+
+
+def _all_eqns(jaxpr):
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  yield from jaxpr.eqns
+  for sub in jc.subjaxprs(jaxpr):
+    yield from _all_eqns(sub)
