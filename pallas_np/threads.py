@@ -38,10 +38,13 @@ from pallas_np import _compat as jc
 from pallas_np import registry, vectorize
 from pallas_np.evaluator import RunContext
 
-# Rules that take the run context but keep no state across grid points.
+# Rules that take the run context but keep no state across grid points:
+# grid position, control flow and calls (their sub-plans are checked too),
+# scoped allocations, no-ops. Any other context rule keeps the grid serial.
 _CONTEXT_FREE = frozenset("""program_id num_programs cond while scan pjit jit closed_call
-core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat checkpoint
-composite run_scoped delay trace_value touch""".split())
+call core_call eval_jaxpr custom_jvp_call custom_jvp_call_jaxpr custom_vjp_call
+custom_vjp_call_jaxpr remat remat2 checkpoint jaxpr_call composite run_scoped delay
+trace_value add_dependency""".split())
 _GEMMS = frozenset(("dot_general", "ragged_dot", "ragged_dot_general"))
 # Auto mode: a kernel is wide when the median eqn result has at least this
 # many elements (a float32 ufunc over it takes ~10 us: GIL hand-offs amortised).
