@@ -176,6 +176,17 @@ _POOL = None
 _POOL_LOCK = threading.Lock()
 
 
+def _forget_pool():
+  # A forked child has none of the parent's threads: an inherited pool
+  # would queue work that no thread ever picks up.
+  global _POOL, _POOL_LOCK
+  _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool():
   global _POOL
   if _POOL is None:

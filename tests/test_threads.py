@@ -272,3 +272,40 @@ def test_auto_mode_keeps_narrow_and_gemm_kernels_on_one_thread(monkeypatch):
 def test_num_threads_must_be_positive():
   with pytest.raises(ValueError, match="num_threads"):
     pallas_np.InterpretParams(num_threads=0)
+
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:os.fork")  # JAX's warning; the child uses no JAX
+def test_forked_child_gets_its_own_pool(modes):
+  # The parent's pool threads do not exist in a forked child: it must not
+  # hand them work (it would wait forever). The child runs the kernel plan
+  # directly on NumPy arrays (JAX itself is not fork-safe).
+  import os
+  import select
+  x = np.asarray(_x((512, 1024), seed=10))
+  want = np.asarray(_wide_call(SEQ)(x))
+  plan = _plan_of(_wide_call(AUTO), x)
+  assert plan.last_mode == "threaded" and threads._POOL is not None
+  r, w = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # child: report and exit without running pytest's teardown
+    ok = False
+    try:
+      ok = threads._POOL is None
+      (got,) = plan.run(x)
+      ok = ok and plan.last_mode == "threaded" and np.array_equal(got, want)
+    finally:
+      os.write(w, b"1" if ok else b"0")
+      os._exit(0)
+  os.close(w)
+  ready = []
+  try:
+    ready, _, _ = select.select([r], [], [], 60)
+    assert ready, "the forked child hung"
+    assert os.read(r, 1) == b"1"
+  finally:
+    if not ready:
+      os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    os.close(r)
