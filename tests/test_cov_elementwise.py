@@ -271,7 +271,7 @@ def test_max_min_zero_free_fast_path_plan():
   assert plan.source.count("_has_zero(") == 3, plan.source
   # 6 network ops + the two on z take the guarded fast path; max(x, 0.0) and
   # min(x, -0.0) do not.
-  assert plan.source.count("_nz)(") == 8, plan.source
+  assert plan.source.count("_nz[z") == 8, plan.source
 
 
 @pytest.mark.parametrize("zeros", ["none", "signed", "nan"])
