@@ -300,7 +300,7 @@ class KernelPlan:
                        detector, points=chunk)
 
   def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
-                show_progress=True):
+                progress=True):
     params = self.params
     ctx = RunContext(self.name, params)
     local = self.local_dims
@@ -320,8 +320,11 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = int(np.prod(grid, dtype=np.int64)) if grid else 1
-    progress = (debugging.progress_bar(self.name, total, params)
-                if total > 1 and show_progress else None)
+    # progress: True = this loop's own bar; or a shared one (threads) it
+    # ticks but does not close; or None.
+    own_bar = progress is True
+    if own_bar:
+      progress = debugging.progress_bar(self.name, total, params) if total > 1 else None
     if points is None:
       points = itertools.product(*map(range, grid))
     try:
@@ -348,7 +351,7 @@ class KernelPlan:
     except Exception as e:
       raise self._kernel_error(e, point) from e
     finally:
-      if progress is not None:
+      if own_bar and progress is not None:
         progress.close()
 
   def _kernel_error(self, e: Exception, point) -> Exception:

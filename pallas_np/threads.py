@@ -35,7 +35,7 @@ import threading
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry, vectorize
+from pallas_np import debugging, registry, vectorize
 from pallas_np.evaluator import RunContext
 
 # Rules that take the run context but keep no state across grid points:
@@ -155,21 +155,55 @@ def run(kp, grid, index_ops, buffers, chunks) -> bool:
   """Run ``chunks`` of grid points concurrently (the first in this thread).
   False if any raised: the caller re-runs the grid sequentially."""
   kp.kernel  # noqa: B018 (compile before the threads share it)
-  futures = [_pool().submit(_run_chunk, kp, grid, index_ops, buffers, c)
+  bar = debugging.progress_bar(kp.name, sum(map(len, chunks)), kp.params)
+  shared = _SharedProgress(bar) if bar is not None else None
+  futures = [_pool().submit(_run_chunk, kp, grid, index_ops, buffers, c,
+                            shared and shared.part())
              for c in chunks[1:]]
-  ok = _run_chunk(kp, grid, index_ops, buffers, chunks[0])
-  for f in futures:
-    ok = f.result() and ok
+  try:
+    ok = _run_chunk(kp, grid, index_ops, buffers, chunks[0], shared and shared.part())
+    for f in futures:
+      ok = f.result() and ok
+  finally:
+    if bar is not None:
+      bar.close()
   return ok
 
 
-def _run_chunk(kp, grid, index_ops, buffers, points) -> bool:
+def _run_chunk(kp, grid, index_ops, buffers, points, progress) -> bool:
   try:
     with np.errstate(all="ignore"):  # errstate is per thread
-      kp._run_grid(grid, index_ops, buffers, [], points=points, show_progress=False)
+      kp._run_grid(grid, index_ops, buffers, [], points=points, progress=progress)
     return True
   except Exception:
     return False
+
+
+class _SharedProgress:
+  """One progress bar for all chunks: each chunk's loop ticks its own count,
+  the bar shows the sum."""
+
+  def __init__(self, bar):
+    self.bar = bar
+    self.done = 0
+    self.lock = threading.Lock()
+
+  def part(self):
+    return _ProgressPart(self)
+
+
+class _ProgressPart:
+  __slots__ = ("shared", "seen")
+
+  def __init__(self, shared):
+    self.shared, self.seen = shared, 0
+
+  def tick(self, done):
+    s = self.shared
+    with s.lock:
+      s.done += done - self.seen
+      self.seen = done
+      s.bar.tick(s.done)
 
 
 _POOL = None

@@ -33,9 +33,9 @@ def modes(monkeypatch):
     finally:
       seen.append(self.last_mode)
 
-  def run_chunk(kp, grid, index_ops, buffers, points):
+  def run_chunk(kp, grid, index_ops, buffers, points, progress):
     chunks.append((threading.current_thread().name, list(points)))
-    return orig_chunk(kp, grid, index_ops, buffers, points)
+    return orig_chunk(kp, grid, index_ops, buffers, points, progress)
   monkeypatch.setattr(KernelPlan, "run", run)
   monkeypatch.setattr(threads, "_run_chunk", run_chunk)
   monkeypatch.setattr(threads, "cores", lambda: 2)  # auto mode as on CI
@@ -309,3 +309,14 @@ def test_forked_child_gets_its_own_pool(modes):
       os.kill(pid, 9)
     os.waitpid(pid, 0)
     os.close(r)
+
+
+def test_one_progress_bar_counts_every_threads_points(modes, monkeypatch, capsys):
+  from pallas_np import debugging
+  monkeypatch.setattr(debugging, "PROGRESS_AFTER_S", 0.0)
+  monkeypatch.delenv("PALLAS_NP_PROGRESS", raising=False)
+  x = _x((512, 1024), seed=11)
+  _wide_call(pallas_np.InterpretParams(num_threads=2, uninitialized="zero"))(x)
+  assert modes.last == "threaded" and len(modes.chunks) == 2
+  err = capsys.readouterr().err
+  assert "pallas_np _wide_kernel: [" in err and "4/4 grid points" in err
