@@ -320,3 +320,23 @@ def test_one_progress_bar_counts_every_threads_points(modes, monkeypatch, capsys
   assert modes.last == "threaded" and len(modes.chunks) == 2
   err = capsys.readouterr().err
   assert "pallas_np _wide_kernel: [" in err and "4/4 grid points" in err
+
+
+def test_aliased_output_and_edge_blocks_threaded(modes):
+  # input_output_aliases (the output starts as the input) and a partial last
+  # block (padding read, writes clipped) behave as in the sequential loop.
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = o_ref[...] * 0.5 + jnp.sin(x_ref[...]) * y_ref[...]
+
+  x, y = _x((100, 128), seed=12), _x((100, 128), seed=13)
+
+  def call(interpret):
+    spec = pl.BlockSpec((32, 128), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
+        in_specs=[spec, spec], out_specs=spec, input_output_aliases={1: 0},
+        interpret=interpret)
+  got = call(TWO)(x, y)
+  assert modes.last == "threaded"
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(call(SEQ)(x, y)))
+  assert_same(got, call(True)(x, y))
