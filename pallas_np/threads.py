@@ -65,7 +65,7 @@ class ThreadPlan:
   def __init__(self, kp):
     self.kp = kp
     self.threads = 1
-    self._lanes: dict = {}
+    self._chunks: dict = {}
     self.reason = self._static_reason(kp)
     if self.reason is None:
       requested = kp.params.num_threads
@@ -103,16 +103,12 @@ class ThreadPlan:
 
   def chunks(self, grid, index_ops):
     """Grid points per thread (each a list in grid order), or None when no
-    lane structure gives every output block a single owner."""
-    kp = self.kp
-    if kp.num_index:
-      lanes = self._lane_ids(grid, index_ops)
-    else:
-      if grid not in self._lanes:
-        if len(self._lanes) >= 16:  # dynamic grids: keep the cache bounded
-          self._lanes.clear()
-        self._lanes[grid] = self._lane_ids(grid, index_ops)
-      lanes = self._lanes[grid]
+    lane structure gives every output block a single owner. Cached per grid
+    (vectorize.per_grid): warm calls do no analysis."""
+    return vectorize.per_grid(self._chunks, self.kp, grid, index_ops, self._split)
+
+  def _split(self, grid, index_ops):
+    lanes = self._lane_ids(grid, index_ops)
     if lanes is None:
       return None
     n_lanes = int(lanes.max()) + 1
@@ -127,7 +123,7 @@ class ThreadPlan:
     """Lane id of every grid point (grid order), or None."""
     kp = self.kp
     total = math.prod(grid)
-    if total <= 1 or total > vectorize._MAX_GRID:
+    if total <= 1 or total > vectorize.MAX_GRID:
       return None
     ndim = len(grid)
     coords = np.indices(grid, dtype=np.int32).reshape(ndim, -1)

@@ -719,7 +719,7 @@ def _scan(bc, rule, info, in_batched):
 
 
 # -- the grid side -------------------------------------------------------------------
-_MAX_GRID = 1 << 20          # points evaluated up front for the analysis
+MAX_GRID = 1 << 20           # points evaluated up front for the analysis
 _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 # vectorize=None (auto) batches only grids whose per-grid-point blocks are
 # small: there the Python cost per grid point dominates. With bigger blocks
@@ -789,17 +789,11 @@ class GridVectorizer:
     """(batched_axes, block indices of every grid point per operand) or None.
     Cached per grid when the index maps depend on nothing else (no scalar
     prefetch)."""
-    if self.kp.num_index:
-      return self._choose(grid, index_ops)
-    if grid not in self._chosen:
-      if len(self._chosen) >= 16:  # dynamic grids: keep the cache bounded
-        self._chosen.clear()
-      self._chosen[grid] = self._choose(grid, index_ops)
-    return self._chosen[grid]
+    return per_grid(self._chosen, self.kp, grid, index_ops, self._choose)
 
   def _choose(self, grid, index_ops):
     total = math.prod(grid)
-    if not self.candidates or total <= 1 or total > _MAX_GRID:
+    if not self.candidates or total <= 1 or total > MAX_GRID:
       return None
     ndim = len(grid)
     coords = np.indices(grid, dtype=np.int32).reshape(ndim, -1)
@@ -814,6 +808,18 @@ class GridVectorizer:
     axes = lane_axes(grid, coords, block_idx[self.kp.num_inputs:],
                      bool(self.kp.scratch_avals))
     return None if axes is None else (axes, block_idx)
+
+
+def per_grid(cache: dict, kp, grid, index_ops, compute):
+  """``compute(grid, index_ops)``, cached per grid when the index maps
+  depend on nothing else (no scalar prefetch); bounded for dynamic grids."""
+  if kp.num_index:
+    return compute(grid, index_ops)
+  if grid not in cache:
+    if len(cache) >= 16:
+      cache.clear()
+    cache[grid] = compute(grid, index_ops)
+  return cache[grid]
 
 
 def order_free_reason(kp) -> str | None:
