@@ -275,12 +275,13 @@ def _broadcast_in_dim(bc, rule, info, in_batched):
     return rule.compile(info), False, (False,)
   if len(in_batched) > 1:
     raise NotBatchable("dynamic broadcast_in_dim")
-  from pallas_np.primitives.shape import broadcast_geometry
+  from pallas_np.primitives.shape import broadcast, broadcast_geometry
   shape, expanded = broadcast_geometry(info)
+  size = math.prod(shape)
 
   def bcast(x):
     n = x.shape[0]
-    return np.broadcast_to(np.reshape(x, (n, *expanded)), (n, *shape))
+    return broadcast(x, (n, *expanded), (n, *shape), n * size)
   return bcast, False, (True,)
 
 

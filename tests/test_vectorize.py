@@ -74,6 +74,36 @@ def check(make_call, *args, expect_mode, modes, rtol=1e-5, atol=1e-5, threads=No
   return got
 
 
+# -- broadcasts: materialised when small, views when big ----------------------------
+def test_broadcast_in_dim_small_and_big(modes):
+  """Small broadcasts are fresh arrays, big ones views, unit-dim inserts
+  reshapes: all three batched and sequential, written back through refs."""
+  def k(x_ref, v_ref, o_small, o_big, o_mask):
+    x = x_ref[...]  # (8, 128)
+    row = x[:, 0]  # (8,)
+    small = lax.broadcast_in_dim(row, (8, 16), (0,)) + row[:, None]  # 128 elements
+    o_small[...] = small * 2
+    big = lax.broadcast_in_dim(v_ref[0], (64, 128), (1,))  # 8192 elements
+    o_big[...] = big + lax.broadcast_in_dim(x[:1, :1], (64, 128), (0, 1))
+    ids = lax.broadcasted_iota(jnp.int32, (16,), 0)
+    mask = ids[:, None] < ids[None, :]  # (16, 16) from two unit-dim inserts
+    o_mask[...] = jnp.where(mask, 1.0, 0.0) + pl.program_id(0).astype(jnp.float32)
+
+  def make(interp):
+    return pl.pallas_call(
+        k, out_shape=(jax.ShapeDtypeStruct((32, 16), jnp.float32),
+                      jax.ShapeDtypeStruct((256, 128), jnp.float32),
+                      jax.ShapeDtypeStruct((64, 16), jnp.float32)),
+        grid=(4,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                             pl.BlockSpec((1, 128), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0)),
+                   pl.BlockSpec((64, 128), lambda i: (i, 0)),
+                   pl.BlockSpec((16, 16), lambda i: (i, 0))],
+        interpret=interp)
+  check(make, _normal(0, (32, 128)), _normal(1, (4, 128)), expect_mode="vectorized",
+        modes=modes)
+
+
 # -- a bitonic sort, one row per grid step -----------------------------------------
 def _bitonic_rows(x):
   """Sort the last axis (power of two) with compare-exchange stages."""
