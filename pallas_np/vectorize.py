@@ -485,6 +485,112 @@ def _addupdate(bc, rule, info, in_batched):
   return addupdate, False, ()
 
 
+# -- masked (Triton-style) accesses: one NumPy index of the lane-stacked ref --------
+def _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos):
+  """The access when every lane indexes its own ref block with the same
+  indices (the loop counters and column vectors Triton-style kernels use),
+  so one index of the lane-stacked ref does all lanes; else None."""
+  from pallas_np.state.indexing import _DimArray, _DimSlice
+  from pallas_np.state.masked import MaskedAccess
+  if not in_batched[ref_pos]:
+    return None
+  acc = MaskedAccess(info, ref_pos, transforms_pos)
+  if acc.note is not None or any(in_batched[p] for p in acc.dyn_positions):
+    return None
+  steps = acc.access.steps
+  if len(steps) > 1 or (steps and steps[0][0] != "index"):
+    return None
+  dims = steps[0][1] if steps else ()
+  adv = [i for i, d in enumerate(dims) if not isinstance(d, _DimSlice)]
+  acc.fancy = any(isinstance(dims[i], _DimArray) for i in adv)
+  if acc.fancy and adv[-1] - adv[0] != len(adv) - 1:
+    return None  # NumPy would move the split integer indices before the lanes
+  return acc
+
+
+def _lane_ref_args(args, ref_pos):
+  """``args`` with the ref replaced by lane 0's block (same shape for all)."""
+  args = list(args)
+  args[ref_pos] = args[ref_pos][0]
+  return args
+
+
+@batch_rule("masked_load")
+def _masked_load(bc, rule, info, in_batched):
+  from pallas_np.state.masked import split_args
+  ref_pos, transforms_pos, mask_pos, other_pos = split_args(info)
+  acc = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
+  if acc is None:
+    return _lane_loop(rule, info, in_batched)
+  dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
+
+  def load(*args):
+    ref = args[ref_pos]
+    hit = acc.resolve(args)
+    if hit is not None:
+      # C order: NumPy lays ``a[:, idx]`` out lanes-inner, and a later
+      # reduction would then add in another order than the sequential run.
+      val = np.array(ref[_lane_index(hit[1])], dtype=dtype, order="C")
+    elif mask_pos is None:
+      raise IndexError("out-of-bounds masked load")  # the sequential rerun names it
+    else:
+      _, safe, in_bounds, _ = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+      if not ref[0].size:
+        val = np.full((ref.shape[0], *acc.shape), acc.fill, dtype=dtype)
+      else:
+        val = np.where(in_bounds, ref[(slice(None), *safe)], acc.fill).astype(dtype, copy=False)
+    if mask_pos is not None and other_pos is not None:
+      val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
+    return np.ascontiguousarray(val)
+  return load, False, (True,)
+
+
+@batch_rule("masked_swap")
+def _masked_swap(bc, rule, info, in_batched):
+  from pallas_np.state.masked import split_args
+  ref_pos, transforms_pos, val_pos, mask_pos = split_args(info)
+  acc = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
+  if acc is None:
+    return _lane_loop(rule, info, in_batched)
+  want_old = info.outvars_used[0]
+  fancy = acc.fancy  # integer-array index: NumPy gives a copy, not a view
+
+  def swap(*args):
+    ref, val = args[ref_pos], args[val_pos]
+    hit = acc.resolve(args)
+    if hit is not None:
+      bidx = _lane_index(hit[1])
+      if mask_pos is None:
+        old = np.array(ref[bidx], order="C") if want_old else None
+        ref[bidx] = val
+        return old
+      mask = args[mask_pos]
+      region = ref[bidx]
+      old = np.array(region, order="C") if want_old or fancy else None
+      if fancy:
+        ref[bidx] = np.where(mask, val, old)
+      else:
+        np.copyto(region, np.broadcast_to(val, region.shape),
+                  where=np.broadcast_to(mask, region.shape))
+      if not want_old:
+        return None
+      return np.ascontiguousarray(np.where(mask, old, val).astype(old.dtype, copy=False))
+    if mask_pos is None:
+      raise IndexError("out-of-bounds masked store")  # the sequential rerun names it
+    _, safe, in_bounds, mask = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+    lanes = ref.shape[0]
+    full = (lanes, *acc.shape)
+    old = None
+    if want_old:
+      old = np.where(in_bounds, ref[(slice(None), *safe)], acc.fill).astype(ref.dtype, copy=False)
+    active = np.broadcast_to(mask & in_bounds, full)
+    lane = np.arange(lanes).reshape((lanes,) + (1,) * len(acc.shape))
+    index = tuple(np.broadcast_to(c, full)[active] for c in (lane, *safe))
+    ref[index] = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)[active]
+    return None if old is None else np.ascontiguousarray(np.where(mask, old, val))
+  return swap, False, (True,)
+
+
 @batch_rule("run_scoped")
 def _run_scoped(bc, rule, info, in_batched):
   """Scoped buffers are lane-private: allocated with a lane axis."""

@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
+from pallas_np import _compat as jc
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
 from tests.tpu_helpers import scratch_reset_only_at_origin
@@ -102,6 +103,123 @@ def test_broadcast_in_dim_small_and_big(modes):
         interpret=interp)
   check(make, _normal(0, (32, 128)), _normal(1, (4, 128)), expect_mode="vectorized",
         modes=modes)
+
+
+# -- Triton-style masked accesses: one index of the lane-stacked ref -----------------
+def _row_program(kernel, shapes, n_rows, out_shape, **kw):
+  """One row of every input per grid point (a Squeezed row BlockSpec), as
+  JAX's GPU layer_norm/softmax ops lay out their programs."""
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(n_rows,),
+        in_specs=[pl.BlockSpec((None, *s), lambda i, s=s: (i,) + (0,) * len(s))
+                  for s in shapes],
+        out_specs=jax.tree_util.tree_map(
+            lambda o: pl.BlockSpec((None, *o.shape[1:]),
+                                   lambda i, r=len(o.shape) - 1: (i,) + (0,) * r), out_shape),
+        interpret=interp, **kw)
+  return make
+
+
+def test_masked_gather_loop_past_the_end_is_batched(modes):
+  """``ref.at[col]`` with ``col`` running past the row end (masked off, with
+  and without ``other``), masked integer-array stores, a mask that depends
+  on the data (so differs per lane) and old values from a masked swap."""
+  from jax.experimental.pallas import triton as pltriton
+  n, block = 20, 16
+
+  def kernel(x_ref, o_ref, old_ref):
+    def body(i, acc):
+      col = i * block + jnp.arange(block)
+      return acc + pltriton.load(x_ref.at[col], mask=col < n, other=0.0)
+    total = lax.fori_loop(0, pl.cdiv(n, block), body, jnp.zeros(block)).sum()
+    for i in range(pl.cdiv(n, block)):
+      col = i * block + jnp.arange(block)
+      x = pltriton.load(x_ref.at[col], mask=col < n, other=0.0)
+      pltriton.store(o_ref.at[col], x / total, mask=col < n)
+      old_ref[pl.ds(i * block, block)] = jc.pallas_primitives.swap(
+          o_ref.at[col], None, x * 2, mask=(col < n) & (x > 0))
+  x = _normal(40, (6, n))
+  make = _row_program(kernel, [(n,)], 6,
+                      (jax.ShapeDtypeStruct((6, n), jnp.float32),
+                       jax.ShapeDtypeStruct((6, 2 * block), jnp.float32)))
+  o, old = check(make, x, expect_mode="vectorized", modes=modes)
+  xn = np.asarray(x)
+  want_o = np.where(xn > 0, xn * 2, xn / xn.sum(axis=1, keepdims=True))
+  np.testing.assert_allclose(np.asarray(o), want_o, rtol=1e-6)
+  # masked-off lanes of a swap return the value offered (Triton's select)
+  np.testing.assert_allclose(np.asarray(old)[:, :n],
+                             np.where(xn > 0, xn / xn.sum(axis=1, keepdims=True), xn * 2),
+                             rtol=1e-6)
+
+
+def test_masked_2d_tile_and_slice_window_are_batched(modes):
+  """A (rows, cols) gather ``ref.at[r[:, None], c[None]]`` and a ``pl.ds``
+  window (a view when in bounds; per-element lanes past the end)."""
+  from jax.experimental.pallas import triton as pltriton
+  m, n = 5, 12
+
+  def kernel(x_ref, o_ref, w_ref):
+    r = jnp.arange(8)
+    c = jnp.arange(16)
+    mask = (r[:, None] < m) & (c[None, :] < n)
+    tile = pltriton.load(x_ref.at[r[:, None], c[None]], mask=mask, other=-1.0)
+    pltriton.store(o_ref.at[r[:, None], c[None]], tile * 3.0, mask=mask)
+    @pl.loop(0, 2)  # in bounds (a view), then past the end (lanes)
+    def _(j):
+      idx = j * 8 + jnp.arange(8)[None]
+      w = pltriton.load(x_ref.at[pl.ds(0, 1), pl.ds(j * 8, 8)], mask=idx < n, other=7.0)
+      w_ref[pl.ds(0, 1), pl.ds(j * 8, 8)] = w
+      pltriton.store(o_ref.at[pl.ds(m - 1, 1), pl.ds(j * 8, 8)], w + 100.0, mask=idx < n)
+  x = _normal(41, (4, m, n))
+  make = _row_program(kernel, [(m, n)], 4,
+                      (jax.ShapeDtypeStruct((4, m, n), jnp.float32),
+                       jax.ShapeDtypeStruct((4, 1, 16), jnp.float32)))
+  o, w = check(make, x, expect_mode="vectorized", modes=modes)
+  w = np.asarray(w)[:, 0]
+  xn = np.asarray(x)
+  want = xn * 3.0
+  want[:, m - 1] = xn[:, 0] + 100.0
+  np.testing.assert_allclose(np.asarray(o), want, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(w)[:, n:], 7.0)
+
+
+def test_masked_split_integer_indices_stay_correct(modes):
+  """Integer indices split by a slice (NumPy moves them to the front): the
+  batched pass runs that access lane by lane. interpret=True cannot run a
+  masked load mixing slices and arrays, so NumPy is the reference."""
+  from jax.experimental.pallas import triton as pltriton
+
+  def kernel(x_ref, o_ref):
+    a = jnp.arange(4)
+    v = pltriton.load(x_ref.at[a, :, a], mask=jnp.ones((4, 3), bool))
+    o_ref[...] = v * 2.0
+  x = _normal(42, (3, 4, 3, 4))
+  make = _row_program(kernel, [(4, 3, 4)], 3, jax.ShapeDtypeStruct((3, 4, 3), jnp.float32))
+  modes.clear()
+  got = make(VEC)(x)
+  assert modes[-1] == "vectorized"
+  assert_same(got, make(SEQ)(x), rtol=0, atol=0)
+  xn = np.asarray(x)
+  a = np.arange(4)
+  np.testing.assert_array_equal(np.asarray(got), xn[:, a, :, a].transpose(1, 0, 2) * 2.0)
+
+
+def test_masked_on_lane_out_of_bounds_in_a_batched_pass_names_its_grid_point():
+  from jax.experimental.pallas import triton as pltriton
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    col = jnp.arange(16)
+    limit = jnp.where(i == 2, 16, 12)  # grid point 2 leaves lanes 12..15 on
+    o_ref[...] = pltriton.load(x_ref.at[col], mask=col < limit, other=0.0)
+  x = _normal(43, (4, 12))
+  with pytest.raises(IndexError, match="masked on") as info:
+    pallas_np.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.float32), grid=(4,),
+        in_specs=[pl.BlockSpec((None, 12), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((None, 16), lambda i: (i, 0)), interpret=VEC)(x)
+  assert info.value.program_ids == (2,)
 
 
 # -- a bitonic sort, one row per grid step -----------------------------------------
