@@ -138,6 +138,28 @@ def test_clamp_option_matches_interpret_true():
       jnp.arange(8.0))
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.int32])
+@pytest.mark.parametrize("shift, bad", [(0, None), (-1, -1), (1, 8)])
+def test_integer_array_index_bounds(dtype, shift, bad):
+  """An integer-array index is checked as a whole: a negative index (seen
+  unsigned by the fast check) and one past the end both raise and name the
+  bad index; clamp mode clamps it like interpret=True."""
+  def kernel(i_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[i_ref[...]] * 2.0
+
+  idx = (jnp.arange(8) + shift).astype(dtype)
+  x = jnp.arange(8.0)
+  make = lambda interp: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=interp)
+  if bad is None:
+    run_both(make, idx, x)
+    return
+  with pytest.raises(IndexError, match=rf"array index {bad} on axis 0"):
+    make("numpy")(idx, x)
+  clamped = make(pallas_np.InterpretParams(bounds_check="clamp"))(idx, x)
+  np.testing.assert_array_equal(np.asarray(clamped), np.clip(np.arange(8) + shift, 0, 7) * 2.0)
+
+
 def test_out_of_bounds_write_raises():
   def kernel(x_ref, o_ref):
     o_ref[pl.ds(pl.program_id(0) * 4 + 2, 4)] = x_ref[...]  # BUG write

@@ -9,6 +9,7 @@ the GPU to that tolerance). Any other asm raises UnsupportedError.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
+from pallas_np.primitives.shape import broadcast
 
 tp = jc.triton_primitives
 
@@ -40,10 +42,13 @@ if tp is not None:
 
 
 # ``state.primitives.broadcast_to``: the equal-rank broadcast Triton kernels
-# (and their vmap/autodiff rules) emit; a read-only NumPy broadcast view.
+# (and their vmap/autodiff rules) emit; NumPy's right-aligned broadcast.
 _broadcast_to_p = getattr(jc.state_primitives, "broadcast_to_p", None)
 if _broadcast_to_p is not None:
   @registry.register(_broadcast_to_p)
   def _broadcast_to(e):
     shape = tuple(e.params["shape"])
-    return lambda x: np.broadcast_to(x, shape)
+    in_shape = tuple(e.in_avals[0].shape)
+    expanded = (1,) * (len(shape) - len(in_shape)) + in_shape
+    size = math.prod(shape)
+    return lambda x: broadcast(np.asarray(x), expanded, shape, size)

@@ -90,9 +90,18 @@ def _check_slice(start, size, stride, dim, axis, shape, clamp):
   return slice(start, start + extent, stride)
 
 
+_UNSIGNED = {np.dtype(t): np.dtype(u) for t, u in
+             ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
+              (np.int64, np.uint64))}
+
+
 def _check_array(a, dim, axis, shape, clamp):
   a = np.asarray(a)
   if a.size:
+    # One reduction, not two: seen unsigned, a negative index is huge.
+    unsigned = _UNSIGNED.get(a.dtype)
+    if unsigned is not None and int(a.view(unsigned).max()) < dim:
+      return a
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= dim:
       if clamp:

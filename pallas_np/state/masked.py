@@ -125,12 +125,16 @@ def _masked_load(e):
   acc = MaskedAccess(e, ref_pos, transforms_pos)
   dtype = np.dtype(jc.physical_dtype(e.out_aval.dtype))
 
+  select = mask_pos is not None and other_pos is not None
+
   def load(*args):
     hit = acc.resolve(args)
     if hit is not None:
       view, idx = hit
       if acc.note is not None:
         acc.note(view, idx, "read", None if mask_pos is None else args[mask_pos])
+      if select:  # np.where makes the copy
+        return np.where(args[mask_pos], view[idx], args[other_pos]).astype(dtype, copy=False)
       val = np.array(view[idx], dtype=dtype)
     elif mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
@@ -140,7 +144,7 @@ def _masked_load(e):
       if acc.note is not None:
         acc.note(view, safe, "read", mask & in_bounds)
       val = acc.gather(view, safe, in_bounds)
-    if mask_pos is not None and other_pos is not None:
+    if select:
       val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
     return val
   return load
