@@ -6,9 +6,14 @@ on the 2-core dev machine under load: 36 ms instead of 40 us for a 128x64 @
 64x128 product made between other Python work). So GEMMs below a size run
 with the thread count set to 1 for the call (two ~1 us ctypes calls); big
 ones keep every thread. Nothing happens
-when NumPy's BLAS is not an OpenBLAS we can find (plain ``np.matmul``)."""
+when NumPy's BLAS is not an OpenBLAS we can find (plain ``np.matmul``).
+
+A kernel run sets the count once for all its GEMMs (``kernel_run``): the
+get/set pair around each product cost ~4 us, more than a 64x64 GEMM (a
+causal attention kernel makes thousands)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -46,9 +51,57 @@ except Exception:  # pragma: no cover - any BLAS oddity: keep plain matmul
   _set = _get = None
 
 _lock = threading.Lock()
+_runs = 0  # kernel runs in progress (kernel_run): BLAS is on one thread
+_threads_before = 1  # the count kernel_run restores
+
+
+@contextlib.contextmanager
+def kernel_run():
+  """Scope of a kernel run: BLAS on one thread throughout, the caller's
+  count restored when the last concurrent run ends."""
+  global _runs, _threads_before
+  if _set is None:
+    yield
+    return
+  with _lock:
+    if _runs == 0:
+      _threads_before = _get()
+      if _threads_before != 1:
+        _set(1)
+    _runs += 1
+  try:
+    yield
+  finally:
+    with _lock:
+      _runs -= 1
+      if _runs == 0 and _threads_before != 1:
+        _set(_threads_before)
+
+
+def _reset_after_fork():
+  global _runs
+  _runs = 0
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _matmul_all_threads(x, y):
+  """A big GEMM inside a kernel run: every thread for this product."""
+  if not _runs or _threads_before == 1:
+    return np.matmul(x, y)
+  with _lock:
+    _set(_threads_before)
+    try:
+      return np.matmul(x, y)
+    finally:
+      _set(1)
 
 
 def _matmul_one_thread(x, y):
+  if _runs:  # set once for the whole run
+    return np.matmul(x, y)
   with _lock:
     prev = _get()
     if prev == 1:
@@ -64,6 +117,8 @@ def matmul_for(macs: int):
   """A matmul for GEMMs of ``macs`` multiply-accumulates: on one BLAS thread
   below MULTITHREAD_MACS, on all of them above. (The choice depends only on
   the shapes, never on machine load, so results are reproducible.)"""
-  if _set is None or macs >= MULTITHREAD_MACS:
+  if _set is None:
     return np.matmul
+  if macs >= MULTITHREAD_MACS:
+    return _matmul_all_threads
   return _matmul_one_thread

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import debugging, malloc, races, threads, vectorize
+from pallas_np import blas, debugging, malloc, races, threads, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns
 from pallas_np.params import InterpretParams
@@ -184,7 +184,7 @@ class KernelPlan:
   def run(self, *args) -> list[np.ndarray]:
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), blas.kernel_run():
       return self._run(*args)
 
   def _run(self, *args) -> list[np.ndarray]:

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental import pallas as pl
 
 import pallas_np
@@ -100,6 +101,47 @@ def test_small_gemm_on_one_blas_thread_matches_matmul():
   np.testing.assert_array_equal(small(a, b), np.matmul(a, b))
   big = blas.matmul_for(blas.MULTITHREAD_MACS)
   np.testing.assert_array_equal(big(a, b), np.matmul(a, b))
+
+
+def test_kernel_run_sets_blas_threads_once(monkeypatch):
+  """A kernel's small GEMMs run on one BLAS thread set once for the run; a
+  big GEMM inside the run gets the caller's count back; the caller's count
+  is restored when the (outermost) run ends, also after an error."""
+  assert blas._set is not None, "NumPy's OpenBLAS was not found"
+  seen = []
+  real_matmul = np.matmul
+
+  def spy(a, b):
+    seen.append((blas._get(), blas._runs))
+    return real_matmul(a, b)
+  monkeypatch.setattr(blas.np, "matmul", spy)
+  before = blas._get()
+  blas._set(2)
+  try:
+    a = np.ones((8, 8), np.float32)
+    small, big = blas.matmul_for(512), blas.matmul_for(blas.MULTITHREAD_MACS)
+    with blas.kernel_run():
+      assert blas._get() == 1
+      with blas.kernel_run():  # nested (a kernel inside a whole-program run)
+        small(a, a)
+        big(a, a)
+        small(a, a)
+      assert blas._get() == 1
+    assert blas._get() == 2
+    assert seen == [(1, 2), (2, 2), (1, 2)]
+    with pytest.raises(ZeroDivisionError), blas.kernel_run():
+      1 / 0
+    assert blas._get() == 2 and blas._runs == 0
+
+    def kernel(x_ref, y_ref, o_ref):  # through a real kernel
+      o_ref[...] = x_ref[...] @ y_ref[...]
+    seen.clear()
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    out = pallas_np.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32))(x, x)
+    np.testing.assert_array_equal(np.asarray(out), real_matmul(x, x))
+    assert seen == [(1, 1)] and blas._get() == 2  # inside the kernel's run
+  finally:
+    blas._set(before)
 
 
 def _malloc_state(env_value):

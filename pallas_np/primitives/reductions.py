@@ -72,9 +72,9 @@ def _reduce_min(e):
 
 def _signed_zero_fix(r, x, axes, is_max):
   """XLA orders -0.0 below +0.0 in max/min; NumPy returns either zero."""
-  zero = r == 0
-  if not np.any(zero):
+  if r.all():  # one reduction, no mask; NaN is truthy, -0.0 falsy
     return r
+  zero = r == 0
   x = np.asarray(x)
   neg = np.signbit(x) & (x == 0)
   pos = ~np.signbit(x) & (x == 0)
