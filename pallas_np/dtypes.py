@@ -56,3 +56,21 @@ def reduce_precision(x, exponent_bits: int, mantissa_bits: int, dtype):
     bits = np.where(underflow, sign, bits)
     bits = np.where(np.isnan(work), np.asarray(work).view(np.uint64), bits)
   return np.asarray(bits.view(np.float64)).astype(dtype)[()]
+
+
+# Bit pattern of -0.0, by float width: the sign bit alone.
+_NEGATIVE_ZERO = {1: (np.uint8, 0x80), 2: (np.uint16, 0x8000), 4: (np.uint32, 0x80000000),
+                  8: (np.uint64, 1 << 63)}
+
+
+def has_negative_zero(x) -> bool:
+  """Whether a float array holds a -0.0 (one compare of its bits and one
+  reduction). Zero-sign fixes only matter then: without a -0.0, every zero
+  NumPy's max/min return is +0.0, as XLA's. Conservative (True) for types
+  it cannot read bitwise."""
+  x = np.asarray(x)
+  bits = _NEGATIVE_ZERO.get(x.dtype.itemsize)
+  if x.dtype.kind not in "fV" or bits is None:
+    return x.dtype.kind not in "biu"
+  unsigned, pattern = bits
+  return bool((x.view(unsigned) == pattern).any())

@@ -16,7 +16,7 @@ from jax import lax
 
 from pallas_np import _compat as jc
 from pallas_np import registry
-from pallas_np.dtypes import is_low_precision_float, np_dtype
+from pallas_np.dtypes import has_negative_zero, is_low_precision_float, np_dtype
 
 reg = registry.register_numpy
 
@@ -120,10 +120,9 @@ def _minmax_given(ufunc, is_max, consts):
 
 
 def _fix_zero(r, x, y, combine):
-  zero = r == 0
-  if not np.any(zero):
-    return r
-  both = zero & (np.asarray(x) == 0) & (np.asarray(y) == 0)
+  if r.all() or not (has_negative_zero(x) or has_negative_zero(y)):
+    return r  # no zero result, or every zero is +0.0 already
+  both = (r == 0) & (np.asarray(x) == 0) & (np.asarray(y) == 0)
   return np.where(both, combine(x, y), r).astype(r.dtype, copy=False)[()]
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 from pallas_np import registry
-from pallas_np.dtypes import np_dtype, is_low_precision_float
+from pallas_np.dtypes import has_negative_zero, is_low_precision_float, np_dtype
 
 
 def _axes(e):
@@ -72,10 +72,11 @@ def _reduce_min(e):
 
 def _signed_zero_fix(r, x, axes, is_max):
   """XLA orders -0.0 below +0.0 in max/min; NumPy returns either zero."""
-  if r.all():  # one reduction, no mask; NaN is truthy, -0.0 falsy
+  x = np.asarray(x)
+  # No zero result (NaN is truthy, -0.0 falsy), or no -0.0 to misplace.
+  if r.all() or not has_negative_zero(x):
     return r
   zero = r == 0
-  x = np.asarray(x)
   neg = np.signbit(x) & (x == 0)
   pos = ~np.signbit(x) & (x == 0)
   if is_max:  # -0.0 only if no +0.0 among the maxima
