@@ -487,9 +487,10 @@ def _addupdate(bc, rule, info, in_batched):
 
 # -- masked (Triton-style) accesses: one NumPy index of the lane-stacked ref --------
 def _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos):
-  """The access when every lane indexes its own ref block with the same
-  indices (the loop counters and column vectors Triton-style kernels use),
-  so one index of the lane-stacked ref does all lanes; else None."""
+  """``(access, fancy)`` when every lane indexes its own ref block with the
+  same indices (the loop counters and column vectors Triton-style kernels
+  use), so one index of the lane-stacked ref does all lanes; else None.
+  ``fancy``: an integer-array index (NumPy then gives a copy, not a view)."""
   from pallas_np.state.indexing import _DimArray, _DimSlice
   from pallas_np.state.masked import MaskedAccess
   if not in_batched[ref_pos]:
@@ -502,10 +503,10 @@ def _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos):
     return None
   dims = steps[0][1] if steps else ()
   adv = [i for i, d in enumerate(dims) if not isinstance(d, _DimSlice)]
-  acc.fancy = any(isinstance(dims[i], _DimArray) for i in adv)
-  if acc.fancy and adv[-1] - adv[0] != len(adv) - 1:
+  fancy = any(isinstance(dims[i], _DimArray) for i in adv)
+  if fancy and adv[-1] - adv[0] != len(adv) - 1:
     return None  # NumPy would move the split integer indices before the lanes
-  return acc
+  return acc, fancy
 
 
 def _lane_ref_args(args, ref_pos):
@@ -519,9 +520,10 @@ def _lane_ref_args(args, ref_pos):
 def _masked_load(bc, rule, info, in_batched):
   from pallas_np.state.masked import split_args
   ref_pos, transforms_pos, mask_pos, other_pos = split_args(info)
-  acc = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
-  if acc is None:
+  found = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
+  if found is None:
     return _lane_loop(rule, info, in_batched)
+  acc = found[0]
   dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
 
   def load(*args):
@@ -549,11 +551,11 @@ def _masked_load(bc, rule, info, in_batched):
 def _masked_swap(bc, rule, info, in_batched):
   from pallas_np.state.masked import split_args
   ref_pos, transforms_pos, val_pos, mask_pos = split_args(info)
-  acc = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
-  if acc is None:
+  found = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
+  if found is None:
     return _lane_loop(rule, info, in_batched)
+  acc, fancy = found
   want_old = info.outvars_used[0]
-  fancy = acc.fancy  # integer-array index: NumPy gives a copy, not a view
 
   def swap(*args):
     ref, val = args[ref_pos], args[val_pos]
