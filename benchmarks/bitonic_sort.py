@@ -8,7 +8,9 @@ result is checked against ``np.sort``.
 For every size and mode a FRESH PROCESS is spawned, so the first call is cold:
 it includes tracing and (for JAX's interpreters) XLA compilation, as a user
 sees it. The same process then times warm calls (median). Each cell is run in
-``--repeats`` fresh processes (3; 1 with --quick) and the medians are shown. Modes:
+``--repeats`` fresh processes (3; 1 with --quick), the modes interleaved so a
+slow spell of the machine hits all of them, and the medians are shown (TPU
+interpret mode, the slowest, runs once). Modes:
 
   numpy     pallas_np.pallas_call(...)           (eager: no XLA compilation)
   numpy-pl  pl.pallas_call(..., interpret="numpy")  (JAX's jit of the lone
@@ -193,21 +195,29 @@ def main(argv=None):
   for rows, n in sizes:
     rpb = args.rows_per_block or default_rows_per_block(rows, n)
     rpb = min(rpb, rows)
+    runs = {mode: [] for mode in modes}
+    for rep in range(repeats):  # modes interleaved: a slow spell hits them all
+      for mode in modes:
+        if mode == "tpu" and rep:
+          continue  # slow; its cold time is reported, no target uses it
+        if mode == "tpu" and prev_tpu is not None:
+          # Cold = compile (about constant) + one run; a run grows with the
+          # elements. Extrapolate the run time, with margin.
+          elems, cold, warm = prev_tpu
+          run = warm * rows * n / elems * 1.5
+          est = (cold - warm) + run + max(3 * run, min(15 * run, max_warm_s))
+          if est > TPU_BUDGET_S:
+            runs[mode].append({"skipped": f"est. {est:.0f}s > {TPU_BUDGET_S:.0f}s"})
+            tpu_skip_reason = True
+            continue
+        runs[mode].append(spawn(mode, rows, n, rpb,
+                                timeout=TPU_BUDGET_S * 3 if mode == "tpu" else 600,
+                                max_warm_s=max_warm_s))
     for mode in modes:
-      if mode == "tpu" and prev_tpu is not None:
-        # Cold = compile (about constant) + one run; a run grows with the
-        # elements. Extrapolate the run time, with margin.
-        elems, cold, warm = prev_tpu
-        run = warm * rows * n / elems * 1.5
-        est = (cold - warm) + run + max(3 * run, min(15 * run, max_warm_s))
-        if est > TPU_BUDGET_S:
-          results[(rows, n, mode)] = {"skipped": f"est. {est:.0f}s > {TPU_BUDGET_S:.0f}s"}
-          tpu_skip_reason = True
-          continue
-      r = _median_of(
-          [spawn(mode, rows, n, rpb, timeout=TPU_BUDGET_S * 3 if mode == "tpu" else 600,
-                 max_warm_s=max_warm_s) for _ in range(repeats)])
+      r = runs[mode][0] if "skipped" in runs[mode][0] else _median_of(runs[mode])
       results[(rows, n, mode)] = r
+      if "skipped" in r:
+        continue
       if mode == "tpu" and "cold" in r:
         prev_tpu = (rows * n, r["cold"], r["warm"])
       if "error" in r or not r.get("ok", True):
@@ -251,8 +261,9 @@ def main(argv=None):
   if tpu_skip_reason:
     print(f"tpu: TPU interpret mode skipped where its estimated time exceeds "
           f"{TPU_BUDGET_S:.0f}s (extrapolated from the previous size).")
-  print(f"Each cell is the median of {repeats} fresh process(es): cold = first call incl. "
-        "tracing/compiling; warm = median of repeated calls.")
+  print(f"Each cell is the median of {repeats} fresh process(es), modes interleaved (TPU "
+        "interpret: one): cold = first call incl. tracing/compiling; warm = median of "
+        "repeated calls.")
   return 1 if failed else 0
 
 
