@@ -133,8 +133,11 @@ def _masked_load(e):
       view, idx = hit
       if acc.note is not None:
         acc.note(view, idx, "read", None if mask_pos is None else args[mask_pos])
-      if select:  # np.where makes the copy
-        return np.where(args[mask_pos], view[idx], args[other_pos]).astype(dtype, copy=False)
+      if select:
+        mask = args[mask_pos]
+        if mask.all() if isinstance(mask, np.ndarray) else np.all(mask):
+          return np.array(view[idx], dtype=dtype)  # every lane on (interior blocks)
+        return np.where(mask, view[idx], args[other_pos]).astype(dtype, copy=False)
       val = np.array(view[idx], dtype=dtype)
     elif mask_pos is None:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
