@@ -288,8 +288,10 @@ class _Fusion:
   (its rule must be a plain NumPy ufunc on native dtypes); the rest is
   copied in by the concatenate's own line."""
 
-  def __init__(self, jaxpr, keep):
+  def __init__(self, jaxpr, keep, batched=False):
     eqns = jaxpr.eqns
+    self.batched = batched  # a batch compiler's plan: values may carry a lane axis
+    self.lane_buffer: dict[int, bool] = {}  # concat eqn -> its buffer has a lane axis
     uses: dict = {}
     for e in eqns:
       for v in e.invars:
@@ -304,6 +306,7 @@ class _Fusion:
     self.rev_of: dict[int, int] = {}  # absorbed rev eqn -> its producer eqn
     self.absorbed: set[int] = set()  # eqns emitted as part of another
     self.concat_buffer: dict[int, str | None] = {}  # concat eqn -> buffer name
+    self.declined: set[int] = set()  # concat eqns left unfused (batched plans)
     self.fused: dict[int, set] = {}  # concat eqn -> operand positions written
     self.eqns = eqns
 
@@ -369,17 +372,32 @@ class _Fusion:
     ci, pos, slot = self.into[j]
     concat = self.eqns[ci]
     buf = self.concat_buffer.get(ci)
+    lane_atom = next((a for a in in_atoms if not isinstance(a, _Const) and a[1]), None)
     if buf is None:
+      if self.batched and lane_atom is None:
+        # An unbatched first operand: a later one may be batched and would
+        # not fit an unbatched buffer. The concatenate runs unfused.
+        self.declined.add(ci)
+      if ci in self.declined:
+        self.into.pop(j)
+        return False
       buf = self.concat_buffer[ci] = em.fresh("v")
       aval = concat.outvars[0].aval
       em.zeros.note_size(buf, aval)
       alloc = em.fresh("f")
       shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
-      em.env_globals[alloc] = lambda: np.empty(shape, dtype)
-      em.body.append(f"{buf} = {alloc}()")
-      em.reads.append([])
+      if lane_atom is not None:  # lanes first; their count is known when run
+        self.lane_buffer[ci] = True
+        em.env_globals[alloc] = lambda n: np.empty((n, *shape), dtype)
+        em.body.append(f"{buf} = {alloc}({lane_atom[0]}.shape[0])")
+      else:
+        em.env_globals[alloc] = lambda: np.empty(shape, dtype)
+        em.body.append(f"{buf} = {alloc}()")
+      em.reads.append([] if lane_atom is None else [lane_atom[0]])
       em.line_eqns.append(concat)
     self.fused.setdefault(ci, set()).add(pos)
+    if self.lane_buffer.get(ci):  # slots and views skip the lane axis
+      slot = ((slice(None), *slot[0]),) + tuple((slice(None), *v) for v in slot[1:])
     if len(slot) == 1:
       (s,) = slot
       into = lambda out, *xs: ufunc(*xs, out=out[s])
@@ -398,7 +416,7 @@ class _Fusion:
     else:
       em.env_globals[g] = into
     placeholder = em.fresh("_fused")
-    env[eqn.outvars[0]] = (placeholder, False)
+    env[eqn.outvars[0]] = (placeholder, bool(self.lane_buffer.get(ci)))
     if eqn.primitive.name in registry.DATA_MOVEMENT:
       em.zeros.moved(eqn, in_atoms, [placeholder])
     else:  # a source with no name of its own: checked as part of the buffer
@@ -431,6 +449,7 @@ class _Fusion:
     if rest:
       d = eqn.params["dimension"]
       offsets = np.cumsum([0] + [v.aval.shape[d] for v in eqn.invars])
+      d += 1 if self.lane_buffer.get(ci) else 0
       slots = [(slice(None),) * d + (slice(int(offsets[p]), int(offsets[p + 1])),)
                for p in rest]
 
@@ -443,7 +462,7 @@ class _Fusion:
       em.reads.append([buf] + [in_atoms[p][0] for p in rest
                                if not isinstance(in_atoms[p], _Const)])
       em.line_eqns.append(eqn)
-    env[eqn.outvars[0]] = (buf, False)
+    env[eqn.outvars[0]] = (buf, bool(self.lane_buffer.get(ci)))
     em.zeros.moved(eqn, in_atoms, [buf])
 
 
@@ -602,7 +621,7 @@ class Compiler:
           if isinstance(v, jc.Var):
             live.add(v)
 
-    fusion = None if self.batched or self.params.pdb else _Fusion(jaxpr, keep)
+    fusion = None if self.params.pdb else _Fusion(jaxpr, keep, batched=self.batched)
 
     def atom_of(v):
       if isinstance(v, jc.Literal):
@@ -631,7 +650,10 @@ class Compiler:
         operand, index = fusion.squeeze_of[i]
         in_atoms_e = [atom_of(operand)]
         info = registry.EqnInfo(eqn, self, outvars_used)
-        fn, needs_ctx, out_batched = (lambda x, _i=index: x[_i]), False, (False,)
+        lanes = not isinstance(in_atoms_e[0], _Const) and in_atoms_e[0][1]
+        if lanes:  # a batched operand: its lane axis comes first
+          index = (slice(None), *index)
+        fn, needs_ctx, out_batched = (lambda x, _i=index: x[_i]), False, (lanes,)
         if isinstance(in_atoms_e[0], _Const):
           env[eqn.outvars[0]] = _Const(fn(in_atoms_e[0].value))
           continue

@@ -119,3 +119,43 @@ def test_fused_non_movement_operand_as_zero_source():
   y[-1, :3] = [-0.0, 0.0, -0.0]
   got, want = _run(kernel, jnp.asarray(x), jnp.asarray(y))
   np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def _batch_plan(fn, *args, in_batched):
+  import pallas_np
+  from pallas_np.vectorize import BatchCompiler
+  comp = BatchCompiler(pallas_np.InterpretParams(), "batched", frozenset())
+  return comp.compile(jax.make_jaxpr(fn)(*args), in_batched=in_batched)
+
+
+def test_batched_plan_fuses_concat_operands():
+  """In a batched (vectorized-grid) plan the concatenate's buffer gets a lane
+  axis sized at run time, slots and flips skip it; a concatenate whose first
+  operand is the same for every lane stays unfused (a later batched operand
+  would not fit). Lane by lane equal to the unbatched plan."""
+  x = jnp.ones((8, 2, 4), jnp.float32)
+  c = jnp.ones((8, 4), jnp.float32)
+
+  def network(x, c):
+    a, b = x[:, 0], x[:, 1]
+    lanes = jnp.concatenate([jnp.minimum(a, b), jnp.flip(jnp.maximum(a, b), 1)], 1)
+    shared_first = jnp.concatenate([c * 2, a + 1], 1)  # c is not batched
+    return lanes, shared_first
+
+  plan = _batch_plan(network, x, c, in_batched=(True, False))
+  # two indexing ops, the lane-sized buffer, the zero flag, then the two
+  # ufunc writes (no assignment); the shared-first concatenate keeps its own
+  # three lines (c * 2, a + 1, concatenate).
+  assert plan.source.count(".shape[0])") == 1, plan.source
+  assert plan.source.count(" = ") == 7, plan.source
+  xs = _rng.standard_normal((5, 8, 2, 4)).astype(np.float32)
+  xs[1, :, 0, ::2] = -0.0  # signed zeros through the exact path
+  xs[1, :, 1, ::2] = 0.0
+  cv = _rng.standard_normal((8, 4)).astype(np.float32)
+  got_lanes, got_shared = plan(None, xs, cv)
+  assert got_lanes.shape == (5, 8, 8) and got_shared.shape == (5, 8, 8)
+  single = Compiler().compile(jax.make_jaxpr(network)(x, c))
+  for k in range(5):
+    want_lanes, want_shared = single(None, xs[k], cv)
+    assert got_lanes[k].tobytes() == np.asarray(want_lanes).tobytes()
+    assert got_shared[k].tobytes() == np.asarray(want_shared).tobytes()
