@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import pallas_np
 from tests.helpers import run_both
 
 _rng = np.random.default_rng(0)
@@ -150,6 +151,32 @@ def test_concatenate_slice_flip():
     o_ref[...] = a + 10 * b + 100 * c + x[:, ::2].repeat(2, axis=1) * 0
   x = randint(8, 128)
   run_both(call(k, sds((8, 128), jnp.int32)), x)
+
+
+def test_ref_indexers_mixing_static_and_dynamic_dims():
+  """Ref indexers whose static dims are built once and dynamic ones per call
+  (one dynamic dim at the front, middle or end; two dynamic dims; a static
+  int next to a dynamic slice), read and written, in raise and clamp mode."""
+  def k(x_ref, o_ref, p_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+    a = x_ref[i, :, pl.ds(j * 4, 4)]  # (16, 4): dynamic first and last
+    b = x_ref[pl.ds(i, 1), 3, pl.ds(j * 4, 4)]  # (1, 4): static int in the middle
+    c = x_ref[1, pl.ds(j, 12), 0:4]  # (12, 4): one dynamic dim in the middle
+    o_ref[0, :, pl.ds(0, 4)] = a + b
+    o_ref[0, pl.ds(0, 12), pl.ds(4, 4)] = c
+    o_ref[0, pl.ds(12, 4), pl.ds(4, 4)] = jnp.zeros((4, 4), jnp.float32)
+    p_ref[pl.ds(0, 1), pl.ds(j, 1)] = jnp.full((1, 1), (i * 10 + j).astype(jnp.float32))
+  x = randn(4, 16, 16)
+  for params in (None, dict(bounds_check="clamp")):
+    interp = lambda it: (pallas_np.InterpretParams(**params) if params and it == "numpy"
+                         else it)
+    run_both(lambda it: pl.pallas_call(
+        k, out_shape=(sds((4, 16, 8 * 4), jnp.float32), sds((1, 4), jnp.float32)),
+        grid=(4, 4),
+        in_specs=[pl.BlockSpec((4, 16, 16), lambda i, j: (0, 0, 0))],
+        out_specs=[pl.BlockSpec((1, 16, 8), lambda i, j: (i, 0, j)),
+                   pl.BlockSpec((1, 4), lambda i, j: (0, 0))],
+        interpret=interp(it)), x)
 
 
 def test_dynamic_slice_and_update_values():

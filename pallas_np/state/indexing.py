@@ -231,8 +231,37 @@ class RefAccess:
       return lambda leaves: idx
     build = self._build_dim
     enumerated = tuple(enumerate(dims))
-    # Common case: one dynamic pl.ds / int per access, the rest static.
-    return lambda leaves: tuple(build(d, axis, shape, leaves) for axis, d in enumerated)
+    try:  # static dims are checked and built once
+      parts = [None if not self._dim_static(d) else build(d, axis, shape, ())
+               for axis, d in enumerated]
+    except IndexError:  # raises when run, with the grid point
+      return lambda leaves: tuple(build(d, axis, shape, leaves) for axis, d in enumerated)
+    dynamic = [(axis, self._dim_builder(d, axis, shape))
+               for axis, d in enumerated if parts[axis] is None]
+    if len(dynamic) == 1:
+      # Common case: one dynamic pl.ds / int per access, the rest static.
+      ((k, dim_of),) = dynamic
+      before, after = tuple(parts[:k]), tuple(parts[k + 1:])
+      return lambda leaves: (*before, dim_of(leaves), *after)
+
+    def index(leaves):
+      idx = list(parts)
+      for axis, dim_of in dynamic:
+        idx[axis] = dim_of(leaves)
+      return tuple(idx)
+    return index
+
+  def _dim_builder(self, d, axis, shape):
+    """``fn(leaves)``: the checked index of one dynamic dim, specialised."""
+    clamp = self.clamp
+    if isinstance(d, _DimInt):
+      k, n = d.value.k, d.dim
+      return lambda leaves: _check_int(leaves[k], n, axis, shape, clamp)
+    if isinstance(d, _DimSlice) and isinstance(d.start, _Dyn) and _static(d.size):
+      k, size, stride, n = d.start.k, d.size, d.stride, d.dim
+      return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
+    build = self._build_dim
+    return lambda leaves: build(d, axis, shape, leaves)
 
   def unchecked_coords(self, ref, leaves):
     """``(view, coords)`` of the last indexer without bounds checks.
