@@ -87,6 +87,29 @@ def test_wait_that_can_never_complete_raises():
   assert "test_tpu_semantics.py" in msg  # names the kernel line
 
 
+def _mismatched_dma_kernel(x_hbm, o_ref, buf, sem):
+  @pl.when(pl.program_id(0) == 1)  # only the second grid point copies
+  def _():
+    cp = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf.at[pl.ds(0, 4)], sem)
+    cp.start()
+    cp.wait()
+  o_ref[...] = buf[...]
+
+
+def test_dma_shape_mismatch_raises_where_it_runs():
+  """JAX traces a DMA whose source and destination shapes differ; numpy mode
+  raises when that DMA runs, naming its grid point (the shapes are checked
+  once, when the plan is built)."""
+  x = jnp.ones((16, 128), f32)
+  with numpy_mode(), pytest.raises(ValueError, match=r"DMA shape mismatch: source \(8, 128\), "
+                                   r"destination \(4, 128\)") as info:
+    jax.block_until_ready(_call(
+        _mismatched_dma_kernel, jax.ShapeDtypeStruct((8, 128), f32), grid=(2,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((8, 128), f32), pltpu.SemaphoreType.DMA])(x))
+  assert "grid point (1,)" in str(info.value)
+
+
 def _leaky_kernel(x_hbm, o_ref, sem):
   pltpu.make_async_copy(x_hbm, o_ref, sem).start()  # never waited
 

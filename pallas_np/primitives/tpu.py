@@ -147,6 +147,16 @@ def _ref_operand(e, node, transforms=()):
   return lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
 
 
+def _operand_shape(e, node) -> tuple:
+  """Static shape of a DMA operand (a ref, or a TransformedRef of one)."""
+  if isinstance(node, jc.TransformedRef):
+    leaves, tree = jax.tree_util.tree_flatten(node.transforms)
+    aval = e.in_avals[node.ref.k]
+    return tuple(RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
+                           ref_dtype=aval.dtype, clamp=True).result_shape)
+  return tuple(e.in_avals[node.k].shape)
+
+
 def _arg(e, leaf):
   """Compile a scalar operand (``_Pos`` or static) into ``fn(args)``."""
   if isinstance(leaf, _Pos):
@@ -182,16 +192,19 @@ def _dma_start(e):
   check_device = _device_is_self(e, device_id)
   add = bool(e.params.get("add", False))
   source = e.source
+  # The shapes are static: a mismatch raises when the DMA runs (with its
+  # grid point), checked once here.
+  src_shape, dst_shape = _operand_shape(e, src), _operand_shape(e, dst)
+  mismatch = (f"DMA shape mismatch: source {src_shape}, destination {dst_shape}"
+              if src_shape != dst_shape else None)
 
   def dma_start(ctx, *args):
     if check_device is not None:
       check_device(args)
+    if mismatch is not None:
+      raise ValueError(mismatch)
     s_view, s_idx = get_src(args)
     d_view, d_idx = get_dst(args)
-    src_shape = np.shape(s_view[s_idx]) if s_idx is not Ellipsis else s_view.shape
-    dst_shape = np.shape(d_view[d_idx]) if d_idx is not Ellipsis else d_view.shape
-    if src_shape != dst_shape:
-      raise ValueError(f"DMA shape mismatch: source {src_shape}, destination {dst_shape}")
     dsem = dma_mod.sem_cell(*get_dst_sem(args))
     ssem = dma_mod.sem_cell(*get_src_sem(args)) if get_src_sem is not None else None
     dma_mod.start(ctx, (s_view, s_idx), (d_view, d_idx), dsem, ssem, add=add,

@@ -99,7 +99,7 @@ class Dma:
 
 def start(ctx, src, dst, dst_sem, src_sem, *, add, source):
   st = state_of(ctx)
-  dma = Dma(src, dst, src_sem, dst_sem, add, source, tuple(int(p) for p in ctx.grid_point))
+  dma = Dma(src, dst, src_sem, dst_sem, add, source, ctx.grid_point)
   st.dmas.append(dma)
   if src_sem is not None:
     st.tasks.setdefault(sem_key(src_sem), []).append((src_sem, dma.read))
@@ -146,6 +146,6 @@ def check_finished(ctx):
     d = pending[0]
     raise RuntimeError(
         f"{len(pending)} DMA(s) still in flight when the kernel ended; the first "
-        f"was started at {d.source} at grid point {d.grid_point} and never "
+        f"was started at {d.source} at grid point {tuple(int(p) for p in d.grid_point)} and never "
         "waited on (TPU interpret mode would never copy its data). Wait on its "
         "semaphore (`.wait()`) before the kernel ends.")
