@@ -127,7 +127,8 @@ def _atom(e, leaf):
 def _ref_operand(e, node, transforms=()):
   """``node`` is a ``_Pos`` or a TransformedRef of ``_Pos``/statics (from
   ``_positions``), or a ``_Pos`` plus ``transforms``: compile it into
-  ``fn(args) -> (view, idx)``."""
+  ``fn(args) -> (view, idx)``, with the operand's static shape as
+  ``fn.shape``."""
   if node is None:
     return None
   if isinstance(node, jc.TransformedRef):
@@ -135,26 +136,20 @@ def _ref_operand(e, node, transforms=()):
   if not isinstance(node, _Pos):
     raise NotImplementedError("nested transformed refs in a DMA/semaphore operand")
   ref_pos = node.k
-  if not transforms:
-    return lambda args: (args[ref_pos], Ellipsis)
-  leaves, tree = jax.tree_util.tree_flatten(transforms)
   aval = e.in_avals[ref_pos]
+  if not transforms:
+    fn = lambda args: (args[ref_pos], Ellipsis)
+    fn.shape = tuple(aval.shape)
+    return fn
+  leaves, tree = jax.tree_util.tree_flatten(transforms)
   access = RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
                      ref_dtype=aval.dtype,
                      clamp=e.compiler.params.bounds_check == "clamp")
   dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
-  return lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
-
-
-def _operand_shape(e, node) -> tuple:
-  """Static shape of a DMA operand (a ref, or a TransformedRef of one)."""
-  if isinstance(node, jc.TransformedRef):
-    leaves, tree = jax.tree_util.tree_flatten(node.transforms)
-    aval = e.in_avals[node.ref.k]
-    return tuple(RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
-                           ref_dtype=aval.dtype, clamp=True).result_shape)
-  return tuple(e.in_avals[node.k].shape)
+  fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
+  fn.shape = tuple(access.result_shape)  # static: the operand's shape
+  return fn
 
 
 def _arg(e, leaf):
@@ -194,7 +189,7 @@ def _dma_start(e):
   source = e.source
   # The shapes are static: a mismatch raises when the DMA runs (with its
   # grid point), checked once here.
-  src_shape, dst_shape = _operand_shape(e, src), _operand_shape(e, dst)
+  src_shape, dst_shape = get_src.shape, get_dst.shape
   mismatch = (f"DMA shape mismatch: source {src_shape}, destination {dst_shape}"
               if src_shape != dst_shape else None)
 
