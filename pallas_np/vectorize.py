@@ -486,27 +486,30 @@ def _addupdate(bc, rule, info, in_batched):
 
 
 # -- masked (Triton-style) accesses: one NumPy index of the lane-stacked ref --------
-def _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos):
-  """``(access, fancy)`` when every lane indexes its own ref block with the
-  same indices (the loop counters and column vectors Triton-style kernels
-  use), so one index of the lane-stacked ref does all lanes; else None.
-  ``fancy``: an integer-array index (NumPy then gives a copy, not a view)."""
+def _masked_access_for_lanes(info, in_batched):
+  """``(operand positions, access, fancy)``; ``access`` is None unless every
+  lane indexes its own ref block with the same indices (the loop counters
+  and column vectors Triton-style kernels use), so that one index of the
+  lane-stacked ref does all lanes. ``fancy``: an integer-array index (NumPy
+  then gives a copy, not a view)."""
   from pallas_np.state.indexing import _DimArray, _DimSlice
-  from pallas_np.state.masked import MaskedAccess
+  from pallas_np.state.masked import MaskedAccess, split_args
+  positions = split_args(info)
+  ref_pos, transforms_pos = positions[:2]
   if not in_batched[ref_pos]:
-    return None
+    return positions, None, False
   acc = MaskedAccess(info, ref_pos, transforms_pos)
   if acc.note is not None or any(in_batched[p] for p in acc.dyn_positions):
-    return None
+    return positions, None, False
   steps = acc.access.steps
   if len(steps) > 1 or (steps and steps[0][0] != "index"):
-    return None
+    return positions, None, False
   dims = steps[0][1] if steps else ()
   adv = [i for i, d in enumerate(dims) if not isinstance(d, _DimSlice)]
   fancy = any(isinstance(dims[i], _DimArray) for i in adv)
   if fancy and adv[-1] - adv[0] != len(adv) - 1:
-    return None  # NumPy would move the split integer indices before the lanes
-  return acc, fancy
+    return positions, None, False  # NumPy would move split integer indices before the lanes
+  return positions, acc, fancy
 
 
 def _lane_ref_args(args, ref_pos):
@@ -518,12 +521,9 @@ def _lane_ref_args(args, ref_pos):
 
 @batch_rule("masked_load")
 def _masked_load(bc, rule, info, in_batched):
-  from pallas_np.state.masked import split_args
-  ref_pos, transforms_pos, mask_pos, other_pos = split_args(info)
-  found = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
-  if found is None:
+  (ref_pos, _, mask_pos, other_pos), acc, _ = _masked_access_for_lanes(info, in_batched)
+  if acc is None:
     return _lane_loop(rule, info, in_batched)
-  acc = found[0]
   dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
 
   def load(*args):
@@ -549,12 +549,9 @@ def _masked_load(bc, rule, info, in_batched):
 
 @batch_rule("masked_swap")
 def _masked_swap(bc, rule, info, in_batched):
-  from pallas_np.state.masked import split_args
-  ref_pos, transforms_pos, val_pos, mask_pos = split_args(info)
-  found = _masked_access_for_lanes(info, in_batched, ref_pos, transforms_pos)
-  if found is None:
+  (ref_pos, _, val_pos, mask_pos), acc, fancy = _masked_access_for_lanes(info, in_batched)
+  if acc is None:
     return _lane_loop(rule, info, in_batched)
-  acc, fancy = found
   want_old = info.outvars_used[0]
 
   def swap(*args):
