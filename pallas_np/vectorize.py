@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -130,8 +131,13 @@ def _lane_loop(rule, info, in_batched):
   multiple = info.primitive.multiple_results
   used = info.outvars_used
   nout = len(info.out_avals)
+  refs = [k for k, a in enumerate(info.in_avals) if isinstance(a, jc.AbstractRef)]
+  why = f"'{info.primitive.name}' run lane by lane"
 
   def lane_loop(*args):
+    shared = _shared()
+    if shared is not None:  # the unbatched rule would not mark what it touches
+      shared.refuse([args[k] for k in refs], why)
     n = next(a.shape[0] for a, f in zip(args, flags) if f)
     results = [fn(*[a[b] if f else a for a, f in zip(args, flags)]) for b in range(n)]
     if multiple:
@@ -285,6 +291,21 @@ def _broadcast_in_dim(bc, rule, info, in_batched):
   return bcast, False, (True,)
 
 
+@batch_rule("broadcast_to")
+def _broadcast_to(bc, rule, info, in_batched):
+  """The state primitive Triton-style kernels emit: right-aligned."""
+  from pallas_np.primitives.shape import broadcast
+  shape = tuple(info.params["shape"])
+  in_shape = tuple(info.in_avals[0].shape)
+  expanded = (1,) * (len(shape) - len(in_shape)) + in_shape
+  size = math.prod(shape)
+
+  def bcast(x):
+    n = x.shape[0]
+    return broadcast(x, (n, *expanded), (n, *shape), n * size)
+  return bcast, False, (True,)
+
+
 @batch_rule("slice")
 def _slice(bc, rule, info, in_batched):
   if not in_batched[0]:
@@ -418,7 +439,153 @@ def _dot_general(bc, rule, info, in_batched):
   return dot, False, (True,)
 
 
+# -- outputs every lane shares: read/write sets --------------------------------------
+class SharedOutputs:
+  """Outputs every lane of a pass shares (Triton-style whole-array outputs
+  written at program_id-dependent offsets). Each lane gets a private copy
+  (lane-stacked), and every batched ref rule marks which elements each lane
+  read and wrote. After the pass, ``merge`` proves the pass equals grid
+  order -- no lane read an element an earlier lane wrote -- and takes each
+  element from its last writer; otherwise the grid runs sequentially.
+  Anything that would touch a tracked copy unseen (a lane loop running the
+  unbatched rule, a copied lane group, a bitcast view) raises NotBatchable."""
+
+  def __init__(self):
+    self.regions = []  # (start, end, base, read, written)
+
+  def add(self, base: np.ndarray):
+    start = base.__array_interface__["data"][0]
+    self.regions.append((start, start + base.nbytes, base,
+                         np.zeros(base.shape, bool), np.zeros(base.shape, bool)))
+
+  def shadows(self, ref):
+    """(read, written) flags laid out like ``ref``, or None if untracked."""
+    if not isinstance(ref, np.ndarray) or not self.regions:
+      return None
+    ptr = ref.__array_interface__["data"][0]
+    for start, end, base, read, written in self.regions:
+      if not start <= ptr < end:
+        continue
+      if ref is base:
+        return read, written
+      size = base.itemsize
+      if ref.itemsize != size or any(st % size for st in ref.strides):
+        raise NotBatchable("a shared output accessed through a reinterpreting view")
+      off = (ptr - start) // size
+      strides = tuple(st // size for st in ref.strides)  # bool flags: 1 byte
+      as_strided = np.lib.stride_tricks.as_strided
+      return (as_strided(read.reshape(-1)[off:], ref.shape, strides),
+              as_strided(written.reshape(-1)[off:], ref.shape, strides))
+    return None
+
+  def note(self, ref, index, kind, mask=None):
+    """Mark ``ref[index]`` (where ``mask``) as read and/or written."""
+    flags = self.shadows(ref)
+    if flags is None:
+      return
+    targets = (flags[0],) if kind == "read" else (flags[1],) if kind == "write" else flags
+    for t in targets:
+      if mask is None:
+        t[index] = True
+      elif _basic_index(index):
+        t[index] |= np.asarray(mask, bool)
+      else:  # repeated integer indices: every masked-on one must count
+        np.logical_or.at(t, index, np.broadcast_to(np.asarray(mask, bool), np.shape(t[index])))
+
+  def refuse(self, args, why):
+    for a in args:
+      if self.shadows(a) is not None:
+        raise NotBatchable(f"a shared output is touched by {why}")
+
+  def merge(self, base, copy, read, written) -> bool:
+    """Write the lanes' results into ``base``; False if some lane read an
+    element an earlier lane wrote (grid order would differ)."""
+    lanes = copy.shape[0]
+    if not written.any():
+      return True
+    hit = written.any(0)
+    first = written.argmax(0)
+    lane = np.arange(lanes).reshape((lanes,) + (1,) * (copy.ndim - 1))
+    if (read & hit & (lane > first)).any():
+      return False
+    last = lanes - 1 - written[::-1].argmax(0)
+    np.copyto(base, np.take_along_axis(copy, last[None], 0)[0], where=hit)
+    return True
+
+
+_tracking = threading.local()
+
+
+def _shared():
+  """The active SharedOutputs of this thread's pass, or None."""
+  return getattr(_tracking, "shared", None)
+
+
+def _basic_index(index) -> bool:
+  items = index if isinstance(index, tuple) else (index,)
+  return not any(isinstance(i, (np.ndarray, list)) for i in items)
+
+
 # -- refs --------------------------------------------------------------------------
+class _LaneIndexed:
+  """A lone-indexer access whose indices differ per lane (program_id-based
+  offsets, Triton style), on a lane-stacked ref or on one every lane
+  shares: per-element coordinates of all lanes, one NumPy gather/scatter."""
+
+  def __init__(self, access, ref_batched, leaf_batched):
+    self.access = access
+    self.ref_batched = ref_batched
+    self.leaf_batched = tuple(leaf_batched)
+    self.shape = tuple(access.result_shape)
+
+  @staticmethod
+  def make(access, ref_batched, leaf_batched):
+    """None unless the access is one indexer with static slice sizes."""
+    from pallas_np.state.indexing import _DimSlice, _static
+    steps = access.steps
+    if len(steps) != 1 or steps[0][0] != "index" or any(
+        isinstance(d, _DimSlice) and not _static(d.size) for d in steps[0][1]):
+      return None
+    return _LaneIndexed(access, ref_batched, leaf_batched)
+
+  def index(self, ref, leaves, lanes, mask):
+    """``(index, in_bounds, full)``: ``ref[index]`` broadcasts to ``full`` =
+    (lanes, *shape); out-of-bounds coordinates are redirected to 0 and
+    ``in_bounds`` (None: all in) says where. A masked-on (or unmasked) lane
+    out of bounds raises IndexError: the sequential rerun names it."""
+    coords = self.access.lane_coords(leaves, self.leaf_batched)
+    full = (lanes, *self.shape)
+    dims = ref.shape[1:] if self.ref_batched else ref.shape
+    in_bounds = None
+    safe = []
+    for c, n in zip(coords, dims):
+      if c.size and (c.min() < 0 or c.max() >= n):
+        ok = (c >= 0) & (c < n)
+        in_bounds = ok if in_bounds is None else in_bounds & ok
+        c = np.where(ok, c, 0)
+      safe.append(c)
+    if self.ref_batched:
+      safe.insert(0, np.arange(lanes).reshape((lanes,) + (1,) * len(self.shape)))
+    if in_bounds is not None:
+      in_bounds = np.broadcast_to(in_bounds, full)
+      bad = ~in_bounds if mask is None else np.broadcast_to(mask, full) & ~in_bounds
+      if bad.any():
+        raise IndexError("out-of-bounds ref access in a vectorized pass")
+    return tuple(safe), in_bounds, full
+
+  @staticmethod
+  def active(index, full, on):
+    """``index`` restricted to the elements where ``on`` (None: all)."""
+    if on is None:
+      return tuple(np.broadcast_to(c, full).ravel() for c in index)
+    on = np.broadcast_to(on, full)
+    return tuple(np.broadcast_to(c, full)[on] for c in index)
+
+
+def _lanes_of(args, flags):
+  return next(a.shape[0] for a, f in zip(args, flags) if f)
+
+
 def _plain_access(access) -> bool:
   """A ref access that is at most one NDIndexer of ints/slices."""
   from pallas_np.state.indexing import _DimArray
@@ -434,18 +601,46 @@ def _lane_index(idx):
   return (slice(None), *idx) if isinstance(idx, tuple) else (slice(None), Ellipsis)
 
 
+def _dyn_flags(access, leaf_batched):
+  return tuple(leaf_batched[p] for p in access.dynamic_positions)
+
+
+def _on(mask, in_bounds):
+  """Elements a masked access really touches (None: all)."""
+  if mask is None:
+    return in_bounds
+  mask = np.asarray(mask, bool)
+  return mask if in_bounds is None else mask & in_bounds
+
+
 @batch_rule("get")
 def _get(bc, rule, info, in_batched):
   from pallas_np.state.refs import _access, _dyn, _read
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
-  if not in_batched[0] or any(in_batched[1:]) or not _plain_access(access):
-    return _lane_loop(rule, info, in_batched)
+  ref_b, leaf_b = in_batched[0], _dyn_flags(access, in_batched[1:])
   resolve = access.resolve
+  if ref_b and not any(leaf_b) and _plain_access(access):
+    def get(ref, *leaves):
+      view, idx = resolve(ref, _dyn(access, leaves))
+      bidx = _lane_index(idx)
+      shared = _shared()
+      if shared is not None:
+        shared.note(view, bidx, "read")
+      return _read(view[bidx])
+    return get, False, (True,)
+  lane_acc = None if access.clamp else _LaneIndexed.make(access, ref_b, leaf_b)
+  if lane_acc is None:
+    return _lane_loop(rule, info, in_batched)
+  flags = tuple(in_batched)
 
-  def get(ref, *leaves):
-    view, idx = resolve(ref, _dyn(access, leaves))
-    return _read(view[_lane_index(idx)])
-  return get, False, (True,)
+  def get_lanes(ref, *leaves):
+    index, _, full = lane_acc.index(ref, _dyn(access, leaves), _lanes_of((ref, *leaves), flags),
+                                    None)
+    shared = _shared()
+    if shared is not None:
+      shared.note(ref, index, "read")
+    return np.ascontiguousarray(np.broadcast_to(ref[index], full))
+  return get_lanes, False, (True,)
 
 
 @batch_rule("swap")
@@ -454,18 +649,34 @@ def _swap(bc, rule, info, in_batched):
   access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
   if not in_batched[0]:
     raise NotBatchable("write to a ref shared by all lanes")
-  if any(in_batched[2:]) or not _plain_access(access):
-    return _lane_loop(rule, info, in_batched)
+  leaf_b = _dyn_flags(access, in_batched[2:])
   resolve = access.resolve
   want_old = info.outvars_used[0]
+  kind = "readwrite" if want_old else "write"
+  if not any(leaf_b) and _plain_access(access):
+    def swap(ref, val, *leaves):
+      view, idx = resolve(ref, _dyn(access, leaves))
+      bidx = _lane_index(idx)
+      shared = _shared()
+      if shared is not None:
+        shared.note(view, bidx, kind)
+      old = view[bidx].copy() if want_old else None
+      view[bidx] = val
+      return old
+    return swap, False, (True,)
+  lane_acc = None if access.clamp else _LaneIndexed.make(access, True, leaf_b)
+  if lane_acc is None:
+    return _lane_loop(rule, info, in_batched)
 
-  def swap(ref, val, *leaves):
-    view, idx = resolve(ref, _dyn(access, leaves))
-    bidx = _lane_index(idx)
-    old = view[bidx].copy() if want_old else None
-    view[bidx] = val
+  def swap_lanes(ref, val, *leaves):
+    index, _, full = lane_acc.index(ref, _dyn(access, leaves), ref.shape[0], None)
+    old = np.ascontiguousarray(ref[index]) if want_old else None
+    shared = _shared()
+    if shared is not None:
+      shared.note(ref, index, kind)
+    ref[index] = val  # repeated indices: the last in C order wins, as per lane
     return old
-  return swap, False, (True,)
+  return swap_lanes, False, (True,)
 
 
 @batch_rule("addupdate")
@@ -480,36 +691,44 @@ def _addupdate(bc, rule, info, in_batched):
 
   def addupdate(ref, val, *leaves):
     view, idx = resolve(ref, _dyn(access, leaves))
-    view[_lane_index(idx)] += val
+    bidx = _lane_index(idx)
+    shared = _shared()
+    if shared is not None:
+      shared.note(view, bidx, "readwrite")
+    view[bidx] += val
     return []
   return addupdate, False, ()
 
 
 # -- masked (Triton-style) accesses: one NumPy index of the lane-stacked ref --------
 def _masked_access_for_lanes(info, in_batched):
-  """``(operand positions, access, fancy)``; ``access`` is None unless every
-  lane indexes its own ref block with the same indices (the loop counters
-  and column vectors Triton-style kernels use), so that one index of the
-  lane-stacked ref does all lanes. ``fancy``: an integer-array index (NumPy
-  then gives a copy, not a view)."""
+  """``(operand positions, access, fancy, lane_indexed)``. ``access`` is set
+  when every lane indexes its own ref block with the same indices (the loop
+  counters and column vectors Triton-style kernels use), so that one index
+  of the lane-stacked ref does all lanes; ``fancy``: an integer-array index
+  (NumPy then gives a copy, not a view). Otherwise ``lane_indexed`` (a
+  _LaneIndexed) when the indices differ per lane (program_id offsets) or the
+  ref is shared by all lanes; both None: run lane by lane."""
   from pallas_np.state.indexing import _DimArray, _DimSlice
   from pallas_np.state.masked import MaskedAccess, split_args
   positions = split_args(info)
   ref_pos, transforms_pos = positions[:2]
-  if not in_batched[ref_pos]:
-    return positions, None, False
   acc = MaskedAccess(info, ref_pos, transforms_pos)
-  if acc.note is not None or any(in_batched[p] for p in acc.dyn_positions):
-    return positions, None, False
+  if acc.note is not None:
+    return positions, None, False, None
+  leaf_b = tuple(in_batched[p] for p in acc.dyn_positions)
+  if not in_batched[ref_pos] or any(leaf_b):
+    return positions, acc, False, _LaneIndexed.make(acc.access, in_batched[ref_pos], leaf_b)
   steps = acc.access.steps
   if len(steps) > 1 or (steps and steps[0][0] != "index"):
-    return positions, None, False
+    return positions, None, False, None
   dims = steps[0][1] if steps else ()
   adv = [i for i, d in enumerate(dims) if not isinstance(d, _DimSlice)]
   fancy = any(isinstance(dims[i], _DimArray) for i in adv)
   if fancy and adv[-1] - adv[0] != len(adv) - 1:
-    return positions, None, False  # NumPy would move split integer indices before the lanes
-  return positions, acc, fancy
+    # NumPy would move split integer indices before the lanes.
+    return positions, acc, False, _LaneIndexed.make(acc.access, True, leaf_b)
+  return positions, acc, fancy, None
 
 
 def _lane_ref_args(args, ref_pos):
@@ -521,26 +740,52 @@ def _lane_ref_args(args, ref_pos):
 
 @batch_rule("masked_load")
 def _masked_load(bc, rule, info, in_batched):
-  (ref_pos, _, mask_pos, other_pos), acc, _ = _masked_access_for_lanes(info, in_batched)
+  (ref_pos, _, mask_pos, other_pos), acc, _, lane_acc = _masked_access_for_lanes(
+      info, in_batched)
+  dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
+  if lane_acc is not None:
+    flags = tuple(in_batched)
+
+    def load_lanes(*args):
+      ref = args[ref_pos]
+      mask = None if mask_pos is None else args[mask_pos]
+      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), _lanes_of(args, flags),
+                                              mask)
+      shared = _shared()
+      if shared is not None:
+        shared.note(ref, _LaneIndexed.active(index, full, _on(mask, in_bounds)), "read")
+      val = ref[index]
+      if in_bounds is not None:
+        val = np.where(in_bounds, val, acc.fill)
+      if mask is not None and other_pos is not None:
+        val = np.where(mask, val, args[other_pos])
+      return np.ascontiguousarray(np.broadcast_to(val, full), dtype=dtype)
+    return load_lanes, False, (True,)
   if acc is None:
     return _lane_loop(rule, info, in_batched)
-  dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
 
   def load(*args):
     ref = args[ref_pos]
     hit = acc.resolve(args)
+    shared = _shared()
     if hit is not None:
+      bidx = _lane_index(hit[1])
+      if shared is not None:
+        shared.note(ref, bidx, "read", None if mask_pos is None else args[mask_pos])
       # C order: NumPy lays ``a[:, idx]`` out lanes-inner, and a later
       # reduction would then add in another order than the sequential run.
-      val = np.array(ref[_lane_index(hit[1])], dtype=dtype, order="C")
+      val = np.array(ref[bidx], dtype=dtype, order="C")
     elif mask_pos is None:
       raise IndexError("out-of-bounds masked load")  # the sequential rerun names it
     else:
-      _, safe, in_bounds, _ = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+      _, safe, in_bounds, mask = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+      bidx = (slice(None), *safe)
+      if shared is not None:
+        shared.note(ref, bidx, "read", mask & in_bounds)
       if not ref[0].size:
         val = np.full((ref.shape[0], *acc.shape), acc.fill, dtype=dtype)
       else:
-        val = np.where(in_bounds, ref[(slice(None), *safe)], acc.fill).astype(dtype, copy=False)
+        val = np.where(in_bounds, ref[bidx], acc.fill).astype(dtype, copy=False)
     if mask_pos is not None and other_pos is not None:
       val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
     return np.ascontiguousarray(val)
@@ -549,21 +794,54 @@ def _masked_load(bc, rule, info, in_batched):
 
 @batch_rule("masked_swap")
 def _masked_swap(bc, rule, info, in_batched):
-  (ref_pos, _, val_pos, mask_pos), acc, fancy = _masked_access_for_lanes(info, in_batched)
+  (ref_pos, _, val_pos, mask_pos), acc, fancy, lane_acc = _masked_access_for_lanes(
+      info, in_batched)
+  if acc is not None and not in_batched[ref_pos]:
+    raise NotBatchable("write to a ref shared by all lanes")
+  want_old = info.outvars_used[0]
+  kind = "readwrite" if want_old else "write"
+  if lane_acc is not None:
+    def swap_lanes(*args):
+      ref, val = args[ref_pos], args[val_pos]
+      mask = None if mask_pos is None else args[mask_pos]
+      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), ref.shape[0], mask)
+      on = _on(mask, in_bounds)
+      old = None
+      if want_old:
+        old = ref[index]
+        if in_bounds is not None:
+          old = np.where(in_bounds, old, acc.fill)
+      active = _LaneIndexed.active(index, full, on)
+      shared = _shared()
+      if shared is not None:
+        shared.note(ref, active, kind)
+      val = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)
+      ref[active] = val.ravel() if on is None else val[np.broadcast_to(on, full)]
+      if old is None:
+        return None
+      old = np.broadcast_to(old, full)
+      if mask is not None:
+        old = np.where(mask, old, val)
+      return np.ascontiguousarray(old, dtype=ref.dtype)
+    return swap_lanes, False, (True,)
   if acc is None:
     return _lane_loop(rule, info, in_batched)
-  want_old = info.outvars_used[0]
 
   def swap(*args):
     ref, val = args[ref_pos], args[val_pos]
     hit = acc.resolve(args)
+    shared = _shared()
     if hit is not None:
       bidx = _lane_index(hit[1])
       if mask_pos is None:
+        if shared is not None:
+          shared.note(ref, bidx, kind)
         old = np.array(ref[bidx], order="C") if want_old else None
         ref[bidx] = val
         return old
       mask = args[mask_pos]
+      if shared is not None:
+        shared.note(ref, bidx, kind, mask)
       region = ref[bidx]
       old = np.array(region, order="C") if want_old or fancy else None
       if fancy:
@@ -585,6 +863,8 @@ def _masked_swap(bc, rule, info, in_batched):
     active = np.broadcast_to(mask & in_bounds, full)
     lane = np.arange(lanes).reshape((lanes,) + (1,) * len(acc.shape))
     index = tuple(np.broadcast_to(c, full)[active] for c in (lane, *safe))
+    if shared is not None:
+      shared.note(ref, index, kind)
     ref[index] = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)[active]
     return None if old is None else np.ascontiguousarray(np.where(mask, old, val))
   return swap, False, (True,)
@@ -624,6 +904,10 @@ class _LaneGroup:
       self.is_slice = False
 
   def take(self, args, flags):
+    if not self.is_slice:
+      shared = _shared()
+      if shared is not None:  # copies: accesses to them would go unmarked
+        shared.refuse([a for a, f in zip(args, flags) if f], "a lane group copied out")
     return [a[self.sel] if f else a for a, f in zip(args, flags)]
 
   def put_back_refs(self, full, sub, flags, is_ref):
@@ -848,6 +1132,8 @@ class GridVectorizer:
     self._kernels: dict[Any, Any] = {}
     self._maps: dict[Any, Any] = {}
     self._chosen: dict[Any, Any] = {}
+    # Cleared when a pass with shared outputs found lanes that communicate.
+    self.shared_outputs_ok = True
     params = kp.params
     self.reason = order_free_reason(kp)
     if self.reason is not None:
@@ -886,8 +1172,13 @@ class GridVectorizer:
       comp = BatchCompiler(kp.params, kp.name, pid_axes)
       flags = ((False,) * kp.num_index + operand_batched
                + (True,) * len(kp.scratch_avals))
-      hit = comp.compile(kp.kernel_jaxpr, in_batched=flags)
+      try:
+        hit = comp.compile(kp.kernel_jaxpr, in_batched=flags)
+      except NotBatchable as e:  # remembered: the next call skips the compile
+        hit = e
       self._kernels[key] = hit
+    if isinstance(hit, NotBatchable):
+      raise hit
     return hit
 
   # -- analysis on a concrete grid -----------------------------------------------
@@ -911,9 +1202,21 @@ class GridVectorizer:
       outs = m.fn(ctx, *coords, *index_ops)
       cols = [np.broadcast_to(np.asarray(o, np.int64), (total,)) for o in outs]
       block_idx.append(cols)
-    axes = lane_axes(grid, coords, block_idx[self.kp.num_inputs:],
-                     bool(self.kp.scratch_avals))
-    return None if axes is None else (axes, block_idx)
+    n_in = self.kp.num_inputs
+    axes = lane_axes(grid, coords, block_idx[n_in:], bool(self.kp.scratch_avals))
+    if axes is not None:
+      return axes, block_idx, frozenset()
+    if self.kp.scratch_avals or not self.shared_outputs_ok:
+      return None
+    # Outputs every grid point sees whole (Triton style): batch every axis,
+    # each lane with a private copy, checked and merged after the pass.
+    axes = tuple(d for d in range(ndim) if grid[d] > 1)
+    shared = frozenset(n_in + o for o, cols in enumerate(block_idx[n_in:])
+                       if all((c == c[0]).all() for c in cols))
+    owned = [cols for o, cols in enumerate(block_idx[n_in:]) if n_in + o not in shared]
+    if not shared or not _owned(grid, coords, axes, owned):
+      return None
+    return axes, block_idx, shared
 
 
 def per_grid(cache: dict, kp, grid, index_ops, compute):
@@ -1019,7 +1322,7 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
     return None
-  axes, block_idx = chosen
+  axes, block_idx, shared = chosen
   n_in = kp.num_inputs
   maps = gv.index_maps(axes)
   # Operands whose block does not depend on a batched axis are shared.
@@ -1029,12 +1332,17 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
     gv.last_failure = _TOO_BIG
     return None
   kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
-  runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel)
+  runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel, shared)
   from pallas_np import debugging
   runs = 2 if kp.scratch_avals else 1
   runner.progress = debugging.progress_bar(kp.name, math.prod(grid) * runs, kp.params)
   try:
     return _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs)
+  except NotBatchable:
+    if shared:  # lanes that communicate, or an access the pass cannot see
+      gv.shared_outputs_ok = False
+      gv._chosen.clear()
+    raise
   finally:
     if runner.progress is not None:
       runner.progress.close()
@@ -1075,8 +1383,9 @@ class _SlabRunner:
   """Walks the lanes slab by slab, each slab through every sequential grid
   point in order."""
 
-  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel):
+  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel, shared=frozenset()):
     self.kp, self.grid, self.axes = kp, grid, axes
+    self.shared = shared  # operands whose one block every lane shares (SharedOutputs)
     self.block_idx = block_idx
     self.operand_batched = operand_batched
     self.kernel = kernel
@@ -1088,6 +1397,8 @@ class _SlabRunner:
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
     # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
     self.threads = max(1, int(kp.params.num_threads or 1))
+    if shared:  # slabs run in grid order, each seeing the ones before it
+      self.threads = 1
     if self.threads > 1:
       per_slab = min(per_slab, -(-self.n_lanes // self.threads))
     self.slabs = [(s, min(s + per_slab, self.n_lanes)) for s in range(0, self.n_lanes, per_slab)]
@@ -1141,6 +1452,9 @@ class _SlabRunner:
     shared_last = [None] * n_ops
     shared_view = [None] * n_ops
     kernel = self.kernel
+    if self.shared:
+      assert len(self.seq_points) == 1, "shared outputs batch every grid axis"
+      return self._shared_slab(n, ctx, ids, lane_flat, index_ops, windows, pos_limits)
     for point in self.seq_points:
       flat = lane_flat
       for d, v in zip(self.seq_axes, point):
@@ -1171,6 +1485,49 @@ class _SlabRunner:
         self.progress.tick(self.done)
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
+
+
+  def _shared_slab(self, n, ctx, ids, flat, index_ops, windows, pos_limits):
+    """One slab of a pass with shared outputs: private lane copies of each
+    shared block, merged back (in grid order) after the pass."""
+    kp = self.kp
+    blocks = kp.blocks
+    for d in self.seq_axes:
+      ids[d] = np.int32(0)
+    ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+    shared = SharedOutputs()
+    views, merges, writeback = [], [], []
+    for b in range(len(windows)):
+      cols = [c[flat] for c in self.block_idx[b]]
+      cols = _check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
+      if not self.operand_batched[b] or b in self.shared:
+        key = tuple(int(c[0]) for c in cols)
+        view = windows[b][key] if key else windows[b]
+        if b in self.shared:
+          copy = np.empty((n, *view.shape), view.dtype)
+          copy[...] = view
+          shared.add(copy)
+          merges.append((view, copy, shared.regions[-1]))
+          view = copy
+        views.append(view)
+        continue
+      view, copied = _gather(windows[b], cols)
+      if copied and b >= kp.num_inputs:
+        writeback.append((b, cols, view))
+      views.append(view)
+    _tracking.shared = shared
+    try:
+      self.kernel(ctx, *index_ops, *views)
+    finally:
+      _tracking.shared = None
+    for base, copy, (_, _, _, read, written) in merges:
+      if not shared.merge(base, copy, read, written):
+        raise NotBatchable("a lane read a shared output element an earlier lane wrote")
+    for b, cols, view in writeback:
+      windows[b][tuple(cols)] = view
+    if self.progress is not None:
+      self.done += n
+      self.progress.tick(self.done)
 
 
 def _fill(dtype, params):

@@ -578,7 +578,9 @@ def test_program_id_written_to_ref(modes):
   check(make, expect_mode="vectorized", modes=modes)
 
 
-def test_whole_output_written_by_every_point_stays_sequential(modes):
+def test_whole_output_written_by_every_point_is_checked_and_merged(modes):
+  """Every grid point sees the whole output but writes its own element:
+  batched with lane copies (tests/test_shared_outputs.py has the rest)."""
   def kernel(o_ref):
     i = pl.program_id(0)
     o_ref[i] = i
@@ -587,7 +589,7 @@ def test_whole_output_written_by_every_point_stays_sequential(modes):
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.int32), grid=(8,),
         out_specs=pl.BlockSpec((8,), lambda i: (0,)), interpret=interp)
-  check(make, expect_mode="sequential", modes=modes)
+  check(make, expect_mode="vectorized", modes=modes)
 
 
 def test_error_in_one_lane_names_its_grid_point(modes):

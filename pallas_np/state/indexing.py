@@ -297,6 +297,39 @@ class RefAccess:
       coords.append(c)
     return view, coords
 
+  def lane_coords(self, leaves, batched):
+    """``unchecked_coords`` for many lanes at once, for a lone indexer whose
+    dynamic leaves may carry a leading lane axis (``batched[k]``): coordinate
+    arrays broadcastable to ``(lanes, *result_shape)``. None when the access
+    has other transforms or a dynamic slice size."""
+    if len(self.steps) != 1 or self.steps[0][0] != "index":
+      return None
+    dims = self.steps[0][1]
+    n_out = len(self.result_shape)
+    int_shape, int_at, slice_axes = self._final_layout
+    coords = []
+    for d, slice_axis in zip(dims, slice_axes):
+      if isinstance(d, _DimSlice):
+        if not _static(d.size):
+          return None
+        shape = [1] * (n_out + 1)
+        shape[slice_axis + 1] = int(d.size)
+        c = (d.stride * np.arange(int(d.size), dtype=np.int64)).reshape(shape)
+        if isinstance(d.start, _Dyn):
+          s = np.asarray(leaves[d.start.k], dtype=np.int64)
+          c = c + (s.reshape((-1,) + (1,) * n_out) if batched[d.start.k] else s)
+        else:
+          c = c + int(d.start)
+      else:
+        lane_axis = isinstance(d.value, _Dyn) and batched[d.value.k]
+        v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+        v = np.asarray(v, dtype=np.int64)
+        lead, core = (v.shape[:1], v.shape[1:]) if lane_axis else ((1,), v.shape)
+        core = (1,) * (len(int_shape) - len(core)) + core  # right-aligned
+        c = v.reshape(lead + (1,) * int_at + core + (1,) * (n_out - int_at - len(int_shape)))
+      coords.append(c)
+    return coords
+
   @staticmethod
   def _dim_static(d):
     if isinstance(d, _DimSlice):

@@ -1,0 +1,234 @@
+"""Vectorized grids whose outputs every grid point sees whole (Triton style:
+no BlockSpec, program_id-based offsets and masks). Each lane writes a private
+copy, every access is marked, and the merge must prove grid order: these
+tests compare vectorized == sequential (bitwise) == interpret=True, check the
+path taken, and that lanes which communicate fall back to the grid loop."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+import pallas_np
+from pallas_np.grid import KernelPlan
+from tests.test_vectorize import SEQ, VEC, check, modes  # noqa: F401  (fixture)
+
+
+def _rng(seed, shape, dtype=np.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def whole(kernel, out_shape, grid, *, aliases=None):
+  """``make(interp)``: refs are whole arrays (no BlockSpecs), as in Triton."""
+  def make(interp):
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interp,
+                          input_output_aliases=aliases or {})
+  return make
+
+
+@pytest.fixture
+def plans(monkeypatch):
+  """Every KernelPlan that ran, in order."""
+  ran = []
+  orig = KernelPlan.run
+
+  def run(self, *args):
+    ran.append(self)
+    return orig(self, *args)
+  monkeypatch.setattr(KernelPlan, "run", run)
+  return ran
+
+
+# -- column reductions, as JAX's GPU layer-norm backward (dw/db) ----------------------
+@pytest.mark.parametrize("n", [64, 100])  # 100: the last column block is masked
+def test_column_block_reduction_with_masks(modes, n):
+  m, bm, bn = 37, 8, 16
+
+  def kernel(x_ref, y_ref, s_ref, d_ref):
+    j = pl.program_id(0)
+    cols = j * bn + jnp.arange(bn)
+    col_ok = cols < n
+
+    def body(i, acc):
+      rows = i * bm + jnp.arange(bm)
+      mask = (rows < m)[:, None] & col_ok[None, :]
+      x = pltriton.load(x_ref.at[rows[:, None], cols[None]], mask=mask, other=0.0)
+      y = pltriton.load(y_ref.at[rows[:, None], cols[None]], mask=mask, other=0.0)
+      return acc[0] + (x * y).sum(0), acc[1] + x.sum(0)
+
+    s, d = lax.fori_loop(0, pl.cdiv(m, bm), body, (jnp.zeros(bn), jnp.zeros(bn)))
+    pltriton.store(s_ref.at[cols], s, mask=col_ok)
+    pltriton.store(d_ref.at[cols], d, mask=col_ok)
+
+  x, y = _rng(0, (m, n)), _rng(1, (m, n))
+  out = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 2
+  got = check(whole(kernel, out, (pl.cdiv(n, bn),)), x, y, expect_mode="vectorized",
+              modes=modes)
+  np.testing.assert_allclose(got[0], (x * y).sum(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], x.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_unmasked_program_id_slices(modes):
+  """``o_ref[pl.ds(i * B, B)] = ...`` on whole refs, reads and writes."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[pl.ds(i * 4, 4), :] = x_ref[pl.ds(i * 4, 4), :] * 2 + i
+
+  x = _rng(2, (32, 8))
+  check(whole(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), (8,)), x,
+        expect_mode="vectorized", modes=modes)
+
+
+def test_program_id_gather_from_shared_input_with_other(modes):
+  """Masked-off lanes past the end take ``other``; masked loads of a shared
+  input at per-lane offsets, one store per lane."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * 8 + jnp.arange(8)
+    v = pltriton.load(x_ref.at[idx], mask=idx < 50, other=-1.0)
+    pltriton.store(o_ref.at[idx], v * 3, mask=idx < 50)
+
+  x = _rng(3, (50,))
+  got = check(whole(kernel, jax.ShapeDtypeStruct((50,), jnp.float32), (7,)), x,
+              expect_mode="vectorized", modes=modes)
+  np.testing.assert_allclose(got, x * 3, rtol=1e-6)
+
+
+def test_masked_on_lane_out_of_bounds_names_its_grid_point():
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * 8 + jnp.arange(8)
+    pltriton.store(o_ref.at[idx], pltriton.load(x_ref.at[idx]), mask=idx < 50 + (i == 6) * 8)
+
+  x = _rng(4, (56,))
+  call = whole(kernel, jax.ShapeDtypeStruct((50,), jnp.float32), (7,))(VEC)
+  with pytest.raises(IndexError) as info:
+    call(x)
+  assert isinstance(info.value, pallas_np.KernelError)
+  assert info.value.program_ids == (6,)
+
+
+# -- what may and may not be merged ------------------------------------------------------
+def test_every_point_writes_one_element_last_writer_wins(modes):
+  """Same element written by every lane, never read: grid order's last
+  writer wins, so the pass is still exact."""
+  def kernel(o_ref):
+    i = pl.program_id(0)
+    o_ref[0] = i * 10
+    o_ref[i + 1] = i
+
+  check(whole(kernel, jax.ShapeDtypeStruct((9,), jnp.int32), (8,)),
+        expect_mode="vectorized", modes=modes)
+
+
+def test_reading_what_a_later_point_writes_is_fine(modes):
+  """Point i reads element i+1 before point i+1 writes it: in grid order it
+  sees the initial value too (the output aliases the input)."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[i] = o_ref[i + 1] * 2
+
+  x = jnp.arange(9, dtype=jnp.float32)
+  check(whole(kernel, jax.ShapeDtypeStruct((9,), jnp.float32), (8,), aliases={0: 0}), x,
+        expect_mode="vectorized", modes=modes)
+
+
+@pytest.mark.parametrize("which", ["chain", "accumulate", "atomic"])
+def test_points_that_communicate_run_in_grid_order(modes, which):
+  """A lane reading what an earlier lane wrote (a chain, a += into one
+  element, atomics) fails the merge check: the grid loop runs instead, and
+  later calls do not try the batched pass again."""
+  def chain(x_ref, _init_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[i + 1] = o_ref[i] + x_ref[i]
+
+  def accumulate(x_ref, _init_ref, o_ref):
+    o_ref[0] += x_ref[pl.program_id(0)]
+
+  def atomic(x_ref, _init_ref, o_ref):
+    pltriton.atomic_add(o_ref, pl.ds(0, 1), x_ref[pl.ds(pl.program_id(0), 1)])
+
+  kernel = {"chain": chain, "accumulate": accumulate, "atomic": atomic}[which]
+  x = jnp.arange(1, 9, dtype=jnp.float32)
+  init = jnp.zeros((9,), jnp.float32)
+
+  def make(interp):
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((9,), jnp.float32), grid=(8,),
+                       input_output_aliases={1: 0}, interpret=interp)
+    return lambda x: f(x, init)
+  got = check(make, x, expect_mode="sequential", modes=modes)
+  want = {"chain": np.concatenate([[0], np.cumsum(x)]),
+          "accumulate": np.r_[x.sum(), np.zeros(8)],
+          "atomic": np.r_[x.sum(), np.zeros(8)]}[which]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_conflict_is_remembered(plans):
+  def kernel(x_ref, _init_ref, o_ref):
+    o_ref[0] += x_ref[pl.program_id(0)]
+
+  x = jnp.arange(1, 9, dtype=jnp.float32)
+  f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.float32), grid=(8,),
+                     input_output_aliases={1: 0}, interpret=VEC, name="remembered")
+  f(x, jnp.zeros((1,), jnp.float32))
+  gv = plans[-1]._vectorizer
+  assert gv.shared_outputs_ok is False
+  assert "earlier lane" in str(gv.last_failure)
+  gv.last_failure = None
+  np.testing.assert_array_equal(f(x, jnp.zeros((1,), jnp.float32)), [36.0])
+  assert plans[-1].last_mode == "sequential"
+  assert gv.last_failure is None  # the batched pass was not tried again
+
+
+@pytest.mark.parametrize("split", ["contiguous", "strided"])
+def test_lanes_diverging_in_control_flow(modes, split):
+  """pl.when on program_id splits the lanes: a contiguous group runs on views
+  (still marked); a strided group would run on copies the pass cannot see,
+  so the grid loop runs instead."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    cond = i < 3 if split == "contiguous" else i % 2 == 0
+    o_ref[pl.ds(i * 2, 2)] = x_ref[pl.ds(i * 2, 2)]
+
+    @pl.when(cond)
+    def _():
+      o_ref[pl.ds(i * 2, 2)] = o_ref[pl.ds(i * 2, 2)] * 10
+
+  x = _rng(5, (16,))
+  check(whole(kernel, jax.ShapeDtypeStruct((16,), jnp.float32), (8,)), x,
+        expect_mode="vectorized" if split == "contiguous" else "sequential", modes=modes)
+
+
+def test_owned_and_shared_outputs_together(modes):
+  """One output blocked per grid point, one seen whole."""
+  def kernel(x_ref, o_ref, s_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[...] + 1
+    s_ref[i] = x_ref[...].sum()
+
+  x = _rng(6, (16,))
+  make = lambda interp: pl.pallas_call(
+      kernel, grid=(8,), interpret=interp,
+      out_shape=[jax.ShapeDtypeStruct((16,), jnp.float32),
+                 jax.ShapeDtypeStruct((8,), jnp.float32)],
+      in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+      out_specs=[pl.BlockSpec((2,), lambda i: (i,)), pl.BlockSpec((8,), lambda i: (0,))])
+  check(make, x, expect_mode="vectorized", modes=modes)
+
+
+def test_jax_gpu_layer_norm_backward_is_vectorized(modes):
+  """JAX's own Triton layer-norm backward: its dw/db kernel reduces over
+  whole refs at program_id column offsets."""
+  from jax.experimental.pallas.ops.gpu import layer_norm
+  x, w, b = _rng(7, (2, 20, 200)), _rng(8, (200,)), _rng(9, (200,))
+  loss = lambda interp: (lambda x, w, b: (layer_norm.layer_norm(
+      x, w, b, interpret=interp) ** 2).sum())
+  got = jax.grad(loss(VEC), argnums=(0, 1, 2))(x, w, b)
+  assert modes.count("vectorized") >= 2, modes  # dx and dw/db
+  seq = jax.grad(loss(SEQ), argnums=(0, 1, 2))(x, w, b)
+  for g, s in zip(got, seq):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
