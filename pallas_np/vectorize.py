@@ -1115,7 +1115,7 @@ _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 # small: there the Python cost per grid point dominates. With bigger blocks
 # NumPy is already busy and the batched temporaries only fall out of cache.
 # Kernels with scratch pay two passes (the hand-over check), hence less.
-_AUTO_LANE_BYTES = 64 << 10      # exclusive
+_AUTO_LANE_BYTES = 128 << 10      # exclusive
 _AUTO_LANE_BYTES_SCRATCH = 16 << 10
 _MAX_LANES = 1 << 14
 
