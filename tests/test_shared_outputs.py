@@ -232,3 +232,57 @@ def test_jax_gpu_layer_norm_backward_is_vectorized(modes):
   seq = jax.grad(loss(SEQ), argnums=(0, 1, 2))(x, w, b)
   for g, s in zip(got, seq):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
+
+
+def test_slabs_see_what_earlier_slabs_merged(modes, monkeypatch):
+  """Slabs of 4 lanes: point i reads element (i + 12) % 16: what point i-4
+  wrote (merged by an earlier slab before this slab copied the output), or,
+  in the first slab, an element only later points write: grid order."""
+  from pallas_np import vectorize
+  monkeypatch.setattr(vectorize, "_SLAB_BYTES", 4 * 16 * 4)  # 4 lanes of a (16,) f32 output
+
+  def kernel(x_ref, _init_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[i] = o_ref[(i + 12) % 16] + x_ref[i]
+
+  x = _rng(10, (16,))
+  init = jnp.zeros((16,), jnp.float32)
+
+  def make(interp):
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(16,),
+                       input_output_aliases={1: 0}, interpret=interp)
+    return lambda x: f(x, init)
+  got = check(make, x, expect_mode="vectorized", modes=modes)
+  want = np.asarray(x).reshape(4, 4).cumsum(0).reshape(-1)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_two_dimensional_grid_tiles_of_a_whole_output(modes):
+  """A (rows, cols) grid writing program_id-indexed tiles of one whole-array
+  output, masked at the ragged edges (Triton matmul-style epilogue)."""
+  m, n, bm, bn = 20, 30, 8, 16
+
+  def kernel(x_ref, o_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * bm + jnp.arange(bm)
+    cols = j * bn + jnp.arange(bn)
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    x = pltriton.load(x_ref.at[rows[:, None], cols[None]], mask=mask, other=0.0)
+    pltriton.store(o_ref.at[rows[:, None], cols[None]], jnp.tanh(x) * (i + 2 * j), mask=mask)
+
+  x = _rng(11, (m, n))
+  check(whole(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
+              (pl.cdiv(m, bm), pl.cdiv(n, bn))), x, expect_mode="vectorized", modes=modes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.int8])
+def test_lane_indexed_accesses_keep_dtypes(modes, dtype):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * 8 + jnp.arange(8)
+    v = pltriton.load(x_ref.at[idx], mask=idx < 60, other=jnp.asarray(3, dtype))
+    o_ref[pl.ds(i * 8, 8)] = v + v
+
+  x = jnp.asarray(np.random.default_rng(12).integers(-20, 20, 60), dtype)
+  check(whole(kernel, jax.ShapeDtypeStruct((64,), dtype), (8,)), x,
+        expect_mode="vectorized", modes=modes)
