@@ -93,10 +93,11 @@ def _host_const(val, aval):
 class Plan:
   """A compiled jaxpr: ``plan(ctx, *args) -> tuple of outputs``."""
   __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source", "out_batched",
-               "const_outputs")
+               "const_outputs", "lane_access_bytes")
 
   def __init__(self, fn, jaxpr, filename, num_eqns, source):
     self.out_batched = ()
+    self.lane_access_bytes = 0  # batched plans: see vectorize._count_lane_bytes
     # Outputs that are constants of the plan (the same array every call).
     self.const_outputs = frozenset()
     self.fn = fn

@@ -80,6 +80,7 @@ class BatchCompiler(Compiler):
   def __init__(self, params, name, batched_pid_axes: frozenset):
     super().__init__(params, name)
     self.batched_pid_axes = frozenset(batched_pid_axes)
+    self.lane_access_bytes = 0  # see _count_lane_bytes
 
   def lower_eqn(self, rule, info, in_batched):
     eqn = info.eqn
@@ -91,6 +92,9 @@ class BatchCompiler(Compiler):
       fn = rule.compile(info)
       if isinstance(fn, registry.NeedsCtx):
         raise NotBatchable(f"'{info.primitive.name}' needs the run context")
+      refs = [k for k, a in enumerate(info.in_avals) if isinstance(a, jc.AbstractRef)]
+      if refs:
+        fn = _refusing_shared(fn, refs, f"'{info.primitive.name}' run once for every lane")
       return fn, False, (False,) * len(info.out_avals)
     brule = _BATCH_RULES.get(info.primitive.name)
     if brule is not None:
@@ -99,6 +103,17 @@ class BatchCompiler(Compiler):
 
   def check_wrapper(self, fn, info, multiple, out_batched):
     return _checked_batched(fn, info, multiple, out_batched)
+
+
+def _refusing_shared(fn, refs, why):
+  """``fn`` that first makes sure no ref operand is a shared output: every
+  lane would touch it at once, with nothing recorded."""
+  def guarded(*args):
+    shared = _shared()
+    if shared is not None:
+      shared.refuse([args[k] for k in refs], why)
+    return fn(*args)
+  return guarded
 
 
 def _has_subjaxprs(eqn) -> bool:
@@ -439,78 +454,75 @@ def _dot_general(bc, rule, info, in_batched):
   return dot, False, (True,)
 
 
-# -- outputs every lane shares: read/write sets --------------------------------------
+# -- outputs every lane shares: who read and wrote what -------------------------------
 class SharedOutputs:
-  """Outputs every lane of a pass shares (Triton-style whole-array outputs
-  written at program_id-dependent offsets). Each lane gets a private copy
-  (lane-stacked), and every batched ref rule marks which elements each lane
-  read and wrote. After the pass, ``merge`` proves the pass equals grid
-  order -- no lane read an element an earlier lane wrote -- and takes each
-  element from its last writer; otherwise the grid runs sequentially.
-  Anything that would touch a tracked copy unseen (a lane loop running the
-  unbatched rule, a copied lane group, a bitcast view) raises NotBatchable."""
+  """Outputs every lane of a pass sees whole (Triton-style whole-array
+  outputs written at program_id-dependent offsets). They stay one unbatched
+  buffer that the lanes write in place, and every access through a batched
+  rule records, per element, which lane wrote it and which lane(s) read it.
+  Lanes of a pass then provably commute -- and the pass equals grid order
+  -- when no element is written by two lanes or written by one lane and
+  read by another; the first access that breaks this raises NotBatchable
+  (the grid loop reruns from fresh buffers). Anything that would touch a
+  tracked buffer unseen (a lane loop running the unbatched rule, an eqn
+  every lane runs as one, a view of it) raises NotBatchable too. Slabs run
+  one after another, each with fresh records: a later slab seeing what an
+  earlier one wrote is grid order."""
 
-  def __init__(self):
-    self.regions = []  # (start, end, base, read, written)
+  def __init__(self, lanes: int):
+    self.regions = []  # (base, start, end, writer, reader, read_by_many)
+    self.lane_ids = np.arange(lanes)  # a lane group narrows it (_LaneGroup.tracked)
 
   def add(self, base: np.ndarray):
     start = base.__array_interface__["data"][0]
-    self.regions.append((start, start + base.nbytes, base,
-                         np.zeros(base.shape, bool), np.zeros(base.shape, bool)))
+    self.regions.append((base, start, start + base.nbytes, np.full(base.size, -1, np.int32),
+                         np.full(base.size, -1, np.int32), np.zeros(base.size, bool)))
 
-  def shadows(self, ref):
-    """(read, written) flags laid out like ``ref``, or None if untracked."""
-    if not isinstance(ref, np.ndarray) or not self.regions:
+  def region(self, ref):
+    if not isinstance(ref, np.ndarray):
       return None
     ptr = ref.__array_interface__["data"][0]
-    for start, end, base, read, written in self.regions:
-      if not start <= ptr < end:
-        continue
-      if ref is base:
-        return read, written
-      size = base.itemsize
-      if ref.itemsize != size or any(st % size for st in ref.strides):
-        raise NotBatchable("a shared output accessed through a reinterpreting view")
-      off = (ptr - start) // size
-      strides = tuple(st // size for st in ref.strides)  # bool flags: 1 byte
-      as_strided = np.lib.stride_tricks.as_strided
-      return (as_strided(read.reshape(-1)[off:], ref.shape, strides),
-              as_strided(written.reshape(-1)[off:], ref.shape, strides))
+    for r in self.regions:
+      if r[1] <= ptr < r[2]:
+        if ref is not r[0]:
+          raise NotBatchable("a shared output accessed through a view")
+        return r
     return None
-
-  def note(self, ref, index, kind, mask=None):
-    """Mark ``ref[index]`` (where ``mask``) as read and/or written."""
-    flags = self.shadows(ref)
-    if flags is None:
-      return
-    targets = (flags[0],) if kind == "read" else (flags[1],) if kind == "write" else flags
-    for t in targets:
-      if mask is None:
-        t[index] = True
-      elif _basic_index(index):
-        t[index] |= np.asarray(mask, bool)
-      else:  # repeated integer indices: every masked-on one must count
-        np.logical_or.at(t, index, np.broadcast_to(np.asarray(mask, bool), np.shape(t[index])))
 
   def refuse(self, args, why):
     for a in args:
-      if self.shadows(a) is not None:
+      if self.region(a) is not None:
         raise NotBatchable(f"a shared output is touched by {why}")
 
-  def merge(self, base, copy, read, written) -> bool:
-    """Write the lanes' results into ``base``; False if some lane read an
-    element an earlier lane wrote (grid order would differ)."""
-    lanes = copy.shape[0]
-    if not written.any():
-      return True
-    hit = written.any(0)
-    first = written.argmax(0)
-    lane = np.arange(lanes).reshape((lanes,) + (1,) * (copy.ndim - 1))
-    if (read & hit & (lane > first)).any():
-      return False
-    last = lanes - 1 - written[::-1].argmax(0)
-    np.copyto(base, np.take_along_axis(copy, last[None], 0)[0], where=hit)
-    return True
+  def access(self, ref, coords, full, on, kind):
+    """Record the elements ``ref[coords]`` (broadcast to ``full`` = (lanes,
+    *shape), where ``on``) each lane touches; ``kind``: read/write/readwrite."""
+    region = self.region(ref)
+    if region is None:
+      return
+    base, _, _, writer, reader, many = region
+    lane = self.lane_ids.reshape((-1,) + (1,) * (len(full) - 1))
+    pick = (lambda c: np.broadcast_to(c, full).ravel()) if on is None else (
+        lambda c, on=np.broadcast_to(on, full): np.broadcast_to(c, full)[on])
+    lanes = pick(lane)
+    elems = (np.ravel_multi_index(tuple(pick(c) for c in coords), base.shape)
+             if base.ndim else np.zeros(lanes.shape, np.intp))
+    if kind != "write":
+      w = writer[elems]
+      if ((w >= 0) & (w != lanes)).any():
+        raise NotBatchable("a lane read a shared output element another lane wrote")
+      old = reader[elems]
+      np.logical_or.at(many, elems, (old >= 0) & (old != lanes))
+      reader[elems] = lanes
+      np.logical_or.at(many, elems, reader[elems] != lanes)  # same op, other lanes
+    if kind != "read":
+      r = reader[elems]
+      w = writer[elems]
+      if (((r >= 0) & (r != lanes)) | many[elems] | ((w >= 0) & (w != lanes))).any():
+        raise NotBatchable("lanes write a shared output element another lane reads or writes")
+      writer[elems] = lanes
+      if (writer[elems] != lanes).any():
+        raise NotBatchable("two lanes write one shared output element")
 
 
 _tracking = threading.local()
@@ -605,6 +617,21 @@ def _dyn_flags(access, leaf_batched):
   return tuple(leaf_batched[p] for p in access.dynamic_positions)
 
 
+def _tracked(ref):
+  """The SharedOutputs recording writes to ``ref``, a ref every lane shares
+  (only a shared output may be written that way)."""
+  shared = _shared()
+  if shared is None or shared.region(ref) is None:
+    raise NotBatchable("write to a ref shared by all lanes")
+  return shared
+
+
+def _count_lane_bytes(bc, lane_acc, dtype):
+  """Per-lane bytes a lane-indexed access moves: the auto mode weighs them
+  like block bytes (a Triton kernel's blocks are such accesses)."""
+  bc.lane_access_bytes += math.prod(lane_acc.shape) * np.dtype(jc.physical_dtype(dtype)).itemsize
+
+
 def _on(mask, in_bounds):
   """Elements a masked access really touches (None: all)."""
   if mask is None:
@@ -623,9 +650,6 @@ def _get(bc, rule, info, in_batched):
     def get(ref, *leaves):
       view, idx = resolve(ref, _dyn(access, leaves))
       bidx = _lane_index(idx)
-      shared = _shared()
-      if shared is not None:
-        shared.note(view, bidx, "read")
       return _read(view[bidx])
     return get, False, (True,)
   lane_acc = None if access.clamp else _LaneIndexed.make(access, ref_b, leaf_b)
@@ -633,12 +657,14 @@ def _get(bc, rule, info, in_batched):
     return _lane_loop(rule, info, in_batched)
   flags = tuple(in_batched)
 
+  _count_lane_bytes(bc, lane_acc, info.out_aval.dtype)
+
   def get_lanes(ref, *leaves):
     index, _, full = lane_acc.index(ref, _dyn(access, leaves), _lanes_of((ref, *leaves), flags),
                                     None)
-    shared = _shared()
+    shared = None if ref_b else _shared()
     if shared is not None:
-      shared.note(ref, index, "read")
+      shared.access(ref, index, full, None, "read")
     return np.ascontiguousarray(np.broadcast_to(ref[index], full))
   return get_lanes, False, (True,)
 
@@ -647,33 +673,34 @@ def _get(bc, rule, info, in_batched):
 def _swap(bc, rule, info, in_batched):
   from pallas_np.state.refs import _access, _dyn
   access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
-  if not in_batched[0]:
-    raise NotBatchable("write to a ref shared by all lanes")
+  ref_b = in_batched[0]
   leaf_b = _dyn_flags(access, in_batched[2:])
   resolve = access.resolve
   want_old = info.outvars_used[0]
   kind = "readwrite" if want_old else "write"
-  if not any(leaf_b) and _plain_access(access):
+  if ref_b and not any(leaf_b) and _plain_access(access):
     def swap(ref, val, *leaves):
       view, idx = resolve(ref, _dyn(access, leaves))
       bidx = _lane_index(idx)
-      shared = _shared()
-      if shared is not None:
-        shared.note(view, bidx, kind)
       old = view[bidx].copy() if want_old else None
       view[bidx] = val
       return old
     return swap, False, (True,)
-  lane_acc = None if access.clamp else _LaneIndexed.make(access, True, leaf_b)
+  lane_acc = None if access.clamp else _LaneIndexed.make(access, ref_b, leaf_b)
   if lane_acc is None:
+    if not ref_b:
+      raise NotBatchable("write to a ref shared by all lanes")
     return _lane_loop(rule, info, in_batched)
+  _count_lane_bytes(bc, lane_acc, info.in_avals[1].dtype)
+  flags = tuple(in_batched)
 
   def swap_lanes(ref, val, *leaves):
-    index, _, full = lane_acc.index(ref, _dyn(access, leaves), ref.shape[0], None)
+    index, _, full = lane_acc.index(ref, _dyn(access, leaves),
+                                    _lanes_of((ref, val, *leaves), flags), None)
+    if not ref_b:  # a shared output: no two lanes may meet (checked first)
+      _tracked(ref).access(ref, index, full, None, kind)
+      index = tuple(np.broadcast_to(c, full) for c in index)
     old = np.ascontiguousarray(ref[index]) if want_old else None
-    shared = _shared()
-    if shared is not None:
-      shared.note(ref, index, kind)
     ref[index] = val  # repeated indices: the last in C order wins, as per lane
     return old
   return swap_lanes, False, (True,)
@@ -692,9 +719,6 @@ def _addupdate(bc, rule, info, in_batched):
   def addupdate(ref, val, *leaves):
     view, idx = resolve(ref, _dyn(access, leaves))
     bidx = _lane_index(idx)
-    shared = _shared()
-    if shared is not None:
-      shared.note(view, bidx, "readwrite")
     view[bidx] += val
     return []
   return addupdate, False, ()
@@ -745,15 +769,17 @@ def _masked_load(bc, rule, info, in_batched):
   dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
   if lane_acc is not None:
     flags = tuple(in_batched)
+    ref_b = in_batched[ref_pos]
+    _count_lane_bytes(bc, lane_acc, dtype)
 
     def load_lanes(*args):
       ref = args[ref_pos]
       mask = None if mask_pos is None else args[mask_pos]
       index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), _lanes_of(args, flags),
                                               mask)
-      shared = _shared()
+      shared = None if ref_b else _shared()
       if shared is not None:
-        shared.note(ref, _LaneIndexed.active(index, full, _on(mask, in_bounds)), "read")
+        shared.access(ref, index, full, _on(mask, in_bounds), "read")
       val = ref[index]
       if in_bounds is not None:
         val = np.where(in_bounds, val, acc.fill)
@@ -767,11 +793,8 @@ def _masked_load(bc, rule, info, in_batched):
   def load(*args):
     ref = args[ref_pos]
     hit = acc.resolve(args)
-    shared = _shared()
     if hit is not None:
       bidx = _lane_index(hit[1])
-      if shared is not None:
-        shared.note(ref, bidx, "read", None if mask_pos is None else args[mask_pos])
       # C order: NumPy lays ``a[:, idx]`` out lanes-inner, and a later
       # reduction would then add in another order than the sequential run.
       val = np.array(ref[bidx], dtype=dtype, order="C")
@@ -780,8 +803,6 @@ def _masked_load(bc, rule, info, in_batched):
     else:
       _, safe, in_bounds, mask = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
       bidx = (slice(None), *safe)
-      if shared is not None:
-        shared.note(ref, bidx, "read", mask & in_bounds)
       if not ref[0].size:
         val = np.full((ref.shape[0], *acc.shape), acc.fill, dtype=dtype)
       else:
@@ -796,25 +817,28 @@ def _masked_load(bc, rule, info, in_batched):
 def _masked_swap(bc, rule, info, in_batched):
   (ref_pos, _, val_pos, mask_pos), acc, fancy, lane_acc = _masked_access_for_lanes(
       info, in_batched)
-  if acc is not None and not in_batched[ref_pos]:
+  ref_b = in_batched[ref_pos]
+  if not ref_b and lane_acc is None:
     raise NotBatchable("write to a ref shared by all lanes")
   want_old = info.outvars_used[0]
   kind = "readwrite" if want_old else "write"
   if lane_acc is not None:
+    flags = tuple(in_batched)
+    _count_lane_bytes(bc, lane_acc, info.in_avals[val_pos].dtype)
+
     def swap_lanes(*args):
       ref, val = args[ref_pos], args[val_pos]
       mask = None if mask_pos is None else args[mask_pos]
-      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), ref.shape[0], mask)
+      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), _lanes_of(args, flags), mask)
       on = _on(mask, in_bounds)
+      if not ref_b:  # a shared output: no two lanes may meet (checked first)
+        _tracked(ref).access(ref, index, full, on, kind)
       old = None
       if want_old:
-        old = ref[index]
+        old = np.broadcast_to(ref[index], full)
         if in_bounds is not None:
           old = np.where(in_bounds, old, acc.fill)
       active = _LaneIndexed.active(index, full, on)
-      shared = _shared()
-      if shared is not None:
-        shared.note(ref, active, kind)
       val = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)
       ref[active] = val.ravel() if on is None else val[np.broadcast_to(on, full)]
       if old is None:
@@ -830,18 +854,13 @@ def _masked_swap(bc, rule, info, in_batched):
   def swap(*args):
     ref, val = args[ref_pos], args[val_pos]
     hit = acc.resolve(args)
-    shared = _shared()
     if hit is not None:
       bidx = _lane_index(hit[1])
       if mask_pos is None:
-        if shared is not None:
-          shared.note(ref, bidx, kind)
         old = np.array(ref[bidx], order="C") if want_old else None
         ref[bidx] = val
         return old
       mask = args[mask_pos]
-      if shared is not None:
-        shared.note(ref, bidx, kind, mask)
       region = ref[bidx]
       old = np.array(region, order="C") if want_old or fancy else None
       if fancy:
@@ -863,8 +882,6 @@ def _masked_swap(bc, rule, info, in_batched):
     active = np.broadcast_to(mask & in_bounds, full)
     lane = np.arange(lanes).reshape((lanes,) + (1,) * len(acc.shape))
     index = tuple(np.broadcast_to(c, full)[active] for c in (lane, *safe))
-    if shared is not None:
-      shared.note(ref, index, kind)
     ref[index] = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)[active]
     return None if old is None else np.ascontiguousarray(np.where(mask, old, val))
   return swap, False, (True,)
@@ -904,11 +921,20 @@ class _LaneGroup:
       self.is_slice = False
 
   def take(self, args, flags):
-    if not self.is_slice:
-      shared = _shared()
-      if shared is not None:  # copies: accesses to them would go unmarked
-        shared.refuse([a for a, f in zip(args, flags) if f], "a lane group copied out")
     return [a[self.sel] if f else a for a, f in zip(args, flags)]
+
+  def run(self, fn, ctx, *args):
+    """``fn(ctx, *args)`` on this group; shared-output records see the
+    group's lanes by their pass-wide numbers."""
+    shared = _shared()
+    if shared is None:
+      return fn(ctx, *args)
+    lane_ids = shared.lane_ids
+    shared.lane_ids = lane_ids[self.sel]
+    try:
+      return fn(ctx, *args)
+    finally:
+      shared.lane_ids = lane_ids
 
   def put_back_refs(self, full, sub, flags, is_ref):
     if self.is_slice:
@@ -995,7 +1021,7 @@ def _cond(bc, rule, info, in_batched):
         continue
       group = _LaneGroup(mask)
       sub_ops = group.take(ops, ops_b)
-      outs = fns[k](group.ctx(ctx, pid_b), *sub_ops)
+      outs = group.run(fns[k], group.ctx(ctx, pid_b), *sub_ops)
       group.put_back_refs(ops, sub_ops, ops_b, is_ref)
       for r, o in zip(results, outs):
         r[group.sel] = o
@@ -1061,7 +1087,7 @@ def _while(bc, rule, info, in_batched):
       group = _LaneGroup(pred)
       sub_ctx = group.ctx(ctx, pid_b)
       sub_b = group.take(bconsts, bc_b)
-      new = body_fn(sub_ctx, *sub_b, *[c[group.sel] for c in carry])
+      new = group.run(body_fn, sub_ctx, *sub_b, *[c[group.sel] for c in carry])
       group.put_back_refs(bconsts, sub_b, bc_b, bconst_is_ref)
       for c, v in zip(carry, _lift(new, body_lift, carry_b, group.count)):
         c[group.sel] = v
@@ -1174,6 +1200,7 @@ class GridVectorizer:
                + (True,) * len(kp.scratch_avals))
       try:
         hit = comp.compile(kp.kernel_jaxpr, in_batched=flags)
+        hit.lane_access_bytes = comp.lane_access_bytes
       except NotBatchable as e:  # remembered: the next call skips the compile
         hit = e
       self._kernels[key] = hit
@@ -1325,14 +1352,21 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   axes, block_idx, shared = chosen
   n_in = kp.num_inputs
   maps = gv.index_maps(axes)
-  # Operands whose block does not depend on a batched axis are shared.
-  operand_batched = tuple(True if i >= n_in else any(m.out_batched)
+  # Operands whose block does not depend on a batched axis are shared; so
+  # are outputs every lane sees whole (written in place, SharedOutputs).
+  operand_batched = tuple((i not in shared) if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
-  if kp.params.vectorize is None and _lane_bytes(kp, operand_batched) >= _auto_lane_limit(kp):
+  auto = kp.params.vectorize is None
+  if auto and _lane_bytes(kp, operand_batched) >= _auto_lane_limit(kp):
     gv.last_failure = _TOO_BIG
     return None
-  kernel = gv.kernel(axes, operand_batched).fn  # may raise NotBatchable
-  runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel, shared)
+  plan = gv.kernel(axes, operand_batched)  # may raise NotBatchable
+  if auto and _lane_bytes(kp, operand_batched) + plan.lane_access_bytes >= _auto_lane_limit(kp):
+    gv.last_failure = _TOO_BIG
+    return None
+  kernel = plan.fn
+  runner = _SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel, shared,
+                       plan.lane_access_bytes)
   from pallas_np import debugging
   runs = 2 if kp.scratch_avals else 1
   runner.progress = debugging.progress_bar(kp.name, math.prod(grid) * runs, kp.params)
@@ -1383,7 +1417,8 @@ class _SlabRunner:
   """Walks the lanes slab by slab, each slab through every sequential grid
   point in order."""
 
-  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel, shared=frozenset()):
+  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel, shared=frozenset(),
+               access_bytes=0):
     self.kp, self.grid, self.axes = kp, grid, axes
     self.shared = shared  # operands whose one block every lane shares (SharedOutputs)
     self.block_idx = block_idx
@@ -1393,7 +1428,7 @@ class _SlabRunner:
     self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
     lane_shape = tuple(grid[d] for d in axes)
     self.n_lanes = math.prod(lane_shape)
-    lane_bytes = _lane_bytes(kp, operand_batched)
+    lane_bytes = _lane_bytes(kp, operand_batched) + access_bytes
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
     # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
     self.threads = max(1, int(kp.params.num_threads or 1))
@@ -1488,27 +1523,23 @@ class _SlabRunner:
 
 
   def _shared_slab(self, n, ctx, ids, flat, index_ops, windows, pos_limits):
-    """One slab of a pass with shared outputs: private lane copies of each
-    shared block, merged back (in grid order) after the pass."""
+    """One slab of a pass with shared outputs, written in place while a
+    SharedOutputs records who touched what (fresh for every slab)."""
     kp = self.kp
     blocks = kp.blocks
     for d in self.seq_axes:
       ids[d] = np.int32(0)
     ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
-    shared = SharedOutputs()
-    views, merges, writeback = [], [], []
+    shared = SharedOutputs(n)
+    views, writeback = [], []
     for b in range(len(windows)):
       cols = [c[flat] for c in self.block_idx[b]]
       cols = _check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
-      if not self.operand_batched[b] or b in self.shared:
+      if not self.operand_batched[b]:
         key = tuple(int(c[0]) for c in cols)
         view = windows[b][key] if key else windows[b]
         if b in self.shared:
-          copy = np.empty((n, *view.shape), view.dtype)
-          copy[...] = view
-          shared.add(copy)
-          merges.append((view, copy, shared.regions[-1]))
-          view = copy
+          shared.add(view)
         views.append(view)
         continue
       view, copied = _gather(windows[b], cols)
@@ -1520,9 +1551,6 @@ class _SlabRunner:
       self.kernel(ctx, *index_ops, *views)
     finally:
       _tracking.shared = None
-    for base, copy, (_, _, _, read, written) in merges:
-      if not shared.merge(base, copy, read, written):
-        raise NotBatchable("a lane read a shared output element an earlier lane wrote")
     for b, cols, view in writeback:
       windows[b][tuple(cols)] = view
     if self.progress is not None:
