@@ -470,13 +470,14 @@ class SharedOutputs:
   earlier one wrote is grid order."""
 
   def __init__(self, lanes: int):
-    self.regions = []  # (base, start, end, writer, reader, read_by_many)
-    self.lane_ids = np.arange(lanes)  # a lane group narrows it (_LaneGroup.tracked)
+    self.regions = []  # (base, start, end, state)
+    self.lane_ids = np.arange(lanes, dtype=np.int64)  # a lane group narrows it (_LaneGroup.run)
 
+  # Per element: -1 untouched, -2 read by several lanes (none wrote it), or
+  # 4 * lane + (1 if read) + (2 if written) for the one lane that touched it.
   def add(self, base: np.ndarray):
     start = base.__array_interface__["data"][0]
-    self.regions.append((base, start, start + base.nbytes, np.full(base.size, -1, np.int32),
-                         np.full(base.size, -1, np.int32), np.zeros(base.size, bool)))
+    self.regions.append((base, start, start + base.nbytes, np.full(base.size, -1, np.int64)))
 
   def region(self, ref):
     if not isinstance(ref, np.ndarray):
@@ -500,29 +501,36 @@ class SharedOutputs:
     region = self.region(ref)
     if region is None:
       return
-    base, _, _, writer, reader, many = region
+    base, _, _, state = region
     lane = self.lane_ids.reshape((-1,) + (1,) * (len(full) - 1))
-    pick = (lambda c: np.broadcast_to(c, full).ravel()) if on is None else (
-        lambda c, on=np.broadcast_to(on, full): np.broadcast_to(c, full)[on])
-    lanes = pick(lane)
-    elems = (np.ravel_multi_index(tuple(pick(c) for c in coords), base.shape)
-             if base.ndim else np.zeros(lanes.shape, np.intp))
-    if kind != "write":
-      w = writer[elems]
-      if ((w >= 0) & (w != lanes)).any():
+    if on is None:
+      pick = lambda c: np.broadcast_to(c, full).ravel()
+    else:
+      on = np.broadcast_to(on, full)
+      pick = lambda c: np.broadcast_to(c, full)[on]
+    me = pick(lane * 4)
+    if base.ndim == 1:
+      elems = pick(coords[0])
+    elif base.ndim:
+      elems = np.ravel_multi_index(tuple(pick(c) for c in coords), base.shape)
+    else:
+      elems = np.zeros(me.shape, np.intp)
+    s = state[elems]
+    other = (s >= 0) & ((s & ~3) != me)
+    if kind == "read":
+      if (other & ((s & 2) != 0)).any():
         raise NotBatchable("a lane read a shared output element another lane wrote")
-      old = reader[elems]
-      np.logical_or.at(many, elems, (old >= 0) & (old != lanes))
-      reader[elems] = lanes
-      np.logical_or.at(many, elems, reader[elems] != lanes)  # same op, other lanes
-    if kind != "read":
-      r = reader[elems]
-      w = writer[elems]
-      if (((r >= 0) & (r != lanes)) | many[elems] | ((w >= 0) & (w != lanes))).any():
-        raise NotBatchable("lanes write a shared output element another lane reads or writes")
-      writer[elems] = lanes
-      if (writer[elems] != lanes).any():
+      new = np.where(s == -1, me + 1, np.where(other | (s == -2), -2, s | 1))
+    else:
+      if (other | (s == -2)).any():
+        raise NotBatchable("a lane wrote a shared output element another lane touched")
+      new = me + 3
+    state[elems] = new
+    clash = state[elems] != new  # one op, several lanes on one element
+    if clash.any():
+      if kind != "read":
         raise NotBatchable("two lanes write one shared output element")
+      state[elems[clash]] = -2
 
 
 _tracking = threading.local()
@@ -1171,7 +1179,9 @@ class GridVectorizer:
     if params.vectorize is None:
       # Outputs and scratch are batched whatever the analysis finds: when
       # they alone are too big, skip the (costly, first-call) analysis.
-      outs_only = (False,) * kp.num_inputs + (True,) * kp.num_outputs
+      # (Whole-array outputs may be shared ones, written in place.)
+      outs_only = (False,) * kp.num_inputs + tuple(
+          bool(kp.scratch_avals) or not geo.whole for geo in kp.blocks[kp.num_inputs:])
       if _lane_bytes(kp, outs_only) >= _auto_lane_limit(kp):
         self.reason = _TOO_BIG
 
