@@ -31,6 +31,18 @@ def whole(kernel, out_shape, grid, *, aliases=None):
   return make
 
 
+def onto_zeros(kernel, n, grid):
+  """``make(interp)`` for ``kernel(x_ref, init_ref, o_ref)`` whose (n,) f32
+  output starts as zeros (aliased to the second input)."""
+  init = jnp.zeros((n,), jnp.float32)
+
+  def make(interp):
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), grid=grid,
+                       input_output_aliases={1: 0}, interpret=interp)
+    return lambda x: f(x, init)
+  return make
+
+
 @pytest.fixture
 def plans(monkeypatch):
   """Every KernelPlan that ran, in order."""
@@ -155,13 +167,7 @@ def test_points_that_communicate_run_in_grid_order(modes, which):
 
   kernel = {"chain": chain, "accumulate": accumulate, "atomic": atomic}[which]
   x = jnp.arange(1, 9, dtype=jnp.float32)
-  init = jnp.zeros((9,), jnp.float32)
-
-  def make(interp):
-    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((9,), jnp.float32), grid=(8,),
-                       input_output_aliases={1: 0}, interpret=interp)
-    return lambda x: f(x, init)
-  got = check(make, x, expect_mode="sequential", modes=modes)
+  got = check(onto_zeros(kernel, 9, (8,)), x, expect_mode="sequential", modes=modes)
   want = {"chain": np.concatenate([[0], np.cumsum(x)]),
           "accumulate": np.r_[x.sum(), np.zeros(8)],
           "atomic": np.r_[x.sum(), np.zeros(8)]}[which]
@@ -248,13 +254,7 @@ def test_slabs_see_what_earlier_slabs_merged(modes, monkeypatch):
     o_ref[i] = o_ref[(i + 12) % 16] + x_ref[i]
 
   x = _rng(10, (16,))
-  init = jnp.zeros((16,), jnp.float32)
-
-  def make(interp):
-    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(16,),
-                       input_output_aliases={1: 0}, interpret=interp)
-    return lambda x: f(x, init)
-  got = check(make, x, expect_mode="vectorized", modes=modes)
+  got = check(onto_zeros(kernel, 16, (16,)), x, expect_mode="vectorized", modes=modes)
   want = np.asarray(x).reshape(4, 4).cumsum(0).reshape(-1)
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
