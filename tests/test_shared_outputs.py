@@ -355,3 +355,47 @@ def test_reading_what_another_lane_already_wrote_in_the_pass(modes):
   got = check(whole(kernel, jax.ShapeDtypeStruct((16,), jnp.float32), (8,), aliases={0: 0}), x,
               expect_mode="sequential", modes=modes)
   np.testing.assert_array_equal(got[8:], np.r_[np.arange(1, 8), 14.0])
+
+
+# -- randomized: program_id strides that may overlap, reads of other programs' parts -----
+def _random_triton_kernel(seed):
+  rng = np.random.default_rng(seed)
+  progs = int(rng.integers(2, 12))
+  block = int(rng.choice([1, 3, 4, 8]))
+  stride = int(rng.choice([block, max(block - 1, 1), block + 2]))  # < block: programs overlap
+  n = progs * stride + block + 3
+  cut = n - int(rng.integers(0, block + 4))  # masked tail
+  shift = [None, 0, 1, -1][int(rng.integers(0, 4))]  # read what a neighbour program writes
+  twice = bool(rng.random() < 0.3)  # store, then store again elsewhere
+
+  def kernel(x_ref, _init_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * stride + jnp.arange(block)
+    mask = idx < cut
+    v = pltriton.load(x_ref.at[idx], mask=mask, other=0.0)
+    if shift is not None:
+      j = jnp.clip(idx + shift * stride, 0, n - 1)
+      v = v + pltriton.load(o_ref.at[j], mask=mask, other=0.0)
+    pltriton.store(o_ref.at[idx], v * (i + 1).astype(jnp.float32), mask=mask)
+    if twice:
+      k = jnp.clip(idx + block, 0, n - 1)
+      pltriton.store(o_ref.at[k], v, mask=mask)
+
+  return onto_zeros(kernel, n, (progs,)), _rng(seed, (n,))
+
+
+def test_random_program_id_patterns(modes):
+  """Vectorized (when the records allow it) == grid loop, bitwise, over
+  random strides, overlaps, masks and cross-program reads; both outcomes
+  must occur."""
+  seen = set()
+  for seed in range(40):
+    make, x = _random_triton_kernel(seed)
+    modes.clear()
+    got = make(VEC)(x)
+    seen.add(modes[-1])
+    want = make(SEQ)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")
+    if seed < 4:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(make(True)(x)), rtol=1e-6)
+  assert seen == {"vectorized", "sequential"}, seen
