@@ -15,7 +15,8 @@ from pallas_np.debugging import kernel_errors
 from pallas_np.primitives.tpu import assume_tpu_chip
 from pallas_np.whole_program import jit, install as _install_eager_jit
 from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpret,
-                           unset_numpy_interpret, clear_caches, install as _install)
+                           unset_numpy_interpret, clear_caches, grid_report,
+                           install as _install)
 
 _install()
 _install_eager_jit()
@@ -28,4 +29,4 @@ __version__ = "0.1.0"
 __all__ = ["pallas_call", "jit", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",
            "PallasNumpyError", "KernelError", "UnsupportedError", "RaceError",
-           "kernel_errors", "assume_tpu_chip"]
+           "kernel_errors", "assume_tpu_chip", "grid_report"]

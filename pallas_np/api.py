@@ -62,6 +62,29 @@ def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   return plan
 
 
+def grid_report() -> list[dict]:
+  """How each cached kernel's grid ran last, and why not batched: one dict
+  per kernel (least recently used first) with ``kernel``, ``grid``, ``mode``
+  ("vectorized", "threaded", "sequential", or None if never run) and
+  ``why`` (the vectorizer's reason for a sequential run, else None)."""
+  with _plan_cache_lock:
+    plans = [entry[1] for entry in _plan_cache.values()]
+  report = []
+  for kp in plans:
+    why = None
+    gv = kp._vectorizer
+    if kp.last_mode not in (None, "vectorized"):
+      if kp.params.vectorize is False:
+        why = "vectorize=False"
+      elif gv is None:
+        why = "one grid point, or a num_cores > 1 run"
+      else:
+        why = gv.reason or gv.last_failure or "no grid axes whose points own their outputs"
+    report.append({"kernel": kp.name, "grid": kp.grid, "mode": kp.last_mode,
+                   "why": None if why is None else str(why)})
+  return report
+
+
 def clear_caches():
   """Drop every compiled plan (e.g. after registering a new rule)."""
   with _plan_cache_lock:

@@ -399,3 +399,30 @@ def test_random_program_id_patterns(modes):
     if seed < 4:
       np.testing.assert_allclose(np.asarray(got), np.asarray(make(True)(x)), rtol=1e-6)
   assert seen == {"vectorized", "sequential"}, seen
+
+
+def test_grid_report_says_how_and_why():
+  """pallas_np.grid_report(): each kernel's last grid mode, and why a grid
+  ran in order."""
+  pallas_np.clear_caches()
+
+  def own(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[pl.ds(i * 2, 2)] = x_ref[pl.ds(i * 2, 2)] + 1
+
+  def chain(x_ref, _init_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[i + 1] = o_ref[i] + x_ref[i]
+
+  x = _rng(16, (16,))
+  pallas_np.pallas_call(own, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(8,))(x)
+  pallas_np.pallas_call(own, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(8,),
+                        interpret=SEQ, name="own_seq")(x)
+  onto_zeros(chain, 9, (8,))(pallas_np.InterpretParams())(x[:8])
+  report = {r["kernel"]: r for r in pallas_np.grid_report()}
+  assert report["own"]["mode"] == "vectorized" and report["own"]["why"] is None
+  assert report["own"]["grid"] == (8,)
+  assert report["own_seq"] == {"kernel": "own_seq", "grid": (8,), "mode": "sequential",
+                               "why": "vectorize=False"}
+  assert report["chain"]["mode"] == "sequential"
+  assert "another lane" in report["chain"]["why"]
