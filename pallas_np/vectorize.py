@@ -532,6 +532,30 @@ class SharedOutputs:
         raise NotBatchable("two lanes write one shared output element")
       state[elems[clash]] = -2
 
+  def access_span(self, ref, span, kind):
+    """``access`` for a _Span of a 1-D ref: slices instead of gathers (each
+    element at most once, so no same-op clash)."""
+    region = self.region(ref)
+    if region is None or span.a >= span.b:
+      return
+    state = region[3]
+    me = np.repeat(self.lane_ids * 4, span.per_lane)[span.inner]
+    s = state[span.a:span.b]
+    other = (s >= 0) & ((s & ~3) != me)
+    if kind == "read":
+      bad = other & ((s & 2) != 0)
+      new = np.where(s == -1, me + 1, np.where(other | (s == -2), -2, s | 1))
+    else:
+      bad = other | (s == -2)
+      new = me + 3
+    on = span.on_inner
+    if on is not None:
+      bad &= on
+      new = np.where(on, new, s)
+    if bad.any():
+      raise NotBatchable("lanes meet on a shared output element")
+    state[span.a:span.b] = new
+
 
 _tracking = threading.local()
 
@@ -547,6 +571,40 @@ def _basic_index(index) -> bool:
 
 
 # -- refs --------------------------------------------------------------------------
+class _Span:
+  """Elements ``lo..hi-1`` of a 1-D ref, lane after lane (``full`` = (lanes,
+  per_lane)); ``[a, b)`` is the part inside the ref. A masked-on (or
+  unmasked) element outside raises IndexError: the sequential rerun names it."""
+  __slots__ = ("lo", "hi", "a", "b", "full", "per_lane", "on", "inner", "on_inner")
+
+  def __init__(self, lo, hi, n, full, on):
+    self.lo, self.hi, self.full, self.per_lane, self.on = lo, hi, full, full[1], on
+    self.a, self.b = min(max(lo, 0), n), max(min(hi, n), 0)
+    self.inner = slice(self.a - lo, max(self.b - lo, self.a - lo))
+    if self.b - self.a != hi - lo:
+      outside = np.ones(hi - lo, bool)
+      outside[self.inner] = False
+      if on is None or (on & outside).any():
+        raise IndexError("out-of-bounds ref access in a vectorized pass")
+    self.on_inner = None if on is None else on[self.inner]
+
+  def gather(self, ref, fill, dtype):
+    """Every element, ``fill`` outside the ref, as a new (lanes, per_lane) array."""
+    if self.b - self.a == self.hi - self.lo:
+      return np.array(ref[self.a:self.b], dtype=dtype).reshape(self.full)
+    out = np.full(self.hi - self.lo, fill, dtype=dtype)
+    out[self.inner] = ref[self.a:self.b]
+    return out.reshape(self.full)
+
+  def scatter(self, ref, val):
+    """``ref[lo:hi] = val`` where on and inside."""
+    v = np.broadcast_to(np.asarray(val, dtype=ref.dtype), self.full).reshape(-1)[self.inner]
+    if self.on_inner is None:
+      ref[self.a:self.b] = v
+    else:
+      np.copyto(ref[self.a:self.b], v, where=self.on_inner)
+
+
 class _LaneIndexed:
   """A lone-indexer access whose indices differ per lane (program_id-based
   offsets, Triton style), on a lane-stacked ref or on one every lane
@@ -567,6 +625,21 @@ class _LaneIndexed:
         isinstance(d, _DimSlice) and not _static(d.size) for d in steps[0][1]):
       return None
     return _LaneIndexed(access, ref_batched, leaf_batched)
+
+  def span(self, ref, leaves, lanes, mask):
+    """A _Span when the lanes' elements are one run ``ref[lo:hi]`` of a 1-D
+    ref every lane shares, lane after lane (Triton's ``program_id * BLOCK +
+    arange(BLOCK)``): slices then replace gathers and scatters. Else None."""
+    if self.ref_batched or ref.ndim != 1 or len(self.shape) != 1:
+      return None
+    (c,) = self.access.lane_coords(leaves, self.leaf_batched)
+    full = (lanes, *self.shape)
+    flat = np.broadcast_to(c, full).reshape(-1)
+    lo = int(flat[0])
+    if flat.size > 1 and (int(flat[-1]) != lo + flat.size - 1 or (np.diff(flat) != 1).any()):
+      return None
+    on = None if mask is None else np.broadcast_to(np.asarray(mask, bool), full).reshape(-1)
+    return _Span(lo, lo + flat.size, ref.shape[0], full, on)
 
   def index(self, ref, leaves, lanes, mask):
     """``(index, in_bounds, full)``: ``ref[index]`` broadcasts to ``full`` =
@@ -668,8 +741,14 @@ def _get(bc, rule, info, in_batched):
   _count_lane_bytes(bc, lane_acc, info.out_aval.dtype)
 
   def get_lanes(ref, *leaves):
-    index, _, full = lane_acc.index(ref, _dyn(access, leaves), _lanes_of((ref, *leaves), flags),
-                                    None)
+    dyn, lanes = _dyn(access, leaves), _lanes_of((ref, *leaves), flags)
+    span = None if ref_b else lane_acc.span(ref, dyn, lanes, None)
+    if span is not None:
+      shared = _shared()
+      if shared is not None:
+        shared.access_span(ref, span, "read")
+      return span.gather(ref, 0, ref.dtype)
+    index, _, full = lane_acc.index(ref, dyn, lanes, None)
     shared = None if ref_b else _shared()
     if shared is not None:
       shared.access(ref, index, full, None, "read")
@@ -703,8 +782,14 @@ def _swap(bc, rule, info, in_batched):
   flags = tuple(in_batched)
 
   def swap_lanes(ref, val, *leaves):
-    index, _, full = lane_acc.index(ref, _dyn(access, leaves),
-                                    _lanes_of((ref, val, *leaves), flags), None)
+    dyn, lanes = _dyn(access, leaves), _lanes_of((ref, val, *leaves), flags)
+    span = None if ref_b else lane_acc.span(ref, dyn, lanes, None)
+    if span is not None:
+      _tracked(ref).access_span(ref, span, kind)
+      old = span.gather(ref, 0, ref.dtype) if want_old else None
+      span.scatter(ref, val)
+      return old
+    index, _, full = lane_acc.index(ref, dyn, lanes, None)
     if not ref_b:  # a shared output: no two lanes may meet (checked first)
       _tracked(ref).access(ref, index, full, None, kind)
       index = tuple(np.broadcast_to(c, full) for c in index)
@@ -783,8 +868,17 @@ def _masked_load(bc, rule, info, in_batched):
     def load_lanes(*args):
       ref = args[ref_pos]
       mask = None if mask_pos is None else args[mask_pos]
-      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), _lanes_of(args, flags),
-                                              mask)
+      leaves, lanes = acc.leaves(args), _lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, leaves, lanes, mask)
+      if span is not None:
+        shared = _shared()
+        if shared is not None:
+          shared.access_span(ref, span, "read")
+        val = span.gather(ref, acc.fill, dtype)
+        if mask is not None and other_pos is not None:
+          val = np.where(mask, val, args[other_pos])
+        return np.ascontiguousarray(np.broadcast_to(val, span.full), dtype=dtype)
+      index, in_bounds, full = lane_acc.index(ref, leaves, lanes, mask)
       shared = None if ref_b else _shared()
       if shared is not None:
         shared.access(ref, index, full, _on(mask, in_bounds), "read")
@@ -837,7 +931,18 @@ def _masked_swap(bc, rule, info, in_batched):
     def swap_lanes(*args):
       ref, val = args[ref_pos], args[val_pos]
       mask = None if mask_pos is None else args[mask_pos]
-      index, in_bounds, full = lane_acc.index(ref, acc.leaves(args), _lanes_of(args, flags), mask)
+      leaves, lanes = acc.leaves(args), _lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, leaves, lanes, mask)
+      if span is not None:
+        _tracked(ref).access_span(ref, span, kind)
+        old = span.gather(ref, acc.fill, ref.dtype) if want_old else None
+        span.scatter(ref, val)
+        if old is None:
+          return None
+        if mask is not None:
+          old = np.where(mask, old, val)
+        return np.ascontiguousarray(np.broadcast_to(old, span.full), dtype=ref.dtype)
+      index, in_bounds, full = lane_acc.index(ref, leaves, lanes, mask)
       on = _on(mask, in_bounds)
       if not ref_b:  # a shared output: no two lanes may meet (checked first)
         _tracked(ref).access(ref, index, full, on, kind)
