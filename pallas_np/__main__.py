@@ -15,18 +15,34 @@ options (InterpretParams for every pallas_call):
   --clamp          clamp out-of-bounds indices like interpret=True (default: raise)
   --zero           zero-fill uninitialised memory (default: NaN / int min)
   --pdb            drop into pdb at the failing eqn of a kernel
-  --no-progress    no progress bar for long grids"""
+  --no-progress    no progress bar for long grids
+  --grid-report    at exit, print how each kernel's grid ran and why it was not
+                   batched (pallas_np.grid_report()) to stderr"""
 
 _FLAGS = {"--detect-races": ("detect_races", True), "--clamp": ("bounds_check", "clamp"),
           "--zero": ("uninitialized", "zero"), "--pdb": ("pdb", True),
           "--no-progress": ("progress", False)}
 
 
+def print_grid_report(file=sys.stderr) -> None:
+  import pallas_np
+  rows = pallas_np.grid_report()
+  print(f"pallas_np grid report ({len(rows)} kernels):", file=file)
+  for r in rows:
+    why = f"  ({r['why']})" if r["why"] else ""
+    print(f"  {r['kernel']}  grid {r['grid']}: {r['mode'] or 'never run'}{why}", file=file)
+
+
 def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   options = {}
-  while argv and argv[0] in _FLAGS:
-    name, value = _FLAGS[argv.pop(0)]
+  report = False
+  while argv and (argv[0] in _FLAGS or argv[0] == "--grid-report"):
+    flag = argv.pop(0)
+    if flag == "--grid-report":
+      report = True
+      continue
+    name, value = _FLAGS[flag]
     options[name] = value
   if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
     print(USAGE, file=sys.stderr)
@@ -34,14 +50,18 @@ def main(argv: list[str] | None = None) -> None:
   import pallas_np
   from pallas_np.params import default_params
   pallas_np.set_numpy_interpret(default_params(**options))
-  if argv[0] == "-m":
-    sys.argv = argv[1:]
-    sys.path.insert(0, os.getcwd())
-    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-  else:
-    sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    runpy.run_path(argv[0], run_name="__main__")
+  try:
+    if argv[0] == "-m":
+      sys.argv = argv[1:]
+      sys.path.insert(0, os.getcwd())
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+      sys.argv = argv
+      sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+      runpy.run_path(argv[0], run_name="__main__")
+  finally:
+    if report:
+      print_grid_report()
 
 
 if __name__ == "__main__":

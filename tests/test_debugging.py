@@ -517,6 +517,17 @@ def test_python_dash_m_pallas_np_runs_unmodified_program(tmp_path):
   assert "race reported" in res.stdout
 
 
+def test_python_dash_m_pallas_np_grid_report(tmp_path):
+  script = tmp_path / "prog.py"
+  script.write_text(PROGRAM.format(extra_import=""))
+  res = _run(["-m", "pallas_np", "--grid-report", str(script)], tmp_path)
+  assert res.returncode == 0, res.stderr
+  assert "pallas_np grid report (2 kernels):" in res.stderr
+  # pl.debug_print observes grid order, so that kernel ran in order, and says why.
+  assert "kernel  grid (2,): sequential  (" in res.stderr
+  assert "no race reported" in res.stdout
+
+
 def test_env_var_forces_numpy_mode_at_import(tmp_path):
   script = tmp_path / "prog.py"
   script.write_text(PROGRAM.format(extra_import="import pallas_np"))
