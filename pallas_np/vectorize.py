@@ -626,13 +626,17 @@ class _LaneIndexed:
       return None
     return _LaneIndexed(access, ref_batched, leaf_batched)
 
-  def span(self, ref, leaves, lanes, mask):
+  def coords(self, leaves):
+    """Per-element coordinates of every lane (RefAccess.lane_coords)."""
+    return self.access.lane_coords(leaves, self.leaf_batched)
+
+  def span(self, ref, coords, lanes, mask):
     """A _Span when the lanes' elements are one run ``ref[lo:hi]`` of a 1-D
     ref every lane shares, lane after lane (Triton's ``program_id * BLOCK +
     arange(BLOCK)``): slices then replace gathers and scatters. Else None."""
     if self.ref_batched or ref.ndim != 1 or len(self.shape) != 1:
       return None
-    (c,) = self.access.lane_coords(leaves, self.leaf_batched)
+    (c,) = coords
     full = (lanes, *self.shape)
     flat = np.broadcast_to(c, full).reshape(-1)
     lo = int(flat[0])
@@ -641,12 +645,11 @@ class _LaneIndexed:
     on = None if mask is None else np.broadcast_to(np.asarray(mask, bool), full).reshape(-1)
     return _Span(lo, lo + flat.size, ref.shape[0], full, on)
 
-  def index(self, ref, leaves, lanes, mask):
+  def index(self, ref, coords, lanes, mask):
     """``(index, in_bounds, full)``: ``ref[index]`` broadcasts to ``full`` =
     (lanes, *shape); out-of-bounds coordinates are redirected to 0 and
     ``in_bounds`` (None: all in) says where. A masked-on (or unmasked) lane
     out of bounds raises IndexError: the sequential rerun names it."""
-    coords = self.access.lane_coords(leaves, self.leaf_batched)
     full = (lanes, *self.shape)
     dims = ref.shape[1:] if self.ref_batched else ref.shape
     in_bounds = None
@@ -742,13 +745,14 @@ def _get(bc, rule, info, in_batched):
 
   def get_lanes(ref, *leaves):
     dyn, lanes = _dyn(access, leaves), _lanes_of((ref, *leaves), flags)
-    span = None if ref_b else lane_acc.span(ref, dyn, lanes, None)
+    coords = lane_acc.coords(dyn)
+    span = None if ref_b else lane_acc.span(ref, coords, lanes, None)
     if span is not None:
       shared = _shared()
       if shared is not None:
         shared.access_span(ref, span, "read")
       return span.gather(ref, 0, ref.dtype)
-    index, _, full = lane_acc.index(ref, dyn, lanes, None)
+    index, _, full = lane_acc.index(ref, coords, lanes, None)
     shared = None if ref_b else _shared()
     if shared is not None:
       shared.access(ref, index, full, None, "read")
@@ -783,13 +787,14 @@ def _swap(bc, rule, info, in_batched):
 
   def swap_lanes(ref, val, *leaves):
     dyn, lanes = _dyn(access, leaves), _lanes_of((ref, val, *leaves), flags)
-    span = None if ref_b else lane_acc.span(ref, dyn, lanes, None)
+    coords = lane_acc.coords(dyn)
+    span = None if ref_b else lane_acc.span(ref, coords, lanes, None)
     if span is not None:
       _tracked(ref).access_span(ref, span, kind)
       old = span.gather(ref, 0, ref.dtype) if want_old else None
       span.scatter(ref, val)
       return old
-    index, _, full = lane_acc.index(ref, dyn, lanes, None)
+    index, _, full = lane_acc.index(ref, coords, lanes, None)
     if not ref_b:  # a shared output: no two lanes may meet (checked first)
       _tracked(ref).access(ref, index, full, None, kind)
       index = tuple(np.broadcast_to(c, full) for c in index)
@@ -868,8 +873,8 @@ def _masked_load(bc, rule, info, in_batched):
     def load_lanes(*args):
       ref = args[ref_pos]
       mask = None if mask_pos is None else args[mask_pos]
-      leaves, lanes = acc.leaves(args), _lanes_of(args, flags)
-      span = None if ref_b else lane_acc.span(ref, leaves, lanes, mask)
+      coords, lanes = lane_acc.coords(acc.leaves(args)), _lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, coords, lanes, mask)
       if span is not None:
         shared = _shared()
         if shared is not None:
@@ -878,7 +883,7 @@ def _masked_load(bc, rule, info, in_batched):
         if mask is not None and other_pos is not None:
           val = np.where(mask, val, args[other_pos])
         return np.ascontiguousarray(np.broadcast_to(val, span.full), dtype=dtype)
-      index, in_bounds, full = lane_acc.index(ref, leaves, lanes, mask)
+      index, in_bounds, full = lane_acc.index(ref, coords, lanes, mask)
       shared = None if ref_b else _shared()
       if shared is not None:
         shared.access(ref, index, full, _on(mask, in_bounds), "read")
@@ -931,8 +936,8 @@ def _masked_swap(bc, rule, info, in_batched):
     def swap_lanes(*args):
       ref, val = args[ref_pos], args[val_pos]
       mask = None if mask_pos is None else args[mask_pos]
-      leaves, lanes = acc.leaves(args), _lanes_of(args, flags)
-      span = None if ref_b else lane_acc.span(ref, leaves, lanes, mask)
+      coords, lanes = lane_acc.coords(acc.leaves(args)), _lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, coords, lanes, mask)
       if span is not None:
         _tracked(ref).access_span(ref, span, kind)
         old = span.gather(ref, acc.fill, ref.dtype) if want_old else None
@@ -942,7 +947,7 @@ def _masked_swap(bc, rule, info, in_batched):
         if mask is not None:
           old = np.where(mask, old, val)
         return np.ascontiguousarray(np.broadcast_to(old, span.full), dtype=ref.dtype)
-      index, in_bounds, full = lane_acc.index(ref, leaves, lanes, mask)
+      index, in_bounds, full = lane_acc.index(ref, coords, lanes, mask)
       on = _on(mask, in_bounds)
       if not ref_b:  # a shared output: no two lanes may meet (checked first)
         _tracked(ref).access(ref, index, full, on, kind)
