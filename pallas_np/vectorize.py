@@ -15,6 +15,10 @@ When is it safe (the analysis, all of it conservative):
   maps evaluated over the whole grid, so scalar-prefetch-driven maps are
   covered). Any grid axis may be batched; the first candidate set that
   passes wins (all axes, then grid prefixes, then single axes).
+* Outputs every grid point sees whole (Triton style, no BlockSpec) own no
+  block. Without scratch they are batched over every axis anyway and checked
+  while the pass runs: ``SharedOutputs`` records, per element, which lane
+  touched it, and lanes that meet send the grid back to the loop.
 * Scratch persists across grid points. Kernels with scratch batch only a
   grid prefix (lanes consecutive in grid order) and run twice: with
   lane-private scratch, then with each lane starting from the previous
@@ -290,35 +294,32 @@ def _reshape(bc, rule, info, in_batched):
   return (lambda x, *dyn: np.reshape(x, (x.shape[0], *new_sizes))), False, (True,)
 
 
+def _lane_broadcast(shape, expanded):
+  """Broadcast a lane-stacked operand laid out as ``expanded`` to ``shape``."""
+  from pallas_np.primitives.shape import broadcast
+  size = math.prod(shape)
+
+  def bcast(x):
+    n = x.shape[0]
+    return broadcast(x, (n, *expanded), (n, *shape), n * size)
+  return bcast, False, (True,)
+
+
 @batch_rule("broadcast_in_dim")
 def _broadcast_in_dim(bc, rule, info, in_batched):
   if not in_batched[0]:
     return rule.compile(info), False, (False,)
   if len(in_batched) > 1:
     raise NotBatchable("dynamic broadcast_in_dim")
-  from pallas_np.primitives.shape import broadcast, broadcast_geometry
-  shape, expanded = broadcast_geometry(info)
-  size = math.prod(shape)
-
-  def bcast(x):
-    n = x.shape[0]
-    return broadcast(x, (n, *expanded), (n, *shape), n * size)
-  return bcast, False, (True,)
+  from pallas_np.primitives.shape import broadcast_geometry
+  return _lane_broadcast(*broadcast_geometry(info))
 
 
 @batch_rule("broadcast_to")
 def _broadcast_to(bc, rule, info, in_batched):
   """The state primitive Triton-style kernels emit: right-aligned."""
-  from pallas_np.primitives.shape import broadcast
-  shape = tuple(info.params["shape"])
-  in_shape = tuple(info.in_avals[0].shape)
-  expanded = (1,) * (len(shape) - len(in_shape)) + in_shape
-  size = math.prod(shape)
-
-  def bcast(x):
-    n = x.shape[0]
-    return broadcast(x, (n, *expanded), (n, *shape), n * size)
-  return bcast, False, (True,)
+  from pallas_np.primitives.triton import broadcast_to_geometry
+  return _lane_broadcast(*broadcast_to_geometry(info))
 
 
 @batch_rule("slice")
@@ -563,11 +564,6 @@ _tracking = threading.local()
 def _shared():
   """The active SharedOutputs of this thread's pass, or None."""
   return getattr(_tracking, "shared", None)
-
-
-def _basic_index(index) -> bool:
-  items = index if isinstance(index, tuple) else (index,)
-  return not any(isinstance(i, (np.ndarray, list)) for i in items)
 
 
 # -- refs --------------------------------------------------------------------------

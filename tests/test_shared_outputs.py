@@ -228,15 +228,25 @@ def test_owned_and_shared_outputs_together(modes):
   check(make, x, expect_mode="vectorized", modes=modes)
 
 
-def test_jax_gpu_layer_norm_backward_is_vectorized(modes):
+def test_jax_gpu_layer_norm_backward_is_vectorized(modes, monkeypatch):
   """JAX's own Triton layer-norm backward: its dw/db kernel reduces over
-  whole refs at program_id column offsets."""
+  whole refs at program_id column offsets; every eqn has a batched rule
+  (none runs lane by lane, broadcast_to included)."""
   from jax.experimental.pallas.ops.gpu import layer_norm
+  from pallas_np import vectorize
+  lane_looped = []
+  orig = vectorize._lane_loop
+
+  def recording(rule, info, in_batched):
+    lane_looped.append(info.primitive.name)
+    return orig(rule, info, in_batched)
+  monkeypatch.setattr(vectorize, "_lane_loop", recording)
   x, w, b = _rng(7, (2, 20, 200)), _rng(8, (200,)), _rng(9, (200,))
   loss = lambda interp: (lambda x, w, b: (layer_norm.layer_norm(
       x, w, b, interpret=interp) ** 2).sum())
   got = jax.grad(loss(VEC), argnums=(0, 1, 2))(x, w, b)
   assert modes.count("vectorized") >= 2, modes  # dx and dw/db
+  assert lane_looped == [], lane_looped
   seq = jax.grad(loss(SEQ), argnums=(0, 1, 2))(x, w, b)
   for g, s in zip(got, seq):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
@@ -426,3 +436,54 @@ def test_grid_report_says_how_and_why():
                                "why": "vectorize=False"}
   assert report["chain"]["mode"] == "sequential"
   assert "another lane" in report["chain"]["why"]
+
+
+def test_failed_batched_compile_is_not_retried(monkeypatch):
+  """A kernel with a primitive that has no batched rule (a print) is compiled
+  batched once; later calls go straight to the grid loop."""
+  from pallas_np import vectorize
+  compiled = []
+  orig = vectorize.BatchCompiler.__init__
+
+  def init(self, params, name, *rest):
+    compiled.append(name)
+    orig(self, params, name, *rest)
+  monkeypatch.setattr(vectorize.BatchCompiler, "__init__", init)
+
+  def printing(x_ref, o_ref):
+    pl.debug_print("at {}", pl.program_id(0))
+    o_ref[...] = x_ref[...] * 2
+
+  f = pl.pallas_call(printing, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), grid=(4,),
+                     in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+                     out_specs=pl.BlockSpec((2,), lambda i: (i,)), interpret=VEC)
+  x = _rng(17, (8,))
+  for _ in range(3):
+    np.testing.assert_array_equal(f(x), np.asarray(x) * 2)
+  assert compiled.count("printing") == 1, compiled
+
+
+def test_auto_mode_weighs_program_id_access_bytes(plans):
+  """Auto mode counts what a lane moves through program_id-indexed accesses
+  like block bytes: 256 KiB tiles of a whole-array input stay on the grid
+  loop, small ones batch; vectorize=True batches both, equal to the loop."""
+  def make(tile):
+    def tiles(x_ref, o_ref):
+      i = pl.program_id(0)
+      rows = i * tile + jnp.arange(tile)
+      v = pltriton.load(x_ref.at[rows[:, None], jnp.arange(256)[None]])
+      pltriton.store(o_ref.at[rows[:, None], jnp.arange(256)[None]], v * 2)
+    return lambda interp: pl.pallas_call(
+        tiles, out_shape=jax.ShapeDtypeStruct((4 * tile, 256), jnp.float32), grid=(4,),
+        interpret=interp)
+
+  for tile, auto_mode in [(256, "sequential"), (8, "vectorized")]:
+    x = _rng(18, (4 * tile, 256))
+    got = make(tile)(pallas_np.InterpretParams())(x)
+    assert plans[-1].last_mode == auto_mode, (tile, plans[-1].last_mode)
+    if auto_mode == "sequential":
+      assert "too big" in str(plans[-1]._vectorizer.last_failure)
+    forced = make(tile)(VEC)(x)
+    assert plans[-1].last_mode == "vectorized"
+    np.testing.assert_array_equal(got, forced)
+    np.testing.assert_array_equal(got, np.asarray(x) * 2)

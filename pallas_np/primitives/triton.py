@@ -44,11 +44,17 @@ if tp is not None:
 # ``state.primitives.broadcast_to``: the equal-rank broadcast Triton kernels
 # (and their vmap/autodiff rules) emit; NumPy's right-aligned broadcast.
 _broadcast_to_p = getattr(jc.state_primitives, "broadcast_to_p", None)
+def broadcast_to_geometry(e):
+  """``(shape, expanded)`` of a ``broadcast_to`` eqn: the operand's shape
+  padded with leading unit dims to the result's rank."""
+  shape = tuple(e.params["shape"])
+  in_shape = tuple(e.in_avals[0].shape)
+  return shape, (1,) * (len(shape) - len(in_shape)) + in_shape
+
+
 if _broadcast_to_p is not None:
   @registry.register(_broadcast_to_p)
   def _broadcast_to(e):
-    shape = tuple(e.params["shape"])
-    in_shape = tuple(e.in_avals[0].shape)
-    expanded = (1,) * (len(shape) - len(in_shape)) + in_shape
+    shape, expanded = broadcast_to_geometry(e)
     size = math.prod(shape)
     return lambda x: broadcast(np.asarray(x), expanded, shape, size)
