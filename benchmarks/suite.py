@@ -33,6 +33,8 @@ MODES = {
     "numpy_seq": "interpret=InterpretParams(vectorize=False)",
     "interpret": "interpret=True",
     "tpu": "interpret=pltpu.InterpretParams()",
+    "trace": "JAX's trace of the numpy-mode call alone (`jax.jit(fn).trace(*args)`), the part of "
+             "a first call that every mode pays before it interprets or compiles anything",
 }
 DEFAULT_MODES = ("numpy", "interpret", "tpu")
 
@@ -56,6 +58,13 @@ def child(kernel, mode, warm_budget, max_reps):
   from benchmarks import kernels
   case = kernels.all_cases()[kernel]()
   args = jax.block_until_ready(case.args)
+  if mode == "trace":  # the floor of any first call: no warm calls, no result
+    fn = case.make(_interpret_value("numpy"))
+    t0 = time.perf_counter()
+    jax.jit(fn).trace(*args)
+    print(json.dumps({"name": case.name, "cold": time.perf_counter() - t0, "warm": None,
+                      "reps": 0, "err": None, "tol": case.tol, "grid_mode": None}))
+    return
   fn = case.make(_interpret_value(mode))
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
@@ -168,7 +177,8 @@ def main(argv=None):
           continue
         r = run_child(name, mode, args.timeout, args.warm_budget, args.max_reps)
         runs[mode].append(r)
-        shown = (f"cold {r['cold'] * 1e3:9.1f} ms  warm {r['warm'] * 1e3:9.2f} ms"
+        shown = (f"cold {r['cold'] * 1e3:9.1f} ms"
+                 + (f"  warm {r['warm'] * 1e3:9.2f} ms" if r["warm"] is not None else "")
                  + (f"  [{r['grid_mode']}]" if r.get("grid_mode") else "")
                  if "error" not in r else r["error"])
         print(f"{name:24s} {mode:10s} {shown}", flush=True)
@@ -185,7 +195,8 @@ def _median_run(runs):
     return bad[0]
   out = dict(runs[0])
   out["cold"] = statistics.median(r["cold"] for r in runs)
-  out["warm"] = statistics.median(r["warm"] for r in runs)
+  out["warm"] = (statistics.median(r["warm"] for r in runs)
+                 if runs[0]["warm"] is not None else None)
   out["err"] = max((r["err"] for r in runs if r.get("err") is not None), default=None)
   out["runs"] = len(runs)
   return out
@@ -212,22 +223,27 @@ def write_results(args, names, modes, results, info):
               f"{os.cpu_count()} cores), so single timings can be off by several times "
               "(multi-threaded code, OpenBLAS and XLA alike, suffers most); compare ratios "
               "across reruns before trusting one.", ""]
-  head = ["kernel"] + [f"{m} cold" for m in modes] + [f"{m} warm" for m in modes]
+  warm_modes = [m for m in modes if m != "trace"]
+  head = ["kernel"] + [f"{m} cold" for m in modes] + [f"{m} warm" for m in warm_modes]
   ratio_cols = []
   if "numpy" in modes and "interpret" in modes:
     ratio_cols += ["warm numpy/interpret", "cold interpret/numpy"]
+  if "trace" in modes and "interpret" in modes:
+    ratio_cols += ["cold floor interpret/trace"]
+  if "trace" in modes and "numpy" in modes:
+    ratio_cols += ["numpy cold - trace"]
   if "numpy" in modes and "tpu" in modes:
     ratio_cols += ["warm tpu/numpy"]
   head += ratio_cols + ["check"]
   lines.append("| " + " | ".join(head) + " |")
   lines.append("|" + "---|" * len(head))
-  warm_ratios, cold_ratios, tpu_ratios = {}, {}, {}
+  warm_ratios, cold_ratios, tpu_ratios, floor_ratios = {}, {}, {}, {}
   errors = {}
   for name in names:
     label = next((r["name"] for m in modes if (r := get(name, m))), name)
     row = [f"{label} (`{name}`)"]
     for key in ("cold", "warm"):
-      for m in modes:
+      for m in (modes if key == "cold" else warm_modes):
         r = results.get((name, m))
         if r is None or "error" in r:
           if r and key == "cold":
@@ -244,6 +260,15 @@ def write_results(args, names, modes, results, info):
         warm_ratios[name] = w
       if c:
         cold_ratios[name] = c
+    tr = get(name, "trace")
+    if "cold floor interpret/trace" in ratio_cols:
+      f = i["cold"] / tr["cold"] if i and tr else None
+      row.append(f"{f:.1f}" if f else "-")
+      if f:
+        floor_ratios[name] = f
+    if "numpy cold - trace" in ratio_cols:
+      o = (n["cold"] - tr["cold"]) * 1e3 if n and tr else None
+      row.append(f"{o:.1f}" if o is not None else "-")
     if "warm tpu/numpy" in ratio_cols:
       r = t["warm"] / n["warm"] if n and t else None
       row.append(f"{r:.1f}" if r else "-")
@@ -268,6 +293,11 @@ def write_results(args, names, modes, results, info):
     w = [v for k, v in warm_ratios.items() if keep(k)]
     c = [v for k, v in cold_ratios.items() if keep(k)]
     t = [v for k, v in tpu_ratios.items() if keep(k)]
+    f = [v for k, v in floor_ratios.items() if keep(k)]
+    if f:
+      lines.append(f"- {label}: cold floor (interpret=True's first call / JAX's trace alone, the "
+                   f"ratio an interpreter adding nothing to the trace would reach): geometric "
+                   f"mean **{geomean(f):.1f}** ({len(f)} kernels).")
     if w:
       lines.append(f"- {label}: warm geometric mean numpy / interpret=True **{geomean(w):.2f}** "
                    f"(target <= 1.0), cold geometric mean interpret=True / numpy "

@@ -17,7 +17,12 @@ then runs whole in the NumPy evaluator, XLA ops around the kernels included
 checked against the numpy-mode result of the same kernel (max abs
 difference reported). Mode ``numpy-jit`` calls ``pallas_np.jit(fn)``
 instead of ``jax.jit(fn)`` (the same evaluation, explicitly); opt in with
-``--modes numpy,numpy-jit``.
+``--modes numpy,numpy-jit``. Mode ``trace`` (opt-in, ``--modes
+numpy,interpret,trace``) times JAX's trace of the program alone
+(``jax.jit(fn).trace(*args)`` under the numpy force scope) in a fresh
+process: the part of every first call that no interpreter can avoid, so
+interpret=True's first call / trace is the best first-call ratio any
+interpreter starting from JAX's trace could reach (the "floor" column).
 Targets: warm numpy >= 10x faster than TPU interpret mode, first call >= 10x
 faster than interpret=True.
 """
@@ -36,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODES = ("numpy", "interpret", "tpu")
-ALL_MODES = MODES + ("numpy-jit",)  # numpy-jit: opt-in (--modes)
+ALL_MODES = MODES + ("numpy-jit", "trace")  # opt-in (--modes)
 
 
 # -- cases: name -> () -> (fn, args) at "small laptop" shapes ---------------------
@@ -189,6 +194,12 @@ def child(kernel, mode, warm_budget, max_reps, out_path):
   # as a serving/training loop would call it
   fn = pallas_np.jit(fn) if mode == "numpy-jit" else jax.jit(fn)
   args = jax.block_until_ready(args)
+  if mode == "trace":  # JAX's trace alone: no run, no warm calls
+    with _mode("numpy"):
+      t0 = time.perf_counter()
+      fn.trace(*args)
+      print(json.dumps({"cold": time.perf_counter() - t0, "warm": None, "reps": 0}))
+    return
   with _mode(mode):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
@@ -256,8 +267,9 @@ def main():
     for m in modes:
       bad = [r for r in runs[m] if "error" in r]
       results[k, m] = bad[0] if bad else {
-          key: statistics.median(r[key] for r in runs[m]) for key in ("cold", "warm")}
-  fmt = lambda r, key: f"{r[key]:.3f}" if key in r else "err"
+          key: statistics.median(r[key] for r in runs[m])
+          for key in ("cold", "warm") if runs[m][0][key] is not None}
+  fmt = lambda r, key: f"{r[key]:.3f}" if key in r else ("err" if "error" in r else "-")
   ratio = lambda a, b, key: (f"{b[key] / a[key]:.0f}x" if key in a and key in b else "-")
   print("| kernel | numpy cold s | numpy warm s | interpret=True cold s | interpret=True warm s "
         "| TPU interpret cold s | TPU interpret warm s | warm: TPU interp / numpy "
@@ -273,6 +285,16 @@ def main():
     print(f"| {k} | {fmt(n, 'cold')} | {fmt(n, 'warm')} | {fmt(h, 'cold')} | {fmt(h, 'warm')} "
           f"| {fmt(t, 'cold')} | {fmt(t, 'warm')} | {ratio(n, t, 'warm')} "
           f"| {ratio(n, h, 'cold')} | {'; '.join(diffs) or '-'} |")
+  if "trace" in modes:
+    print()
+    print("| kernel | JAX trace alone s | numpy cold - trace s | interpret=True cold s "
+          "| cold: interpret=True / numpy | floor: interpret=True / trace |")
+    print("|---" * 6 + "|")
+    for k in kernels:
+      n, h, tr = (results.get((k, m), {}) for m in ("numpy", "interpret", "trace"))
+      own = f"{n['cold'] - tr['cold']:.3f}" if "cold" in n and "cold" in tr else "-"
+      print(f"| {k} | {fmt(tr, 'cold')} | {own} | {fmt(h, 'cold')} | {ratio(n, h, 'cold')} "
+            f"| {ratio(tr, h, 'cold')} |")
   if "numpy-jit" in modes:
     print()
     print("| kernel | numpy-jit cold s | numpy-jit warm s | cold: numpy / numpy-jit "
