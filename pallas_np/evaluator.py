@@ -795,7 +795,7 @@ def _foldable_size(eqn) -> bool:
     shape = getattr(o.aval, "shape", None)
     if shape is None:
       return False
-    if int(np.prod(shape, dtype=np.int64)) > _FOLD_LIMIT:
+    if math.prod(shape) > _FOLD_LIMIT:
       return False
     if isinstance(o.aval, jc.AbstractRef):
       return False
