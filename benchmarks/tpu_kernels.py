@@ -230,6 +230,15 @@ def _run_child(kernel, mode, args, out_path):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _print_table(head, rows):
+  """A markdown table after a blank line."""
+  print()
+  print("| " + " | ".join(head) + " |")
+  print("|---" * len(head) + "|")
+  for row in rows:
+    print("| " + " | ".join(row) + " |")
+
+
 def _max_diff(a_path, b_path):
   import numpy as np
   a, b = np.load(a_path), np.load(b_path)
@@ -286,26 +295,24 @@ def main():
           f"| {fmt(t, 'cold')} | {fmt(t, 'warm')} | {ratio(n, t, 'warm')} "
           f"| {ratio(n, h, 'cold')} | {'; '.join(diffs) or '-'} |")
   if "trace" in modes:
-    print()
-    print("| kernel | JAX trace alone s | numpy cold - trace s | interpret=True cold s "
-          "| cold: interpret=True / numpy | floor: interpret=True / trace |")
-    print("|---" * 6 + "|")
+    rows = []
     for k in kernels:
       n, h, tr = (results.get((k, m), {}) for m in ("numpy", "interpret", "trace"))
       own = f"{n['cold'] - tr['cold']:.3f}" if "cold" in n and "cold" in tr else "-"
-      print(f"| {k} | {fmt(tr, 'cold')} | {own} | {fmt(h, 'cold')} | {ratio(n, h, 'cold')} "
-            f"| {ratio(tr, h, 'cold')} |")
+      rows.append([k, fmt(tr, "cold"), own, fmt(h, "cold"), ratio(n, h, "cold"),
+                   ratio(tr, h, "cold")])
+    _print_table(["kernel", "JAX trace alone s", "numpy cold - trace s", "interpret=True cold s",
+                  "cold: interpret=True / numpy", "floor: interpret=True / trace"], rows)
   if "numpy-jit" in modes:
-    print()
-    print("| kernel | numpy-jit cold s | numpy-jit warm s | cold: numpy / numpy-jit "
-          "| cold: interpret=True / numpy-jit | max abs diff vs numpy |")
-    print("|---" * 6 + "|")
+    rows = []
     for k in kernels:
       n, h, j = (results.get((k, m), {}) for m in ("numpy", "interpret", "numpy-jit"))
       a, b = os.path.join(tmp, f"{k}_numpy.npz"), os.path.join(tmp, f"{k}_numpy-jit.npz")
       diff = f"{_max_diff(a, b):.1e}" if os.path.exists(a) and os.path.exists(b) else "-"
-      print(f"| {k} | {fmt(j, 'cold')} | {fmt(j, 'warm')} | {ratio(j, n, 'cold')} "
-            f"| {ratio(j, h, 'cold')} | {diff} |")
+      rows.append([k, fmt(j, "cold"), fmt(j, "warm"), ratio(j, n, "cold"), ratio(j, h, "cold"),
+                   diff])
+    _print_table(["kernel", "numpy-jit cold s", "numpy-jit warm s", "cold: numpy / numpy-jit",
+                  "cold: interpret=True / numpy-jit", "max abs diff vs numpy"], rows)
   if args.repeats > 1:
     print(f"\nEach cell: median of {args.repeats} fresh processes, modes interleaved "
           "(TPU interpret: one).")
