@@ -323,6 +323,21 @@ def test_two_parallel_points_writing_one_block():
   assert info.value.primitive == "swap" and info.value.grid_points == ((0,), (1,))
 
 
+def test_race_detection_does_not_share_compiled_accesses():
+  """Equal ref accesses share one compiled indexer (RefAccess.shared), but
+  one under detect_races has its own, wrapped one: a kernel compiled
+  without detection first must not hide the race, nor leak the wrapper."""
+  x = jnp.arange(8.0)
+  gpu = pltriton.CompilerParams()
+  plain = one_block_for_all(pallas_np.InterpretParams(), gpu)(x)
+  with pytest.raises(pallas_np.RaceError, match="writes element"), pallas_np.kernel_errors():
+    one_block_for_all(RACES, gpu)(x)
+  again = one_block_for_all(pallas_np.InterpretParams(), gpu)(x)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(again))
+  np.testing.assert_array_equal(np.asarray(again), np.arange(4.0, 8.0))
+  assert races.current() is None
+
+
 def test_disjoint_writes_to_one_block_race_on_tpu_not_gpu():
   def make(interpret, compiler_params):
     def kernel(x_ref, o_ref):

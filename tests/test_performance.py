@@ -169,3 +169,33 @@ def test_malloc_tuning_on_first_plan_and_opt_out():
   if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     assert _malloc_state("1") == "True"
   assert _malloc_state("0") == "False"
+
+
+def test_equal_ref_accesses_share_one_compiled_indexer():
+  """Accesses with the same transforms, literal indices, ref shape and dtype
+  share one RefAccess (DMA-heavy kernels repeat a few hundreds of times);
+  any difference gives another one, and results stay exact."""
+  from pallas_np.state.indexing import RefAccess
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    a = x_ref[pl.ds(i * 4, 4)]
+    b = x_ref[pl.ds(i * 4, 4)]
+    c = x_ref[pl.ds(1, 4)]
+    d = x_ref[pl.ds(2, 4)]
+    o_ref[pl.ds(i * 4, 4)] = a + 2 * b + 3 * c + 4 * d
+  x = jnp.arange(8.0)
+  call = lambda interp: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                                       grid=(2,), interpret=interp)
+  jaxpr = jax.make_jaxpr(call("numpy"))(x)
+  kj = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call").params["jaxpr"]
+  gets = [e for e in kj.eqns if e.primitive.name == "get"]
+  assert len(gets) == 4
+  accesses = [RefAccess.shared(e.params["tree"], e.invars[1:], e.invars[0].aval.shape,
+                               clamp=False, ref_dtype=e.invars[0].aval.dtype) for e in gets]
+  assert accesses[0] is accesses[1]  # same dynamic pl.ds
+  assert len({id(a) for a in accesses}) == 3  # pl.ds(1, 4) and pl.ds(2, 4) differ
+  other = RefAccess.shared(gets[0].params["tree"], gets[0].invars[1:], (16,), clamp=False,
+                           ref_dtype=gets[0].invars[0].aval.dtype)
+  assert other is not accesses[0]  # another ref shape
+  run_both(call, x)

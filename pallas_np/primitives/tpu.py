@@ -142,9 +142,9 @@ def _ref_operand(e, node, transforms=()):
     fn.shape = tuple(aval.shape)
     return fn
   leaves, tree = jax.tree_util.tree_flatten(transforms)
-  access = RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
-                     ref_dtype=aval.dtype,
-                     clamp=e.compiler.params.bounds_check == "clamp")
+  access = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,
+                            ref_dtype=aval.dtype,
+                            clamp=e.compiler.params.bounds_check == "clamp")
   dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
   fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
@@ -219,8 +219,8 @@ def _dma_wait(e):
   else:
     leaves, tree = jax.tree_util.tree_flatten(src.transforms)
     aval = e.in_avals[src.ref.k]
-    acc = RefAccess(tree, [_atom(e, l) for l in leaves], aval.shape,
-                    ref_dtype=aval.dtype, clamp=True)
+    acc = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,
+                           ref_dtype=aval.dtype, clamp=True)
     shape = acc.result_shape
     dtype = aval.dtype
     for t in src.transforms:

@@ -111,6 +111,9 @@ def _check_array(a, dim, axis, shape, clamp):
   return a
 
 
+_SHARED: dict = {}  # see RefAccess.shared
+
+
 class RefAccess:
   """Compiled transforms of one ref access.
 
@@ -168,6 +171,33 @@ class RefAccess:
     self.steps = steps
     self._prefix_fns = None
     self.resolve = self._build()
+
+  @classmethod
+  def shared(cls, tree, idx_atoms: Sequence[Any], ref_shape, *, clamp: bool, ref_dtype=None):
+    """A RefAccess shared by equal accesses (same transforms, literal indices,
+    dynamic-index ranks, ref shape and dtype): DMA-heavy kernels repeat a few
+    accesses hundreds of times (paged attention: ~200 accesses, ~20
+    distinct). The result must not be modified."""
+    parts = []
+    for a in idx_atoms:
+      if isinstance(a, jc.Literal):
+        v = np.asarray(a.val)
+        if v.ndim:
+          return cls(tree, idx_atoms, ref_shape, clamp=clamp, ref_dtype=ref_dtype)
+        parts.append((v.dtype.str, v.item()))
+      else:
+        parts.append(len(getattr(a.aval, "shape", ())))
+    key = (tree, tuple(parts), tuple(ref_shape), clamp, str(ref_dtype))
+    try:
+      hit = _SHARED.get(key)
+    except TypeError:  # an unhashable pytree node
+      return cls(tree, idx_atoms, ref_shape, clamp=clamp, ref_dtype=ref_dtype)
+    if hit is None:
+      hit = cls(tree, idx_atoms, ref_shape, clamp=clamp, ref_dtype=ref_dtype)
+      if len(_SHARED) >= 4096:
+        _SHARED.clear()
+      _SHARED[key] = hit
+    return hit
 
   def _build(self):
     steps = self.steps

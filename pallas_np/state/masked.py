@@ -52,8 +52,8 @@ class MaskedAccess:
     ref_aval = e.in_avals[ref_pos]
     # Never clamp here: clamping would shift a slice that overruns the end and
     # move masked-on lanes. Out-of-bounds lanes are handled below instead.
-    self.access = RefAccess(tree, [e.eqn.invars[p] for p in idx_positions],
-                            ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=False)
+    self.access = RefAccess.shared(tree, [e.eqn.invars[p] for p in idx_positions],
+                                   ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=False)
     self.ref_pos = ref_pos
     self.dyn_positions = [idx_positions[p] for p in self.access.dynamic_positions]
     self.clamp = e.compiler.params.bounds_check == "clamp"

@@ -18,11 +18,12 @@ def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
   """``kind`` ("read"/"write"/"readwrite") reports the access to the race
   detector when ``detect_races`` is on; masked accesses pass None and report
   themselves with their mask."""
-  access = RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype,
-                     clamp=e.compiler.params.bounds_check == "clamp")
-  if kind is not None and e.compiler.params.detect_races:
+  clamp = e.compiler.params.bounds_check == "clamp"
+  if kind is not None and e.compiler.params.detect_races:  # its own, wrapped resolve
+    access = RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=clamp)
     access.resolve = races.wrap_resolve(access.resolve, kind)
-  return access
+    return access
+  return RefAccess.shared(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=clamp)
 
 
 def _dyn(access: RefAccess, leaves):
