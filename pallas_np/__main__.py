@@ -30,7 +30,9 @@ def print_grid_report(file=sys.stderr) -> None:
   print(f"pallas_np grid report ({len(rows)} kernels):", file=file)
   for r in rows:
     why = f"  ({r['why']})" if r["why"] else ""
-    print(f"  {r['kernel']}  grid {r['grid']}: {r['mode'] or 'never run'}{why}", file=file)
+    layout = f" ({r['layout']})" if r.get("layout") else ""
+    print(f"  {r['kernel']}  grid {r['grid']}: {r['mode'] or 'never run'}{layout}{why}",
+          file=file)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -110,6 +110,12 @@ class Plan:
     return self.fn(ctx, *args)
 
 
+def lanes_last_empty(n, shape, dtype) -> np.ndarray:
+  """An uninitialised (n, *shape) array laid out lane-minor: the lane axis
+  is the contiguous one (see vectorize: the lanes-last layout)."""
+  return np.moveaxis(np.empty((*shape, n), dtype), -1, 0)
+
+
 def _has_effects(eqn) -> bool:
   return bool(eqn.effects)
 
@@ -289,9 +295,10 @@ class _Fusion:
   (its rule must be a plain NumPy ufunc on native dtypes); the rest is
   copied in by the concatenate's own line."""
 
-  def __init__(self, jaxpr, keep, batched=False):
+  def __init__(self, jaxpr, keep, batched=False, lanes_last=False):
     eqns = jaxpr.eqns
     self.batched = batched  # a batch compiler's plan: values may carry a lane axis
+    self.lanes_last = lanes_last  # lane-stacked buffers laid out lane-minor
     self.lane_buffer: dict[int, bool] = {}  # concat eqn -> its buffer has a lane axis
     uses: dict = {}
     for e in eqns:
@@ -389,7 +396,10 @@ class _Fusion:
       shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
       if lane_atom is not None:  # lanes first; their count is known when run
         self.lane_buffer[ci] = True
-        em.env_globals[alloc] = lambda n: np.empty((n, *shape), dtype)
+        if self.lanes_last:
+          em.env_globals[alloc] = lambda n: lanes_last_empty(n, shape, dtype)
+        else:
+          em.env_globals[alloc] = lambda n: np.empty((n, *shape), dtype)
         em.body.append(f"{buf} = {alloc}({lane_atom[0]}.shape[0])")
       else:
         em.env_globals[alloc] = lambda: np.empty(shape, dtype)
@@ -512,6 +522,7 @@ class Compiler:
   of jit/closed_call/custom_jvp/custom_vjp/remat calls are inlined."""
 
   batched = False  # see pallas_np.vectorize.BatchCompiler
+  lanes_last = False  # ditto
 
   def __init__(self, params: InterpretParams | None = None, name: str = "kernel", *,
                kernel_params_from_eqns: bool = False):
@@ -622,7 +633,8 @@ class Compiler:
           if isinstance(v, jc.Var):
             live.add(v)
 
-    fusion = None if self.params.pdb else _Fusion(jaxpr, keep, batched=self.batched)
+    fusion = None if self.params.pdb else _Fusion(jaxpr, keep, batched=self.batched,
+                                                   lanes_last=self.lanes_last)
 
     def atom_of(v):
       if isinstance(v, jc.Literal):

@@ -30,11 +30,11 @@ import concurrent.futures
 import itertools
 import math
 import os
+import statistics
 import threading
 
 import numpy as np
 
-from pallas_np import _compat as jc
 from pallas_np import debugging, registry, vectorize
 from pallas_np.evaluator import RunContext
 
@@ -45,7 +45,7 @@ _CONTEXT_FREE = frozenset("""program_id num_programs cond while scan pjit jit cl
 call core_call eval_jaxpr custom_jvp_call custom_jvp_call_jaxpr custom_vjp_call
 custom_vjp_call_jaxpr remat remat2 checkpoint jaxpr_call composite run_scoped delay
 trace_value add_dependency""".split())
-_GEMMS = frozenset(("dot_general", "ragged_dot", "ragged_dot_general"))
+_GEMMS = vectorize.GEMMS
 # Auto mode: a kernel is wide when the median eqn result has at least this
 # many elements (a float32 ufunc over it takes ~10 us: GIL hand-offs amortised).
 _WIDE_ELEMENTS = 1 << 15
@@ -86,7 +86,7 @@ class ThreadPlan:
     if kp.params.num_cores > 1:
       return "num_cores > 1 (megacore split)"
     sizes, gemm = [], False
-    for eqn in _all_eqns(kp.kernel_jaxpr):
+    for eqn in vectorize.all_eqns(kp.kernel_jaxpr):
       name = eqn.primitive.name
       rule = registry.lookup(eqn.primitive)
       if rule is not None and rule.needs_ctx and name not in _CONTEXT_FREE:
@@ -97,7 +97,7 @@ class ThreadPlan:
     if requested is None:
       if gemm:
         return "auto: GEMMs already use every core through BLAS"
-      if not sizes or float(np.median(sizes)) < _WIDE_ELEMENTS:
+      if not sizes or statistics.median(sizes) < _WIDE_ELEMENTS:
         return "auto: NumPy calls too short to gain from threads"
     return None
 
@@ -225,10 +225,3 @@ def _pool():
         # Threads start on demand, up to the most any run asks for.
         _POOL = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="pallas_np")
   return _POOL
-
-
-def _all_eqns(jaxpr):
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  yield from jaxpr.eqns
-  for sub in jc.subjaxprs(jaxpr):
-    yield from _all_eqns(sub)

@@ -433,7 +433,7 @@ def test_grid_report_says_how_and_why():
   assert report["own"]["mode"] == "vectorized" and report["own"]["why"] is None
   assert report["own"]["grid"] == (8,)
   assert report["own_seq"] == {"kernel": "own_seq", "grid": (8,), "mode": "sequential",
-                               "why": "vectorize=False"}
+                               "why": "vectorize=False", "layout": None}
   assert report["chain"]["mode"] == "sequential"
   assert "another lane" in report["chain"]["why"]
 
@@ -445,9 +445,9 @@ def test_failed_batched_compile_is_not_retried(monkeypatch):
   compiled = []
   orig = vectorize.BatchCompiler.__init__
 
-  def init(self, params, name, *rest):
+  def init(self, params, name, *rest, **kw):
     compiled.append(name)
-    orig(self, params, name, *rest)
+    orig(self, params, name, *rest, **kw)
   monkeypatch.setattr(vectorize.BatchCompiler, "__init__", init)
 
   def printing(x_ref, o_ref):

@@ -58,20 +58,27 @@ def row_blocks(kernel, x, rows=1):
   return make
 
 def check(make_call, *args, expect_mode, modes, rtol=1e-5, atol=1e-5, threads=None):
-  """numpy vectorized == numpy sequential == interpret=True; and the
+  """numpy vectorized == numpy sequential == interpret=True, with the lanes
+  of a batched pass laid out first and last (vectorize.LANES_LAST); and the
   vectorized run took the expected path."""
+  from pallas_np import vectorize
   vec = VEC if threads is None else pallas_np.InterpretParams(
       vectorize=True, check_avals=True, num_threads=threads)
-  modes.clear()
-  got = make_call(vec)(*args)
-  assert modes and modes[-1] == expect_mode, modes
   seq = make_call(SEQ)(*args)
   assert modes[-1] == "sequential"
   want = make_call(True)(*args)
-  for g, s, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(seq),
-                     jax.tree_util.tree_leaves(want)):
-    assert_same(g, s, rtol=0, atol=0)  # same NumPy ops, lane by lane
-    assert_same(g, w, rtol=rtol, atol=atol)
+  for layout in (False, True):
+    modes.clear()
+    vectorize.LANES_LAST = layout
+    try:
+      got = make_call(vec)(*args)
+    finally:
+      vectorize.LANES_LAST = None
+    assert modes and modes[-1] == expect_mode, (layout, modes)
+    for g, s, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(seq),
+                       jax.tree_util.tree_leaves(want)):
+      assert_same(g, s, rtol=0, atol=0)  # same NumPy ops, lane by lane
+      assert_same(g, w, rtol=rtol, atol=atol)
   return got
 
 
@@ -523,6 +530,26 @@ def test_scalar_prefetch_index_map(modes):
   check(make, perm, x, expect_mode="vectorized", modes=modes)
 
 
+def test_float_reductions_add_in_grid_loop_order_in_either_layout(modes):
+  """NumPy sums pairwise along a contiguous axis and element by element across
+  a strided one; a lanes-last pass must still round as the grid loop does."""
+  def kernel(x_ref, s_ref, p_ref):
+    x = x_ref[...]                       # (2, 1000): long rows
+    s_ref[...] = jnp.sum(x, axis=1, keepdims=True) + jnp.mean(x * x, axis=1, keepdims=True)
+    p_ref[...] = jnp.prod(1.0 + x / 64.0, axis=1, keepdims=True) + jnp.sum(x, axis=0)[None, :8]
+
+  x = _normal(31, (64, 1000))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((64, 1), jnp.float32),
+                           jax.ShapeDtypeStruct((64, 8), jnp.float32)),
+        grid=(32,), in_specs=[pl.BlockSpec((2, 1000), lambda i: (i, 0))],
+        out_specs=(pl.BlockSpec((2, 1), lambda i: (i, 0)),
+                   pl.BlockSpec((2, 8), lambda i: (i, 0))), interpret=interp)
+  check(make, x, expect_mode="vectorized", modes=modes, rtol=1e-4, atol=1e-4)
+
+
 def test_edge_blocks_and_reductions(modes):
   # 10 rows in blocks of 4: the last block is partial (padding dropped).
   def kernel(x_ref, o_ref, s_ref):
@@ -656,3 +683,38 @@ def test_vectorized_run_never_compiles_the_sequential_plan(monkeypatch):
   assert plans[-1].last_mode == "sequential" and plans[-1]._kernel is not None
   assert_same(got, seq, rtol=0, atol=0)
   assert_same(got, jnp.sort(x, axis=1), rtol=0, atol=0)
+
+
+def test_layout_choice_lanes_last_for_short_rows_first_for_long_rows_and_gemms(modes):
+  """Auto mode lays the lanes last where the kernel's values have a short last
+  axis (the benchmark's bitonic sort transposes each one-row block into a
+  column), first for long rows and GEMMs; each equals the grid loop."""
+  from benchmarks.bitonic_sort import bitonic_kernel
+  from benchmarks.kernels import matmul_kernel, softmax_kernel
+  pallas_np.clear_caches()
+
+  def rows_of(kernel, name, x, rows, *extra, out_cols=None):
+    out_cols = out_cols or x.shape[1]
+    def make(interp):
+      return pl.pallas_call(
+          kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], out_cols), jnp.float32),
+          grid=(x.shape[0] // rows,),
+          in_specs=[pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0)),
+                    *[pl.BlockSpec(e.shape, lambda i: (0, 0)) for e in extra]],
+          out_specs=pl.BlockSpec((rows, out_cols), lambda i: (i, 0)), interpret=interp,
+          name=name)
+    auto = make(pallas_np.InterpretParams(check_avals=True))(x, *extra)
+    report[name] = pallas_np.grid_report()[-1]
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(make(SEQ)(x, *extra)))
+    return auto
+
+  report = {}
+  x = _normal(50, (64, 32))
+  got = rows_of(bitonic_kernel, "sort", x, 1)
+  np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
+  rows_of(softmax_kernel, "softmax", _normal(51, (64, 256)), 2)
+  rows_of(matmul_kernel, "matmul", x, 1, _normal(52, (32, 16)), out_cols=16)
+  assert all(report[k]["mode"] == "vectorized" for k in ("sort", "softmax", "matmul")), report
+  assert report["sort"]["layout"] == "lanes-last"
+  assert report["softmax"]["layout"] == "lanes-first"
+  assert report["matmul"]["layout"] == "lanes-first"
