@@ -731,7 +731,7 @@ def _on(mask, in_bounds):
   return mask if in_bounds is None else mask & in_bounds
 
 
-def _read_lanes(x):
+def _read_lanes_last(x):
   """``refs._read`` keeping the memory order ('K'): a copy of a lanes-last
   block stays lanes-last (a 'C' copy would put the lanes first again)."""
   return x.copy(order="K") if x.flags.writeable else x
@@ -739,14 +739,16 @@ def _read_lanes(x):
 
 @batch_rule("get")
 def _get(bc, rule, info, in_batched):
-  from pallas_np.state.refs import _access, _dyn
+  from pallas_np.state.refs import _access, _dyn, _read
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
   ref_b, leaf_b = in_batched[0], _dyn_flags(access, in_batched[1:])
   resolve = access.resolve
   if ref_b and not any(leaf_b) and _plain_access(access):
+    read = _read_lanes_last if bc.lanes_last else _read
+
     def get(ref, *leaves):
       view, idx = resolve(ref, _dyn(access, leaves))
-      return _read_lanes(view[_lane_index(idx)])
+      return read(view[_lane_index(idx)])
     return get, False, (True,)
   lane_acc = None if access.clamp else _LaneIndexed.make(access, ref_b, leaf_b)
   if lane_acc is None:
@@ -782,10 +784,12 @@ def _swap(bc, rule, info, in_batched):
   want_old = info.outvars_used[0]
   kind = "readwrite" if want_old else "write"
   if ref_b and not any(leaf_b) and _plain_access(access):
+    order = "K" if bc.lanes_last else "C"
+
     def swap(ref, val, *leaves):
       view, idx = resolve(ref, _dyn(access, leaves))
       bidx = _lane_index(idx)
-      old = view[bidx].copy(order="K") if want_old else None
+      old = view[bidx].copy(order=order) if want_old else None
       view[bidx] = val
       return old
     return swap, False, (True,)
