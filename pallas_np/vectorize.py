@@ -34,6 +34,10 @@ When is it safe (the analysis, all of it conservative):
   Anything else (context-dependent TPU/GPU primitives, callbacks, prints)
   raises ``NotBatchable`` and the grid runs sequentially.
 
+Layout: a pass stores its lane-stacked values lanes-first or, for kernels
+whose values have short last axes, lanes-last (the lane axis contiguous in
+memory; see "the lanes-last layout" below). Same values either way.
+
 Sequential axes stay sequential: each slab of lanes walks the sequential
 grid points in JAX order, with its own lane-private scratch. Control flow that
 depends on a batched value runs per lane group: ``cond`` splits lanes by
@@ -1297,7 +1301,7 @@ class GridVectorizer:
     self._chosen: dict[Any, Any] = {}
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
-    self._lanes_last = None  # prefers_lanes_last(kp), on the first pass
+    self._lanes_last = None  # prefers_lanes_last(kp), computed once
     self.last_layout = None  # the last pass's: "lanes-first" or "lanes-last"
     params = kp.params
     self.reason = order_free_reason(kp)
@@ -1313,12 +1317,14 @@ class GridVectorizer:
       # (Whole-array outputs may be shared ones, written in place.)
       outs_only = (False,) * kp.num_inputs + tuple(
           bool(kp.scratch_avals) or not geo.whole for geo in kp.blocks[kp.num_inputs:])
-      size = _lane_bytes(kp, outs_only)
-      if size >= _auto_lane_limit(kp) and size >= _auto_lane_limit(kp, self.lanes_last):
+      if _lane_bytes(kp, outs_only) >= _auto_lane_limit(kp, self.lanes_last):
         self.reason = _TOO_BIG
 
   @property
   def lanes_last(self) -> bool:
+    """The layout of this kernel's batched passes (LANES_LAST overrides)."""
+    if LANES_LAST is not None:
+      return LANES_LAST
     if self._lanes_last is None:
       self._lanes_last = prefers_lanes_last(self.kp)
     return self._lanes_last
@@ -1505,8 +1511,7 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   operand_batched = tuple((i not in shared) if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
   auto = kp.params.vectorize is None
-  lanes_last = gv.lanes_last if LANES_LAST is None else LANES_LAST
-  lanes_last = lanes_last and not shared
+  lanes_last = gv.lanes_last and not shared
   limit = _auto_lane_limit(kp, lanes_last)
   if auto and _lane_bytes(kp, operand_batched) >= limit:
     gv.last_failure = _TOO_BIG

@@ -718,3 +718,22 @@ def test_layout_choice_lanes_last_for_short_rows_first_for_long_rows_and_gemms(m
   assert report["sort"]["layout"] == "lanes-last"
   assert report["softmax"]["layout"] == "lanes-first"
   assert report["matmul"]["layout"] == "lanes-first"
+
+
+def test_auto_lane_limit_is_higher_for_lanes_last_passes(modes):
+  """Auto mode batches blocks of up to 128 KiB per lane, up to 512 KiB
+  (exclusive) when the pass is lanes-last: bitonic in 64-row blocks (128 KiB
+  per lane) batches, in 256-row blocks (512 KiB) it does not."""
+  from benchmarks.bitonic_sort import bitonic_kernel
+  pallas_np.clear_caches()
+  auto = pallas_np.InterpretParams(check_avals=True)
+  x = _normal(53, (2048, 256))
+  for rows, mode in ((64, "vectorized"), (256, "sequential")):
+    make = row_blocks(bitonic_kernel, x, rows=rows)
+    modes.clear()
+    got = make(auto)(x)
+    assert modes[-1] in ((mode,) if mode == "vectorized" else ("sequential", "threaded")), modes
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
+  report = pallas_np.grid_report()
+  assert report[0]["layout"] == "lanes-last"
+  assert "too big" in report[1]["why"]
