@@ -49,7 +49,9 @@ def allocate(shape, dtype, params: InterpretParams) -> np.ndarray:
     # Semaphores count DMA bytes: int64 cells (see pallas_np.state.dma).
     return np.zeros(shape, np.int64)
   dtype = np.dtype(jc.physical_dtype(dtype))
-  return np.full(shape, fill_value(dtype, params), dtype=dtype)
+  buf = malloc.aligned_empty(shape, dtype)
+  buf[...] = fill_value(dtype, params)
+  return buf
 
 
 class BlockGeometry:
@@ -270,7 +272,9 @@ class KernelPlan:
     results = []
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:
-        buf = np.ascontiguousarray(buf[geo.unpadded_index()])
+        view = buf[geo.unpadded_index()]
+        buf = malloc.aligned_empty(view.shape, view.dtype)
+        buf[...] = view
       results.append(buf)
     return results
 

@@ -15,8 +15,11 @@ with glibc, and ``PALLAS_NP_TUNE_MALLOC=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
+
+import numpy as np
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -41,3 +44,21 @@ def tune_once():
   mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
       mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+# XLA's CPU client aliases a NumPy array handed to it (jax.Array results
+# without a copy) only when its data is 64-byte aligned; NumPy aligns to 16.
+XLA_ALIGNMENT = 64
+_ALIGN_MIN_BYTES = 1 << 14  # below this a copy costs about what the check does
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+  """``np.empty`` whose data XLA can alias (see ``XLA_ALIGNMENT``): for
+  kernel outputs, which the eager path hands to JAX zero-copy."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  if nbytes < _ALIGN_MIN_BYTES:
+    return np.empty(shape, dtype)
+  raw = np.empty(nbytes + XLA_ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % XLA_ALIGNMENT
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
