@@ -206,7 +206,7 @@ class EagerPlan:
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
     self.plan = Compiler(interp, name, kernel_params_from_eqns=kernel_params_from_eqns
-                         ).compile(closed)
+                         ).compile(closed, first_calls=True)
     # Python scalars and float64/int64 NumPy values take JAX's canonical
     # dtypes (float32/int32 without x64), as the traced jaxpr says.
     self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)

@@ -90,24 +90,149 @@ def _host_const(val, aval):
   return val
 
 
-class Plan:
-  """A compiled jaxpr: ``plan(ctx, *args) -> tuple of outputs``."""
-  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "source", "out_batched",
-               "const_outputs", "lane_access_bytes")
+# A plan built with ``first_calls=True`` runs its lines without compiling
+# them (``_LineRunner``) until this many calls, or until a later kernel run
+# (``new_run``) calls it: Python's compile() costs ~10 us per generated line,
+# the runner ~1 us per line per call, and a first call is often the only
+# call (one grid point, a few batched slabs).
+FIRST_CALLS = 8
+_run_epoch = [0]
 
-  def __init__(self, fn, jaxpr, filename, num_eqns, source):
+
+def new_run():
+  """A kernel run starts: plans that ran lines for an earlier run compile."""
+  _run_epoch[0] += 1
+
+
+class Plan:
+  """A compiled jaxpr: ``plan(ctx, *args) -> tuple of outputs``.
+
+  ``fn`` is the generated Python function, or, for the first calls of a
+  ``first_calls`` plan, the line runner (which swaps ``fn`` for the compiled
+  function when it is done)."""
+  __slots__ = ("fn", "jaxpr", "filename", "num_eqns", "out_batched",
+               "const_outputs", "lane_access_bytes", "_text", "_source",
+               "_compiled", "_calls", "_epoch")
+
+  def __init__(self, jaxpr, filename, num_eqns, text):
     self.out_batched = ()
     self.lane_access_bytes = 0  # batched plans: see vectorize._count_lane_bytes
     # Outputs that are constants of the plan (the same array every call).
     self.const_outputs = frozenset()
-    self.fn = fn
     self.jaxpr = jaxpr
     self.filename = filename
     self.num_eqns = num_eqns
-    self.source = source
+    self._text = text  # (function name, arg names, body lines, returned names, globals)
+    self._source = None
+    self._compiled = None
+    self._calls = 0
+    self._epoch = _run_epoch[0]
+    self.fn = None
 
   def __call__(self, ctx, *args):
     return self.fn(ctx, *args)
+
+  @property
+  def source(self) -> str:
+    if self._source is None:
+      fname, arg_names, body, ret, _ = self._text
+      lines = [f"def {fname}(ctx{''.join(', ' + a for a in arg_names)}):"]
+      lines += ["    " + b.render() for b in body]
+      lines.append(f"    return ({', '.join(ret)}{',' if len(ret) == 1 else ''})")
+      self._source = "\n".join(lines) + "\n"
+    return self._source
+
+  def compiled(self):
+    """The generated function (compiled on first use); from now on ``fn``."""
+    fn = self._compiled
+    if fn is None:
+      source = self.source
+      fname, _, _, _, env_globals = self._text
+      code = _function_code(source[source.index("("):]).replace(
+          co_filename=self.filename, co_name=fname, co_qualname=fname)
+      # Make the generated source visible to tracebacks, pdb and py-spy.
+      linecache.cache[self.filename] = (len(source), None, source.splitlines(True),
+                                        self.filename)
+      fn = self._compiled = types.FunctionType(code, env_globals, fname)
+    self.fn = fn
+    return fn
+
+  def run_lines_first(self):
+    """``fn`` runs the lines uncompiled for the first calls (see FIRST_CALLS)."""
+    runner = _line_runner(self)
+
+    def first_calls(ctx, *args):
+      if self._calls >= FIRST_CALLS or self._epoch != _run_epoch[0]:
+        return self.compiled()(ctx, *args)
+      self._calls += 1
+      return runner(ctx, *args)
+    self.fn = first_calls
+
+
+def _run_lines(ctx, *args):
+  """The body of every line runner; its globals are one plan's steps, and
+  ``i`` is the running line (see ``failing_eqns``)."""
+  regs = _template.copy()
+  regs[0] = ctx
+  regs[1:_num_args] = args
+  for i, (fn, ins, flags, out, dels) in enumerate(_steps):
+    if flags:
+      fn = fn[any([regs[k] for k in flags])]
+    value = fn(*[regs[k] for k in ins])
+    if out.__class__ is int:
+      regs[out] = value
+    elif out is not None:
+      for k, v in zip(out, value):
+        regs[k] = v
+    for k in dels:
+      regs[k] = None
+  return tuple([regs[k] for k in _returned])
+
+
+def _line_runner(plan):
+  """A function running a plan's lines as data: registers instead of
+  locals, the same callables, no compile()."""
+  _, arg_names, body, ret, env_globals = plan._text
+  slots = {"ctx": 0}
+  for a in arg_names:
+    slots[a] = len(slots)
+  consts = {}
+
+  def slot(name):
+    k = slots.get(name)
+    if k is None:
+      k = slots[name] = len(slots)
+      if name in env_globals:
+        consts[k] = env_globals[name]
+    return k
+
+  steps = []
+  for line in body:
+    fn = env_globals[line.callee]
+    ins = []
+    for a in line.args:
+      if isinstance(a, str):
+        ins.append(slot(a))
+      else:  # ``name.shape[0]``: only a lane-stacked buffer's allocation
+        assert len(line.args) == 1, line.render()
+        ins.append(slot(a[0]))
+        fn = (lambda alloc: lambda x: alloc(x.shape[0]))(fn)
+    flags = tuple(slot(f) for f in line.flags) if line.flags else ()
+    if not line.outs or (not line.unpack and line.outs[0] == "_"):
+      out = None
+    elif line.unpack:
+      out = tuple(slot(o) for o in line.outs)
+    else:
+      out = slot(line.outs[0])
+    steps.append((fn, tuple(ins), flags, out, tuple(slot(d) for d in line.dels)))
+  returned = tuple(slot(r) for r in ret)
+  template = [None] * len(slots)
+  for k, v in consts.items():
+    template[k] = v
+  scope = {"__builtins__": __builtins__, "_template": template, "_steps": steps,
+           "_num_args": 1 + len(arg_names), "_returned": returned,
+           "_filename": plan.filename}
+  return types.FunctionType(_run_lines.__code__, scope, "_run_lines")
 
 
 def lanes_last_empty(n, shape, dtype) -> np.ndarray:
@@ -120,6 +245,39 @@ def _has_effects(eqn) -> bool:
   return bool(eqn.effects)
 
 
+class _Line:
+  """One line of a generated function, ``outs = callee(args)``, kept
+  structured: rendered to source for compile(), or run as it is by the
+  first-calls runner (see ``Plan``). ``flags``: the callee is a (fast,
+  exact) pair indexed by whether any of these zero flags is set (see
+  ``_zero_select``). An arg that is a 1-tuple ``(name,)`` stands for
+  ``name.shape[0]`` (a batched value's lane count)."""
+  __slots__ = ("outs", "unpack", "callee", "flags", "args", "dels")
+
+  def __init__(self, callee, args=(), outs=(), *, unpack=False, flags=None):
+    self.callee = callee
+    self.args = args
+    self.outs = outs  # names; "_" for an output nobody reads
+    self.unpack = unpack  # the callee returns a sequence (multiple results)
+    self.flags = flags
+    self.dels = ()  # values that die here (see _Emitter.free_dead_values)
+
+  def render(self) -> str:
+    callee = self.callee if self.flags is None else f"{self.callee}[{' or '.join(self.flags)}]"
+    args = ", ".join(a if isinstance(a, str) else f"{a[0]}.shape[0]" for a in self.args)
+    call = f"{callee}({args})"
+    outs = self.outs
+    if not outs:
+      line = call
+    elif self.unpack:
+      line = f"{outs[0]}, = {call}" if len(outs) == 1 else f"{', '.join(outs)} = {call}"
+    else:
+      line = f"{outs[0]} = {call}" if outs[0] != "_" else call
+    if self.dels:
+      line += "; del " + ", ".join(self.dels)
+    return line
+
+
 class _Emitter:
   """Mutable state of one generated function: globals, names, lines."""
   __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads", "zeros")
@@ -127,7 +285,7 @@ class _Emitter:
   def __init__(self):
     self.env_globals: dict[str, Any] = {}
     self.counter = itertools.count()
-    self.body: list[str] = []
+    self.body: list[_Line] = []
     self.line_eqns: list[Any] = [None]  # line 1 = def
     self.reads: list[list[str]] = []  # per body line: the value names it reads
     self.zeros = _ZeroTracker()
@@ -147,7 +305,7 @@ class _Emitter:
       if n.startswith("v") and n not in returned:
         dead.setdefault(i, []).append(n)
     for i, names in dead.items():
-      self.body[i] += "; del " + ", ".join(sorted(set(names)))
+      self.body[i].dels = tuple(sorted(set(names)))
 
   def fresh(self, prefix):
     return f"{prefix}{next(self.counter)}"
@@ -185,13 +343,14 @@ def _has_zero(x) -> bool:
   return not x.all()
 
 
-def _zero_select(em, g, if_no_zeros, exact, cond) -> str:
-  """The callee of a zero-guarded line: ``g_nz[cond]``, a (fast, exact)
-  pair indexed by the (Python bool) zero flags. Python compiles a subscript
-  ~2x faster than ``(g if cond else g_nz)``, and plans have hundreds."""
+def _zero_select(em, g, if_no_zeros, exact) -> str:
+  """The callee of a zero-guarded line: ``g_nz``, a (fast, exact) pair the
+  line indexes by its (Python bool) zero flags, ``g_nz[z3 or z7](...)``.
+  Python compiles a subscript ~2x faster than ``(g if cond else g_nz)``,
+  and plans have hundreds."""
   em.env_globals[g] = exact
   em.env_globals[g + "_nz"] = (if_no_zeros, exact)
-  return f"{g}_nz[{cond}]"
+  return g + "_nz"
 
 
 class _ZeroTracker:
@@ -263,20 +422,20 @@ class _ZeroTracker:
       if n != "_" and _is_float(o.aval):
         self.sources[n] = srcs
 
-  def guard(self, em, srcs, eqn) -> str:
-    """A Python condition, true when some source holds a zero; emits the
-    flag of each source not checked yet (once per run, where first needed)."""
+  def guard(self, em, srcs, eqn) -> tuple:
+    """Flags, one of them set when some source holds a zero; emits the flag
+    of each source not checked yet (once per run, where first needed)."""
     conds = []
     for s in sorted(srcs):
       flag = self.flags.get(s)
       if flag is None:
         flag = self.flags[s] = em.fresh("z")
         em.env_globals["_has_zero"] = _has_zero
-        em.body.append(f"{flag} = _has_zero({s})")
+        em.body.append(_Line("_has_zero", (s,), (flag,)))
         em.reads.append([s])
         em.line_eqns.append(eqn)
       conds.append(flag)
-    return " or ".join(conds)
+    return tuple(conds)
 
 
 class _Fusion:
@@ -400,10 +559,10 @@ class _Fusion:
           em.env_globals[alloc] = lambda n: lanes_last_empty(n, shape, dtype)
         else:
           em.env_globals[alloc] = lambda n: np.empty((n, *shape), dtype)
-        em.body.append(f"{buf} = {alloc}({lane_atom[0]}.shape[0])")
+        em.body.append(_Line(alloc, ((lane_atom[0],),), (buf,)))
       else:
         em.env_globals[alloc] = lambda: np.empty(shape, dtype)
-        em.body.append(f"{buf} = {alloc}()")
+        em.body.append(_Line(alloc, (), (buf,)))
       em.reads.append([] if lane_atom is None else [lane_atom[0]])
       em.line_eqns.append(concat)
     self.fused.setdefault(ci, set()).add(pos)
@@ -418,12 +577,14 @@ class _Fusion:
       into = lambda out, *xs: ufunc(*xs, out=out[s][view])
       exact = lambda out, *xs: np.copyto(out[s][view], fn(*xs))
     g = em.fresh("f")
-    args = ", ".join([buf] + [text(a) for a in in_atoms])
+    args = (buf, *[text(a) for a in in_atoms])
+    flags = None
     if fn is not ufunc:  # zero-sensitive (float max/min)
       srcs = em.zeros.guard_sources(in_atoms, info.in_avals, info.out_aval)
       em.env_globals[g] = exact
       if srcs:
-        g = _zero_select(em, g, into, exact, em.zeros.guard(em, srcs, eqn))
+        flags = em.zeros.guard(em, srcs, eqn)
+        g = _zero_select(em, g, into, exact)
     else:
       em.env_globals[g] = into
     placeholder = em.fresh("_fused")
@@ -432,7 +593,7 @@ class _Fusion:
       em.zeros.moved(eqn, in_atoms, [placeholder])
     else:  # a source with no name of its own: checked as part of the buffer
       em.zeros.sources[placeholder] = frozenset((buf,))
-    em.body.append(f"{g}({args})")
+    em.body.append(_Line(g, args, flags=flags))
     em.reads.append([buf] + [a[0] for a in in_atoms if not isinstance(a, _Const)])
     em.line_eqns.append(eqn)
     return True
@@ -469,7 +630,7 @@ class _Fusion:
           out[s] = x
       g = em.fresh("f")
       em.env_globals[g] = fill
-      em.body.append(f"{g}({buf}, {', '.join(text(in_atoms[p]) for p in rest)})")
+      em.body.append(_Line(g, (buf, *[text(in_atoms[p]) for p in rest])))
       em.reads.append([buf] + [in_atoms[p][0] for p in rest
                                if not isinstance(in_atoms[p], _Const)])
       em.line_eqns.append(eqn)
@@ -535,13 +696,17 @@ class Compiler:
 
   # -- public ---------------------------------------------------------------
   def compile(self, jaxpr, consts: Sequence[Any] | None = None, *,
-              constvars_as_args: bool = False, in_batched=None) -> Plan:
+              constvars_as_args: bool = False, in_batched=None,
+              first_calls: bool = False) -> Plan:
     """Compile a Jaxpr (with ``consts`` for its constvars) or a ClosedJaxpr.
 
     With ``constvars_as_args`` the plan takes the constvars as leading
     arguments instead (run_scoped bodies close over refs that way).
     ``in_batched`` (batch compilers only) says which arguments carry a
-    leading batch axis."""
+    leading batch axis. ``first_calls``: the plan runs its lines without
+    compiling them for its first calls (see ``FIRST_CALLS``); for plans a
+    caller fetches ``fn`` from per run (kernels, whole programs), not for
+    sub-plans whose ``fn`` a rule keeps."""
     if isinstance(jaxpr, jc.ClosedJaxpr):
       consts = jaxpr.consts
       jaxpr = jaxpr.jaxpr
@@ -557,6 +722,10 @@ class Compiler:
     if in_batched is None:
       in_batched = (False,) * len(jaxpr.invars)
     plan = self._codegen(jaxpr, consts, in_batched)
+    if first_calls and not self.params.pdb:
+      plan.run_lines_first()
+    else:
+      plan.compiled()
     if not consts:
       self._cache[key] = (orig, plan)
     return plan
@@ -594,20 +763,12 @@ class Compiler:
     if not self.params.pdb:  # under pdb every value stays inspectable
       em.free_dead_values(set(ret))
     fname = f"plan_{_sanitize(self.name)}"
-    src_lines = [f"def {fname}(ctx{''.join(', ' + a for a in arg_names)}):"]
-    src_lines += ["    " + b for b in em.body]
-    src_lines.append(f"    return ({', '.join(ret)}{',' if len(ret) == 1 else ''})")
     line_eqns = em.line_eqns + [None]
-    source = "\n".join(src_lines) + "\n"
     with _lock:
       filename = f"<pallas_np plan {next(_plan_counter)}: {self.name}>"
       _PLAN_SOURCES[filename] = line_eqns
-    code = _function_code(source[source.index("("):]).replace(
-        co_filename=filename, co_name=fname, co_qualname=fname)
-    # Make the generated source visible to tracebacks, pdb and py-spy.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    fn = types.FunctionType(code, em.env_globals, fname)
-    plan = Plan(fn, jaxpr, filename, len(line_eqns) - 2, source)
+    plan = Plan(jaxpr, filename, len(line_eqns) - 2,
+                (fname, arg_names, em.body, ret, em.env_globals))
     plan.out_batched = tuple(out_batched)
     plan.const_outputs = frozenset(const_outputs)
     return plan
@@ -747,11 +908,13 @@ class Compiler:
         fast = self.check_wrapper(fast, info, multiple, out_batched)
     g = em.fresh("f")
     em.env_globals[g] = fn
-    args = ", ".join(text(a) for a in in_atoms_e)
+    args = [text(a) for a in in_atoms_e]
+    flags = None
     if fast is not None:
-      g = _zero_select(em, g, fast, fn, em.zeros.guard(em, zero_srcs, eqn))
+      flags = em.zeros.guard(em, zero_srcs, eqn)
+      g = _zero_select(em, g, fast, fn)
     if needs_ctx:
-      args = "ctx, " + args if args else "ctx"
+      args.insert(0, "ctx")
     outs = []
     for o, used, b in zip(eqn.outvars, outvars_used, out_batched):
       if used:
@@ -764,16 +927,7 @@ class Compiler:
     em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
     if eqn.primitive.name in registry.DATA_MOVEMENT:
       em.zeros.moved(eqn, in_atoms_e, outs)
-    call = f"{g}({args})"
-    if multiple:
-      if not outs:
-        em.body.append(call)
-      elif len(outs) == 1:
-        em.body.append(f"{outs[0]}, = {call}")
-      else:
-        em.body.append(f"{', '.join(outs)} = {call}")
-    else:
-      em.body.append(f"{outs[0]} = {call}" if outs[0] != "_" else call)
+    em.body.append(_Line(g, tuple(args), tuple(outs), unpack=multiple, flags=flags))
     em.line_eqns.append(eqn)
 
   @staticmethod
@@ -850,10 +1004,14 @@ def failing_eqns(tb) -> list:
   """Eqns of generated plans on a traceback, outermost first."""
   found = []
   while tb is not None:
-    fname = tb.tb_frame.f_code.co_filename
-    eqns = _PLAN_SOURCES.get(fname)
+    frame = tb.tb_frame
+    line = tb.tb_lineno
+    filename = frame.f_code.co_filename
+    if frame.f_code is _run_lines.__code__:  # a line runner: its plan and line
+      filename = frame.f_globals["_filename"]
+      line = frame.f_locals.get("i", -2) + 2
+    eqns = _PLAN_SOURCES.get(filename)
     if eqns is not None:
-      line = tb.tb_lineno
       if 0 < line - 1 < len(eqns) and eqns[line - 1] is not None:
         found.append(eqns[line - 1])
     tb = tb.tb_next

@@ -27,7 +27,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import blas, debugging, malloc, races, threads, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
-from pallas_np.evaluator import Compiler, RunContext, failing_eqns
+from pallas_np.evaluator import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
 
@@ -169,7 +169,9 @@ class KernelPlan:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self._vectorizer = None
     self._threads = None  # threads.ThreadPlan, built on the first sequential run
-    self._may_vectorize = not all(isinstance(g, int) for g in self.grid) or \
+    # More than one grid point (or a dynamic grid): vectorizing or threading
+    # the grid may pay.
+    self.several_points = not all(isinstance(g, int) for g in self.grid) or \
         int(np.prod(self.grid, dtype=np.int64)) > 1
     # "vectorized", "threaded" or "sequential": how the last run() went.
     self.last_mode = None
@@ -179,19 +181,20 @@ class KernelPlan:
     """The kernel's sequential plan. Compiled lazily: a vectorized grid
     runs a batched plan instead, and the kernel is the biggest compile."""
     if self._kernel is None:
-      self._kernel = self.compiler.compile(self.kernel_jaxpr)
+      self._kernel = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
     return self._kernel
 
   # -- execution ---------------------------------------------------------------
   def run(self, *args) -> list[np.ndarray]:
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
+    new_run()
     with np.errstate(all="ignore"), blas.kernel_run():
       return self._run(*args)
 
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
-    if self.params.vectorize is not False and self._may_vectorize and not cores:
+    if self.params.vectorize is not False and self.several_points and not cores:
       out = self._run_vectorized(args)
       if out is not None:
         return out

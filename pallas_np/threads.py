@@ -78,6 +78,8 @@ class ThreadPlan:
     requested = kp.params.num_threads
     if requested is not None and int(requested) < 2:
       return "num_threads=1"
+    if not kp.several_points:
+      return "one grid point"
     reason = vectorize.order_free_reason(kp)
     if reason is not None:
       return reason

@@ -1353,7 +1353,7 @@ class GridVectorizer:
       flags = ((False,) * kp.num_index + operand_batched
                + (True,) * len(kp.scratch_avals))
       try:
-        hit = comp.compile(kp.kernel_jaxpr, in_batched=flags)
+        hit = comp.compile(kp.kernel_jaxpr, in_batched=flags, first_calls=True)
         hit.lane_access_bytes = comp.lane_access_bytes
       except NotBatchable as e:  # remembered: the next call skips the compile
         hit = e

@@ -225,3 +225,77 @@ def test_equal_ref_accesses_share_one_compiled_indexer():
                            ref_dtype=gets[0].invars[0].aval.dtype)
   assert other is not accesses[0]  # another ref shape
   run_both(call, x)
+
+
+# -- first calls run the plan's lines without compiling them ---------------------
+def _kernel_plans(kp):
+  """The sequential and batched plans a KernelPlan has built."""
+  plans = [kp._kernel] if kp._kernel is not None else []
+  if kp._vectorizer is not None:
+    plans += [p for p in kp._vectorizer._kernels.values() if hasattr(p, "fn")]
+  return plans
+
+
+_FIRST_CALL_CASES = {
+    "one grid point": lambda K: K.case_bitonic(8, 128, 8),
+    "batched, fused concatenates": lambda K: K.case_bitonic(64, 256, 8),
+    "batched softmax": lambda K: K.case_softmax(64, 128, 8),
+    "fori_loop, causal": lambda K: K.case_gpu_attention(1, 1, 128, 32, 64, 64),
+    "scalar prefetch": lambda K: K.case_paged_attention(2, 2, 32, 8, 2, 8),
+}
+
+
+@pytest.mark.parametrize("which", sorted(_FIRST_CALL_CASES))
+def test_first_call_runs_lines_then_later_calls_compile(which):
+  """A first call runs its plans' lines as data (no compile()); the next
+  call compiles them. Both give the same bits, and the reference's values."""
+  from benchmarks import kernels as K
+  case = _FIRST_CALL_CASES[which](K)
+  fn = case.make(pallas_np.InterpretParams())
+  first = np.asarray(fn(*case.args))
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  plans = _kernel_plans(kp)
+  assert plans and all(p._compiled is None for p in plans)
+  second = np.asarray(fn(*case.args))
+  assert all(p.fn is p._compiled is not None for p in _kernel_plans(kp))
+  np.testing.assert_array_equal(first, second)
+  np.testing.assert_allclose(second, np.asarray(case.reference(*case.args)),
+                             rtol=max(case.tol, 1e-6), atol=max(case.tol, 1e-6))
+
+
+def test_many_grid_steps_compile_during_the_first_call(monkeypatch):
+  from pallas_np import evaluator
+  monkeypatch.setattr(evaluator, "FIRST_CALLS", 3)
+  x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+  out = pallas_np.pallas_call(
+      lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.sin(x_ref[...]) * 2.0),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+      in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)),
+      interpret=pallas_np.InterpretParams(vectorize=False))(x)
+  np.testing.assert_allclose(np.asarray(out), np.sin(x) * 2.0, rtol=1e-6)
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert kp._kernel._calls == 3 and kp._kernel.fn is kp._kernel._compiled is not None
+
+
+def _oob_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[pl.ds(pl.program_id(0) * 4 + 5, 4)]  # OOB: past the end
+
+
+@pytest.mark.parametrize("first_calls", [8, 0])
+def test_errors_name_the_line_whether_lines_run_or_compiled(monkeypatch, first_calls):
+  from pallas_np import evaluator
+  monkeypatch.setattr(evaluator, "FIRST_CALLS", first_calls)
+  x = jnp.arange(8.0)
+  call = pallas_np.pallas_call(_oob_kernel, out_shape=jax.ShapeDtypeStruct((4,), x.dtype),
+                               grid=(1,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
+                               out_specs=pl.BlockSpec((4,), lambda i: (0,)))
+  with pytest.raises(IndexError) as info:
+    call(x)
+  err = info.value
+  assert isinstance(err, pallas_np.KernelError) and err.primitive == "get"
+  import inspect
+  lines, start = inspect.getsourcelines(_oob_kernel)
+  assert f"test_performance.py:{start + 1}" in err.source
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert (kp._kernel._compiled is None) == (first_calls > 0)
