@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from pallas_np.evaluator import _PLAN_SOURCES
+from pallas_np.evaluator import _PLAN_SOURCES, plan_filename
 
 # Seconds a grid must run before the progress bar appears.
 PROGRESS_AFTER_S = 2.0
@@ -28,7 +28,7 @@ def index_map_origin(plan, tb):
   while tb is not None:
     frame = tb.tb_frame
     code = frame.f_code
-    origin = by_file.get(code.co_filename)
+    origin = by_file.get(plan_filename(frame))
     if origin is not None:
       return origin
     if code is BlockGeometry.block_index.__code__:

@@ -126,7 +126,7 @@ class Plan:
     self._source = None
     self._compiled = None
     self._calls = 0
-    self._epoch = _run_epoch[0]
+    self._epoch = None  # the run of its first call
     self.fn = None
 
   def __call__(self, ctx, *args):
@@ -162,6 +162,8 @@ class Plan:
     runner = _line_runner(self)
 
     def first_calls(ctx, *args):
+      if self._epoch is None:
+        self._epoch = _run_epoch[0]
       if self._calls >= FIRST_CALLS or self._epoch != _run_epoch[0]:
         return self.compiled()(ctx, *args)
       self._calls += 1
@@ -1000,17 +1002,23 @@ def _checked(fn, info: registry.EqnInfo, multiple: bool):
   return wrapped
 
 
+def plan_filename(frame) -> str:
+  """The plan a traceback frame runs (compiled or its line runner): the
+  ``filename`` of its Plan, or the frame's own file name."""
+  if frame.f_code is _run_lines.__code__:
+    return frame.f_globals["_filename"]
+  return frame.f_code.co_filename
+
+
 def failing_eqns(tb) -> list:
   """Eqns of generated plans on a traceback, outermost first."""
   found = []
   while tb is not None:
     frame = tb.tb_frame
     line = tb.tb_lineno
-    filename = frame.f_code.co_filename
-    if frame.f_code is _run_lines.__code__:  # a line runner: its plan and line
-      filename = frame.f_globals["_filename"]
+    if frame.f_code is _run_lines.__code__:  # a line runner: its running line
       line = frame.f_locals.get("i", -2) + 2
-    eqns = _PLAN_SOURCES.get(filename)
+    eqns = _PLAN_SOURCES.get(plan_filename(frame))
     if eqns is not None:
       if 0 < line - 1 < len(eqns) and eqns[line - 1] is not None:
         found.append(eqns[line - 1])

@@ -155,7 +155,8 @@ class KernelPlan:
     self.vmapped_dims = tuple(gm.vmapped_dims)
     self.local_dims = tuple(d for d in range(len(self.grid)) if d not in self.vmapped_dims)
     self.blocks = [BlockGeometry(bm) for bm in gm.block_mappings]
-    self.index_maps = [self.compiler.compile(bm.index_map_jaxpr) for bm in gm.block_mappings]
+    self.index_maps = [self.compiler.compile(bm.index_map_jaxpr, first_calls=True)
+                       for bm in gm.block_mappings]
     self.scratch_avals = [a.inner_aval if isinstance(a, jc.AbstractRef) else a
                           for a in gm.scratch_avals]
     self.out_for_in = {o: i for i, o in input_output_aliases}

@@ -1337,7 +1337,7 @@ class GridVectorizer:
       kp = self.kp
       comp = BatchCompiler(kp.params, kp.name + "_index_map", frozenset())
       flags = tuple(d in batched_axes for d in range(len(kp.grid))) + (False,) * kp.num_index
-      hit = [comp.compile(bm.index_map_jaxpr, in_batched=flags)
+      hit = [comp.compile(bm.index_map_jaxpr, in_batched=flags, first_calls=True)
              for bm in kp.grid_mapping.block_mappings]
       self._maps[key] = hit
     return hit

@@ -299,3 +299,22 @@ def test_errors_name_the_line_whether_lines_run_or_compiled(monkeypatch, first_c
   assert f"test_performance.py:{start + 1}" in err.source
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
   assert (kp._kernel._compiled is None) == (first_calls > 0)
+
+
+@pytest.mark.parametrize("first_calls", [10 ** 6, 0])
+def test_index_map_errors_name_the_operand_whether_run_or_compiled(monkeypatch, first_calls):
+  from pallas_np import evaluator
+  from jax.experimental.pallas import tpu as pltpu
+  monkeypatch.setattr(evaluator, "FIRST_CALLS", first_calls)
+  gs = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(2,),
+      in_specs=[pl.BlockSpec((4,), lambda i, s: (s[i + 1],))],  # s[2]: out of bounds
+      out_specs=pl.BlockSpec((4,), lambda i, s: (i,)))
+  call = pallas_np.pallas_call(
+      lambda s_ref, x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+      out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), grid_spec=gs,
+      interpret=pallas_np.InterpretParams(vectorize=False))
+  with pytest.raises(IndexError, match=r"at grid point \(1,\) in the index map of args\[1\]"):
+    call(jnp.array([0, 1], jnp.int32), jnp.arange(8.0))
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert (kp.index_maps[0]._compiled is None) == (first_calls > 0)
