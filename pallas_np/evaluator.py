@@ -198,39 +198,32 @@ def _line_runner(plan):
   slots = {"ctx": 0}
   for a in arg_names:
     slots[a] = len(slots)
-  consts = {}
-
-  def slot(name):
-    k = slots.get(name)
-    if k is None:
-      k = slots[name] = len(slots)
-      if name in env_globals:
-        consts[k] = env_globals[name]
-    return k
+  slot = lambda name: slots.setdefault(name, len(slots))
 
   steps = []
   for line in body:
     fn = env_globals[line.callee]
-    ins = []
-    for a in line.args:
-      if isinstance(a, str):
-        ins.append(slot(a))
-      else:  # ``name.shape[0]``: only a lane-stacked buffer's allocation
-        assert len(line.args) == 1, line.render()
-        ins.append(slot(a[0]))
-        fn = (lambda alloc: lambda x: alloc(x.shape[0]))(fn)
-    flags = tuple(slot(f) for f in line.flags) if line.flags else ()
-    if not line.outs or (not line.unpack and line.outs[0] == "_"):
+    args = line.args
+    if all(a.__class__ is str for a in args):
+      ins = tuple([slot(a) for a in args])
+    else:  # ``name.shape[0]``: only a lane-stacked buffer's allocation
+      assert len(args) == 1, line.render()
+      ins = (slot(args[0][0]),)
+      fn = (lambda alloc: lambda x: alloc(x.shape[0]))(fn)
+    flags = tuple([slot(f) for f in line.flags]) if line.flags else ()
+    outs = line.outs
+    if not outs or (not line.unpack and outs[0] == "_"):
       out = None
     elif line.unpack:
-      out = tuple(slot(o) for o in line.outs)
+      out = tuple([slot(o) for o in outs])
     else:
-      out = slot(line.outs[0])
-    steps.append((fn, tuple(ins), flags, out, tuple(slot(d) for d in line.dels)))
-  returned = tuple(slot(r) for r in ret)
+      out = slot(outs[0])
+    steps.append((fn, ins, flags, out, tuple([slot(d) for d in line.dels])))
+  returned = tuple([slot(r) for r in ret])
   template = [None] * len(slots)
-  for k, v in consts.items():
-    template[k] = v
+  for name, k in slots.items():
+    if name in env_globals:  # constants: names of the generated function's globals
+      template[k] = env_globals[name]
   scope = {"__builtins__": __builtins__, "_template": template, "_steps": steps,
            "_num_args": 1 + len(arg_names), "_returned": returned,
            "_filename": plan.filename}
@@ -455,6 +448,7 @@ class _Fusion:
   Whether an operand really fuses is decided when its producer is emitted
   (its rule must be a plain NumPy ufunc on native dtypes); the rest is
   copied in by the concatenate's own line."""
+  ROOTS = frozenset(("squeeze", "concatenate"))  # eqns a fusion starts from
 
   def __init__(self, jaxpr, keep, batched=False, lanes_last=False):
     eqns = jaxpr.eqns
@@ -796,8 +790,9 @@ class Compiler:
           if isinstance(v, jc.Var):
             live.add(v)
 
-    fusion = None if self.params.pdb else _Fusion(jaxpr, keep, batched=self.batched,
-                                                   lanes_last=self.lanes_last)
+    fusion = None
+    if not self.params.pdb and any(e.primitive.name in _Fusion.ROOTS for e in jaxpr.eqns):
+      fusion = _Fusion(jaxpr, keep, batched=self.batched, lanes_last=self.lanes_last)
 
     def atom_of(v):
       if isinstance(v, jc.Literal):
