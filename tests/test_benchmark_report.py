@@ -38,3 +38,15 @@ def test_trace_mode_gives_the_cold_floor_and_numpy_overhead(tmp_path):
   text = out.read_text()
   floor = math.sqrt((800 / 25) * (300 / 4))
   assert f"geometric mean **{floor:.1f}**" in text
+
+
+def test_first_call_phases_wraps_every_phase_it_names():
+  """benchmarks/first_call_phases.py wraps pallas_np functions by name: a
+  rename must fail here, not silently drop a phase."""
+  import importlib
+  from benchmarks import first_call_phases
+  for module, path, _ in first_call_phases.PHASES:
+    owner = importlib.import_module(module)
+    for part in path.split("."):
+      owner = getattr(owner, part)
+    assert callable(owner), path
