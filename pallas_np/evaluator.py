@@ -198,28 +198,28 @@ def _line_runner(plan):
   slots = {"ctx": 0}
   for a in arg_names:
     slots[a] = len(slots)
-  slot = lambda name: slots.setdefault(name, len(slots))
+  slot = slots.setdefault  # slot(name, len(slots)): a name's register, new ones appended
 
   steps = []
   for line in body:
     fn = env_globals[line.callee]
     args = line.args
-    if all(a.__class__ is str for a in args):
-      ins = tuple([slot(a) for a in args])
-    else:  # ``name.shape[0]``: only a lane-stacked buffer's allocation
-      assert len(args) == 1, line.render()
-      ins = (slot(args[0][0]),)
+    if len(args) == 1 and args[0].__class__ is tuple:
+      # ``name.shape[0]``: only a lane-stacked buffer's allocation
+      ins = (slot(args[0][0], len(slots)),)
       fn = (lambda alloc: lambda x: alloc(x.shape[0]))(fn)
-    flags = tuple([slot(f) for f in line.flags]) if line.flags else ()
+    else:
+      ins = tuple([slot(a, len(slots)) for a in args])
+    flags = tuple([slot(f, len(slots)) for f in line.flags]) if line.flags else ()
     outs = line.outs
     if not outs or (not line.unpack and outs[0] == "_"):
       out = None
     elif line.unpack:
-      out = tuple([slot(o) for o in outs])
+      out = tuple([slot(o, len(slots)) for o in outs])
     else:
-      out = slot(outs[0])
-    steps.append((fn, ins, flags, out, tuple([slot(d) for d in line.dels])))
-  returned = tuple([slot(r) for r in ret])
+      out = slot(outs[0], len(slots))
+    steps.append((fn, ins, flags, out, tuple([slot(d, len(slots)) for d in line.dels])))
+  returned = tuple([slot(r, len(slots)) for r in ret])
   template = [None] * len(slots)
   for name, k in slots.items():
     if name in env_globals:  # constants: names of the generated function's globals
@@ -526,10 +526,10 @@ class _Fusion:
     fusable after all; emit it normally)."""
     ufunc = getattr(fn, "if_no_zeros", fn)
     eqn = self.eqns[j]
+    out_dtype = info.out_aval.dtype
     if (not isinstance(ufunc, np.ufunc) or all(isinstance(a, _Const) for a in in_atoms)
-        or not all(_native(a) and np.dtype(a.dtype) == np.dtype(info.out_aval.dtype)
-                   for a in info.in_avals) or np.dtype(info.out_aval.dtype) !=
-        np.dtype(self.eqns[self.into[j][0]].outvars[0].aval.dtype)):
+        or not all(_native(a) and a.dtype == out_dtype for a in info.in_avals)
+        or out_dtype != self.eqns[self.into[j][0]].outvars[0].aval.dtype):
       self.into.pop(j)
       return False
     ci, pos, slot = self.into[j]
@@ -635,11 +635,19 @@ class _Fusion:
 
 
 def _native(aval) -> bool:
+  """A dtype NumPy ufuncs compute in natively (no bf16/fp8 round trip)."""
   dt = getattr(aval, "dtype", None)
-  try:
-    return dt is not None and np.dtype(dt).kind in "fiub" and not is_low_precision_float(dt)
-  except TypeError:
-    return False
+  found = _NATIVE.get(dt)
+  if found is None:
+    try:
+      found = dt is not None and np.dtype(dt).kind in "fiub" and not is_low_precision_float(dt)
+    except TypeError:
+      found = False
+    _NATIVE[dt] = found
+  return found
+
+
+_NATIVE: dict = {}
 
 
 def _rev_dims(eqn):
@@ -780,14 +788,16 @@ class Compiler:
     # Liveness: which vars are read by a kept eqn or the live outputs.
     live = set(v for v, l in zip(jaxpr.outvars, live_out)
                if l and isinstance(v, jc.Var))
-    keep = [False] * len(jaxpr.eqns)
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-      eqn = jaxpr.eqns[i]
-      if _has_effects(eqn) or any(o in live for o in eqn.outvars
-                                   if not isinstance(o, jc.DropVar)):
+    eqns = jaxpr.eqns
+    keep = [False] * len(eqns)
+    Var = jc.Var
+    for i in range(len(eqns) - 1, -1, -1):
+      eqn = eqns[i]
+      outs = eqn.outvars  # (a DropVar is never live)
+      if eqn.effects or (outs[0] in live if len(outs) == 1 else any(o in live for o in outs)):
         keep[i] = True
         for v in eqn.invars:
-          if isinstance(v, jc.Var):
+          if isinstance(v, Var):
             live.add(v)
 
     fusion = None
@@ -808,15 +818,24 @@ class Compiler:
       return a[0]
 
     check = self.params.check_avals
+    DropVar = jc.DropVar
+    absorbed = fusion.absorbed if fusion is not None else ()
+    squeezed = fusion.squeeze_of if fusion is not None else ()
+    concats = fusion.concat_buffer if fusion is not None else {}
+    fused_into = fusion.into if fusion is not None else ()
     for i, eqn in enumerate(jaxpr.eqns):
       if not keep[i]:
         continue
-      if fusion is not None and i in fusion.absorbed:
+      if i in absorbed:
         if fusion.absorb(i, em, env):
           continue
-      outvars_used = tuple(not isinstance(o, jc.DropVar) and o in live
-                           for o in eqn.outvars)
-      if fusion is not None and i in fusion.squeeze_of:
+      outvars = eqn.outvars
+      if len(outvars) == 1:
+        o = outvars[0]
+        outvars_used = (o.__class__ is not DropVar and o in live,)
+      else:
+        outvars_used = tuple(o.__class__ is not DropVar and o in live for o in outvars)
+      if i in squeezed:
         # squeeze(slice(x)): one indexing op on x.
         operand, index = fusion.squeeze_of[i]
         in_atoms_e = [atom_of(operand)]
@@ -832,10 +851,11 @@ class Compiler:
                         outvars_used, text, check)
         continue
       in_atoms_e = [atom_of(v) for v in eqn.invars]
-      if fusion is not None and fusion.concat_buffer.get(i) is not None:
+      if concats.get(i) is not None:
         fusion.emit_concat(i, em, env, in_atoms_e, text)
         continue
-      callee = self._inline_callee(eqn)
+      callee = (self._inline_callee(eqn) if eqn.primitive.name in _INLINE_CALLS
+                else None)
       if callee is not None:
         sub_jaxpr, sub_consts = callee
         outs = self._emit(em, sub_jaxpr, sub_consts, in_atoms_e, list(outvars_used))
@@ -862,8 +882,9 @@ class Compiler:
             f"'{self.name}', at {jc.source_summary(eqn.source_info)})") from e
       multiple = eqn.primitive.multiple_results
       # Constant folding.
-      if (rule.foldable and not needs_ctx and not _has_effects(eqn)
-          and all(isinstance(a, _Const) for a in in_atoms_e) and _foldable_size(eqn)):
+      if (rule.foldable and not needs_ctx
+          and all(a.__class__ is _Const for a in in_atoms_e)
+          and not _has_effects(eqn) and _foldable_size(eqn)):
         try:
           out = fn(*[a.value for a in in_atoms_e])
         except Exception:
@@ -874,7 +895,7 @@ class Compiler:
             if not isinstance(o, jc.DropVar):
               env[o] = _Const(val)
           continue
-      if (fusion is not None and i in fusion.into and not needs_ctx
+      if (i in fused_into and not needs_ctx
           and fusion.emit_into(i, em, env, fn, in_atoms_e, info, text)):
         continue
       self._emit_call(em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,

@@ -43,8 +43,8 @@ class EqnInfo:
     self.eqn = eqn
     self.primitive = eqn.primitive
     self.params = eqn.params
-    self.in_avals = tuple(v.aval for v in eqn.invars)
-    self.out_avals = tuple(v.aval for v in eqn.outvars)
+    self.in_avals = tuple([v.aval for v in eqn.invars])
+    self.out_avals = tuple([v.aval for v in eqn.outvars])
     self.compiler = compiler
     self.outvars_used = outvars_used
 
