@@ -311,15 +311,18 @@ class _Emitter:
     return g
 
 
-def _is_float(aval) -> bool:
-  dt = getattr(aval, "dtype", None)
-  found = _IS_FLOAT.get(dt)
-  if found is None:
-    found = _IS_FLOAT[dt] = _is_float_dtype(dt)
-  return found
+def _per_dtype(test):
+  """``test(dtype)`` as a test of an aval, memoised per dtype: the emitter
+  asks it of every operand of every eqn."""
+  memo: dict = {}
 
-
-_IS_FLOAT: dict = {}
+  def of_aval(aval) -> bool:
+    dt = getattr(aval, "dtype", None)
+    found = memo.get(dt)
+    if found is None:
+      found = memo[dt] = test(dt)
+    return found
+  return of_aval
 
 
 def _is_float_dtype(dt) -> bool:
@@ -330,6 +333,9 @@ def _is_float_dtype(dt) -> bool:
   except TypeError:  # extended dtypes (PRNG keys)
     return False
   return dt.kind == "f" or is_low_precision_float(dt)
+
+
+_is_float = _per_dtype(_is_float_dtype)
 
 
 def _has_zero(x) -> bool:
@@ -634,20 +640,15 @@ class _Fusion:
     em.zeros.moved(eqn, in_atoms, [buf])
 
 
-def _native(aval) -> bool:
+def _native_dtype(dt) -> bool:
   """A dtype NumPy ufuncs compute in natively (no bf16/fp8 round trip)."""
-  dt = getattr(aval, "dtype", None)
-  found = _NATIVE.get(dt)
-  if found is None:
-    try:
-      found = dt is not None and np.dtype(dt).kind in "fiub" and not is_low_precision_float(dt)
-    except TypeError:
-      found = False
-    _NATIVE[dt] = found
-  return found
+  try:
+    return dt is not None and np.dtype(dt).kind in "fiub" and not is_low_precision_float(dt)
+  except TypeError:
+    return False
 
 
-_NATIVE: dict = {}
+_native = _per_dtype(_native_dtype)
 
 
 def _rev_dims(eqn):
@@ -793,8 +794,7 @@ class Compiler:
     Var = jc.Var
     for i in range(len(eqns) - 1, -1, -1):
       eqn = eqns[i]
-      outs = eqn.outvars  # (a DropVar is never live)
-      if eqn.effects or (outs[0] in live if len(outs) == 1 else any(o in live for o in outs)):
+      if eqn.effects or any([o in live for o in eqn.outvars]):  # (a DropVar is never live)
         keep[i] = True
         for v in eqn.invars:
           if isinstance(v, Var):
@@ -829,12 +829,7 @@ class Compiler:
       if i in absorbed:
         if fusion.absorb(i, em, env):
           continue
-      outvars = eqn.outvars
-      if len(outvars) == 1:
-        o = outvars[0]
-        outvars_used = (o.__class__ is not DropVar and o in live,)
-      else:
-        outvars_used = tuple(o.__class__ is not DropVar and o in live for o in outvars)
+      outvars_used = tuple([not isinstance(o, DropVar) and o in live for o in eqn.outvars])
       if i in squeezed:
         # squeeze(slice(x)): one indexing op on x.
         operand, index = fusion.squeeze_of[i]
@@ -854,8 +849,7 @@ class Compiler:
       if concats.get(i) is not None:
         fusion.emit_concat(i, em, env, in_atoms_e, text)
         continue
-      callee = (self._inline_callee(eqn) if eqn.primitive.name in _INLINE_CALLS
-                else None)
+      callee = self._inline_callee(eqn)
       if callee is not None:
         sub_jaxpr, sub_consts = callee
         outs = self._emit(em, sub_jaxpr, sub_consts, in_atoms_e, list(outvars_used))

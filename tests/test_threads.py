@@ -269,6 +269,19 @@ def test_auto_mode_keeps_narrow_and_gemm_kernels_on_one_thread(monkeypatch):
   assert one.last_mode == "sequential"
 
 
+def test_one_point_grid_skips_the_thread_analysis(monkeypatch):
+  """A grid of one point has nothing to spread: no walk over the kernel."""
+  walked = []
+  orig = threads.vectorize.all_eqns
+  monkeypatch.setattr(threads.vectorize, "all_eqns", lambda j: walked.append(j) or orig(j))
+  x = _x((16, 128), seed=10)
+  plan = _plan_of(lambda v: pl.pallas_call(
+      lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.sin(x_ref[...])),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=TWO)(v), x)
+  assert plan.last_mode == "sequential" and plan._threads.reason == "one grid point"
+  assert walked == []
+
+
 def test_num_threads_must_be_positive():
   with pytest.raises(ValueError, match="num_threads"):
     pallas_np.InterpretParams(num_threads=0)
