@@ -66,8 +66,9 @@ def grid_report() -> list[dict]:
   """How each cached kernel's grid ran last, and why not batched: one dict
   per kernel (least recently used first) with ``kernel``, ``grid``, ``mode``
   ("vectorized", "threaded", "sequential", or None if never run), ``why``
-  (the vectorizer's reason for a sequential run, else None) and ``layout``
-  (a vectorized run's lanes: "lanes-first" or "lanes-last", else None)."""
+  (the vectorizer's reason for a sequential run, else None), ``layout``
+  (a vectorized run's lanes: "lanes-first" or "lanes-last", else None) and
+  ``batched_axes`` (the grid axes a vectorized run batched, else None)."""
   with _plan_cache_lock:
     plans = [entry[1] for entry in _plan_cache.values()]
   report = []
@@ -81,9 +82,11 @@ def grid_report() -> list[dict]:
         why = "one grid point, or a num_cores > 1 run"
       else:
         why = gv.reason or gv.last_failure or "no grid axes whose points own their outputs"
-    layout = gv.last_layout if gv is not None and kp.last_mode == "vectorized" else None
+    vectorized = gv is not None and kp.last_mode == "vectorized"
     report.append({"kernel": kp.name, "grid": kp.grid, "mode": kp.last_mode,
-                   "why": None if why is None else str(why), "layout": layout})
+                   "why": None if why is None else str(why),
+                   "layout": gv.last_layout if vectorized else None,
+                   "batched_axes": gv.last_axes if vectorized else None})
   return report
 
 

@@ -1302,7 +1302,10 @@ class GridVectorizer:
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
+    self._loop_axes = None  # loop_axes(kp), computed once
+    self._partly_read = None  # partly_read_operands(kp), computed once
     self.last_layout = None  # the last pass's: "lanes-first" or "lanes-last"
+    self.last_axes = None  # the grid axes the last pass batched
     params = kp.params
     self.reason = order_free_reason(kp)
     if self.reason is not None:
@@ -1384,7 +1387,10 @@ class GridVectorizer:
       cols = [np.broadcast_to(np.asarray(o, np.int64), (total,)) for o in outs]
       block_idx.append(cols)
     n_in = self.kp.num_inputs
-    axes = lane_axes(grid, coords, block_idx[n_in:], bool(self.kp.scratch_avals))
+    if self._loop_axes is None:
+      self._loop_axes = loop_axes(self.kp)
+    axes = lane_axes(grid, coords, block_idx[n_in:], bool(self.kp.scratch_avals),
+                     self._loop_axes)
     if axes is not None:
       return axes, block_idx, frozenset()
     if self.kp.scratch_avals or not self.shared_outputs_ok:
@@ -1426,13 +1432,17 @@ def order_free_reason(kp) -> str | None:
   return None
 
 
-def lane_axes(grid, coords, out_block_idx, scratch: bool):
+_LOOP_FREE_MIN_LANES = 8  # fewer lanes than this: batching a loop axis too may still pay
+
+
+def lane_axes(grid, coords, out_block_idx, scratch: bool, avoid=frozenset()):
   """The grid axes whose coordinates make a *lane* such that every output
   block is touched by one lane only, or None. ``coords``: (ndim, points)
   grid coordinates in grid order; ``out_block_idx``: per output, the block
   index columns over those points. Tried in order: all axes, grid prefixes,
-  single axes (longest first). With scratch, lanes must be consecutive in
-  grid order (batched axes before sequential ones) for the vectorizer's
+  single axes (longest first); sets without an ``avoid`` axis (see
+  ``loop_axes``) and with at least 8 lanes before the others. With scratch, lanes must be consecutive
+  in grid order (batched axes before sequential ones) for the vectorizer's
   scratch hand-over check to be exact: prefixes only."""
   ndim = len(grid)
   cands = [d for d in range(ndim) if grid[d] > 1]
@@ -1441,6 +1451,9 @@ def lane_axes(grid, coords, out_block_idx, scratch: bool):
     options.append(tuple(d for d in cands if d < m))
   if not scratch:
     options += sorted(((d,) for d in cands), key=lambda t: -grid[t[0]])
+  if avoid:  # loop-free sets of at least _LOOP_FREE_MIN_LANES lanes first (stable)
+    options.sort(key=lambda axes: any(d in avoid for d in axes) or math.prod(
+        grid[d] for d in axes) < _LOOP_FREE_MIN_LANES)
   seen = set()
   for axes in options:
     if not axes or axes in seen:
@@ -1513,12 +1526,16 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   auto = kp.params.vectorize is None
   lanes_last = gv.lanes_last and not shared
   limit = _auto_lane_limit(kp, lanes_last)
-  if auto and _lane_bytes(kp, operand_batched) >= limit:
+  weighed = operand_batched
+  if auto:
+    weighed = _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched)
+  if auto and _lane_bytes(kp, weighed) >= limit:
     gv.last_failure = _TOO_BIG
     return None
   plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
   gv.last_layout = "lanes-last" if lanes_last else "lanes-first"
-  if auto and _lane_bytes(kp, operand_batched) + plan.lane_access_bytes >= limit:
+  gv.last_axes = axes
+  if auto and _lane_bytes(kp, weighed) + plan.lane_access_bytes >= limit:
     gv.last_failure = _TOO_BIG
     return None
   kernel = plan.fn
@@ -1562,6 +1579,30 @@ def _auto_lane_limit(kp, lanes_last=False):
   if kp.scratch_avals:
     return _AUTO_LANE_BYTES_SCRATCH
   return _AUTO_LANE_BYTES_LANES_LAST if lanes_last else _AUTO_LANE_BYTES
+
+
+def _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched):
+  """The batched operands the auto limit weighs: all but inputs the kernel
+  reads only in windows smaller than the block (``partly_read_operands``)
+  whose lanes are views of the input (no copy; checked at the first
+  sequential grid point): a lane moves only those windows, which the batched
+  plan counts as accesses. Causal attention reading 64-row tiles of whole
+  K/V blocks batches over (batch, head) that way."""
+  if gv._partly_read is None:
+    gv._partly_read = partly_read_operands(kp)
+  if not gv._partly_read:
+    return operand_batched
+  # Grid points of the lanes at the first sequential point, in lane order.
+  lane_shape = tuple(grid[d] for d in axes)
+  coords = np.indices(lane_shape).reshape(len(axes), -1)
+  flat = sum(coords[k] * math.prod(grid[d + 1:]) for k, d in enumerate(axes))
+  weighed = list(operand_batched)
+  for b in gv._partly_read:
+    if b < kp.num_inputs and operand_batched[b]:
+      cols = [c[flat] for c in block_idx[b]]
+      if _lane_view(_windows(buffers[b], kp.blocks[b]), cols) is not None:
+        weighed[b] = False
+  return tuple(weighed)
 
 
 def _lane_bytes(kp, operand_batched):
@@ -1758,6 +1799,101 @@ def all_eqns(jaxpr):
     yield from all_eqns(sub)
 
 
+def _sub_bindings(eqn):
+  """[(sub-jaxpr, the eqn atoms its invars take)] for the call-like and
+  control-flow eqns whose operands map onto sub-jaxpr inputs; None for any
+  other eqn with sub-jaxprs (the callers then assume the worst)."""
+  from pallas_np.evaluator import _INLINE_CALLS
+  name, params, ins = eqn.primitive.name, eqn.params, list(eqn.invars)
+  unwrap = lambda j: getattr(j, "jaxpr", j)
+  if name == "cond":
+    return [(unwrap(b), ins[1:]) for b in params["branches"]]
+  if name == "while":
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    carry = ins[nc + nb:]
+    return [(unwrap(params["cond_jaxpr"]), ins[:nc] + carry),
+            (unwrap(params["body_jaxpr"]), ins[nc:nc + nb] + carry)]
+  if name == "scan":
+    return [(unwrap(params["jaxpr"]), ins)]
+  if name == "run_scoped":
+    body = unwrap(params["jaxpr"])
+    return [(body.replace(invars=[*body.constvars, *body.invars], constvars=[]), ins)]
+  callee = params.get(_INLINE_CALLS.get(name, ""))
+  if callee is not None:
+    return [(unwrap(callee), ins)]
+  return None if _has_subjaxprs(eqn) else []
+
+
+def loop_axes(kp) -> frozenset:
+  """Grid dims whose program_id reaches a ``while`` loop's operands (a
+  ``fori_loop`` with a program_id-dependent trip count, as in causal
+  attention): batching such an axis makes the lanes' trip counts differ,
+  and the pass iterates every lane until the longest is done. A heuristic
+  for the choice of axes only: correctness never depends on it."""
+  local = kp.local_dims
+  found: set = set()
+
+  def walk(jaxpr, taint):
+    for eqn in jaxpr.eqns:
+      axes = frozenset().union(*[taint.get(v, frozenset()) for v in eqn.invars
+                                 if isinstance(v, jc.Var)])
+      if eqn.primitive.name == "program_id":
+        axes = axes | {local[eqn.params["axis"]]}
+      if eqn.primitive.name == "while":
+        found.update(axes)
+      subs = _sub_bindings(eqn)
+      for sub, atoms in subs or ():
+        inner = {v: taint[a] for v, a in zip(sub.invars, atoms)
+                 if isinstance(a, jc.Var) and a in taint}
+        walk(sub, inner)
+        axes = axes | frozenset().union(*inner.values(), *[
+            {local[e.params["axis"]]} for e in all_eqns(sub)
+            if e.primitive.name == "program_id"])
+      if axes:
+        for o in eqn.outvars:
+          taint[o] = axes
+  walk(kp.kernel_jaxpr, {})
+  return frozenset(found)
+
+
+def partly_read_operands(kp) -> frozenset:
+  """Operands (block positions) the kernel only ever reads or writes in
+  windows smaller than their block (``k_ref[pl.ds(start, 64), :]`` of a
+  whole K block): a lane's real traffic is then those windows, not its
+  block. Any other use of the ref (whole-block access, a primitive this
+  walk does not know) counts as whole."""
+  whole: set = set()
+  partial: set = set()
+  getters = ("get", "swap", "load", "masked_load", "masked_swap", "addupdate")
+
+  def walk(jaxpr, refs):
+    for eqn in jaxpr.eqns:
+      used = [(k, refs[v]) for k, v in enumerate(eqn.invars)
+              if isinstance(v, jc.Var) and v in refs]
+      if not used:
+        continue
+      name = eqn.primitive.name
+      if name in getters and used == [(0, used[0][1])]:
+        ref_aval = eqn.invars[0].aval
+        moved = (eqn.outvars or eqn.invars[1:])[0].aval  # what a read/swap moves
+        size = math.prod(getattr(moved, "shape", ()) or (1,))
+        block = math.prod(getattr(ref_aval, "shape", ()) or (1,))
+        (partial if 2 * size <= block else whole).add(used[0][1])
+        continue
+      subs = _sub_bindings(eqn)
+      if subs is None or name in getters:
+        whole.update(op for _, op in used)
+        continue
+      for sub, atoms in subs:
+        walk(sub, {v: refs[a] for v, a in zip(sub.invars, atoms)
+                   if isinstance(a, jc.Var) and a in refs})
+
+  jaxpr = kp.kernel_jaxpr
+  ops = jaxpr.invars[kp.num_index:kp.num_index + len(kp.blocks)]
+  walk(jaxpr, {v: b for b, v in enumerate(ops)})
+  return frozenset(partial - whole)
+
+
 def prefers_lanes_last(kp) -> bool:
   inner = []  # (last-axis length, elements) per eqn result
   for eqn in all_eqns(kp.kernel_jaxpr):
@@ -1812,8 +1948,20 @@ def _check_positions(cols, limits, clamp, geo):
 
 def _gather(window, cols):
   """The lanes' blocks as one array with a leading lane axis: a view when
-  one block coordinate steps by one from lane to lane and the others are
-  fixed; else a copy (written back after the step for outputs)."""
+  possible (``_lane_view``); else a copy (written back after the step for
+  outputs)."""
+  view = _lane_view(window, cols)
+  if view is not None:
+    return view, False
+  return window[tuple(cols)], True
+
+
+def _lane_view(window, cols):
+  """The lanes' blocks as a view of ``window``, or None: when one block
+  coordinate steps by one from lane to lane and the others are fixed, or
+  when the lanes walk consecutive block positions of several adjacent dims
+  in C order (lanes over (batch, head) of a (B, H, ...) operand) whose
+  windows merge into one axis without a copy."""
   n = len(cols[0])
   varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
   if len(varying) <= 1:
@@ -1824,5 +1972,19 @@ def _gather(window, cols):
         n < 3 or (np.diff(c) == 1).all()):
       idx = tuple(slice(start, start + n) if k == d else int(cols[k][0])
                   for k in range(len(cols)))
-      return window[idx], False
-  return window[tuple(cols)], True
+      return window[idx]
+    return None
+  lo, hi = varying[0], varying[-1] + 1
+  extents = window.shape[lo:hi]
+  flat = np.ravel_multi_index(tuple(cols[lo:hi]), extents)
+  start = int(flat[0])
+  if int(flat[-1]) - start != n - 1 or not (np.diff(flat) == 1).all():
+    return None
+  run = window[tuple(slice(None) if lo <= k < hi else int(cols[k][0])
+                     for k in range(len(cols)))]
+  merged = hi - lo  # the first ``merged`` axes of ``run`` fold into one
+  if any(run.strides[k] != run.strides[k + 1] * run.shape[k + 1] for k in range(merged - 1)):
+    return None
+  return np.lib.stride_tricks.as_strided(
+      run, (math.prod(extents), *run.shape[merged:]),
+      (run.strides[merged - 1], *run.strides[merged:]))[start:start + n]

@@ -737,3 +737,50 @@ def test_auto_lane_limit_is_higher_for_lanes_last_passes(modes):
   report = pallas_np.grid_report()
   assert report[0]["layout"] == "lanes-last"
   assert "too big" in report[1]["why"]
+
+
+def test_causal_attention_batches_batch_and_head_not_its_loop_axis(modes):
+  """GPU-style causal attention, grid (batch, head, q block), whole K/V
+  blocks (128 KiB each per lane) read in 64-row tiles by a fori_loop whose
+  trip count depends on program_id(2). Auto mode batches (batch, head): the
+  q-block axis drives the loop (batching it would iterate every lane to the
+  longest trip count), and K/V lanes are views read in tiles, so their block
+  bytes do not count against the auto limit. Bitwise the sequential result."""
+  from benchmarks import kernels
+  from pallas_np import api, vectorize
+  pallas_np.clear_caches()
+  case = kernels.case_gpu_attention()
+  seq = case.make(SEQ)(*case.args)
+  for interp in (pallas_np.InterpretParams(check_avals=True), VEC):
+    modes.clear()
+    got = case.make(interp)(*case.args)
+    assert modes[-1] == "vectorized", (interp, modes)
+    report = pallas_np.grid_report()[-1]
+    assert report["batched_axes"] == (0, 1), report
+    assert_same(got, seq, rtol=0, atol=0)
+  assert_same(got, case.reference(*case.args), rtol=1e-5, atol=1e-5)
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert vectorize.loop_axes(kp) == {2}
+  assert vectorize.partly_read_operands(kp) == {1, 2}  # K and V, not q or the output
+
+
+def test_lane_view_over_two_grid_axes():
+  """Lanes walking (batch, head) blocks of a (B, H, S, D) operand in C order
+  are one view of it (no gather copy); any other order is gathered."""
+  from pallas_np import vectorize
+  buf = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)
+  window = buf.reshape(2, 3, 2, 4, 4)[:, :, :, None]  # blocks of (4, 4): positions (2, 3, 2, 1)
+  b, h = np.divmod(np.arange(6), 3)
+  cols = [b, h, np.full(6, 1), np.zeros(6, np.int64)]
+  view, copied = vectorize._gather(window, cols)
+  assert not copied and np.shares_memory(view, buf)
+  np.testing.assert_array_equal(view, window[tuple(cols)])
+  part = [c[2:5] for c in cols]  # a slab of lanes 2..4
+  view, copied = vectorize._gather(window, part)
+  assert not copied
+  np.testing.assert_array_equal(view, window[tuple(part)])
+  order = np.array([0, 3, 1, 4, 2, 5])  # head-major: not one stride
+  perm = [c[order] for c in cols]
+  got, copied = vectorize._gather(window, perm)
+  assert copied
+  np.testing.assert_array_equal(got, window[tuple(perm)])
