@@ -431,9 +431,9 @@ def test_grid_report_says_how_and_why():
   onto_zeros(chain, 9, (8,))(pallas_np.InterpretParams())(x[:8])
   report = {r["kernel"]: r for r in pallas_np.grid_report()}
   assert report["own"]["mode"] == "vectorized" and report["own"]["why"] is None
-  assert report["own"]["grid"] == (8,)
+  assert report["own"]["grid"] == (8,) and report["own"]["batched_axes"] == (0,)
   assert report["own_seq"] == {"kernel": "own_seq", "grid": (8,), "mode": "sequential",
-                               "why": "vectorize=False", "layout": None}
+                               "why": "vectorize=False", "layout": None, "batched_axes": None}
   assert report["chain"]["mode"] == "sequential"
   assert "another lane" in report["chain"]["why"]
 
