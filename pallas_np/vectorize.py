@@ -1440,10 +1440,10 @@ def lane_axes(grid, coords, out_block_idx, scratch: bool, avoid=frozenset()):
   block is touched by one lane only, or None. ``coords``: (ndim, points)
   grid coordinates in grid order; ``out_block_idx``: per output, the block
   index columns over those points. Tried in order: all axes, grid prefixes,
-  single axes (longest first); sets without an ``avoid`` axis (see
-  ``loop_axes``) and with at least 8 lanes before the others. With scratch, lanes must be consecutive
-  in grid order (batched axes before sequential ones) for the vectorizer's
-  scratch hand-over check to be exact: prefixes only."""
+  single axes (longest first); sets of at least 8 lanes without an
+  ``avoid`` axis (see ``loop_axes``) before the others. With scratch, lanes
+  must be consecutive in grid order (batched axes before sequential ones)
+  for the vectorizer's scratch hand-over check to be exact: prefixes only."""
   ndim = len(grid)
   cands = [d for d in range(ndim) if grid[d] > 1]
   options = [] if scratch else [tuple(cands)]
@@ -1881,7 +1881,7 @@ def partly_read_operands(kp) -> frozenset:
         (partial if 2 * size <= block else whole).add(used[0][1])
         continue
       subs = _sub_bindings(eqn)
-      if subs is None or name in getters:
+      if not subs or name in getters:  # an unknown use (a DMA, an atomic, ...)
         whole.update(op for _, op in used)
         continue
       for sub, atoms in subs:

@@ -784,3 +784,28 @@ def test_lane_view_over_two_grid_axes():
   got, copied = vectorize._gather(window, perm)
   assert copied
   np.testing.assert_array_equal(got, window[tuple(perm)])
+
+
+def test_partly_read_operands_counts_any_whole_access_as_whole():
+  from pallas_np import api, vectorize
+  x = _normal(54, (4, 32, 8))
+
+  def tile_only(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(8, 8), :] * 2.0
+
+  def tile_and_whole(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(8, 8), :] + jnp.sum(x_ref[...], axis=0, keepdims=True)
+
+  found = []
+  for kernel in (tile_only, tile_and_whole):
+    pallas_np.clear_caches()
+    got = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 8, 8), jnp.float32), grid=(4,),
+        in_specs=[pl.BlockSpec((None, 32, 8), lambda i: (i, 0, 0))],
+        out_specs=pl.BlockSpec((None, 8, 8), lambda i: (i, 0, 0)), interpret=SEQ)(x)
+    want = np.asarray(x)[:, 8:16] * 2.0 if kernel is tile_only else \
+        np.asarray(x)[:, 8:16] + np.asarray(x).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    kp = [entry[1] for entry in api._plan_cache.values()][-1]
+    found.append(vectorize.partly_read_operands(kp))
+  assert found == [{0}, set()]
