@@ -1592,10 +1592,7 @@ def _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched):
     gv._partly_read = partly_read_operands(kp)
   if not gv._partly_read:
     return operand_batched
-  # Grid points of the lanes at the first sequential point, in lane order.
-  lane_shape = tuple(grid[d] for d in axes)
-  coords = np.indices(lane_shape).reshape(len(axes), -1)
-  flat = sum(coords[k] * math.prod(grid[d + 1:]) for k, d in enumerate(axes))
+  flat = _lane_points(grid, axes)
   weighed = list(operand_batched)
   for b in gv._partly_read:
     if b < kp.num_inputs and operand_batched[b]:
@@ -1603,6 +1600,15 @@ def _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched):
       if _lane_view(_windows(buffers[b], kp.blocks[b]), cols) is not None:
         weighed[b] = False
   return tuple(weighed)
+
+
+def _lane_points(grid, axes, lane_coords=None):
+  """Flat grid index of every lane (in lane order) at the first sequential
+  grid point; ``lane_coords``: the lanes' coordinates on ``axes``."""
+  if lane_coords is None:
+    lane_coords = np.indices(tuple(grid[d] for d in axes)).reshape(len(axes), -1)
+  return sum(lane_coords[k].astype(np.int64) * math.prod(grid[d + 1:])
+             for k, d in enumerate(axes))
 
 
 def _lane_bytes(kp, operand_batched):
@@ -1639,6 +1645,7 @@ class _SlabRunner:
       per_slab = min(per_slab, -(-self.n_lanes // self.threads))
     self.slabs = [(s, min(s + per_slab, self.n_lanes)) for s in range(0, self.n_lanes, per_slab)]
     self.lane_coords = np.indices(lane_shape, dtype=np.int32).reshape(len(axes), -1)
+    self.lane_flat = _lane_points(grid, axes, self.lane_coords)
     self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
     self.seq_points = list(itertools.product(*[range(grid[d]) for d in self.seq_axes]))
     self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
@@ -1679,7 +1686,7 @@ class _SlabRunner:
     ids = [None] * len(grid)
     for k, d in enumerate(axes):
       ids[d] = self.lane_coords[k, lo:hi]
-    lane_flat = sum(ids[d].astype(np.int64) * self.grid_strides[d] for d in axes)
+    lane_flat = self.lane_flat[lo:hi]
     lanes_last = self.lanes_last and n >= _LANES_LAST_MIN_LANES
     if scratch_init is None:
       scratch = [_lane_full(n, a.shape, _fill(a.dtype, params),
@@ -1833,7 +1840,10 @@ def loop_axes(kp) -> frozenset:
   local = kp.local_dims
   found: set = set()
 
-  def walk(jaxpr, taint):
+  def walk(jaxpr, taint) -> frozenset:
+    """Taints ``jaxpr``'s values; returns every axis seen in it (the taint
+    of a call or loop's outputs: a coarse but safe over-approximation)."""
+    seen = frozenset().union(*taint.values())
     for eqn in jaxpr.eqns:
       axes = frozenset().union(*[taint.get(v, frozenset()) for v in eqn.invars
                                  if isinstance(v, jc.Var)])
@@ -1841,17 +1851,14 @@ def loop_axes(kp) -> frozenset:
         axes = axes | {local[eqn.params["axis"]]}
       if eqn.primitive.name == "while":
         found.update(axes)
-      subs = _sub_bindings(eqn)
-      for sub, atoms in subs or ():
-        inner = {v: taint[a] for v, a in zip(sub.invars, atoms)
-                 if isinstance(a, jc.Var) and a in taint}
-        walk(sub, inner)
-        axes = axes | frozenset().union(*inner.values(), *[
-            {local[e.params["axis"]]} for e in all_eqns(sub)
-            if e.primitive.name == "program_id"])
+      for sub, atoms in _sub_bindings(eqn) or ():
+        axes = axes | walk(sub, {v: taint[a] for v, a in zip(sub.invars, atoms)
+                                 if isinstance(a, jc.Var) and a in taint})
       if axes:
+        seen = seen | axes
         for o in eqn.outvars:
           taint[o] = axes
+    return seen
   walk(kp.kernel_jaxpr, {})
   return frozenset(found)
 
@@ -1864,7 +1871,7 @@ def partly_read_operands(kp) -> frozenset:
   walk does not know) counts as whole."""
   whole: set = set()
   partial: set = set()
-  getters = ("get", "swap", "load", "masked_load", "masked_swap", "addupdate")
+  getters = ("get", "swap", "masked_load", "masked_swap", "addupdate")
 
   def walk(jaxpr, refs):
     for eqn in jaxpr.eqns:
