@@ -247,7 +247,7 @@ class _Line:
   exact) pair indexed by whether any of these zero flags is set (see
   ``_zero_select``). An arg that is a 1-tuple ``(name,)`` stands for
   ``name.shape[0]`` (a batched value's lane count)."""
-  __slots__ = ("outs", "unpack", "callee", "flags", "args", "dels")
+  __slots__ = ("outs", "unpack", "callee", "flags", "args", "dels", "into")
 
   def __init__(self, callee, args=(), outs=(), *, unpack=False, flags=None):
     self.callee = callee
@@ -256,6 +256,7 @@ class _Line:
     self.unpack = unpack  # the callee returns a sequence (multiple results)
     self.flags = flags
     self.dels = ()  # values that die here (see _Emitter.free_dead_values)
+    self.into = None  # (ufunc, arg positions it may write into, check wrapper): see in_place
 
   def render(self) -> str:
     callee = self.callee if self.flags is None else f"{self.callee}[{' or '.join(self.flags)}]"
@@ -275,7 +276,7 @@ class _Line:
 
 class _Emitter:
   """Mutable state of one generated function: globals, names, lines."""
-  __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads", "zeros")
+  __slots__ = ("env_globals", "counter", "body", "line_eqns", "reads", "zeros", "fresh_values")
 
   def __init__(self):
     self.env_globals: dict[str, Any] = {}
@@ -284,6 +285,55 @@ class _Emitter:
     self.line_eqns: list[Any] = [None]  # line 1 = def
     self.reads: list[list[str]] = []  # per body line: the value names it reads
     self.zeros = _ZeroTracker()
+    self.fresh_values: set[str] = set()  # arrays a ufunc line allocated (see in_place)
+
+  def in_place(self, returned):
+    """Let a ufunc line write its result into an operand that dies there
+    (``ufunc(x, y, out=x)``) instead of a fresh array: a chain such as
+    softmax's ``exp(x - m) / s`` then reuses one buffer, so a first call
+    page-faults less fresh memory and warm calls stay in cache. The operand
+    must be an array a ufunc line allocated (no other owner), of the
+    result's shape, dtype and lane axis (checked when the line was emitted),
+    and nothing derived from it by the lines that read it before may
+    outlive this line (a view of it would see the overwrite): outputs of
+    ufunc lines are fresh arrays; any other reader's outputs must die here
+    or earlier, as must theirs. Readers with effects (callbacks may keep
+    their arguments) rule it out."""
+    last: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    for i, names in enumerate(self.reads):
+      for n in names:
+        last[n] = i
+        readers.setdefault(n, []).append(i)
+    fresh, body, eqns = self.fresh_values, self.body, self.line_eqns
+
+    def outlives(name, i) -> bool:
+      for j in readers[name]:
+        if j == i:
+          continue
+        eqn = eqns[j + 1]
+        if eqn is not None and (eqn.effects or "callback" in eqn.primitive.name):
+          return True
+        for o in body[j].outs:
+          if not o.startswith("v") or o in fresh:
+            continue
+          if o in returned or last.get(o, len(body)) > i or outlives(o, i):
+            return True
+      return False
+
+    for i, line in enumerate(body):
+      if line.into is None:
+        continue
+      ufunc, positions, checked = line.into
+      for k in positions:
+        name = line.args[k]
+        if name in fresh and last[name] == i and name in line.dels \
+            and not outlives(name, i):
+          g = self.fresh("f")
+          into = _ufunc_into(ufunc, k)
+          self.env_globals[g] = into if checked is None else checked(into)
+          line.callee = g
+          break
 
   def free_dead_values(self, returned):
     """Free each intermediate after its last use (``; del v3`` on the same
@@ -767,6 +817,7 @@ class Compiler:
         out_batched.append(a[1])
     if not self.params.pdb:  # under pdb every value stays inspectable
       em.free_dead_values(set(ret))
+      em.in_place(set(ret))
     fname = f"plan_{_sanitize(self.name)}"
     line_eqns = em.line_eqns + [None]
     with _lock:
@@ -914,8 +965,11 @@ class Compiler:
       zero_srcs = em.zeros.guard_sources(in_atoms_e, info.in_avals, info.out_avals[0])
       if zero_srcs is None:
         fast = None
+    ufunc = fn if fn.__class__ is np.ufunc and fast is None and fn.nout == 1 else None
+    checked = None
     if check:
-      fn = self.check_wrapper(fn, info, multiple, out_batched)
+      checked = lambda f: self.check_wrapper(f, info, multiple, out_batched)
+      fn = checked(fn)
       if fast is not None:
         fast = self.check_wrapper(fast, info, multiple, out_batched)
     g = em.fresh("f")
@@ -939,7 +993,19 @@ class Compiler:
     em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
     if eqn.primitive.name in registry.DATA_MOVEMENT:
       em.zeros.moved(eqn, in_atoms_e, outs)
-    em.body.append(_Line(g, tuple(args), tuple(outs), unpack=multiple, flags=flags))
+    line = _Line(g, tuple(args), tuple(outs), unpack=multiple, flags=flags)
+    if ufunc is not None and outs[0] != "_":
+      # A ufunc allocates its result: it may write into a dying operand
+      # (Emitter.in_place) and its own result may be written into later.
+      out = eqn.outvars[0].aval
+      shape = getattr(out, "shape", ())
+      if shape:
+        em.fresh_values.add(outs[0])
+        line.into = (ufunc, tuple(
+            k for k, (a, v) in enumerate(zip(in_atoms_e, eqn.invars))
+            if a.__class__ is not _Const and a[1] == out_batched[0]
+            and v.aval.shape == shape and v.aval.dtype == out.dtype), checked)
+    em.body.append(line)
     em.line_eqns.append(eqn)
 
   @staticmethod
@@ -958,6 +1024,17 @@ class Compiler:
     if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
       return None
     return sub, consts
+
+
+def _ufunc_into(ufunc, k):
+  """``ufunc`` writing its result into its operand ``k``."""
+  if ufunc.nin == 1:
+    return lambda x: ufunc(x, out=x)
+  if k == 0:
+    return lambda x, y: ufunc(x, y, out=x)
+  if k == 1 and ufunc.nin == 2:
+    return lambda x, y: ufunc(x, y, out=y)
+  return lambda *xs: ufunc(*xs, out=xs[k])
 
 
 def _sanitize(name: str) -> str:

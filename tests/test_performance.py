@@ -318,3 +318,58 @@ def test_index_map_errors_name_the_operand_whether_run_or_compiled(monkeypatch, 
     call(jnp.array([0, 1], jnp.int32), jnp.arange(8.0))
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
   assert (kp.index_maps[0]._compiled is None) == (first_calls > 0)
+
+
+def _in_place_lines(plan) -> int:
+  return sum(getattr(f, "__qualname__", "").startswith("_ufunc_into")
+             for f in plan._text[4].values())
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_ufuncs_write_into_dying_operands(monkeypatch, vectorize):
+  """Softmax's ``exp(x - m)`` and ``e / s`` write into the array the line
+  before allocated (``Emitter.in_place``), sequential and batched: the same
+  bits as with fresh results, and interpret=True's values."""
+  from pallas_np import evaluator
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 64)), jnp.float32)
+
+  def softmax(x_ref, o_ref):
+    v = x_ref[...]
+    e = jnp.exp(v - jnp.max(v, axis=-1, keepdims=True))
+    o_ref[...] = e / jnp.sum(e, axis=-1, keepdims=True)
+
+  def make(interp):
+    return pl.pallas_call(softmax, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(4,), in_specs=[pl.BlockSpec((8, 64), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((8, 64), lambda i: (i, 0)), interpret=interp)
+
+  interp = pallas_np.InterpretParams(vectorize=vectorize)
+  pallas_np.clear_caches()
+  got = np.asarray(make(interp)(x))
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert [_in_place_lines(p) for p in _kernel_plans(kp)] == [2]
+  np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
+  pallas_np.clear_caches()
+  monkeypatch.setattr(evaluator._Emitter, "in_place", lambda self, returned: None)
+  fresh = np.asarray(make(interp)(x))
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert [_in_place_lines(p) for p in _kernel_plans(kp)] == [0]
+  np.testing.assert_array_equal(got, fresh)
+
+
+def test_no_write_into_an_operand_a_live_view_still_reads():
+  """``y`` dies at ``y * 2``, but ``z``, a reshape (view) of it, is read
+  later: the product must not overwrite ``y``."""
+  x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
+
+  def kernel(x_ref, o_ref, p_ref):
+    y = jnp.exp(x_ref[...])
+    z = y.reshape(64)
+    o_ref[...] = y * 2.0
+    p_ref[...] = z.reshape(8, 8) + 1.0
+
+  def make(interp):
+    return pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
+                          interpret=interp)
+  pallas_np.clear_caches()
+  run_both(make, x)

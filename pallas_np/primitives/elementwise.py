@@ -36,6 +36,8 @@ def _unary_float(fn):
     dt = _in_dtype(e)
     if is_low_precision_float(dt):
       return lambda x: np.asarray(fn(np.asarray(x, np.float32)), dtype=dt)[()]
+    if _keeps_dtype(fn, dt, 1):
+      return fn
     return lambda x: _cast(fn(x), dt)
   return compile_rule
 
@@ -46,8 +48,22 @@ def _binary_float(fn):
     if is_low_precision_float(dt):
       f32 = np.float32
       return lambda x, y: np.asarray(fn(np.asarray(x, f32), np.asarray(y, f32)), dtype=dt)[()]
+    if _keeps_dtype(fn, dt, 2):
+      return fn
     return lambda x, y: _cast(fn(x, y), dt)
   return compile_rule
+
+
+def _keeps_dtype(fn, dt, nin) -> bool:
+  """``fn`` is a NumPy ufunc whose loop for ``dt`` operands returns ``dt``:
+  the rule is then the ufunc itself (no cast wrapper; the evaluator may also
+  let it write into a dying operand, see ``evaluator._Emitter.in_place``)."""
+  if not isinstance(fn, np.ufunc) or fn.nin != nin or fn.nout != 1:
+    return False
+  try:
+    return fn.resolve_dtypes((dt,) * nin + (None,))[-1] == dt
+  except (TypeError, ValueError):  # no loop for dt (e.g. complex)
+    return False
 
 
 def _cast(x, dt):
