@@ -125,12 +125,17 @@ def _refusing_shared(fn, refs, why):
   return guarded
 
 
+_JAXPR_TYPES = (jc.Jaxpr, jc.ClosedJaxpr)
+
+
 def _has_subjaxprs(eqn) -> bool:
   for v in eqn.params.values():
-    if isinstance(v, (jc.Jaxpr, jc.ClosedJaxpr)):
+    if isinstance(v, _JAXPR_TYPES):
       return True
-    if isinstance(v, (tuple, list)) and any(isinstance(x, (jc.Jaxpr, jc.ClosedJaxpr)) for x in v):
-      return True
+    if isinstance(v, (tuple, list)):
+      for x in v:  # a plain loop: this runs on every eqn of the analyses
+        if isinstance(x, _JAXPR_TYPES):
+          return True
   return False
 
 
@@ -1798,12 +1803,19 @@ LANES_LAST = None  # True/False: force the layout of every batched pass (tests)
 GEMMS = frozenset(("dot_general", "ragged_dot", "ragged_dot_general"))
 
 
-def all_eqns(jaxpr):
-  """The eqns of ``jaxpr`` and of every sub-jaxpr."""
+def all_eqns(jaxpr) -> list:
+  """The eqns of ``jaxpr`` and of every sub-jaxpr (each sub-jaxpr's right
+  after the eqn that holds it)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  yield from jaxpr.eqns
-  for sub in jc.subjaxprs(jaxpr):
-    yield from all_eqns(sub)
+  out = []
+  for eqn in jaxpr.eqns:
+    out.append(eqn)
+    if eqn.params and _has_subjaxprs(eqn):
+      for v in eqn.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+          if isinstance(x, _JAXPR_TYPES):
+            out += all_eqns(x)
+  return out
 
 
 def _sub_bindings(eqn):
@@ -1839,21 +1851,30 @@ def loop_axes(kp) -> frozenset:
   for the choice of axes only: correctness never depends on it."""
   local = kp.local_dims
   found: set = set()
+  none = frozenset()
+  var = jc.Var
 
   def walk(jaxpr, taint) -> frozenset:
     """Taints ``jaxpr``'s values; returns every axis seen in it (the taint
     of a call or loop's outputs: a coarse but safe over-approximation)."""
-    seen = frozenset().union(*taint.values())
+    seen = none.union(*taint.values())
     for eqn in jaxpr.eqns:
-      axes = frozenset().union(*[taint.get(v, frozenset()) for v in eqn.invars
-                                 if isinstance(v, jc.Var)])
-      if eqn.primitive.name == "program_id":
+      # Most eqns read nothing tainted and call nothing: one cheap test each
+      # (this walk is on every vectorized kernel's first call).
+      axes = none
+      if taint:
+        hits = [taint[v] for v in eqn.invars if isinstance(v, var) and v in taint]
+        if hits:
+          axes = none.union(*hits)
+      name = eqn.primitive.name
+      if name == "program_id":
         axes = axes | {local[eqn.params["axis"]]}
-      if eqn.primitive.name == "while":
+      elif name == "while":
         found.update(axes)
-      for sub, atoms in _sub_bindings(eqn) or ():
-        axes = axes | walk(sub, {v: taint[a] for v, a in zip(sub.invars, atoms)
-                                 if isinstance(a, jc.Var) and a in taint})
+      if eqn.params and _has_subjaxprs(eqn):
+        for sub, atoms in _sub_bindings(eqn) or ():
+          axes = axes | walk(sub, {v: taint[a] for v, a in zip(sub.invars, atoms)
+                                   if isinstance(a, var) and a in taint})
       if axes:
         seen = seen | axes
         for o in eqn.outvars:
