@@ -699,14 +699,7 @@ def _lanes_of(args, flags):
 
 
 def _plain_access(access) -> bool:
-  """A ref access that is at most one NDIndexer of ints/slices."""
-  from pallas_np.state.indexing import _DimArray
-  steps = access.steps
-  if not steps:
-    return True
-  if len(steps) != 1 or steps[0][0] != "index":
-    return False
-  return not any(isinstance(d, _DimArray) for d in steps[0][1])
+  return access.plain()
 
 
 def _lane_index(idx):
@@ -801,6 +794,9 @@ def _swap(bc, rule, info, in_batched):
       old = view[bidx].copy(order=order) if want_old else None
       view[bidx] = val
       return old
+    if not want_old and access.num_dynamic == 0:
+      from pallas_np.state.refs import store_target
+      swap.store_target = store_target(access, _lane_index)
     return swap, False, (True,)
   lane_acc = None if access.clamp else _LaneIndexed.make(access, ref_b, leaf_b)
   if lane_acc is None:

@@ -321,7 +321,12 @@ def test_index_map_errors_name_the_operand_whether_run_or_compiled(monkeypatch, 
 
 
 def _in_place_lines(plan) -> int:
-  return sum(getattr(f, "__qualname__", "").startswith("_ufunc_into")
+  return sum(getattr(f, "__qualname__", "").startswith("_ufunc_into.")
+             for f in plan._text[4].values())
+
+
+def _into_ref_lines(plan) -> int:
+  return sum(getattr(f, "__qualname__", "").startswith("_ufunc_into_ref.")
              for f in plan._text[4].values())
 
 
@@ -348,12 +353,16 @@ def test_ufuncs_write_into_dying_operands(monkeypatch, vectorize):
   got = np.asarray(make(interp)(x))
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
   assert [_in_place_lines(p) for p in _kernel_plans(kp)] == [2]
+  # ... and the buffer they share is the output block itself (into_refs).
+  assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [1]
   np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
   pallas_np.clear_caches()
   monkeypatch.setattr(evaluator._Emitter, "in_place", lambda self, returned: None)
+  monkeypatch.setattr(evaluator._Emitter, "into_refs", lambda self, returned: None)
   fresh = np.asarray(make(interp)(x))
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
   assert [_in_place_lines(p) for p in _kernel_plans(kp)] == [0]
+  assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [0]
   np.testing.assert_array_equal(got, fresh)
 
 
@@ -373,3 +382,56 @@ def test_no_write_into_an_operand_a_live_view_still_reads():
                           interpret=interp)
   pallas_np.clear_caches()
   run_both(make, x)
+
+
+def _blocked_call(kernel, interp, n_out=1):
+  """``kernel`` over (32, 64) in (8, 64) blocks, grid (4,), n_out outputs."""
+  spec = pl.BlockSpec((8, 64), lambda i: (i, 0))
+  shape = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+  return pl.pallas_call(kernel, out_shape=(shape,) * n_out, grid=(4,), in_specs=[spec],
+                        out_specs=(spec,) * n_out, interpret=interp)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_no_value_computed_in_a_ref_read_before_the_store(vectorize):
+  """``y`` would be computed in ``o_ref``'s block (``Emitter.into_refs``),
+  but ``o_ref`` is read between ``y``'s allocation and its store: that read
+  must see the first store, so only the first store is rewritten."""
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((32, 64)), jnp.float32)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+    y = x_ref[...] * 2.0
+    z = o_ref[...]
+    o_ref[...] = y + z
+
+  pallas_np.clear_caches()
+  (got,) = _blocked_call(kernel, pallas_np.InterpretParams(vectorize=vectorize))(x)
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [1]
+  (want,) = _blocked_call(kernel, True)(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_allclose(np.asarray(got), 3.0 * np.asarray(x) + 1.0, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_no_value_computed_in_a_ref_while_still_alive(vectorize):
+  """``y`` is stored to ``o_ref`` and read again after ``o_ref`` changed:
+  it must keep its own buffer. ``y * 3`` dies at its store: computed in
+  ``p_ref``'s block."""
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((32, 64)), jnp.float32)
+
+  def kernel(x_ref, o_ref, p_ref):
+    y = jnp.exp(x_ref[...])
+    o_ref[...] = y
+    o_ref[0:1, :] = jnp.zeros((1, 64), jnp.float32)
+    p_ref[...] = y * 3.0
+
+  pallas_np.clear_caches()
+  got = _blocked_call(kernel, pallas_np.InterpretParams(vectorize=vectorize), 2)(x)
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [1]
+  want = _blocked_call(kernel, True, 2)(x)
+  for g, w in zip(got, want):  # (NumPy's and XLA's exp differ in the last bit)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[1]), 3.0 * np.exp(np.asarray(x)), rtol=1e-6)

@@ -121,6 +121,16 @@ class RefAccess:
   values of the non-literal index operands, in eqn order.
   """
 
+  def plain(self) -> bool:
+    """At most one NDIndexer of ints and slices: ``view[index]`` is basic
+    NumPy indexing (a view)."""
+    steps = self.steps
+    if not steps:
+      return True
+    if len(steps) != 1 or steps[0][0] != "index":
+      return False
+    return not any(isinstance(d, _DimArray) for d in steps[0][1])
+
   def __init__(self, tree, idx_atoms: Sequence[Any], ref_shape, *, clamp: bool,
                ref_dtype=None):
     leaves = []

@@ -80,7 +80,27 @@ def _swap(e):
       return old
     view[idx] = val
     return None
+  if not want_old and access.num_dynamic == 0 and access.plain() \
+      and not e.compiler.params.detect_races:
+    swap.store_target = store_target(access, lambda idx: idx)
   return swap
+
+
+def store_target(access: RefAccess, lane_index):
+  """The block a static, transform-free store writes (a view of the ref):
+  the evaluator may compute the stored value right there (``into_refs``).
+  None where the write would not go through (out of bounds, read-only):
+  the store itself then raises."""
+  resolve = access.resolve
+
+  def target(ref):
+    try:
+      view, idx = resolve(ref, ())
+      out = view[lane_index(idx)]
+    except Exception:  # the store reports it, at its own line
+      return None
+    return out if isinstance(out, np.ndarray) and out.flags.writeable else None
+  return target
 
 
 @registry.register(jc.state_primitives.addupdate_p)
