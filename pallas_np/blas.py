@@ -87,28 +87,28 @@ if hasattr(os, "register_at_fork"):
   os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _matmul_all_threads(x, y):
+def _matmul_all_threads(x, y, out=None):
   """A big GEMM inside a kernel run: every thread for this product."""
   if not _runs or _threads_before == 1:
-    return np.matmul(x, y)
+    return np.matmul(x, y, out=out)
   with _lock:
     _set(_threads_before)
     try:
-      return np.matmul(x, y)
+      return np.matmul(x, y, out=out)
     finally:
       _set(1)
 
 
-def _matmul_one_thread(x, y):
+def _matmul_one_thread(x, y, out=None):
   if _runs:  # set once for the whole run
-    return np.matmul(x, y)
+    return np.matmul(x, y, out=out)
   with _lock:
     prev = _get()
     if prev == 1:
-      return np.matmul(x, y)
+      return np.matmul(x, y, out=out)
     _set(1)
     try:
-      return np.matmul(x, y)
+      return np.matmul(x, y, out=out)
     finally:
       _set(prev)
 

@@ -256,7 +256,7 @@ class _Line:
     self.unpack = unpack  # the callee returns a sequence (multiple results)
     self.flags = flags
     self.dels = ()  # values that die here (see _Emitter.free_dead_values)
-    self.into = None  # (ufunc, arg positions it may write into, check wrapper): see in_place
+    self.into = None  # (ufunc or with_out, arg positions it may write into, check wrapper): see in_place
     self.store = None  # a ref store's (target, plain store, check wrapper): see into_refs
 
   def render(self) -> str:
@@ -287,7 +287,7 @@ class _Emitter:
     self.line_eqns: list[Any] = [None]  # line 1 = def
     self.reads: list[list[str]] = []  # per body line: the value names it reads
     self.zeros = _ZeroTracker()
-    self.fresh_values: set[str] = set()  # arrays a ufunc line allocated (see in_place)
+    self.fresh_values: set[str] = set()  # arrays a ufunc (or with_out) line allocated (see in_place)
     self.wrote_into: dict[int, int] = {}  # line -> the operand in_place made it write into
 
   def in_place(self, returned):
@@ -382,7 +382,7 @@ class _Emitter:
       alloc = body[i]
       ufunc, _, alloc_checked = alloc.into
       g = self.fresh("f")
-      into = _ufunc_into_ref(ufunc, target)
+      into = _into_ref(ufunc, target)
       self.env_globals[g] = into if alloc_checked is None else alloc_checked(into)
       alloc.callee = g
       alloc.args = (*alloc.args, ref)
@@ -1024,6 +1024,7 @@ class Compiler:
       if zero_srcs is None:
         fast = None
     ufunc = fn if fn.__class__ is np.ufunc and fast is None and fn.nout == 1 else None
+    with_out = None if ufunc is not None or fast is not None else getattr(fn, "with_out", None)
     store = getattr(fn, "store_target", None)
     checked = None
     fn_unchecked = fn
@@ -1070,6 +1071,12 @@ class Compiler:
             k for k, (a, v) in enumerate(zip(in_atoms_e, eqn.invars))
             if a.__class__ is not _Const and a[1] == out_batched[0]
             and v.aval.shape == shape and v.aval.dtype == out.dtype), checked)
+    elif with_out is not None and outs[0] != "_" and not multiple:
+      # A rule that allocates its result and can write it into ``out=`` (a
+      # 2-D dot): fresh, and may be computed in a ref block (into_refs).
+      if getattr(eqn.outvars[0].aval, "shape", ()):
+        em.fresh_values.add(outs[0])
+        line.into = (with_out, (), checked)
     em.body.append(line)
     em.line_eqns.append(eqn)
 
@@ -1102,10 +1109,11 @@ def _ufunc_into(ufunc, k):
   return lambda *xs: ufunc(*xs, out=xs[k])
 
 
-def _ufunc_into_ref(ufunc, target):
-  """``ufunc`` writing its result into ``target(ref)``, the ref being its
-  last argument (a fresh result where the target is unavailable: the store
-  then copies, and raises where it should)."""
+def _into_ref(ufunc, target):
+  """``ufunc`` (or a rule's ``with_out``) writing its result into
+  ``target(ref)``, the ref being its last argument (a fresh result where
+  the target is unavailable: the store then copies, and raises where it
+  should)."""
   def into_ref(*args):
     out = target(args[-1])
     if out is None:
@@ -1115,7 +1123,7 @@ def _ufunc_into_ref(ufunc, target):
 
 
 def _store_unless_there(target, store):
-  """The store of a value ``_ufunc_into_ref`` computed in place: nothing to
+  """The store of a value ``_into_ref`` computed in place: nothing to
   do when the value is the target block itself."""
   def store_unless_there(ref, val, *leaves):
     out = target(ref)

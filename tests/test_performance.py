@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
@@ -137,9 +138,9 @@ def test_kernel_run_sets_blas_threads_once(monkeypatch):
   seen = []
   real_matmul = np.matmul
 
-  def spy(a, b):
+  def spy(a, b, out=None):
     seen.append((blas._get(), blas._runs))
-    return real_matmul(a, b)
+    return real_matmul(a, b, out=out)
   monkeypatch.setattr(blas.np, "matmul", spy)
   before = blas._get()
   blas._set(2)
@@ -326,7 +327,7 @@ def _in_place_lines(plan) -> int:
 
 
 def _into_ref_lines(plan) -> int:
-  return sum(getattr(f, "__qualname__", "").startswith("_ufunc_into_ref.")
+  return sum(getattr(f, "__qualname__", "").startswith("_into_ref.")
              for f in plan._text[4].values())
 
 
@@ -435,3 +436,34 @@ def test_no_value_computed_in_a_ref_while_still_alive(vectorize):
   for g, w in zip(got, want):  # (NumPy's and XLA's exp differ in the last bit)
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(got[1]), 3.0 * np.exp(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_dot_computed_in_the_output_block(transpose_rhs):
+  """A 2-D dot stored whole is computed in the output block (``with_out``),
+  also with a transposed operand; the values are interpret=True's."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  y_in = y.T if transpose_rhs else y
+
+  def kernel(x_ref, y_ref, o_ref):
+    if transpose_rhs:
+      o_ref[...] = lax.dot_general(x_ref[...], y_ref[...], (((1,), (1,)), ((), ())))
+    else:
+      o_ref[...] = x_ref[...] @ y_ref[...]
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32), grid=(2, 2),
+        in_specs=[pl.BlockSpec((32, 32), lambda i, j: (i, 0)),
+                  pl.BlockSpec((32, 32),
+                               (lambda i, j: (j, 0)) if transpose_rhs else (lambda i, j: (0, j)))],
+        out_specs=pl.BlockSpec((32, 32), lambda i, j: (i, j)), interpret=interp)
+
+  pallas_np.clear_caches()
+  got = make(pallas_np.InterpretParams(vectorize=False))(x, y_in)
+  kp = [entry[1] for entry in api._plan_cache.values()][-1]
+  assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [1]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(make(True)(x, y_in)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(y), rtol=1e-4, atol=1e-4)

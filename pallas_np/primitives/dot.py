@@ -86,4 +86,13 @@ def _dot_general(e):
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)
+
+  if B == 1 and lnd == 2 and rnd == 2 and acc == out and not bool_out:
+    def dot_out(x, y, out=None):
+      """A plain 2-D product, optionally into ``out`` (the ref block it is
+      stored to: see the evaluator's ``into_refs``)."""
+      x = np.asarray(x, dtype=acc)
+      y = np.asarray(y, dtype=acc)
+      return matmul(x if ltrivial else x.T, y if rtrivial else y.T, out=out)
+    dot.with_out = dot_out
   return dot
