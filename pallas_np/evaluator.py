@@ -1127,8 +1127,8 @@ def _store_unless_there(target, store):
   do when the value is the target block itself."""
   def store_unless_there(ref, val, *leaves):
     out = target(ref)
-    if (out is not None and out.shape == val.shape and out.strides == val.strides
-        and out.ctypes.data == val.ctypes.data):
+    if out is not None and val.base is out.base and val.strides == out.strides \
+        and val.shape == out.shape:  # (the same view: into_ref returned ``out``)
       return None
     return store(ref, val, *leaves)
   return store_unless_there
