@@ -698,10 +698,6 @@ def _lanes_of(args, flags):
   return next(a.shape[0] for a, f in zip(args, flags) if f)
 
 
-def _plain_access(access) -> bool:
-  return access.plain()
-
-
 def _lane_index(idx):
   return (slice(None), *idx) if isinstance(idx, tuple) else (slice(None), Ellipsis)
 
@@ -745,7 +741,7 @@ def _get(bc, rule, info, in_batched):
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
   ref_b, leaf_b = in_batched[0], _dyn_flags(access, in_batched[1:])
   resolve = access.resolve
-  if ref_b and not any(leaf_b) and _plain_access(access):
+  if ref_b and not any(leaf_b) and access.plain():
     read = _read_lanes_last if bc.lanes_last else _read
 
     def get(ref, *leaves):
@@ -785,7 +781,7 @@ def _swap(bc, rule, info, in_batched):
   resolve = access.resolve
   want_old = info.outvars_used[0]
   kind = "readwrite" if want_old else "write"
-  if ref_b and not any(leaf_b) and _plain_access(access):
+  if ref_b and not any(leaf_b) and access.plain():
     order = "K" if bc.lanes_last else "C"
 
     def swap(ref, val, *leaves):
@@ -831,7 +827,7 @@ def _addupdate(bc, rule, info, in_batched):
   access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
   if not in_batched[0]:
     raise NotBatchable("write to a ref shared by all lanes")
-  if any(in_batched[2:]) or not _plain_access(access):
+  if any(in_batched[2:]) or not access.plain():
     return _lane_loop(rule, info, in_batched)
   resolve = access.resolve
 
