@@ -50,3 +50,40 @@ def test_first_call_phases_wraps_every_phase_it_names():
     for part in path.split("."):
       owner = getattr(owner, part)
     assert callable(owner), path
+
+
+def _gpu_check():
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "gpu_check.py")
+  spec = importlib.util.spec_from_file_location("gpu_check", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_gpu_check_names_suite_kernels_and_stops_without_a_gpu():
+  """scripts/gpu_check.py (run by hand on a CUDA machine) must not rot where
+  CI can see it: every kernel it names builds, its error is relative, and
+  without a GPU it stops before changing any JAX config."""
+  import functools
+  import jax
+  import numpy as np
+  import pytest
+  from benchmarks import kernels
+  gpu_check = _gpu_check()
+  cases = kernels.all_cases()
+  built = {}
+  for name, (suite_name, kwargs, tol) in gpu_check.CASES.items():
+    builder = cases[suite_name]
+    if kwargs:
+      builder = functools.partial(builder, **kwargs)
+    built[name] = builder()
+    assert built[name].reference is not None and tol > 0, name
+  assert built["matmul_relu_256"].args[0].shape == (256, 256)  # the builder's kwargs apply
+  assert gpu_check._max_err(np.array([2.0, 3.0]), np.array([2.0, 4.0])) == 0.25
+  assert gpu_check._max_err(np.zeros(3), np.zeros(2)) == float("inf")
+  before = jax.config.jax_pallas_use_mosaic_gpu
+  with pytest.raises(SystemExit, match="no GPU backend"):
+    gpu_check.main(["--kernels", "add"])
+  assert jax.config.jax_pallas_use_mosaic_gpu == before
