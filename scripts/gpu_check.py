@@ -127,7 +127,6 @@ def main(argv=None):
   ap.add_argument("--kernels", default=",".join(CASES))
   ap.add_argument("--out", help="write the report (markdown) here too")
   opts = ap.parse_args(argv)
-  os.environ.setdefault("PALLAS_NP_PROGRESS", "0")
   import jax
   import numpy as np
   import pallas_np  # noqa: F401 (installs the numpy-mode lowering: what is checked)
@@ -138,6 +137,7 @@ def main(argv=None):
   if jax.default_backend() != "gpu":
     sys.exit("no GPU backend: nothing to check")
   jax.config.update("jax_pallas_use_mosaic_gpu", False)
+  os.environ.setdefault("PALLAS_NP_PROGRESS", "0")
   rows, failed = [], []
   for name in opts.kernels.split(","):
     try:

@@ -65,7 +65,8 @@ def _gpu_check():
 def test_gpu_check_names_suite_kernels_and_stops_without_a_gpu():
   """scripts/gpu_check.py (run by hand on a CUDA machine) must not rot where
   CI can see it: every kernel it names builds, its error is relative, and
-  without a GPU it stops before changing any JAX config."""
+  without a GPU it stops before changing any JAX config or environment."""
+  import os
   import functools
   import jax
   import numpy as np
@@ -83,7 +84,7 @@ def test_gpu_check_names_suite_kernels_and_stops_without_a_gpu():
   assert built["matmul_relu_256"].args[0].shape == (256, 256)  # the builder's kwargs apply
   assert gpu_check._max_err(np.array([2.0, 3.0]), np.array([2.0, 4.0])) == 0.25
   assert gpu_check._max_err(np.zeros(3), np.zeros(2)) == float("inf")
-  before = jax.config.jax_pallas_use_mosaic_gpu
+  before = jax.config.jax_pallas_use_mosaic_gpu, dict(os.environ)
   with pytest.raises(SystemExit, match="no GPU backend"):
     gpu_check.main(["--kernels", "add"])
-  assert jax.config.jax_pallas_use_mosaic_gpu == before
+  assert (jax.config.jax_pallas_use_mosaic_gpu, dict(os.environ)) == before
