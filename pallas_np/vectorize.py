@@ -441,7 +441,14 @@ for _n in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
 
 @batch_rule("dot_general")
 def _dot_general(bc, rule, info, in_batched):
-  from pallas_np.primitives.dot import DotGeometry
+  """One ``np.matmul`` over every lane whose per-lane products are the very
+  BLAS calls the grid loop makes (the same shapes, operand layouts and
+  thread count). Folding the lanes into the lhs rows (one big GEMM)
+  is faster, but BLAS rounds a GEMM's rows differently with the row count
+  (measured: most elements of a 64-lane 1x32 @ 32x16 product moved by an
+  ulp on an AVX2 EPYC), and vectorized grids must stay bitwise equal to
+  the sequential ones."""
+  from pallas_np.primitives.dot import DotGeometry, blas_operand
   g = DotGeometry(info)
   Bd, M, K, N = g.B, g.M, g.K, g.N
   out_shape, acc, out = g.out_shape, g.acc, g.out
@@ -449,29 +456,19 @@ def _dot_general(bc, rule, info, in_batched):
   lb_, rb_ = in_batched
   lperm = (0, *[d + 1 for d in g.lperm]) if lb_ else g.lperm
   rperm = (0, *[d + 1 for d in g.rperm]) if rb_ else g.rperm
-
-  def finish(r, n):
-    if bool_out:
-      r = r != 0
-    return np.asarray(r.reshape((n, *out_shape)), dtype=out)
-
-  if lb_ and not rb_ and Bd == 1:
-    # Lanes fold into the lhs rows: one big GEMM.
-    def dot_lhs(x, y):
-      n = x.shape[0]
-      x = np.transpose(np.asarray(x, dtype=acc), lperm).reshape(n * M, K)
-      y = np.transpose(np.asarray(y, dtype=acc), rperm).reshape(K, N)
-      return finish(blas.matmul_for(n * M * K * N)(x, y), n)
-    return dot_lhs, False, (True,)
+  matmul = blas.matmul_for(Bd * M * K * N)  # the grid loop's choice
+  layout = blas_operand if Bd == 1 else np.ascontiguousarray  # as the grid loop's
 
   def dot(x, y):
     n = x.shape[0] if lb_ else y.shape[0]
     x = np.transpose(np.asarray(x, dtype=acc), lperm)
     y = np.transpose(np.asarray(y, dtype=acc), rperm)
-    x = x.reshape(n * Bd, M, K) if lb_ else np.broadcast_to(x.reshape(Bd, M, K), (n, Bd, M, K)).reshape(n * Bd, M, K)
-    y = y.reshape(n * Bd, K, N) if rb_ else np.broadcast_to(y.reshape(Bd, K, N), (n, Bd, K, N)).reshape(n * Bd, K, N)
-    matmul = blas.matmul_for(n * Bd * M * K * N)
-    return finish(matmul(np.ascontiguousarray(x), np.ascontiguousarray(y)), n)
+    x = layout(x.reshape((n, Bd, M, K) if lb_ else (Bd, M, K)))
+    y = layout(y.reshape((n, Bd, K, N) if rb_ else (Bd, K, N)))
+    r = matmul(x, y)  # (n, Bd, M, N); an unbatched operand broadcasts
+    if bool_out:
+      r = r != 0
+    return np.asarray(r.reshape((n, *out_shape)), dtype=out)
   return dot, False, (True,)
 
 

@@ -590,6 +590,73 @@ def test_batched_dot_general_and_run_scoped(modes):
   check(make, q, k, expect_mode="vectorized", modes=modes, rtol=1e-5, atol=1e-5)
 
 
+_DOT_FORMS = {
+    # name: (lhs block, rhs block, product of the two blocks, rhs batched)
+    "row_gemv": ((1, 32), (32, 16), lambda a, b: a @ b, False),
+    "column_gemv": ((4, 32), (32, 1), lambda a, b: a @ b, False),
+    "row_dot": ((1, 32), (32, 1), lambda a, b: a @ b, False),
+    "rhs_transposed": ((4, 32), (16, 32), lambda a, b: a @ b.T, False),
+    "lhs_transposed": ((32, 4), (32, 16), lambda a, b: a.T @ b, False),
+    "rhs_batched": ((4, 32), (32, 16), lambda a, b: a @ b, True),
+    "batch_dims": ((2, 4, 32), (2, 16, 32),
+                   lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b), True),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_DOT_FORMS))
+def test_batched_dots_make_the_grid_loops_blas_calls_lane_by_lane(form, modes, monkeypatch):
+  """Every lane of a batched dot_general is the very BLAS call a grid point
+  makes (the same 2-D shapes, rows of unit stride, one-column operands
+  contiguous: the layouts for which NumPy picks one routine): BLAS rounds differently with the
+  row count, the routine (gemm / gemv / dot) and transposes, so anything
+  else (folding the lanes into the lhs rows, say) is not bitwise equal to
+  the grid loop on every CPU. Checked on the calls themselves, so the test
+  fails on machines whose BLAS happens to round both ways alike."""
+  from pallas_np import blas
+  lhs_block, rhs_block, product, rhs_batched = _DOT_FORMS[form]
+  calls = []
+  orig = blas.matmul_for
+
+  def recording_matmul_for(macs):
+    matmul = orig(macs)
+
+    def recorded(x, y, out=None):
+      calls.append(tuple((a.shape[-2:], a.strides[-1] == a.itemsize,
+                          a.strides[-2] == a.itemsize) for a in (x, y)))
+      return matmul(x, y, out=out)
+    return recorded
+  monkeypatch.setattr(blas, "matmul_for", recording_matmul_for)
+
+  n = 16
+  rng = np.random.default_rng(9)
+  lhs = _rng_normal(rng, (n * lhs_block[0], *lhs_block[1:]))
+  rhs = _rng_normal(rng, ((n if rhs_batched else 1) * rhs_block[0], *rhs_block[1:]))
+  out_block = jax.eval_shape(product, jax.ShapeDtypeStruct(lhs_block, jnp.float32),
+                             jax.ShapeDtypeStruct(rhs_block, jnp.float32)).shape
+  zeros = (0,) * (len(lhs_block) - 1)
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = product(x_ref[...], y_ref[...])
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, grid=(n,),
+        out_shape=jax.ShapeDtypeStruct((n * out_block[0], *out_block[1:]), jnp.float32),
+        in_specs=[pl.BlockSpec(lhs_block, lambda i: (i, *zeros)),
+                  pl.BlockSpec(rhs_block, (lambda i: (i, *zeros)) if rhs_batched
+                               else (lambda i: (0, *zeros)))],
+        out_specs=pl.BlockSpec(out_block, lambda i: (i, *zeros)), interpret=interp)
+
+  pallas_np.clear_caches()
+  make(SEQ)(lhs, rhs)
+  grid_loop_calls = set(calls)
+  assert grid_loop_calls
+  pallas_np.clear_caches()
+  calls.clear()
+  check(make, lhs, rhs, expect_mode="vectorized", modes=modes, rtol=1e-5, atol=1e-5)
+  assert calls and set(calls) == grid_loop_calls
+
+
 def test_program_id_written_to_ref(modes):
   # Batched int indexing into a lane-private output block, bf16 output.
   def kernel(o_ref):

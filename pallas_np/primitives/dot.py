@@ -8,6 +8,13 @@ cast to the accumulation dtype first: ``preferred_element_type`` when given
 operands, so the only rounding to a low precision type happens at the end, as
 on the MXU / tensor cores. opt_einsum would pick the same BLAS call for these
 shapes; a reshape + matmul plan is cheaper per call than an einsum dispatch.
+
+Operands reach BLAS in one layout, whatever they were (``blas_operand``),
+and the batched rule in vectorize.py makes, lane by lane, exactly the call
+the grid loop makes: that is what keeps a vectorized grid bitwise equal to
+the sequential one, since BLAS rounds differently with the routine NumPy
+picks for a layout (gemv_t vs gemv_n, a strided dot) and with a GEMM's row
+count.
 """
 from __future__ import annotations
 
@@ -33,6 +40,21 @@ def _acc_dtype(lhs_dt, rhs_dt, pref):
   if out == np.bool_:
     return np.dtype(np.int32), out
   return out, out
+
+
+def blas_operand(a):
+  """``a`` (2-D, or a stack of matrices) laid out as BLAS gets every
+  operand: rows of unit stride, a one-column operand contiguous. A block
+  of a wider array keeps its row stride (it changes no rounding, and the
+  copy would cost a memory pass); a transposed or strided view is copied
+  to C order."""
+  item = a.itemsize
+  rows, cols = a.strides[-2:]
+  if a.shape[-1] == 1:
+    ok = rows == item or a.shape[-2] == 1
+  else:
+    ok = cols == item and rows % item == 0 and rows >= a.shape[-1] * item
+  return a if ok else np.ascontiguousarray(a)
 
 
 class DotGeometry:
@@ -78,11 +100,11 @@ def _dot_general(e):
       x = np.transpose(x, lperm)
     if not rtrivial:
       y = np.transpose(y, rperm)
-    if B == 1:  # 2-D matmul: BLAS also for transposed operands
-      r = matmul(x.reshape(M, K), y.reshape(K, N))
-    else:  # NumPy's batched matmul only uses BLAS for contiguous operands
+    if B == 1:
+      r = matmul(blas_operand(x.reshape(M, K)), blas_operand(y.reshape(K, N)))
+    else:
       r = matmul(np.ascontiguousarray(x.reshape(B, M, K)),
-                    np.ascontiguousarray(y.reshape(B, K, N)))
+                 np.ascontiguousarray(y.reshape(B, K, N)))
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)
@@ -93,6 +115,7 @@ def _dot_general(e):
       stored to: see the evaluator's ``into_refs``)."""
       x = np.asarray(x, dtype=acc)
       y = np.asarray(y, dtype=acc)
-      return matmul(x if ltrivial else x.T, y if rtrivial else y.T, out=out)
+      return matmul(blas_operand(x if ltrivial else x.T),
+                    blas_operand(y if rtrivial else y.T), out=out)
     dot.with_out = dot_out
   return dot
