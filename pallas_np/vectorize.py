@@ -448,7 +448,7 @@ def _dot_general(bc, rule, info, in_batched):
   (measured: most elements of a 64-lane 1x32 @ 32x16 product moved by an
   ulp on an AVX2 EPYC), and vectorized grids must stay bitwise equal to
   the sequential ones."""
-  from pallas_np.primitives.dot import DotGeometry, blas_operand
+  from pallas_np.primitives.dot import DotGeometry
   g = DotGeometry(info)
   Bd, M, K, N = g.B, g.M, g.K, g.N
   out_shape, acc, out = g.out_shape, g.acc, g.out
@@ -456,8 +456,8 @@ def _dot_general(bc, rule, info, in_batched):
   lb_, rb_ = in_batched
   lperm = (0, *[d + 1 for d in g.lperm]) if lb_ else g.lperm
   rperm = (0, *[d + 1 for d in g.rperm]) if rb_ else g.rperm
-  matmul = blas.matmul_for(Bd * M * K * N)  # the grid loop's choice
-  layout = blas_operand if Bd == 1 else np.ascontiguousarray  # as the grid loop's
+  matmul = blas.matmul_for(Bd * M * K * N)  # the grid loop's choices
+  layout = g.layout
 
   def dot(x, y):
     n = x.shape[0] if lb_ else y.shape[0]

@@ -606,12 +606,12 @@ _DOT_FORMS = {
 @pytest.mark.parametrize("form", sorted(_DOT_FORMS))
 def test_batched_dots_make_the_grid_loops_blas_calls_lane_by_lane(form, modes, monkeypatch):
   """Every lane of a batched dot_general is the very BLAS call a grid point
-  makes (the same 2-D shapes, rows of unit stride, one-column operands
-  contiguous: the layouts for which NumPy picks one routine): BLAS rounds differently with the
-  row count, the routine (gemm / gemv / dot) and transposes, so anything
-  else (folding the lanes into the lhs rows, say) is not bitwise equal to
-  the grid loop on every CPU. Checked on the calls themselves, so the test
-  fails on machines whose BLAS happens to round both ways alike."""
+  makes (the same 2-D shapes and operand layouts, for which NumPy picks one
+  routine): BLAS rounds differently with the row count, the routine (gemm /
+  gemv / dot) and transposes, so anything else (folding the lanes into the
+  lhs rows, say) is not bitwise equal to the grid loop on every CPU. Checked
+  on the calls themselves, so the test fails on machines whose BLAS happens
+  to round both ways alike."""
   from pallas_np import blas
   lhs_block, rhs_block, product, rhs_batched = _DOT_FORMS[form]
   calls = []

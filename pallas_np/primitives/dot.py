@@ -80,6 +80,10 @@ class DotGeometry:
                              e.params.get("preferred_element_type"))
     self.out = np_dtype(e.out_aval.dtype)
     self.lnd, self.rnd = lnd, rnd
+    # How the grid loop lays out each product's operands (the batched rule
+    # must match it): 2-D products take blas_operand; NumPy's batched matmul
+    # only uses BLAS for contiguous operands.
+    self.layout = blas_operand if self.B == 1 else np.ascontiguousarray
 
 
 @registry.register(lax.dot_general_p)
@@ -87,7 +91,7 @@ def _dot_general(e):
   g = DotGeometry(e)
   lperm, rperm, B, M, K, N = g.lperm, g.rperm, g.B, g.M, g.K, g.N
   out_shape, acc, out = g.out_shape, g.acc, g.out
-  lnd, rnd = g.lnd, g.rnd
+  lnd, rnd, layout = g.lnd, g.rnd, g.layout
   ltrivial = lperm == tuple(range(lnd))
   rtrivial = rperm == tuple(range(rnd))
   bool_out = out == np.bool_
@@ -101,10 +105,9 @@ def _dot_general(e):
     if not rtrivial:
       y = np.transpose(y, rperm)
     if B == 1:
-      r = matmul(blas_operand(x.reshape(M, K)), blas_operand(y.reshape(K, N)))
+      r = matmul(layout(x.reshape(M, K)), layout(y.reshape(K, N)))
     else:
-      r = matmul(np.ascontiguousarray(x.reshape(B, M, K)),
-                 np.ascontiguousarray(y.reshape(B, K, N)))
+      r = matmul(layout(x.reshape(B, M, K)), layout(y.reshape(B, K, N)))
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)
