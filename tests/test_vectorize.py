@@ -373,6 +373,136 @@ def test_scratch_carried_across_a_parallel_axis_falls_back(modes):
   check(make, jnp.ones((4, 8)), expect_mode="sequential", modes=modes)
 
 
+def _scratch_kernel_call(kernel, n_out, interp, rows=4, steps=3):
+  """(rows, 8) in, ``n_out`` (rows, 8) outputs, grid (rows, steps) declared
+  parallel x arbitrary, two (1, 8) f32 scratch buffers."""
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((rows, 8), jnp.float32)] * n_out,
+      grid=(rows, steps),
+      in_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))],
+      out_specs=[pl.BlockSpec((1, 8), lambda i, j: (i, 0))] * n_out,
+      scratch_shapes=[pltpu.VMEM((1, 8), jnp.float32)] * 2,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interp)
+
+
+def test_scratch_read_at_a_later_step_from_the_previous_lane_falls_back(modes):
+  # acc is re-initialised at j == 0, but carry is read at j == 1 and written
+  # only at j == 2: each i reads what the previous i left. Only the first
+  # step is checked twice, so the check must compare all of the scratch.
+  def kernel(x_ref, o_ref, acc_ref, carry_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))
+    def _():
+      carry_ref[...] = jnp.full_like(carry_ref, 100.0)
+
+    @pl.when(j == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+
+    @pl.when(j == 1)
+    def _():
+      acc_ref[...] += carry_ref[...]
+
+    @pl.when(j == 2)
+    def _():
+      carry_ref[...] = acc_ref[...]
+
+    o_ref[...] = acc_ref[...]
+
+  x = jnp.arange(32.0).reshape(4, 8)
+  got = check(lambda interp: _scratch_kernel_call(kernel, 1, interp), x,
+              expect_mode="sequential", modes=modes)
+  carry = np.full(8, 100.0)
+  for i in range(4):  # the sequential semantics, by hand
+    acc = 3 * np.asarray(x[i]) + carry
+    np.testing.assert_array_equal(np.asarray(got[0][i]), acc)
+    carry = acc
+
+
+def test_scratch_leaked_into_an_output_at_the_first_step_falls_back(modes):
+  # At j == 0 each i copies the previous i's scratch into an output, then
+  # re-initialises it: the scratch after the first step is the same from any
+  # start, only the output tells. The check must compare the output blocks.
+  def kernel(x_ref, o_ref, prev_ref, acc_ref, unused_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))
+    def _():
+      acc_ref[...] = jnp.full_like(acc_ref, -1.0)
+
+    @pl.when(j == 0)
+    def _():
+      prev_ref[...] = acc_ref[...]
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  x = jnp.arange(32.0).reshape(4, 8)
+  got = check(lambda interp: _scratch_kernel_call(kernel, 2, interp), x,
+              expect_mode="sequential", modes=modes)
+  prev = np.asarray(got[1])
+  np.testing.assert_array_equal(prev[0], np.full(8, -1.0))
+  np.testing.assert_array_equal(prev[1:], 3 * np.asarray(x[:-1]))
+
+
+def test_scratch_hand_over_check_reruns_only_the_first_sequential_step(modes, monkeypatch):
+  # A kernel that re-initialises its scratch at j == 0 runs batched: one pass
+  # over every sequential point, then the check over the first one only.
+  from pallas_np import vectorize
+  passes = []
+  orig = vectorize._SlabRunner.run
+
+  def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
+    passes.append(len(seq_points if seq_points is not None else self.seq_points))
+    return orig(self, index_ops, buffers, scratch_init, first_states, seq_points)
+  monkeypatch.setattr(vectorize._SlabRunner, "run", run)
+
+  def kernel(x_ref, o_ref, acc_ref, unused_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += x_ref[...] * (pl.program_id(1) + 1).astype(jnp.float32)
+    o_ref[...] = acc_ref[...]
+
+  x = jnp.arange(32.0).reshape(4, 8)
+  got = check(lambda interp: _scratch_kernel_call(kernel, 1, interp, steps=5), x,
+              expect_mode="vectorized", modes=modes)
+  assert passes == [5, 1] * 2, passes  # both lane layouts
+  np.testing.assert_array_equal(np.asarray(got[0]), 15 * np.asarray(x))
+
+
+@pytest.mark.parametrize("steps,expect", [(4, "vectorized"), (1, "sequential")])
+def test_auto_mode_batches_scratch_kernels_by_their_check_cost(modes, steps, expect):
+  # 64 KiB per lane (16 KiB each for x, y, out, acc): over the limit for a
+  # check that is a second whole pass (one sequential point), under it when
+  # the check re-runs one of four sequential points.
+  rng = np.random.default_rng(12)
+  x, y = _rng_normal(rng, (128, 64 * steps)), _rng_normal(rng, (64 * steps, 128))
+
+  def make(interp):
+    return pl.pallas_call(
+        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((128, 128), jnp.float32),
+        grid=(2, 2, steps),
+        in_specs=[pl.BlockSpec((64, 64), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((64, 64), lambda i, j, k: (k, j))],
+        out_specs=pl.BlockSpec((64, 64), lambda i, j, k: (i, j)),
+        scratch_shapes=[pltpu.VMEM((64, 64), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interp)
+  seq = make(SEQ)(x, y)
+  modes.clear()
+  got = make(pallas_np.InterpretParams(check_avals=True))(x, y)
+  assert modes[-1] == expect, modes
+  assert_same(got, seq, rtol=0, atol=0)
+  assert_same(got, make(True)(x, y), rtol=1e-5, atol=1e-4)
+
+
 def test_output_revisited_along_reduction_axis(modes):
   # No scratch: accumulate in the output block across k. Lanes must own
   # their blocks, so only i (or j) may be batched.
