@@ -1098,7 +1098,8 @@ def _lift(vals, have, want, n):
 
 def _fixpoint_carry(compile_body, n_carry, carry_in):
   """Carry batchedness of a loop: batched if batched on entry or made
-  batched by the body."""
+  batched by the body. ``carry_in``: the entry batchedness, or a guess
+  above it (``_carry_guess``): the compile that confirms it is the last."""
   carry = tuple(carry_in)
   for _ in range(n_carry + 2):
     plan = compile_body(carry)
@@ -1108,6 +1109,33 @@ def _fixpoint_carry(compile_body, n_carry, carry_in):
       return carry, plan
     carry = new
   raise NotBatchable("loop carry batchedness did not converge")
+
+
+def _computed_from_batched(jaxpr, in_batched) -> tuple:
+  """Per output of ``jaxpr``: whether it is computed from a batched input
+  (an eqn's outputs count as computed from all of its inputs). Batch rules
+  batch no output of unbatched inputs but program_id's, which this does not
+  see: a cheap first guess of out_batched, never trusted alone."""
+  tainted = {v for v, b in zip(jaxpr.invars, in_batched) if b}
+  for eqn in jaxpr.eqns:
+    if any(v in tainted for v in eqn.invars if isinstance(v, jc.Var)):
+      tainted.update(eqn.outvars)
+  return tuple(isinstance(v, jc.Var) and v in tainted for v in jaxpr.outvars)
+
+
+def _carry_guess(body_jaxpr, consts_b, carry_in, xs_b=()) -> tuple:
+  """Loop carries computed from batched values (``_computed_from_batched``
+  to a fixpoint): the first carry batchedness ``_fixpoint_carry`` compiles
+  the body with, so that one compile usually suffices."""
+  carry = tuple(carry_in)
+  n = len(carry)
+  for _ in range(n + 1):
+    out = _computed_from_batched(body_jaxpr, consts_b + carry + xs_b)[:n]
+    new = tuple(a or b for a, b in zip(carry, out))
+    if new == carry:
+      break
+    carry = new
+  return carry
 
 
 @batch_rule("cond")
@@ -1170,12 +1198,17 @@ def _while(bc, rule, info, in_batched):
   bc_b = tuple(in_batched[nc:nc + nb])
   carry0 = tuple(in_batched[nc + nb:])
   n_carry = len(carry0)
-  carry_b, body = _fixpoint_carry(
-      lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, carry0)
-  cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
-  body_fn, cond_fn = body.fn, cond.fn
-  body_lift = tuple(body.out_batched)
-  pred_b = cond.out_batched[0]
+  guess = _carry_guess(p["body_jaxpr"].jaxpr, bc_b, carry0)
+  if _computed_from_batched(p["cond_jaxpr"].jaxpr, cc_b + guess)[0]:
+    # A lane-dependent trip count (causal attention's kv loop): every carry
+    # ends up batched; no fixpoint to compile the body for.
+    carry_b = pred_b = True
+    body = cond = None
+  else:
+    carry_b, body = _fixpoint_carry(
+        lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, guess)
+    cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+    pred_b = cond.out_batched[0]
   carry_avals = info.in_avals[nc + nb:]
   carry_is_ref = [isinstance(a, jc.AbstractRef) for a in carry_avals]
   body_written = jc.written_invar_positions(p["body_jaxpr"].jaxpr)
@@ -1184,6 +1217,9 @@ def _while(bc, rule, info, in_batched):
     raise NotBatchable("refs in a while carry")
 
   if not pred_b:
+    body_fn, cond_fn = body.fn, cond.fn
+    body_lift = tuple(body.out_batched)
+
     def while_loop(ctx, *args):
       cconsts = args[:nc]
       bconsts = args[nc:nc + nb]
@@ -1196,9 +1232,9 @@ def _while(bc, rule, info, in_batched):
     return while_loop, True, carry_b
 
   carry_b = (True,) * n_carry
-  if body_lift != carry_b:  # the body must agree once every carry is batched
+  if body is None or tuple(body.out_batched) != carry_b:  # once every carry is batched
     body = bc.compile(p["body_jaxpr"], in_batched=bc_b + carry_b)
-    body_fn, body_lift = body.fn, tuple(body.out_batched)
+  body_fn, body_lift = body.fn, tuple(body.out_batched)
   cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
   cond_fn = cond.fn
 
@@ -1239,7 +1275,8 @@ def _scan(bc, rule, info, in_batched):
   if any(isinstance(a, jc.AbstractRef) for a in info.in_avals[num_consts:]):
     raise NotBatchable("refs in a scan carry")
   carry_b, body = _fixpoint_carry(
-      lambda cb: bc.compile(p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry, carry0)
+      lambda cb: bc.compile(p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry,
+      _carry_guess(p["jaxpr"].jaxpr, consts_b, carry0, xs_b))
   body_fn = body.fn
   body_lift = tuple(body.out_batched[:num_carry])
   ys_b = tuple(body.out_batched[num_carry:])
