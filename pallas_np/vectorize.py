@@ -766,8 +766,44 @@ def _get(bc, rule, info, in_batched):
     shared = None if ref_b else _shared()
     if shared is not None:
       shared.access(ref, index, full, None, "read")
-    return np.ascontiguousarray(np.broadcast_to(ref[index], full))
+    return np.ascontiguousarray(np.broadcast_to(ref[_trailing_slices(index, full)], full))
   return get_lanes, False, (True,)
+
+
+def _trailing_slices(index, full):
+  """``index`` (coordinate arrays broadcastable to ``full``) with its
+  trailing arrays that are plain ranges along their own result axis, the
+  same for every lane (``k_ref[pl.ds(start_of_lane, 128), :]``'s columns),
+  as slices: NumPy then copies runs instead of gathering element by element
+  (a Triton decode kernel's (8, 128, 64) K tile: ~4x). The same elements in
+  the same order once broadcast to ``full``; unchanged when in doubt."""
+  nres = len(full)
+  cut = len(index)
+  slices = []
+  while cut > 0:
+    c = index[cut - 1]
+    axis = nres - len(slices) - 1
+    if (axis < 1 or c.ndim != nres or c.shape[axis] not in (1, full[axis])
+        or any(n != 1 for a, n in enumerate(c.shape) if a != axis)):
+      break
+    v = c.reshape(-1)
+    if v.size > 1:
+      step = int(v[1] - v[0])
+      if step <= 0 or (np.diff(v) != step).any():
+        break
+      slices.append(slice(int(v[0]), int(v[-1]) + 1, step))
+    else:
+      slices.append(slice(int(v[0]), int(v[0]) + 1))
+    cut -= 1
+  if not slices:
+    return index
+  keep = nres - len(slices)  # result axes the remaining arrays index
+  rest = []
+  for c in index[:cut]:
+    if any(n != 1 for n in c.shape[keep:]):
+      return index
+    rest.append(c.reshape(c.shape[:keep]))
+  return (*rest, *reversed(slices))
 
 
 @batch_rule("swap")

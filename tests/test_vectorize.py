@@ -698,6 +698,63 @@ def test_loop_carry_made_batched_by_program_id_inside_the_body(modes, body_compi
               rtol=0, atol=0)
 
 
+def test_lane_dependent_window_of_a_batched_block(modes):
+  # Each lane reads rows [8*i, 8*i + 16) of its own block (a decode kernel's
+  # K tile at a per-lane offset): one gather over all lanes, its columns
+  # copied as runs (_trailing_slices).
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[pl.ds(i * 8, 16), pl.ds(0, 16)] * 2.0 + x_ref[pl.ds(i, 16), 3:19]
+
+  x = _normal(15, (4, 64, 32))
+
+  def make(interp):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 16, 16), jnp.float32), grid=(4,),
+        in_specs=[pl.BlockSpec((None, 64, 32), lambda i: (i, 0, 0))],
+        out_specs=pl.BlockSpec((None, 16, 16), lambda i: (i, 0, 0)), interpret=interp)
+  got = check(make, x, expect_mode="vectorized", modes=modes)
+  xs = np.asarray(x)
+  assert_same(got, np.stack([xs[i, 8 * i:8 * i + 16, :16] * 2.0 + xs[i, i:i + 16, 3:19]
+                             for i in range(4)]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["rows_batched", "both_ranges", "col_gather", "int_index",
+                                  "strided", "shared_ref"])
+def test_trailing_slices_read_the_same_elements(case):
+  from pallas_np.vectorize import _trailing_slices
+  rng = np.random.default_rng(16)
+  ref = rng.standard_normal((5, 40, 12))
+  lanes = 5
+  lane = np.arange(lanes).reshape(lanes, 1, 1)
+  rows = (np.arange(8) + 3 * np.arange(lanes)[:, None]).reshape(lanes, 8, 1)
+  cols = np.arange(2, 10).reshape(1, 1, 8)
+  full = (lanes, 8, 8)
+  want_slices = 1
+  if case == "rows_batched":
+    index = (lane, rows, cols)
+  elif case == "both_ranges":
+    index = (lane, (np.arange(8) + 4).reshape(1, 8, 1), cols)
+    want_slices = 2
+  elif case == "col_gather":  # columns out of order: stays a gather
+    index = (lane, rows, np.array([0, 3, 1, 2, 5, 4, 7, 6]).reshape(1, 1, 8))
+    want_slices = 0
+  elif case == "int_index":  # ref[pl.ds(...), 4]: no column axis; left a gather
+    index, full = (lane[:, :, 0], rows[:, :, 0], np.full((1, 1), 4)), (lanes, 8)
+    want_slices = 0
+  elif case == "strided":
+    index = (lane, rows, (1 + 3 * np.arange(4)).reshape(1, 1, 4))
+    full = (lanes, 8, 4)
+  else:  # a ref every lane shares, per-lane row offsets
+    index, full = (rows[0:1, :, 0].reshape(1, 8, 1) + np.arange(lanes).reshape(lanes, 1, 1),
+                   cols), (lanes, 8, 8)
+    ref = ref[0]
+  got = _trailing_slices(index, full)
+  assert sum(isinstance(i, slice) for i in got) == want_slices, got
+  np.testing.assert_array_equal(np.broadcast_to(ref[got], full),
+                                np.broadcast_to(ref[index], full))
+
+
 def test_dynamic_slice_of_shared_input_by_program_id(modes):
   # x is one block shared by all lanes; each lane reads its own rows.
   def kernel(x_ref, o_ref):
