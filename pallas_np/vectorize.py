@@ -1238,8 +1238,7 @@ def _while(bc, rule, info, in_batched):
   if _computed_from_batched(p["cond_jaxpr"].jaxpr, cc_b + guess)[0]:
     # A lane-dependent trip count (causal attention's kv loop): every carry
     # ends up batched; no fixpoint to compile the body for.
-    carry_b = pred_b = True
-    body = cond = None
+    pred_b, body = True, None
   else:
     carry_b, body = _fixpoint_carry(
         lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, guess)
@@ -1669,8 +1668,7 @@ class _FirstStates:
   def visit(self, lo, hi, scratch, blocks):
     """``scratch``: the slab's lane-stacked scratch; ``blocks``: output
     operand -> its lanes' blocks (lanes first)."""
-    pairs = [(rec, s) for rec, s in zip(self.scratch, scratch)]
-    pairs += [(self.outputs[b], v) for b, v in blocks.items()]
+    pairs = [*zip(self.scratch, scratch), *((self.outputs[b], v) for b, v in blocks.items())]
     for rec, now in pairs:
       if not self.checking:
         rec[lo:hi] = now
