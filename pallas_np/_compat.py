@@ -107,6 +107,24 @@ def is_extended_dtype(dtype) -> bool:
   return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.extended)
 
 
+try:
+  from jax._src.lib import _jax as _jaxlib_ext
+  _JitFunction = _jaxlib_ext.PjitFunction  # what jax.jit returns
+except (ImportError, AttributeError):  # pragma: no cover - another jaxlib layout
+  _JitFunction = ()
+
+
+def jit_trace(fn, args):
+  """``jax.jit(fn).trace(*args)``, where ``fn`` is not already a jitted
+  function: ``pl.pallas_call``'s result is one (jit with inline=True), and
+  tracing it directly is the trace ``interpret=True``'s first call makes,
+  without a second jit level around it (~1 ms of a small kernel's first
+  call on the 2-core machine)."""
+  if isinstance(fn, _JitFunction):
+    return fn.trace(*args)
+  return jax.jit(fn).trace(*args)
+
+
 def trace_to_jaxpr(fn, avals):
   """ClosedJaxpr of ``fn`` applied to arrays of the given (physical) avals."""
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]

@@ -242,7 +242,7 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   key = (jax_fn, treedef, avals, interp)
   entry = _eager_cache.get(key)
   if entry is None:
-    traced = jax.jit(jax_fn).trace(*args)
+    traced = jc.jit_trace(jax_fn, args)
     entry = (EagerPlan(traced.jaxpr, interp), jax.tree_util.tree_structure(traced.out_info))
     _eager_cache[key] = entry
     while len(_eager_cache) > _PLAN_CACHE_SIZE:

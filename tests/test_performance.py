@@ -94,6 +94,35 @@ def test_eager_results_do_not_alias_inputs():
   np.testing.assert_array_equal(np.asarray(out), np.ones((4, 4), np.float32))
 
 
+def test_eager_call_traces_the_jitted_pallas_call_directly(monkeypatch):
+  """pl.pallas_call returns a jitted function; the eager path traces it as
+  interpret=True's first call does, not under a second jit level."""
+  from pallas_np import _compat as jc
+  traced = []
+  orig = jc.jit_trace
+
+  def recording(fn, args):
+    out = orig(fn, args)
+    traced.append(out.jaxpr)
+    return out
+  monkeypatch.setattr(jc, "jit_trace", recording)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+  x = np.arange(8, dtype=np.float32)
+  out = pallas_np.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+  np.testing.assert_array_equal(np.asarray(out), x + 1.0)
+  assert [e.primitive.name for e in traced[0].eqns] == ["pallas_call"]
+  # A jitted function's body directly (no jit eqn around it); any other
+  # callable under jax.jit, with the same jaxpr as before.
+  inner = jax.jit(lambda v: v * 2.0)
+  assert [e.primitive.name for e in jc.jit_trace(inner, (x,)).jaxpr.eqns] == ["mul"]
+  plain = jc.jit_trace(lambda v: inner(v) + 1.0, (x,)).jaxpr
+  assert [e.primitive.name for e in plain.eqns] == [
+      e.primitive.name for e in jax.jit(lambda v: inner(v) + 1.0).trace(x).jaxpr.eqns]
+
+
 @pytest.mark.parametrize("shape", [(64, 256), (100, 200)])  # (100, 200): padded edge blocks
 def test_eager_results_reach_jax_without_a_copy(monkeypatch, shape):
   """Output buffers are allocated 64-byte aligned, which XLA's CPU client
