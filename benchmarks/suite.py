@@ -33,9 +33,12 @@ MODES = {
     "numpy_seq": "interpret=InterpretParams(vectorize=False)",
     "interpret": "interpret=True",
     "tpu": "interpret=pltpu.InterpretParams()",
-    "trace": "JAX's trace of the call alone (`f.trace(*args)` of the jitted function a first "
-             "call traces: the `pl.pallas_call` result, or the jitted op), the part of a first "
-             "call that every mode pays before it interprets or compiles anything",
+    "trace": "JAX's trace of the call alone, as numpy mode's first call has it made "
+             "(`f.trace(*args)` of the jitted function it traces: the `pl.pallas_call` of "
+             "`pallas_np.pallas_call`, whose kernel body is traced with its jit calls inlined "
+             "where `inline_jit` allows, or the jitted op), the part of numpy mode's first call "
+             "before it interprets anything; interpret=True's own trace (the kernel through jit) "
+             "costs more",
 }
 DEFAULT_MODES = ("numpy", "interpret", "tpu")
 
@@ -298,8 +301,8 @@ def write_results(args, names, modes, results, info):
     t = [v for k, v in tpu_ratios.items() if keep(k)]
     f = [v for k, v in floor_ratios.items() if keep(k)]
     if f:
-      lines.append(f"- {label}: cold floor (interpret=True's first call / JAX's trace alone, the "
-                   f"ratio an interpreter adding nothing to the trace would reach): geometric "
+      lines.append(f"- {label}: cold floor (interpret=True's first call / the trace alone, the "
+                   f"ratio numpy mode would reach if it added nothing to its trace): geometric "
                    f"mean **{geomean(f):.1f}** ({len(f)} kernels).")
     if w:
       lines.append(f"- {label}: warm geometric mean numpy / interpret=True **{geomean(w):.2f}** "

@@ -30,6 +30,7 @@ from pallas_np import registry
 from pallas_np.evaluator import Compiler, RunContext
 from pallas_np.grid import KernelPlan
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
+from pallas_np.tracing import kernel_to_trace
 
 # -- plan cache ---------------------------------------------------------------
 _PLAN_CACHE_SIZE = 256
@@ -168,15 +169,18 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
 
   Called eagerly on concrete arrays it traces the kernel and interprets it
   without any XLA compilation; inside ``jit``/``vmap``/``grad`` it behaves
-  exactly like ``pl.pallas_call(..., interpret="numpy")``.
+  exactly like ``pl.pallas_call(..., interpret="numpy")``. Either way the
+  kernel body is traced with the jitted functions it calls inlined where that
+  is safe (``InterpretParams.inline_jit``, pallas_np.tracing).
   """
   from jax.experimental import pallas as pl
   if interpret is None:
     interpret = "numpy"
-  jax_fn = pl.pallas_call(kernel, out_shape, interpret=interpret, **kwargs)
   if not is_numpy_mode(interpret):
-    return jax_fn
+    return pl.pallas_call(kernel, out_shape, interpret=interpret, **kwargs)
   interp = resolve(interpret)
+  jax_fn = pl.pallas_call(kernel_to_trace(kernel, interp.inline_jit), out_shape,
+                          interpret=interpret, **kwargs)
 
   @functools.wraps(kernel)
   def call(*args):

@@ -57,6 +57,14 @@ class InterpretParams:
       kernels has no NumPy rule (then XLA compiles the code around the
       kernels, which reach the interpreter through ``io_callback``).
       ``False``: always the latter.
+    inline_jit: ``pallas_np.pallas_call`` only: have JAX trace the kernel
+      body under ``jax.disable_jit()``, so the jitted functions it calls
+      (every ``jnp`` function) are traced inline rather than through jit's
+      machinery: the same primitives, a much cheaper first call. ``None``
+      (default): unless the kernel's code names a loop helper (``fori_loop``,
+      ``scan``, ``map``, ``pl.loop``, ``emit_pipeline``) that would unroll
+      under ``disable_jit``; ``True``/``False``: always/never (see
+      pallas_np.tracing).
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
@@ -70,6 +78,7 @@ class InterpretParams:
   num_threads: int | None = None
   num_cores: int = 1
   whole_program: bool = True
+  inline_jit: bool | None = None
 
   def __post_init__(self):
     if self.bounds_check not in ("raise", "clamp"):

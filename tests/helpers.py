@@ -5,12 +5,36 @@ import logging
 import jax
 import numpy as np
 
+import pallas_np
 from tests.conftest import assert_same
+
+# ``pallas_np.pallas_call`` with the kernel body traced with its jit calls
+# inlined even where that unrolls loops (pallas_np.tracing): make_calls that
+# accept it (``make_call.inlined``) run it too, and it must reproduce numpy
+# mode's traced-through-jit result bit for bit.
+INLINED = pallas_np.InterpretParams(inline_jit=True, check_avals=True)
+
+
+def is_inlined(interpret) -> bool:
+  return isinstance(interpret, pallas_np.InterpretParams) and interpret.inline_jit is True
+
+
+def assert_identical(got, want):
+  got_leaves = jax.tree_util.tree_leaves(got)
+  want_leaves = jax.tree_util.tree_leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for g, w in zip(got_leaves, want_leaves):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.dtype == w.dtype, (g.dtype, w.dtype)
+    if g.dtype.kind not in "biu":  # ml_dtypes floats: NaN == NaN via float64
+      g, w = g.astype(np.float64), w.astype(np.float64)
+    np.testing.assert_array_equal(g, w)
 
 
 def run_both(make_call, *args, rtol=1e-5, atol=1e-5):
   """``make_call(interpret)`` returns the pallas_call'd function; run it with
-  interpret="numpy" and interpret=True and compare every output leaf."""
+  interpret="numpy" and interpret=True and compare every output leaf (and
+  with ``INLINED`` where ``make_call.inlined``)."""
   got = make_call("numpy")(*args)
   want = make_call(True)(*args)
   got_leaves = jax.tree_util.tree_leaves(got)
@@ -18,6 +42,8 @@ def run_both(make_call, *args, rtol=1e-5, atol=1e-5):
   assert len(got_leaves) == len(want_leaves)
   for g, w in zip(got_leaves, want_leaves):
     assert_same(g, w, rtol=rtol, atol=atol)
+  if getattr(make_call, "inlined", False):
+    assert_identical(make_call(INLINED)(*args), got)
   return got
 
 

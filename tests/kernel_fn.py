@@ -4,6 +4,9 @@ import jax
 import numpy as np
 from jax.experimental import pallas as pl
 
+import pallas_np
+from tests.helpers import INLINED, assert_identical, is_inlined
+
 
 def kernel_call(fn, *args, interpret):
   """pallas_call whose kernel reads every input, applies ``fn`` and writes
@@ -19,12 +22,15 @@ def kernel_call(fn, *args, interpret):
     for o, v in zip(out_refs, outs):
       o[...] = v
 
-  call = pl.pallas_call(kernel, out_shape=leaves, interpret=interpret)
+  entry = pallas_np.pallas_call if is_inlined(interpret) else pl.pallas_call
+  call = entry(kernel, out_shape=leaves, interpret=interpret)
   return jax.tree_util.tree_unflatten(treedef, call(*args))
 
 
 def both(fn, *args):
-  """(numpy-mode result, interpret=True result) as lists of np arrays."""
+  """(numpy-mode result, interpret=True result) as lists of np arrays; the
+  kernel traced with ``fn``'s jit calls inlined must match the former."""
   got = jax.tree_util.tree_leaves(kernel_call(fn, *args, interpret="numpy"))
+  assert_identical(kernel_call(fn, *args, interpret=INLINED), got)
   want = jax.tree_util.tree_leaves(kernel_call(fn, *args, interpret=True))
   return [np.asarray(g) for g in got], [np.asarray(w) for w in want]

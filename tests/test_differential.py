@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
-from tests.helpers import run_both
+from tests.helpers import is_inlined, run_both
 
 _rng = np.random.default_rng(0)
 
@@ -34,9 +34,13 @@ def sds(shape, dtype):
 
 
 def call(kernel, out_shape, **kw):
-  """make_call for run_both: the same pallas_call with the given interpret."""
-  return lambda interpret: pl.pallas_call(kernel, out_shape=out_shape,
-                                          interpret=interpret, **kw)
+  """make_call for run_both: the same pallas_call with the given interpret
+  (``INLINED``: through ``pallas_np.pallas_call``)."""
+  def make_call(interpret):
+    entry = pallas_np.pallas_call if is_inlined(interpret) else pl.pallas_call
+    return entry(kernel, out_shape=out_shape, interpret=interpret, **kw)
+  make_call.inlined = True
+  return make_call
 
 
 # -- elementwise ------------------------------------------------------------
