@@ -87,6 +87,8 @@ def _reaches_loop_helper(fn, depth, seen) -> bool:
   wrapped = getattr(fn, "__wrapped__", None)  # jax.jit, functools.wraps
   if wrapped is not None and _reaches_loop_helper(wrapped, depth, seen):
     return True
+  if isinstance(fn, types.MethodType):  # a bound method as the kernel
+    fn = fn.__func__
   if not isinstance(fn, types.FunctionType):
     call = getattr(type(fn), "__call__", None)
     if not isinstance(call, types.FunctionType):  # a builtin, a jit object

@@ -95,6 +95,9 @@ class _CallableKernel:
   def __call__(self, x_ref, o_ref):
     o_ref[...] = lax.fori_loop(0, 2, lambda i, c: c + 1.0, x_ref[...])
 
+  def method_kernel(self, x_ref, o_ref):
+    o_ref[...] = lax.scan(lambda c, _: (c + 1.0, None), x_ref[...], None, length=2)[0]
+
 
 def _kernel_taking_body(x_ref, o_ref, *, body):
   o_ref[...] = body(x_ref[...])
@@ -110,6 +113,8 @@ def _kernel_taking_body(x_ref, o_ref, *, body):
     (_with_alias, True),  # ``from jax.lax import fori_loop as ...``
     (_calls_helper, True),  # through two module-level helpers
     (_CallableKernel(), True),
+    (_CallableKernel().method_kernel, True),
+    (jax.jit(_helper_with_loop), True),
     (functools.partial(_kernel_taking_body, body=_helper_with_loop), True),
     (functools.partial(_kernel_taking_body, body=jnp.tanh), False),
 ])
