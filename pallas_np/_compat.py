@@ -32,7 +32,10 @@ from jax._src import pjit as jax_pjit
 from jax._src import sharding_impls as jax_sharding_impls
 
 Jaxpr = jax_core.Jaxpr
-ClosedJaxpr = jax_core.ClosedJaxpr
+# JAX 0.12 merged ClosedJaxpr into Jaxpr (a Jaxpr carries its consts); where
+# it is gone every Jaxpr is "closed" and ``.jaxpr``/``.consts`` are its own.
+ClosedJaxpr = getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr)
+JAXPR_TYPES = tuple({jax_core.Jaxpr, ClosedJaxpr})
 JaxprEqn = jax_core.JaxprEqn
 Literal = jax_core.Literal
 Var = jax_core.Var
@@ -66,6 +69,15 @@ AccumEffect = state_types.AccumEffect
 ReadEffect = state_types.ReadEffect
 
 interpret_mode_config = jax_config.pallas_tpu_interpret_mode_context_manager
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """(num_consts, num_carry) of a scan eqn: plain params up to JAX 0.10, the
+  ``ft_in`` FlatTree of (consts, carry, xs) from 0.11 on."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def tree_unflatten(treedef, leaves):
@@ -181,6 +193,44 @@ def optional_primitive(module: str, name: str):
     return getattr(internal_module(module), name, None)
   except ImportError:
     return None
+
+
+# JAX >= 0.12: jnp functions (searchsorted, nonzero, einsum, ldexp, frexp)
+# bind one primitive whose params hold a HiPrim object that knows how to
+# expand itself into ordinary ("lojax") primitives.
+call_hi_primitive_p = optional_primitive("hijax", "call_hi_primitive_p")
+
+
+def hi_primitive_expansion(eqn):
+  """Jaxpr (closed) of a call_hi_primitive eqn's expansion into lojax
+  primitives: JAX's own decomposition, so its results are JAX's."""
+  prim = eqn.params["_prim"]
+  lower = call_hi_primitive_p.to_lojax
+  return trace_to_jaxpr(lambda *args: lower(*args, _prim=prim),
+                        [v.aval for v in eqn.invars])
+
+
+def cuda_lowering_target():
+  """Context for cross-lowering a CUDA kernel on a host without a GPU: JAX >=
+  0.11 asks for an abstract GPU device (an H100) in the abstract mesh; older
+  JAX needs nothing."""
+  import contextlib
+  from jax._src import mesh as mesh_lib
+  device_cls = getattr(mesh_lib, "AbstractDevice", None)
+  if device_cls is None:
+    return contextlib.nullcontext()
+  device = device_cls(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=device))
+
+
+def digamma_at_zero():
+  """digamma(±0): NaN in XLA up to jaxlib 0.10, -inf from 0.11 on. The change
+  is inside XLA's compiled decomposition, so there is no Python feature to
+  detect; asking XLA would compile on an XLA-free path. The jaxlib version is
+  the one reliable signal."""
+  import numpy as np
+  from jax._src.lib import version as jaxlib_version
+  return -np.inf if tuple(jaxlib_version[:2]) >= (0, 11) else np.nan
 
 
 def written_invar_positions(jaxpr) -> set[int]:

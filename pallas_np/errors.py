@@ -29,6 +29,22 @@ class UnsupportedError(PallasNumpyError, NotImplementedError):
   """A primitive or feature the NumPy interpreter does not implement."""
 
 
+class FallbackError(PallasNumpyError, AssertionError):
+  """A fast path (vectorized or threaded grid) failed where the sequential
+  grid loop then succeeded: an interpreter bug the fallback would hide as a
+  slowdown. Raised only with ``PALLAS_NP_STRICT_FALLBACKS=1`` (the test-suite
+  sets it); otherwise the failure is kept for ``grid_report()``."""
+
+
+def check_fallback(failure: BaseException | None, path: str, kernel: str) -> None:
+  import os
+  if failure is not None and os.environ.get("PALLAS_NP_STRICT_FALLBACKS") == "1":
+    raise FallbackError(
+        f"pallas_np: the {path} run of kernel '{kernel}' failed with "
+        f"{type(failure).__name__}: {failure}; the sequential grid loop then "
+        "succeeded (PALLAS_NP_STRICT_FALLBACKS=1 makes this an error)") from failure
+
+
 _error_classes: dict[type, type] = {}
 
 

@@ -786,7 +786,7 @@ class _Const:
 _INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr",
-                 "checkpoint": "jaxpr"}
+                 "checkpoint": "jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
 class Compiler:
@@ -819,7 +819,7 @@ class Compiler:
     compiling them for its first calls (see ``FIRST_CALLS``); for plans a
     caller fetches ``fn`` from per run (kernels, whole programs), not for
     sub-plans whose ``fn`` a rule keeps."""
-    if isinstance(jaxpr, jc.ClosedJaxpr):
+    if isinstance(jaxpr, jc.ClosedJaxpr) and consts is None:
       consts = jaxpr.consts
       jaxpr = jaxpr.jaxpr
     consts = tuple(consts or ())
@@ -1083,10 +1083,13 @@ class Compiler:
   @staticmethod
   def _inline_callee(eqn):
     """(jaxpr, consts) of a call whose body can be emitted inline, else None."""
-    param = _INLINE_CALLS.get(eqn.primitive.name)
-    if param is None:
-      return None
-    callee = eqn.params.get(param)
+    if eqn.primitive is jc.call_hi_primitive_p:
+      callee = jc.hi_primitive_expansion(eqn)
+    else:
+      param = _INLINE_CALLS.get(eqn.primitive.name)
+      if param is None:
+        return None
+      callee = eqn.params.get(param)
     if isinstance(callee, jc.ClosedJaxpr):
       sub, consts = callee.jaxpr, callee.consts
     elif isinstance(callee, jc.Jaxpr):

@@ -26,7 +26,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import blas, debugging, malloc, races, threads, vectorize
-from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
+from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
 from pallas_np.evaluator import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
@@ -195,10 +195,12 @@ class KernelPlan:
 
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
+    fallback = None  # (path, exception) of a fast path that failed
     if self.params.vectorize is not False and self.several_points and not cores:
-      out = self._run_vectorized(args)
+      out, failure = self._run_vectorized(args)
       if out is not None:
         return out
+      fallback = failure and ("vectorized", failure)
     grid, index_ops, buffers, out_bufs = self._prepare(args)
     if cores:
       self._run_cores(grid, index_ops, buffers)
@@ -209,9 +211,11 @@ class KernelPlan:
     if self._threads.reason is None:
       chunks = self._threads.chunks(grid, index_ops)
       if chunks is not None:
-        if threads.run(self, grid, index_ops, buffers, chunks):
+        failure = threads.run(self, grid, index_ops, buffers, chunks)
+        if failure is None:
           self.last_mode = "threaded"
           return self._results(out_bufs)
+        fallback = ("threaded", failure)
         grid, index_ops, buffers, out_bufs = self._prepare(args)  # fresh, to re-run
     scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
     detector = races.for_run(self, grid, buffers, scratch)
@@ -220,27 +224,33 @@ class KernelPlan:
     else:
       with races.activate(detector):
         self._run_grid(grid, index_ops, buffers, scratch, detector)
+    if fallback is not None:  # the fast path failed where this run did not
+      check_fallback(fallback[1], fallback[0], self.name)
     self.last_mode = "sequential"
     return self._results(out_bufs)
 
   def _run_vectorized(self, args):
-    """Batched grid (pallas_np.vectorize); None when it does not apply or
-    failed (then the sequential run starts again from fresh buffers and
-    reports any error at its exact grid point)."""
+    """(outputs, None) of a batched grid (pallas_np.vectorize); (None,
+    failure) when it does not apply (failure None) or failed (then the
+    sequential run starts again from fresh buffers and reports any error at
+    its exact grid point; if it succeeds instead, the failure was a bug)."""
     if self._vectorizer is None:
       self._vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
     gv = self._vectorizer
     if gv.reason is not None:
-      return None
+      return None, None
     try:
       out_bufs = vectorize.run_vectorized(self, gv, lambda: self._prepare(args))
-    except Exception as e:  # NotBatchable, or an error to re-raise precisely
+    except vectorize.NotBatchable as e:
       gv.last_failure = e
-      return None
+      return None, None
+    except Exception as e:
+      gv.last_failure = e
+      return None, e
     if out_bufs is None:
-      return None
+      return None, None
     self.last_mode = "vectorized"
-    return self._results(out_bufs)
+    return self._results(out_bufs), None
 
   def _prepare(self, args):
     params = self.params

@@ -44,7 +44,7 @@ from pallas_np.evaluator import RunContext
 _CONTEXT_FREE = frozenset("""program_id num_programs cond while scan pjit jit closed_call
 call core_call eval_jaxpr custom_jvp_call custom_jvp_call_jaxpr custom_vjp_call
 custom_vjp_call_jaxpr remat remat2 checkpoint jaxpr_call composite run_scoped delay
-trace_value add_dependency""".split())
+trace_value add_dependency call_hi_primitive""".split())
 _GEMMS = vectorize.GEMMS
 # Auto mode: a kernel is wide when the median eqn result has at least this
 # many elements (a float32 ufunc over it takes ~10 us: GIL hand-offs amortised).
@@ -149,9 +149,10 @@ class ThreadPlan:
                                 tuple(grid[d] for d in axes))
 
 
-def run(kp, grid, index_ops, buffers, chunks) -> bool:
+def run(kp, grid, index_ops, buffers, chunks) -> Exception | None:
   """Run ``chunks`` of grid points concurrently (the first in this thread).
-  False if any raised: the caller re-runs the grid sequentially."""
+  The first chunk's exception if any raised (the caller re-runs the grid
+  sequentially), else None."""
   kp.kernel  # noqa: B018 (compile before the threads share it)
   bar = debugging.progress_bar(kp.name, sum(map(len, chunks)), kp.params)
   shared = _SharedProgress(bar) if bar is not None else None
@@ -159,22 +160,21 @@ def run(kp, grid, index_ops, buffers, chunks) -> bool:
                             shared and shared.part())
              for c in chunks[1:]]
   try:
-    ok = _run_chunk(kp, grid, index_ops, buffers, chunks[0], shared and shared.part())
-    for f in futures:
-      ok = f.result() and ok
+    failures = [_run_chunk(kp, grid, index_ops, buffers, chunks[0], shared and shared.part())]
+    failures += [f.result() for f in futures]
   finally:
     if bar is not None:
       bar.close()
-  return ok
+  return next((e for e in failures if e is not None), None)
 
 
-def _run_chunk(kp, grid, index_ops, buffers, points, progress) -> bool:
+def _run_chunk(kp, grid, index_ops, buffers, points, progress) -> Exception | None:
   try:
     with np.errstate(all="ignore"):  # errstate is per thread
       kp._run_grid(grid, index_ops, buffers, [], points=points, progress=progress)
-    return True
-  except Exception:
-    return False
+    return None
+  except Exception as e:
+    return e
 
 
 class _SharedProgress:

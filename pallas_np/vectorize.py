@@ -66,6 +66,11 @@ class NotBatchable(Exception):
   """The kernel (or an index map) cannot be evaluated lane-batched."""
 
 
+class LaneOutOfBounds(NotBatchable, IndexError):
+  """A lane accessed outside its ref: the sequential rerun raises it at its
+  grid point and line (or clamps, with ``bounds_check="clamp"``)."""
+
+
 # -- the batch compiler --------------------------------------------------------
 _BATCH_RULES: dict[str, Any] = {}
 
@@ -126,7 +131,7 @@ def _refusing_shared(fn, refs, why):
   return guarded
 
 
-_JAXPR_TYPES = (jc.Jaxpr, jc.ClosedJaxpr)
+_JAXPR_TYPES = jc.JAXPR_TYPES
 
 
 def _has_subjaxprs(eqn) -> bool:
@@ -219,7 +224,8 @@ tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt integer_pow
 square erf erfc erf_inv lgamma digamma igamma igammac polygamma zeta bessel_i0e
 bessel_i1e nextafter select_n clamp shift_left shift_right_logical
 shift_right_arithmetic population_count clz convert_element_type reduce_precision
-real imag complex conj bitcast_convert_type reciprocal""".split()
+real imag complex conj bitcast_convert_type reciprocal mulhi log2 one_minus_square
+polynomial""".split()
 
 
 @batch_rule(*_ELEMENTWISE)
@@ -599,7 +605,7 @@ class _Span:
       outside = np.ones(hi - lo, bool)
       outside[self.inner] = False
       if on is None or (on & outside).any():
-        raise IndexError("out-of-bounds ref access in a vectorized pass")
+        raise LaneOutOfBounds("out-of-bounds ref access in a vectorized pass")
     self.on_inner = None if on is None else on[self.inner]
 
   def gather(self, ref, fill, dtype):
@@ -680,7 +686,7 @@ class _LaneIndexed:
       in_bounds = np.broadcast_to(in_bounds, full)
       bad = ~in_bounds if mask is None else np.broadcast_to(mask, full) & ~in_bounds
       if bad.any():
-        raise IndexError("out-of-bounds ref access in a vectorized pass")
+        raise LaneOutOfBounds("out-of-bounds ref access in a vectorized pass")
     return tuple(safe), in_bounds, full
 
   @staticmethod
@@ -1301,7 +1307,7 @@ def _while(bc, rule, info, in_batched):
 @batch_rule("scan")
 def _scan(bc, rule, info, in_batched):
   p = info.params
-  num_consts, num_carry = p["num_consts"], p["num_carry"]
+  num_consts, num_carry = jc.scan_counts(p)
   length = int(p["length"])
   reverse = bool(p["reverse"])
   consts_b = tuple(in_batched[:num_consts])

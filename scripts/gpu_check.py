@@ -136,7 +136,8 @@ def main(argv=None):
   print(head[0], flush=True)
   if jax.default_backend() != "gpu":
     sys.exit("no GPU backend: nothing to check")
-  jax.config.update("jax_pallas_use_mosaic_gpu", False)
+  if hasattr(jax.config, "jax_pallas_use_mosaic_gpu"):  # JAX <= 0.11; 0.12 dropped it
+    jax.config.update("jax_pallas_use_mosaic_gpu", False)
   os.environ.setdefault("PALLAS_NP_PROGRESS", "0")
   rows, failed = [], []
   for name in opts.kernels.split(","):

@@ -4,6 +4,9 @@ import os
 # dtype) in the test-suite: a rule that drifts from JAX's dtype rules fails.
 os.environ.setdefault("PALLAS_NP_CHECK_AVALS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A fast path (vectorized/threaded grid) that fails where the sequential loop
+# succeeds is a bug, not a fallback: raise it (pallas_np.errors.FallbackError).
+os.environ.setdefault("PALLAS_NP_STRICT_FALLBACKS", "1")
 
 import numpy as np
 import pytest

@@ -382,10 +382,11 @@ def test_cuda_lowering_is_unchanged_by_pallas_np():
 
   def lower_text():
     f = jax.jit(_double(False))
-    return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    with jc.cuda_lowering_target():
+      return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
-  ours = lower_text()
   from pallas_np import _compat as jc
+  ours = lower_text()
   jc.register_pallas_call_lowering(api._jax_lowering)
   try:
     theirs = lower_text()

@@ -32,3 +32,11 @@ for _prim_obj, _param in [
 ]:
   if _prim_obj is not None:
     registry.register(_prim_obj, needs_ctx=True)(_call_rule(_param))
+
+
+if jc.call_hi_primitive_p is not None:
+  @registry.register(jc.call_hi_primitive_p, needs_ctx=True)
+  def _call_hi_primitive(e):
+    """jnp functions JAX >= 0.12 binds as one high-level primitive: run the
+    expansion into ordinary primitives JAX itself lowers."""
+    return e.compiler.compile(jc.hi_primitive_expansion(e.eqn)).fn

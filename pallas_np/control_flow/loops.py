@@ -5,7 +5,7 @@ import numpy as np
 
 from jax import lax
 
-from pallas_np import registry
+from pallas_np import _compat as jc, registry
 from pallas_np.dtypes import np_dtype
 
 
@@ -30,7 +30,7 @@ def _while(e):
 def _scan(e):
   p = e.params
   body = e.compiler.compile(p["jaxpr"]).fn
-  num_consts, num_carry = p["num_consts"], p["num_carry"]
+  num_consts, num_carry = jc.scan_counts(p)
   length = int(p["length"])
   reverse = bool(p["reverse"])
   y_avals = e.out_avals[num_carry:]

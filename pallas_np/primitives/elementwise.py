@@ -258,8 +258,77 @@ for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
                (lax.bessel_i1e_p, scipy.special.i1e)]:
   _reg_unary(_p, _f)
 
-_reg_unary(lax.digamma_p, lambda x: np.where((x <= 0) & (x == np.floor(x)), np.nan,
-                                              scipy.special.psi(x)))
+_DIGAMMA_AT_ZERO = jc.digamma_at_zero()
+
+
+def _digamma(x):
+  # XLA: NaN at the poles (non-positive integers); at ±0 what the installed
+  # XLA gives (see _compat.digamma_at_zero).
+  pole = (x <= 0) & (x == np.floor(x))
+  return np.where(pole, np.where(x == 0, _DIGAMMA_AT_ZERO, np.nan), scipy.special.psi(x))
+
+
+_reg_unary(lax.digamma_p, _digamma)
+
+
+# -- primitives of newer JAX versions (registered where they exist) -----------
+_LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
+if hasattr(lax, "log2_p"):
+  @registry.register(lax.log2_p)
+  def _log2(e):
+    log = _unary_float(np.log)(e)
+    dt = _in_dtype(e)
+    scale = np.asarray(_LOG2_E, dt)
+    if is_low_precision_float(dt):
+      f32 = np.float32
+      return lambda x: _cast(np.multiply(np.asarray(log(x), f32), np.asarray(scale, f32)), dt)
+    return lambda x: np.multiply(log(x), scale)
+
+_one_minus_square_p = getattr(jc.lax_internal, "one_minus_square_p", None)
+if _one_minus_square_p is not None:
+  @registry.register(_one_minus_square_p)
+  def _one_minus_square(e):
+    # XLA: (1 + x) * (1 - x), each op rounded to x's dtype.
+    dt = _in_dtype(e)
+    work = np.float32 if is_low_precision_float(dt) else dt
+
+    def one_minus_square(x):
+      x = np.asarray(x, work)
+      one = np.ones((), work)
+      if is_low_precision_float(dt):
+        a, b = _cast(one + x, dt), _cast(one - x, dt)
+        return _cast(np.asarray(a, work) * np.asarray(b, work), dt)
+      with np.errstate(over="ignore"):
+        return (one + x) * (one - x)
+    return one_minus_square
+
+_polynomial_p = getattr(jc.lax_internal, "polynomial_p", None)
+if _polynomial_p is not None:
+  @registry.register(_polynomial_p)
+  def _polynomial(e):
+    # XLA: Horner's rule from the highest coefficient, acc * x + c, each
+    # product and sum rounded to the dtype (low precision: per op via f32).
+    dt = _out_dtype(e)
+    low = is_low_precision_float(dt)
+
+    def polynomial(x, *coeffs):
+      if low:
+        f32 = lambda v: np.asarray(v, np.float32)
+        acc = np.asarray(coeffs[-1], dt)
+        for c in reversed(coeffs[:-1]):
+          acc = _cast(f32(_cast(f32(acc) * f32(x), dt)) + f32(c), dt)
+      elif dt == np.float32:  # XLA's CPU backend fuses acc * x + c into an FMA
+        acc, x64 = np.asarray(coeffs[-1], np.float64), np.asarray(x, np.float64)
+        for c in reversed(coeffs[:-1]):
+          acc = np.asarray(acc * x64 + np.asarray(c, np.float64), dt).astype(np.float64)
+        acc = np.asarray(acc, dt)
+      else:
+        acc = np.asarray(coeffs[-1], dt)
+        with np.errstate(over="ignore", invalid="ignore"):
+          for c in reversed(coeffs[:-1]):
+            acc = acc * x + c
+      return np.broadcast_to(acc, e.out_aval.shape).astype(dt, copy=False)[()]
+    return polynomial
 
 
 @registry.register(lax.exp2_p)
@@ -487,10 +556,32 @@ if hasattr(lax, "regularized_incomplete_beta_p"):
     return betainc
 
 
-# -- mulhi: traced from JAX's own decomposition (bit-exact by construction) ---
+# -- mulhi: the upper N bits of the 2N-bit product ------------------------------
+def _mulhi_u64(x, y):
+  """Upper 64 bits of the 128-bit product of uint64s, from 32-bit halves."""
+  lo32 = np.uint64(0xFFFFFFFF)
+  s32 = np.uint64(32)
+  x_lo, x_hi, y_lo, y_hi = x & lo32, x >> s32, y & lo32, y >> s32
+  ll, lh, hl, hh = x_lo * y_lo, x_lo * y_hi, x_hi * y_lo, x_hi * y_hi
+  mid = (ll >> s32) + (lh & lo32) + (hl & lo32)
+  return hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
+
+
 if hasattr(jc.lax_internal, "mulhi_p"):
   @registry.register(jc.lax_internal.mulhi_p)
   def _mulhi(e):
-    closed = jc.trace_to_jaxpr(jc.lax_internal._mulhi_impl, e.in_avals)
-    plan = e.compiler.compile(closed).fn
-    return lambda x, y: plan(None, x, y)[0]
+    dt = _in_dtype(e)
+    bits = dt.itemsize * 8
+    signed = dt.kind == "i"
+    if bits <= 32:
+      wide = np.int64 if signed else np.uint64
+      return lambda x, y: ((np.asarray(x, wide) * np.asarray(y, wide)) >> bits).astype(dt)[()]
+
+    def mulhi64(x, y):
+      xu, yu = np.asarray(x).view(np.uint64), np.asarray(y).view(np.uint64)
+      hi = _mulhi_u64(xu, yu)
+      if signed:  # two's complement: subtract y where x < 0 and x where y < 0
+        hi = hi - np.where(np.asarray(x) < 0, yu, np.uint64(0)) \
+                - np.where(np.asarray(y) < 0, xu, np.uint64(0))
+      return np.asarray(hi).view(dt)[()]
+    return mulhi64

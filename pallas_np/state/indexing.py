@@ -466,10 +466,9 @@ def _bitcast_view(dtype):
 
 def _reshape_view(shape):
   def f(view, leaves):
-    out = view.view()
     try:
-      out.shape = shape
-    except AttributeError as e:  # numpy would have to copy: writes would be lost
+      out = np.reshape(view, shape, copy=False)
+    except ValueError as e:  # numpy would have to copy: writes would be lost
       raise UnsupportedError(
           f"pallas_np: ref reshape of a non-contiguous view {view.shape}->{shape} "
           "is not supported") from e
