@@ -369,13 +369,26 @@ class RefAccess:
     along axis ``a`` of ``view``; the arrays are broadcastable to
     ``result_shape`` (not broadcast: a slice stays 1-D along its axis).
     ``None`` when the access does not end in an indexer (nothing there can go
-    out of bounds)."""
+    out of bounds).
+
+    Indexers of ints and slices right before the last one (``ref.at[pl.ds(
+    228, 64)]`` then loaded at ``pl.ds(0, 64)``) are composed into the
+    coordinates too, and ``view`` is the ref before them: such a view may
+    run past the end of the ref for masked-off lanes, as on a GPU, where
+    the view is pointer arithmetic. Earlier transforms are applied (and
+    checked) as usual."""
     if self._prefix_fns is None:
       return None
+    first = len(self._prefix_fns)
+    while first > 0 and _composable(self.steps[first - 1]):
+      first -= 1
     view = ref
-    for f in self._prefix_fns:
+    for f in self._prefix_fns[:first]:
       view = f(view, leaves)
-    return view, self._last_coords(leaves)
+    coords = self._last_coords(leaves)
+    for step in reversed(self.steps[first:-1]):
+      coords = _unindex(step[1], leaves, coords, len(self.result_shape))
+    return view, coords
 
   def _last_coords(self, leaves):
     dims = self.steps[-1][1]
@@ -448,6 +461,28 @@ class RefAccess:
       return _check_int(v, d.dim, axis, shape, clamp)
     v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
     return _check_array(v, d.dim, axis, shape, clamp)
+
+
+def _composable(step) -> bool:
+  """An indexer of ints and static-size slices: its view's axes are its
+  slice dims, in order, so coordinates map back through it one to one."""
+  return step[0] == "index" and not any(
+      isinstance(d, _DimArray) or (isinstance(d, _DimSlice) and not _static(d.size))
+      for d in step[1])
+
+
+def _unindex(dims, leaves, coords, n_out):
+  """Coordinates in the view an indexer made -> in the ref it indexed."""
+  out = []
+  it = iter(coords)
+  for d in dims:
+    if isinstance(d, _DimSlice):
+      start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
+      out.append(int(start) + d.stride * next(it))
+    else:
+      v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+      out.append(np.full((1,) * n_out, int(v), dtype=np.int64))
+  return out
 
 
 def _indexed_shape(dims, layout) -> tuple:
