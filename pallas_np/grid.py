@@ -136,6 +136,11 @@ class KernelPlan:
                compiler_params=None, **_unused):
     if jaxpr.constvars:
       raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
+    if _unused.get("mesh") is not None:  # what a mesh kernel's fallback lowering builds
+      raise UnsupportedError(
+          f"pallas_np: pallas_call over a mesh ({_unused['mesh']!r}; pl.kernel/pl.core_map "
+          f"mesh kernels) is not supported in numpy mode yet (kernel "
+          f"{getattr(jaxpr.debug_info, 'func_src_info', None) or _kernel_name(jaxpr)})")
     malloc.tune_once()
     self.params = params
     self.compiler_params = compiler_params
