@@ -349,3 +349,55 @@ def infer_argnums_and_argnames(fun, static_argnums, static_argnames):
     names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames or ())
     return nums, names
   return api_util.infer_argnums_and_argnames(sig, static_argnums, static_argnames)
+
+
+# -- mesh kernels: pl.kernel(mesh=...) / pl.core_map ----------------------------
+def mesh_kernel_primitives() -> tuple:
+  """The primitives of mesh kernels that lower without pallas_call_p (JAX
+  0.10: ``mpmd_map``, whose CPU lowering calls JAX's pallas_call lowering
+  directly, and ``core_map``), those this JAX has."""
+  found = []
+  for module, name in (("pallas.mpmd", "mpmd_map_p"), ("pallas.core", "core_map_p")):
+    prim = optional_primitive(module, name)
+    if isinstance(prim, jax_core.Primitive):
+      found.append(prim)
+  return tuple(found)
+
+
+def lowering_rule(prim):
+  """The platform-independent lowering rule registered for ``prim``, or None."""
+  entry = mlir._lowerings.get(prim)
+  return getattr(entry, "rule", entry)
+
+
+def register_lowering(prim, rule):
+  mlir.register_lowering(prim, rule)
+
+
+def mesh_kernel_sources(params) -> list[str]:
+  """'fn at file:line' of the body jaxpr(s) of a mesh-kernel eqn's params;
+  where the body is JAX's own wrapper (a discharged core_map), the user
+  line of its first eqn."""
+  bodies = params.get("jaxprs") or (params.get("jaxpr"),)
+  out = []
+  for j in bodies:
+    j = getattr(j, "jaxpr", j)
+    dbg = getattr(j, "debug_info", None)
+    src = getattr(dbg, "func_src_info", None)
+    if src and "jax/_src/" not in src.replace("\\", "/"):
+      out.append(src)
+      continue
+    for eqn in getattr(j, "eqns", ()):
+      line = source_summary(eqn.source_info)
+      if line and line != "<unknown source>":
+        out.append(line)
+        break
+  return out
+
+
+def lowering_source(ctx) -> str:
+  """'file:line' of the user frame of the eqn being lowered, or ''."""
+  try:
+    return source_info_util.summarize(source_info_util.SourceInfo(ctx.traceback, ctx.name_stack))
+  except Exception:  # pragma: no cover - never mask the real error
+    return ""

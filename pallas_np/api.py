@@ -27,6 +27,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.errors import UnsupportedError
 from pallas_np.evaluator import Compiler, RunContext
 from pallas_np.grid import KernelPlan
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
@@ -133,11 +134,59 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
 def install():
   """Put the numpy-mode lowering in front of JAX's (idempotent)."""
   global _jax_lowering
+  for prim in jc.mesh_kernel_primitives():
+    current = jc.lowering_rule(prim)
+    if current is not None and not getattr(current, "pallas_np_mesh", False):
+      jc.register_lowering(prim, _mesh_kernel_lowering(current, prim))
   current = jc.original_pallas_call_lowering()
   if current is _pallas_call_lowering:
     return
   _jax_lowering = current
   jc.register_pallas_call_lowering(_pallas_call_lowering)
+
+
+# -- mesh kernels (pl.kernel(mesh=...), pl.core_map): not supported yet ------
+# Their CPU lowering calls JAX's pallas_call lowering directly, past our
+# rule: in numpy mode they must raise, never run in another interpreter.
+def mesh_kernel_error(prim_name, params, call_site="") -> UnsupportedError:
+  where = " and ".join(jc.mesh_kernel_sources(params)) or "<unknown kernel>"
+  if call_site and call_site != "<unknown source>":
+    where += f", called at {call_site}"
+  return UnsupportedError(
+      f"pallas_np: pl.kernel/pl.core_map mesh kernels ({prim_name}) are not supported in "
+      f"numpy mode yet (kernel {where}). pallas_np does not hand them to another "
+      "interpreter: run them outside numpy mode (e.g. interpret=True with no "
+      "force_numpy_interpret), or write the kernel as a pl.pallas_call with a grid.")
+
+
+def _mesh_kernel_lowering(jax_rule, prim):
+  def rule(ctx, *in_nodes, **params):
+    if is_numpy_mode(jc.interpret_mode_config.value) or is_numpy_mode(params.get("interpret")):
+      raise mesh_kernel_error(prim.name, params, jc.lowering_source(ctx))
+    return jax_rule(ctx, *in_nodes, **params)
+  rule.pallas_np_mesh = True
+  return rule
+
+
+def _mesh_kernel_rule(e: registry.EqnInfo):
+  """The eager evaluator (pallas_np.jit, whole_program) meets one."""
+  raise mesh_kernel_error(e.primitive.name, e.params, e.source)
+
+
+_MESH_PRIMITIVES = jc.mesh_kernel_primitives()
+for _prim in _MESH_PRIMITIVES:
+  registry.register(_prim, foldable=False)(_mesh_kernel_rule)
+
+
+def _reject_mesh_kernels(jaxpr):
+  """Name a mesh kernel nested in a primitive the evaluator lacks (core_map
+  inside pl.run_state) rather than that primitive."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive in _MESH_PRIMITIVES:
+      raise mesh_kernel_error(eqn.primitive.name, eqn.params,
+                              jc.source_summary(eqn.source_info))
+  for sub in jc.subjaxprs(jaxpr):
+    _reject_mesh_kernels(sub)
 
 
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------
@@ -212,6 +261,7 @@ class EagerPlan:
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
+    _reject_mesh_kernels(closed.jaxpr)
     self.plan = Compiler(interp, name, kernel_params_from_eqns=kernel_params_from_eqns
                          ).compile(closed, first_calls=True)
     # Python scalars and float64/int64 NumPy values take JAX's canonical

@@ -973,7 +973,9 @@ class Compiler:
             f"the NumPy interpreter (kernel '{self.name}', at "
             f"{jc.source_summary(eqn.source_info)}). See "
             f"`python -m pallas_np.coverage` for what is supported.")
-      info = registry.EqnInfo(eqn, self, outvars_used)
+      folded = {v: a.value for v, a in zip(eqn.invars, in_atoms_e)
+                if a.__class__ is _Const and isinstance(v, jc.Var)}
+      info = registry.EqnInfo(eqn, self, outvars_used, folded)
       in_batched = tuple(not isinstance(a, _Const) and a[1] for a in in_atoms_e)
       try:
         fn, needs_ctx, out_batched = self.lower_eqn(rule, info, in_batched)

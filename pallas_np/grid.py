@@ -136,6 +136,11 @@ class KernelPlan:
                compiler_params=None, **_unused):
     if jaxpr.constvars:
       raise UnsupportedError("pallas_np: pallas_call kernels that close over refs are not supported")
+    if _unused.get("mesh") is not None:  # what a mesh kernel's fallback lowering builds
+      raise UnsupportedError(
+          f"pallas_np: pallas_call over a mesh ({_unused['mesh']!r}; pl.kernel/pl.core_map "
+          f"mesh kernels) is not supported in numpy mode yet (kernel "
+          f"{getattr(jaxpr.debug_info, 'func_src_info', None) or _kernel_name(jaxpr)})")
     malloc.tune_once()
     self.params = params
     self.compiler_params = compiler_params
@@ -159,6 +164,8 @@ class KernelPlan:
                        for bm in gm.block_mappings]
     self.scratch_avals = [a.inner_aval if isinstance(a, jc.AbstractRef) else a
                           for a in gm.scratch_avals]
+    # JAX numbers aliased inputs over all operands, scalar prefetch
+    # included (after the dynamic grid bounds).
     self.out_for_in = {o: i for i, o in input_output_aliases}
     self.out_avals = out_avals
     written = jc.written_invar_positions(jaxpr)
@@ -258,6 +265,7 @@ class KernelPlan:
     dyn_iter = iter(dyn)
     grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
                  for g in self.grid)
+    operands = args
     index_ops = [np.array(a) if i in self.written_inputs else np.asarray(a)
                  for i, a in enumerate(args[:self.num_index])]
     inputs = args[self.num_index:]
@@ -276,7 +284,7 @@ class KernelPlan:
     out_bufs = []
     for o, geo in enumerate(self.blocks[self.num_inputs:]):
       if o in self.out_for_in:
-        src = np.asarray(inputs[self.out_for_in[o]])
+        src = np.asarray(operands[self.out_for_in[o]])
         out_bufs.append(geo.pad(src, params) if geo.needs_padding else np.array(src))
       else:
         out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))

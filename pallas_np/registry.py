@@ -37,9 +37,12 @@ _RULES: dict[Any, Rule] = {}
 class EqnInfo:
   """What a compile rule may look at: one eqn and the compiler."""
   __slots__ = ("eqn", "primitive", "params", "in_avals", "out_avals",
-               "compiler", "outvars_used")
+               "compiler", "outvars_used", "folded")
 
-  def __init__(self, eqn, compiler, outvars_used):
+  def __init__(self, eqn, compiler, outvars_used, folded=None):
+    # folded: {invar: value} for the invars the compiler knows as constants
+    # (computed from literals only), e.g. the broadcast -1 of x_ref[idx, -1].
+    self.folded = folded or {}
     self.eqn = eqn
     self.primitive = eqn.primitive
     self.params = eqn.params

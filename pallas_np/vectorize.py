@@ -420,7 +420,7 @@ def _shifted_rule(param, single=False):
   def brule(bc, rule, info, in_batched):
     if len(in_batched) != 1:
       return _lane_loop(rule, info, in_batched)
-    shifted = registry.EqnInfo(info.eqn, bc, info.outvars_used)
+    shifted = registry.EqnInfo(info.eqn, bc, info.outvars_used, info.folded)
     params = dict(info.params)
     v = params[param]
     params[param] = int(v) + 1 if single else _shift(v)

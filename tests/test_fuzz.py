@@ -43,3 +43,33 @@ def test_fuzz_ci_slice(program):
 @given(programs(max_ops=20))
 def test_fuzz_long(program):
   _check(program)
+
+
+# -- issue 27 cases (tests/fuzz_core.py, its own section) -----------------------
+from tests.fuzz_core import (alias_prefetch_cases, masked_view_cases,  # noqa: E402
+                             negative_index_programs, run_alias_case, run_masked_view_case)
+
+_SMALL = settings(max_examples=max(CI_EXAMPLES // 5, 5), derandomize=True, deadline=None,
+                  database=None, suppress_health_check=list(HealthCheck),
+                  phases=[Phase.explicit, Phase.generate])
+
+
+@_SMALL
+@given(negative_index_programs())
+def test_fuzz_static_negative_indices(program):
+  _check(program)
+
+
+@_SMALL
+@given(alias_prefetch_cases())
+def test_fuzz_aliases_with_scalar_prefetch(case):
+  err = run_alias_case(*case)
+  assert err is None, f"{case}: {err}"
+
+
+@settings(max_examples=max(CI_EXAMPLES, 20), derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+@given(masked_view_cases())
+def test_fuzz_masked_views_crossing_the_edge(case):
+  err = run_masked_view_case(*case)
+  assert err is None, f"{case}: {err}"

@@ -7,8 +7,15 @@ at that tree once, at compile time, and returns a resolver that maps the ref
 (a NumPy array) and the dynamic index values to ``(base_view, index)``, where
 ``base_view[index]`` is the accessed region: reading copies it, writing
 assigns through it. Every dynamic index is bounds-checked (``IndexError``) or
-clamped like XLA's dynamic_slice, per ``InterpretParams.bounds_check``;
-NumPy's negative-index wrap-around never happens silently.
+clamped like XLA's dynamic_slice, per ``InterpretParams.bounds_check``.
+
+Negative indices: a *static* negative int (``x_ref[:, -1]``, kept as a literal
+-1 in the jaxpr) means what it means in NumPy, as in interpret=True. A
+*dynamic* negative index or ``pl.ds`` start is not wrapped (on TPU/GPU it
+addresses memory before the ref): it raises, and the message says what
+interpret=True does with it (adds the axis size, then clamps, as
+``lax.dynamic_slice`` and ``jnp`` gathers do), which is what
+``bounds_check="clamp"`` does.
 """
 from __future__ import annotations
 
@@ -37,6 +44,26 @@ def _static(v):
   return not isinstance(v, _Dyn)
 
 
+class Folded:
+  """An index operand the compiler folded to a constant: static, like a
+  literal (``x_ref[idx, -1]`` broadcasts the -1 with an eqn of its own)."""
+  __slots__ = ("val",)
+
+  def __init__(self, val):
+    self.val = val
+
+
+def static_atoms(folded: dict, atoms) -> list:
+  """``atoms`` (eqn invars) with the folded ones replaced by ``Folded``."""
+  if not folded:
+    return list(atoms)
+  return [Folded(folded[a]) if isinstance(a, jc.Var) and a in folded else a for a in atoms]
+
+
+def _is_static_atom(a) -> bool:
+  return isinstance(a, (jc.Literal, Folded))
+
+
 class _DimInt:
   __slots__ = ("value", "dim")
 
@@ -58,20 +85,49 @@ class _DimArray:
     self.value, self.dim = value, dim
 
 
-def _oob(what, value, dim, axis, shape):
+def _wrapped(i, dim):
+  """What interpret=True does with a dynamic index: XLA's dynamic_slice and
+  jnp gathers add the axis size to a negative index once."""
+  return i + dim if i < 0 else i
+
+
+def _oob(what, value, dim, axis, shape, jax_index=None):
+  if jax_index is None:
+    jax_does = "interpret=True would silently clamp it"
+  else:
+    jax_does = (f"interpret=True would silently use {jax_index} instead (it adds the axis "
+                "size to a negative index, then clamps)")
+  negative = "-" in str(value).split(":")[0]
   return IndexError(
       f"out-of-bounds ref access: {what} {value} on axis {axis} of a ref of shape "
-      f"{tuple(shape)} (axis size {dim}). interpret=True would silently clamp it; "
-      "pass InterpretParams(bounds_check='clamp') to do the same.")
+      f"{tuple(shape)} (axis size {dim})"
+      + (". pallas_np does not wrap dynamic negative indices or negative pl.ds starts "
+         "around (on a TPU/GPU they address memory before the ref; a static negative "
+         "integer index such as x_ref[-1] counts from the end, as in NumPy)"
+         if negative else "")
+      + f". {jax_does}; pass InterpretParams(bounds_check='clamp') to do the same.")
+
+
+def _wrap_static(v, dim):
+  """A static (literal) index counts from the end when negative, as in NumPy
+  and interpret=True; below -dim it stays out of bounds."""
+  if isinstance(v, _Dyn):
+    return v
+  a = np.asarray(v)
+  if not (a < 0).any():
+    return v
+  a = np.where((a < 0) & (a >= -dim), a + dim, a).astype(a.dtype)
+  return int(a) if a.ndim == 0 else a
 
 
 def _check_int(i, dim, axis, shape, clamp):
   i = int(i)
   if 0 <= i < dim:
     return i
+  jax_i = min(max(_wrapped(i, dim), 0), dim - 1)
   if clamp:
-    return min(max(i, 0), dim - 1)
-  raise _oob("index", i, dim, axis, shape)
+    return jax_i
+  raise _oob("index", i, dim, axis, shape, jax_i if i < 0 else None)
 
 
 def _check_slice(start, size, stride, dim, axis, shape, clamp):
@@ -79,12 +135,14 @@ def _check_slice(start, size, stride, dim, axis, shape, clamp):
   size = int(size)
   extent = (size - 1) * stride + 1 if size > 0 else 0
   if start < 0 or start + extent > dim:
+    jax_start = min(max(_wrapped(start, dim), 0), max(dim - extent, 0))
     if clamp:
-      start = min(max(start, 0), max(dim - extent, 0))
+      start = jax_start
     else:
       raise _oob(f"slice pl.ds(start={start}, size={size}"
                  + (f", stride={stride}" if stride != 1 else "") + ")",
-                 f"[{start}:{start + extent}]", dim, axis, shape)
+                 f"[{start}:{start + extent}]", dim, axis, shape,
+                 f"start {jax_start}" if start < 0 else None)
   if size == 0:
     return slice(start, start)
   return slice(start, start + extent, stride)
@@ -105,9 +163,10 @@ def _check_array(a, dim, axis, shape, clamp):
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= dim:
       if clamp:
-        return np.clip(a, 0, dim - 1)
+        return np.clip(np.where(a < 0, a + dim, a), 0, dim - 1)
       bad = lo if lo < 0 else hi
-      raise _oob("array index", bad, dim, axis, shape)
+      raise _oob("array index", bad, dim, axis, shape,
+                 min(max(_wrapped(bad, dim), 0), dim - 1) if bad < 0 else None)
   return a
 
 
@@ -137,7 +196,7 @@ class RefAccess:
     self.num_dynamic = 0
     self.dynamic_positions = []
     for pos, a in enumerate(idx_atoms):
-      if isinstance(a, jc.Literal):
+      if _is_static_atom(a):
         leaves.append(a.val)
       else:
         leaves.append(_Dyn(self.num_dynamic, len(getattr(a.aval, "shape", ()))))
@@ -157,9 +216,9 @@ class RefAccess:
           if isinstance(ix, jc.Slice):
             dims.append(_DimSlice(ix.start, ix.size, int(ix.stride), n))
           elif ix.ndim == 0 if isinstance(ix, _Dyn) else np.ndim(ix) == 0:
-            dims.append(_DimInt(ix, n))
+            dims.append(_DimInt(_wrap_static(ix, n), n))
           else:
-            dims.append(_DimArray(ix, n))
+            dims.append(_DimArray(_wrap_static(ix, n), n))
         steps.append(("index", dims, shape))
         self._final_layout = _int_block_layout(dims, tuple(t.int_indexer_shape))
         if any(isinstance(d, _DimSlice) and not _static(d.size) for d in dims):
@@ -190,7 +249,7 @@ class RefAccess:
     distinct). The result must not be modified."""
     parts = []
     for a in idx_atoms:
-      if isinstance(a, jc.Literal):
+      if _is_static_atom(a):
         v = np.asarray(a.val)
         if v.ndim:
           return cls(tree, idx_atoms, ref_shape, clamp=clamp, ref_dtype=ref_dtype)
@@ -310,12 +369,28 @@ class RefAccess:
     along axis ``a`` of ``view``; the arrays are broadcastable to
     ``result_shape`` (not broadcast: a slice stays 1-D along its axis).
     ``None`` when the access does not end in an indexer (nothing there can go
-    out of bounds)."""
+    out of bounds).
+
+    Indexers of ints and slices right before the last one (``ref.at[pl.ds(
+    228, 64)]`` then loaded at ``pl.ds(0, 64)``) are composed into the
+    coordinates too, and ``view`` is the ref before them: such a view may
+    run past the end of the ref for masked-off lanes, as on a GPU, where
+    the view is pointer arithmetic. Earlier transforms are applied (and
+    checked) as usual."""
     if self._prefix_fns is None:
       return None
+    first = len(self._prefix_fns)
+    while first > 0 and _composable(self.steps[first - 1]):
+      first -= 1
     view = ref
-    for f in self._prefix_fns:
+    for f in self._prefix_fns[:first]:
       view = f(view, leaves)
+    coords = self._last_coords(leaves)
+    for step in reversed(self.steps[first:-1]):
+      coords = _unindex(step[1], leaves, coords, len(self.result_shape))
+    return view, coords
+
+  def _last_coords(self, leaves):
     dims = self.steps[-1][1]
     n_out = len(self.result_shape)
     int_shape, int_at, slice_axes = self._final_layout
@@ -334,7 +409,7 @@ class RefAccess:
         c = c.reshape((1,) * (len(int_shape) - c.ndim) + c.shape)  # right-aligned
         c = c.reshape((1,) * int_at + c.shape + (1,) * (n_out - int_at - len(int_shape)))
       coords.append(c)
-    return view, coords
+    return coords
 
   def lane_coords(self, leaves, batched):
     """``unchecked_coords`` for many lanes at once, for a lone indexer whose
@@ -386,6 +461,28 @@ class RefAccess:
       return _check_int(v, d.dim, axis, shape, clamp)
     v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
     return _check_array(v, d.dim, axis, shape, clamp)
+
+
+def _composable(step) -> bool:
+  """An indexer of ints and static-size slices: its view's axes are its
+  slice dims, in order, so coordinates map back through it one to one."""
+  return step[0] == "index" and not any(
+      isinstance(d, _DimArray) or (isinstance(d, _DimSlice) and not _static(d.size))
+      for d in step[1])
+
+
+def _unindex(dims, leaves, coords, n_out):
+  """Coordinates in the view an indexer made -> in the ref it indexed."""
+  out = []
+  it = iter(coords)
+  for d in dims:
+    if isinstance(d, _DimSlice):
+      start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
+      out.append(int(start) + d.stride * next(it))
+    else:
+      v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
+      out.append(np.full((1,) * n_out, int(v), dtype=np.int64))
+  return out
 
 
 def _indexed_shape(dims, layout) -> tuple:

@@ -22,7 +22,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import races, registry
-from pallas_np.state.indexing import RefAccess
+from pallas_np.state.indexing import RefAccess, static_atoms
 
 
 class _Pos:
@@ -52,7 +52,7 @@ class MaskedAccess:
     ref_aval = e.in_avals[ref_pos]
     # Never clamp here: clamping would shift a slice that overruns the end and
     # move masked-on lanes. Out-of-bounds lanes are handled below instead.
-    self.access = RefAccess.shared(tree, [e.eqn.invars[p] for p in idx_positions],
+    self.access = RefAccess.shared(tree, static_atoms(e.folded, [e.eqn.invars[p] for p in idx_positions]),
                                    ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=False)
     self.ref_pos = ref_pos
     self.dyn_positions = [idx_positions[p] for p in self.access.dynamic_positions]

@@ -11,7 +11,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import races, registry
-from pallas_np.state.indexing import RefAccess
+from pallas_np.state.indexing import RefAccess, static_atoms
 
 
 def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
@@ -19,6 +19,7 @@ def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
   detector when ``detect_races`` is on; masked accesses pass None and report
   themselves with their mask."""
   clamp = e.compiler.params.bounds_check == "clamp"
+  idx_atoms = static_atoms(e.folded, idx_atoms)
   if kind is not None and e.compiler.params.detect_races:  # its own, wrapped resolve
     access = RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=clamp)
     access.resolve = races.wrap_resolve(access.resolve, kind)
