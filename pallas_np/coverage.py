@@ -303,6 +303,22 @@ def format_text(report) -> str:
   return "\n".join(out)
 
 
+def format_conformance(markdown: bool) -> str:
+  """Per float primitive, bit-exact with XLA CPU or the measured ulp bound
+  (pallas_np/conformance.py, checked by tests/test_conformance.py)."""
+  from pallas_np import conformance
+  rows = sorted(conformance.ULP.items())
+  if markdown:
+    lines = ["", "Conformance with XLA on CPU (max ulp over 10^6 samples; 0 = bit-exact):", "",
+             "| primitive | float32 | bfloat16 | float16 |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{n}` | " + " | ".join("exact" if v == 0 else str(v) for v in r.values()) + " |"
+              for n, r in rows]
+    return "\n".join(lines)
+  return "\n".join(["", "== conformance with XLA CPU (max ulp; integer, comparison, data "
+                     "movement, rounding and conversion primitives are bit-exact)"] +
+                    [f"  {n}: {conformance.describe(n)}" for n, _ in rows])
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m pallas_np.coverage", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -311,6 +327,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   report = build_report(with_ops=not args.no_ops)
   print(format_markdown(report) if args.markdown else format_text(report))
+  print(format_conformance(args.markdown))
   lax_gaps = [u for u in report.get("ops_used_unsupported", [])
               if "[lax]" in u or "[pallas/state]" in u]
   return 1 if lax_gaps else 0

@@ -88,7 +88,7 @@ def draw_ops(draw, dtype, shape, n_ops) -> list[Op]:
   """Draw ``n_ops`` ops applicable to inputs of ``dtype``/``shape``."""
   ndim = len(shape)
   families = ["unary", "binary", "convert", "reduce", "scan", "shape", "gather",
-              "scatter", "sort", "ref_index", "dynamic_slice"]
+              "scatter", "sort", "ref_index", "dynamic_slice", "narrow_convert"]
   ops = []
   for _ in range(n_ops):
     fam = draw(st.sampled_from(families))
@@ -119,6 +119,8 @@ def _draw_op(draw, fam, dtype, shape, ndim) -> Op:
     if swap:
       return Op(name + "_swapped", lambda x, y, i, f=f: f(y[...], x[...]), kind)
     return Op(name, lambda x, y, i, f=f: f(x[...], y[...]), kind)
+  if fam == "narrow_convert":
+    return draw_narrow_convert(draw)
   if fam == "convert":
     to = draw(st.sampled_from(CONVERT_TARGETS))
     return Op(f"convert_{to.name}", lambda x, y, i, to=to: lax.convert_element_type(x[...], to),
@@ -238,6 +240,38 @@ def _draw_op(draw, fam, dtype, shape, ndim) -> Op:
   return Op(f"dynamic_slice{sizes}", dyn, "exact")
 
 
+# -- sub-byte and float8 conversions (issue 27) ---------------------------------
+def _jnp_types(names):
+  return [np.dtype(getattr(jnp, n)) for n in names if hasattr(jnp, n)]
+
+
+SUB_BYTE_INTS = _jnp_types(["int2", "uint2", "int4", "uint4"])
+NARROW_FLOATS = _jnp_types(["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                            "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4",
+                            "float8_e8m0fnu", "float4_e2m1fn"])
+NARROW_TARGETS = SUB_BYTE_INTS + NARROW_FLOATS
+
+
+def draw_narrow_convert(draw) -> Op:
+  """x -> a sub-byte int or narrow float -> maybe a second narrow type ->
+  maybe back to a wide type: saturation, wrap-around, rounding and NaN
+  handling of each hop, compared exactly (NaN positions, not payloads)."""
+  chain = [draw(st.sampled_from(NARROW_TARGETS))]
+  if draw(st.booleans()):
+    chain.append(draw(st.sampled_from(NARROW_TARGETS + CONVERT_TARGETS)))
+  if draw(st.booleans()):
+    chain.append(draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.int32),
+                                       np.dtype(np.uint8), np.dtype(np.bool_)])))
+
+  def fn(x, y, i, chain=tuple(chain)):
+    v = x[...]
+    for to in chain:
+      v = lax.convert_element_type(v, to)
+    return v
+  return Op("narrow_" + "_".join(t.name for t in chain), fn, "exact")
+# -- end sub-byte and float8 conversions -----------------------------------------
+
+
 # -- inputs ---------------------------------------------------------------------
 _SPECIAL_F = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, 2.5, -2.5, np.inf, -np.inf, np.nan,
               3.0, 100.0, -1e4, 1e-3, 65504.0, 7.0]
@@ -331,6 +365,8 @@ def _flush(a):
 def compare(g, w, kind, x) -> str | None:
   if g.shape != w.shape or g.dtype != w.dtype:
     return f"shape/dtype {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+  if g.dtype in SUB_BYTE_INTS:
+    g, w = g.astype(np.int8), w.astype(np.int8)
   if g.dtype.kind in "biu":
     bad = g != w
     if bad.any():

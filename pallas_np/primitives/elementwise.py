@@ -9,6 +9,7 @@ XLA's CPU backend does).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import scipy.special
 
@@ -244,7 +245,7 @@ def _reg_unary(prim, fn):
 
 
 for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
-               (lax.log1p_p, np.log1p), (lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
+               (lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
                (lax.sin_p, np.sin), (lax.cos_p, np.cos), (lax.tan_p, np.tan),
                (lax.asin_p, np.arcsin), (lax.acos_p, np.arccos), (lax.atan_p, np.arctan),
                (lax.sinh_p, np.sinh), (lax.cosh_p, np.cosh), (lax.asinh_p, np.arcsinh),
@@ -252,7 +253,6 @@ for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
                (lax.sqrt_p, np.sqrt), (lax.cbrt_p, np.cbrt),
                (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
                (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
-               (lax.erf_inv_p, scipy.special.erfinv),
                (lax.lgamma_p, scipy.special.gammaln),
                (lax.bessel_i0e_p, scipy.special.i0e),
                (lax.bessel_i1e_p, scipy.special.i1e)]:
@@ -456,33 +456,110 @@ def _convert_element_type(e):
   return make_converter(src, dst)
 
 
+_SUB_BYTE_INTS = {np.dtype(getattr(ml_dtypes, n)) for n in ("int2", "uint2", "int4", "uint4")
+                  if hasattr(ml_dtypes, n)}
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu) if hasattr(ml_dtypes, "float8_e8m0fnu") else None
+
+
+_WIDE_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+
+
+def _is_int(dt) -> bool:
+  return dt.kind in "biu" or dt in _SUB_BYTE_INTS
+
+
+def _is_float(dt) -> bool:
+  return dt.kind == "f" or (dt.kind == "V" and dt not in _SUB_BYTE_INTS)
+
+
 def make_converter(src, dst):
-  """XLA's conversion: float->int truncates, NaN->0, saturates at the range."""
+  """XLA's conversion. int->int wraps (sub-byte ints too: ml_dtypes
+  saturates, so those go through int64); float->int truncates, NaN->0 and
+  saturates at the range; float32->bool reads denormals as zero (XLA CPU
+  runs with DAZ). NaN payloads and signs are NumPy's/ml_dtypes' except that
+  a NaN becomes -0.0 in float4_e2m1fn (which has no NaN), as in XLA."""
   src = np.dtype(src)
   dst = np.dtype(dst)
   if src == dst:
     return lambda x: x
-  if dst == np.bool_:
-    return lambda x: np.not_equal(x, 0)
-  if src.kind in "fV" and dst.kind in "iu":
-    info = np.iinfo(dst)
-    lo, hi = float(info.min), float(info.max)
-
-    def f2i(x):
-      x = np.asarray(x, np.float64) if src.itemsize < 8 or src.kind == "V" else np.asarray(x)
-      x = np.trunc(np.nan_to_num(x, nan=0.0, posinf=hi, neginf=lo))
-      x = np.clip(x, lo, hi)
-      # float(max int64) rounds up to 2**63; clip maps it to the exact max.
-      out = x.astype(dst)
-      if dst.itemsize == 8:
-        out = np.where(x >= 2.0 ** (63 if dst.kind == "i" else 64), np.array(info.max, dst), out)
-      return out[()]
-    return f2i
   if src.kind == "c" and dst.kind != "c":
-    return lambda x: np.real(x).astype(dst)[()]
-  if src == np.bool_ or src.kind in "iu" or dst.kind in "fcV" or src.kind in "fcV":
-    return lambda x: np.asarray(x).astype(dst)[()]
+    real = make_converter(np.real(np.zeros((), src)).dtype, dst)
+    return lambda x: real(np.real(x))
+  if dst == np.bool_:
+    if src == np.float32:
+      tiny = np.float32(np.finfo(np.float32).tiny)
+      return lambda x: np.logical_not(np.abs(x) < tiny)  # NaN -> True
+    if src == _E8M0:
+      return lambda x: np.not_equal(np.asarray(x).astype(np.float32), 0)
+    return lambda x: np.not_equal(x, 0)
+  if _is_int(src) and _is_int(dst):
+    return _int_to_int(src, dst)
+  if _is_float(src) and _is_int(dst):
+    return _float_to_int(src, dst)
+  via = None
+  if src in _SUB_BYTE_INTS:
+    via = np.dtype(np.int8)   # exact; ml_dtypes lacks some sub-byte -> float casts
+  elif _E8M0 is not None and _E8M0 in (src, dst) and src not in _WIDE_FLOATS:
+    via = np.dtype(np.float32)  # exact; ml_dtypes has no fp8 <-> e8m0 casts
+  if dst == np.dtype(getattr(ml_dtypes, "float4_e2m1fn", np.float32)) and _is_float(src):
+    neg0 = np.zeros((), dst) * np.asarray(-1, dst)
+
+    def to_f4(x):
+      x = np.asarray(x)
+      out = (x.astype(via) if via is not None else x).astype(dst)
+      nan = np.isnan(x.astype(np.float32) if src.kind == "V" else x)
+      return (np.where(nan, neg0, out) if nan.any() else out)[()]
+    return to_f4
+  if via is not None:
+    return lambda x: np.asarray(x).astype(via).astype(dst)[()]
   return lambda x: np.asarray(x).astype(dst)[()]
+
+
+def _int_to_int(src, dst):
+  if src not in _SUB_BYTE_INTS and dst not in _SUB_BYTE_INTS:
+    return lambda x: np.asarray(x).astype(dst)[()]  # NumPy wraps, as XLA
+  bits = 2 if dst.name.endswith("int2") else 4 if dst.name.endswith("int4") else dst.itemsize * 8
+  mask = np.int64((1 << bits) - 1)
+  signed = dst.kind == "i" or dst.name.startswith("int")
+  half, full = np.int64(1 << (bits - 1)), np.int64(1 << bits)
+
+  def wrap(x):
+    v = np.asarray(x).astype(np.int64) & mask
+    if signed:
+      v = np.where(v >= half, v - full, v)
+    return v.astype(dst)[()]
+  return wrap
+
+
+def _float_to_int(src, dst):
+  info = ml_dtypes.iinfo(dst)
+  lo, hi = float(info.min), float(info.max)
+  # XLA clamps with the range bounds converted to the source type: where a
+  # bound rounds inside the range (float4_e2m1fn's 6.0 for int8's 127) the
+  # values from there on saturate too. A bound that overflows to NaN/inf
+  # clamps nothing more than the plain range does.
+  def bound(v):
+    b = float(np.asarray(np.asarray(v, np.float64).astype(src)).astype(np.float64))
+    return b if np.isfinite(b) else None
+  lo_src, hi_src = bound(lo), bound(hi)
+  hi_in = hi_src is not None and hi_src < hi
+  lo_in = lo_src is not None and lo_src > lo
+  wide = src.itemsize == 8 and src.kind == "f"
+
+  def f2i(x):
+    x = np.asarray(x)
+    if not wide:
+      x = (x.astype(np.float32) if src.kind == "V" else x).astype(np.float64)
+    r = np.clip(np.trunc(np.nan_to_num(x, nan=0.0, posinf=hi, neginf=lo)), lo, hi)
+    if hi_in:
+      r = np.where(x >= hi_src, hi, r)
+    if lo_in:
+      r = np.where(x <= lo_src, lo, r)
+    out = r.astype(dst)
+    if dst.itemsize == 8:  # float(max int64) rounds up to 2**63
+      out = np.where(r >= 2.0 ** (63 if dst.kind == "i" else 64), np.array(info.max, dst), out)
+    return out[()]
+  return f2i
 
 
 @registry.register(lax.bitcast_convert_type_p)

@@ -1,0 +1,152 @@
+"""How close each float primitive is to XLA on CPU, measured, in one place.
+
+``ULP[prim][dtype]`` is the largest difference, in units in the last place
+of the result, between ``interpret="numpy"`` and jitted ``lax`` on CPU over
+the sample that ``measure`` draws (10^6 points of ``DOMAINS[prim]``, seed 0):
+0 means bit-exact over the sample. Results that XLA flushes (denormals of
+float32, and of bf16, whose math runs in float32) compare as zero; NaN
+matches NaN. tests/test_conformance.py re-measures a smaller sample and
+checks every entry; ``python -m pallas_np.conformance [N]`` re-measures.
+Primitives not listed (integer ops, comparisons, data movement, max/min,
+rounding, conversions) are bit-exact and tested so elsewhere.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+# name: (low, high) for unary; ((low, high), (low, high)) for binary.
+DOMAINS = {
+    "exp": (-90, 90), "exp2": (-120, 120), "log": (0, 1e6), "log1p": (-1, 100),
+    "expm1": (-20, 20), "tanh": (-12, 12), "logistic": (-40, 40), "sin": (-100, 100),
+    "cos": (-100, 100), "tan": (-10, 10), "erf": (-5, 5), "erfc": (-5, 12),
+    "erf_inv": (-1, 1), "lgamma": (-30, 60), "digamma": (-30, 60), "sqrt": (0, 1e6),
+    "rsqrt": (0, 1e6), "cbrt": (-1e6, 1e6), "asin": (-1, 1), "acos": (-1, 1),
+    "atan": (-100, 100), "sinh": (-80, 80), "cosh": (-80, 80), "asinh": (-1e4, 1e4),
+    "acosh": (1, 1e4), "atanh": (-1, 1), "bessel_i0e": (-50, 50), "bessel_i1e": (-50, 50),
+    "atan2": ((-10, 10), (-10, 10)), "pow": ((0, 10), (-10, 10)),
+    "igamma": ((0.1, 20), (0, 30)), "igammac": ((0.1, 20), (0, 30)),
+    "div": ((-10, 10), (-10, 10)), "rem": ((-10, 10), (-10, 10)),
+}
+
+# Measured with ``python -m pallas_np.conformance 1000000``.
+ULP: dict[str, dict[str, int]] = {}
+
+
+def _register(table: str):
+  for line in table.strip().splitlines():
+    name, *vals = line.split()
+    ULP[name] = dict(zip(("float32", "bfloat16", "float16"), map(int, vals)))
+
+
+# primitive   float32  bfloat16  float16
+_register("""
+exp                  6         1         0
+exp2                 3         0         0
+log                  3         0         1
+log1p                2         0         0
+expm1                5         0         2
+tanh                 5         0         0
+logistic             4         2       255
+sin                  1         0         0
+cos                  1         0         0
+tan                  0         0         0
+erf                  5         0         1
+erfc                66         0         0
+erf_inv              2         0         0
+lgamma          525186     13568        12
+digamma         270104         1         3
+sqrt                 0         0         0
+rsqrt                2         0         0
+cbrt                 0         0         0
+asin                 2         1         1
+acos                 2         1         1
+atan                 0         0         0
+sinh                24         0         1
+cosh                24         0         1
+asinh                2         1         1
+acosh                4         2         2
+atanh                3         1         1
+bessel_i0e           5         0         0
+bessel_i1e          10         0         1
+atan2                0         0         0
+pow                  0         0         0
+igamma             206         1         1
+igammac            259         1         1
+div                  0         0         0
+rem                  0         0         0
+""")
+
+
+def _ordered(a):
+  bits = a.dtype.itemsize * 8
+  u = a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize]).astype(np.int64)
+  mag = u & ((1 << (bits - 1)) - 1)
+  return np.where(u >> (bits - 1) == 1, -mag, mag)
+
+
+def ulp_diff(got, want):
+  """Per element |got - want| in ulps; NaN vs NaN is 0, NaN vs number huge."""
+  got, want = np.asarray(got), np.asarray(want)
+  tiny = np.finfo(np.float32).tiny if got.dtype.itemsize != 2 or got.dtype.name == "bfloat16" else 0
+
+  def flush(a):
+    return np.where(np.abs(a.astype(np.float32)) < tiny, np.zeros((), a.dtype), a).astype(a.dtype)
+  got, want = flush(got), flush(want)
+  gn, wn = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
+  d = np.abs(_ordered(got) - _ordered(want))
+  return np.where(gn & wn, 0, np.where(gn ^ wn, 1 << 40, d))
+
+
+def _sample(lo, hi, n, dt, rng):
+  if lo > 0 and hi / lo > 1e3 or lo == 0 and hi > 1e3:
+    x = np.exp(rng.uniform(np.log(max(lo, 1e-6)), np.log(hi), n))
+  else:
+    x = rng.uniform(lo, hi, n)
+  return x.astype(np.float32).astype(dt)
+
+
+def measure(name: str, dtype, n: int = 1_000_000, seed: int = 0) -> int:
+  """Max ulp difference of ``lax.<name>`` between numpy mode and XLA."""
+  import jax
+  from jax import lax
+  from jax.experimental import pallas as pl
+  dt = np.dtype(dtype)
+  f = getattr(lax, name)
+  rng = np.random.default_rng(seed)
+  dom = DOMAINS[name]
+  doms = dom if isinstance(dom[0], tuple) else (dom,)
+  args = [_sample(lo, hi, n, dt, rng) for lo, hi in doms]
+
+  def kernel(*refs):
+    refs[-1][...] = f(*[r[...] for r in refs[:-1]])
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), dt),
+                       interpret="numpy")(*args)
+  want = jax.jit(f)(*args)
+  return int(ulp_diff(np.asarray(got), np.asarray(want)).max())
+
+
+def describe(name: str) -> str | None:
+  """'bit-exact' or 'float32 <= 3 ulp, ...' for the coverage report."""
+  row = ULP.get(name)
+  if row is None:
+    return None
+  if not any(row.values()):
+    return "bit-exact (float32, bf16, f16)"
+  return ", ".join("bit-exact" + f" {k}" if v == 0 else f"{k} <= {v} ulp" for k, v in row.items())
+
+
+def main(argv=None):
+  import ml_dtypes
+  argv = sys.argv[1:] if argv is None else argv
+  n = int(argv[0]) if argv else 1_000_000
+  names = argv[1].split(",") if len(argv) > 1 else list(DOMAINS)
+  print(f"# primitive   float32  bfloat16  float16   (max ulp vs XLA CPU, {n} samples)")
+  for name in names:
+    vals = [measure(name, d, n) for d in (np.float32, ml_dtypes.bfloat16, np.float16)]
+    print(f"{name:12s}" + "".join(f"{v:>10d}" for v in vals), flush=True)
+
+
+if __name__ == "__main__":
+  main()
