@@ -5,6 +5,8 @@ pltpu.InterpretParams(), cold and warm, written to benchmarks/RESULTS.md.
     python benchmarks/suite.py --quick         # four small kernels
     python benchmarks/suite.py --repeats 3     # cold/warm medians of 3 fresh processes
     python benchmarks/suite.py --kernels bitonic_1024x256_r1,softmax --modes numpy,interpret
+    python benchmarks/suite.py --plot          # ... and chart it: benchmarks/results.png
+    python benchmarks/suite.py --plot-only     # chart the existing RESULTS.md, run nothing
 
 Every (kernel, mode) runs in a fresh process: *cold* is its first call
 (tracing, compiling, running; imports excluded), *warm* the median of the
@@ -161,9 +163,16 @@ def main(argv=None):
                   "across modes so a slow spell of the machine hits every mode (TPU "
                   "interpret mode, whose cold time no target uses, runs once)")
   ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+  ap.add_argument("--plot", action="store_true",
+                  help="also chart the results (results.png next to --out, shown in it)")
+  ap.add_argument("--plot-only", action="store_true",
+                  help="chart the existing --out file and run nothing")
   args = ap.parse_args(argv)
   if args.child:
     child(*args.child, args.warm_budget, args.max_reps)
+    return
+  if args.plot_only:
+    plot_results(args.out)
     return
 
   sys.path.insert(0, ROOT)
@@ -191,6 +200,17 @@ def main(argv=None):
     for mode in modes:
       results[(name, mode)] = _median_run(runs[mode])
   write_results(args, names, modes, results, info)
+  if args.plot:
+    plot_results(args.out)
+
+
+def plot_results(results_md: str) -> None:
+  sys.path.insert(0, ROOT)
+  from benchmarks import plot_results as pr
+  png = pr.plot(results_md, os.path.join(os.path.dirname(os.path.abspath(results_md)),
+                                         "results.png"))
+  pr.link_in_results(results_md, png)
+  print(f"wrote {png}")
 
 
 def _median_run(runs):

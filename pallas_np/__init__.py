@@ -17,6 +17,7 @@ from pallas_np.whole_program import jit, install as _install_eager_jit
 from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpret,
                            unset_numpy_interpret, clear_caches, grid_report,
                            install as _install)
+from pallas_np.explainer import explain
 
 _install()
 _install_eager_jit()
@@ -29,4 +30,4 @@ __version__ = "0.1.0"
 __all__ = ["pallas_call", "jit", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",
            "PallasNumpyError", "KernelError", "UnsupportedError", "RaceError",
-           "kernel_errors", "assume_tpu_chip", "grid_report"]
+           "kernel_errors", "assume_tpu_chip", "grid_report", "explain"]

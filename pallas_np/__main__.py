@@ -17,7 +17,11 @@ options (InterpretParams for every pallas_call):
   --pdb            drop into pdb at the failing eqn of a kernel
   --no-progress    no progress bar for long grids
   --grid-report    at exit, print how each kernel's grid ran and why it was not
-                   batched (pallas_np.grid_report()) to stderr"""
+                   batched (pallas_np.grid_report()) to stderr
+  --explain OUTDIR write a picture of each kernel's grid and block accesses
+                   (its first run) to OUTDIR/NN_kernel.png, and the text
+                   summaries to OUTDIR/summary.txt (pallas_np.explain; the
+                   pictures need pip install 'pallas-np[viz]')"""
 
 _FLAGS = {"--detect-races": ("detect_races", True), "--clamp": ("bounds_check", "clamp"),
           "--zero": ("uninitialized", "zero"), "--pdb": ("pdb", True),
@@ -39,10 +43,17 @@ def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   options = {}
   report = False
-  while argv and (argv[0] in _FLAGS or argv[0] == "--grid-report"):
+  explain_dir = None
+  while argv and (argv[0] in _FLAGS or argv[0] in ("--grid-report", "--explain")):
     flag = argv.pop(0)
     if flag == "--grid-report":
       report = True
+      continue
+    if flag == "--explain":
+      if not argv:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+      explain_dir = argv.pop(0)
       continue
     name, value = _FLAGS[flag]
     options[name] = value
@@ -51,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(2)
   import pallas_np
   from pallas_np.params import default_params
+  session = None
+  if explain_dir is not None:
+    from pallas_np.explainer.record import ExplainSession
+    session = ExplainSession(first_run_only=True)
+    options.update(explain=session, vectorize=False, num_threads=1)
   pallas_np.set_numpy_interpret(default_params(**options))
   try:
     if argv[0] == "-m":
@@ -64,6 +80,20 @@ def main(argv: list[str] | None = None) -> None:
   finally:
     if report:
       print_grid_report()
+    if session is not None:
+      write_explanations(session, explain_dir)
+
+
+def write_explanations(session, outdir: str, file=sys.stderr) -> None:
+  """Summaries first (they need no matplotlib), then one PNG per kernel."""
+  from pallas_np.explainer import Explanation, KernelExplanation
+  explanation = Explanation(KernelExplanation(r) for r in session.close())
+  os.makedirs(outdir, exist_ok=True)
+  with open(os.path.join(outdir, "summary.txt"), "w") as f:
+    f.write(str(explanation) + "\n")
+  paths = explanation.save_all(outdir)
+  print(f"pallas_np explain: {len(paths)} kernel picture(s) and summary.txt in {outdir}",
+        file=file)
 
 
 if __name__ == "__main__":

@@ -147,8 +147,10 @@ def progress_bar(name, total, params):
 
 
 class _Progress:
-  """Progress on stderr, shown once a grid has run PROGRESS_AFTER_S seconds."""
-  __slots__ = ("name", "total", "start", "next", "shown", "done")
+  """Progress shown once a grid has run PROGRESS_AFTER_S seconds: a
+  ``tqdm.auto`` bar when tqdm is installed (a widget in notebooks), else a
+  line on stderr. tqdm is looked up only then, so short grids pay nothing."""
+  __slots__ = ("name", "total", "start", "next", "shown", "done", "tqdm_bar")
 
   def __init__(self, name, total):
     self.name = name
@@ -157,6 +159,7 @@ class _Progress:
     self.next = self.start + PROGRESS_AFTER_S
     self.shown = False
     self.done = 0
+    self.tqdm_bar = None
 
   def tick(self, done):
     self.done = done
@@ -167,8 +170,16 @@ class _Progress:
     self._draw(now)
 
   def _draw(self, now):
-    self.shown = True
+    if not self.shown:
+      self.shown = True
+      tqdm = _tqdm()
+      if tqdm is not None:
+        self.tqdm_bar = tqdm(total=self.total, desc=f"pallas_np {self.name}",
+                             unit="grid point", leave=True)
     done = self.done
+    if self.tqdm_bar is not None:
+      self.tqdm_bar.update(done - self.tqdm_bar.n)
+      return
     elapsed = now - self.start
     frac = done / max(self.total, 1)
     bar = "#" * int(30 * frac)
@@ -180,5 +191,17 @@ class _Progress:
   def close(self):
     if self.shown:
       self._draw(time.perf_counter())
+      if self.tqdm_bar is not None:
+        self.tqdm_bar.close()
+        return
       sys.stderr.write("\n")
       sys.stderr.flush()
+
+
+def _tqdm():
+  """``tqdm.auto.tqdm`` (notebook widget or terminal bar), None without tqdm."""
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    return None
+  return tqdm

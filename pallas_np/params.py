@@ -65,6 +65,9 @@ class InterpretParams:
       ``scan``, ``map``, ``pl.loop``, ``emit_pipeline``) that would unroll
       under ``disable_jit``; ``True``/``False``: always/never (see
       pallas_np.tracing).
+    explain: set by ``pallas_np.explain`` only: the session that records
+      every grid step's block indices and ref accesses (the run goes point by
+      point, like ``detect_races``). ``None`` (default): nothing recorded.
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
@@ -79,6 +82,12 @@ class InterpretParams:
   num_cores: int = 1
   whole_program: bool = True
   inline_jit: bool | None = None
+  explain: Any = None
+
+  @property
+  def records_accesses(self) -> bool:
+    """Ref rules report accesses (compiled in only when something listens)."""
+    return self.detect_races or self.explain is not None
 
   def __post_init__(self):
     if self.bounds_check not in ("raise", "clamp"):

@@ -292,6 +292,8 @@ class activate:
 def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
   """The detector for one ``KernelPlan.run`` (None when detection is off)."""
   params = plan.params
+  if params.explain is not None:  # pallas_np.explain: record instead of checking
+    return params.explain.start_run(plan, grid, buffers, scratch)
   if not params.detect_races:
     return None
   local = plan.local_dims

@@ -1497,8 +1497,8 @@ def order_free_reason(kp) -> str | None:
   """Why grid points of ``kp`` may not run out of grid order (batched or on
   threads), before looking at the index maps; None if they may."""
   params = kp.params
-  if params.trace is not None or params.pdb or params.detect_races:
-    return "an option that observes grid order (trace/pdb/detect_races) is on"
+  if params.trace is not None or params.pdb or params.records_accesses:
+    return "an option that observes grid order (trace/pdb/detect_races/explain) is on"
   if kp.written_inputs:
     return "the kernel writes an input ref"
   for geo in kp.blocks[kp.num_inputs:]:

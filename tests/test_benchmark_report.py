@@ -89,3 +89,24 @@ def test_gpu_check_names_suite_kernels_and_stops_without_a_gpu():
   with pytest.raises(SystemExit, match="no GPU backend"):
     gpu_check.main(["--kernels", "add"])
   assert (flag(), dict(os.environ)) == before
+
+
+def test_plot_from_results_md(tmp_path):
+  from benchmarks import plot_results
+  results = {("a", "numpy"): _run("a", 40.0, 2.0), ("a", "interpret"): _run("a", 800.0, 1.0),
+             ("b", "numpy"): _run("b", 10.0, 0.5), ("b", "interpret"): {"error": "boom"}}
+  out = tmp_path / "RESULTS.md"
+  suite.write_results(argparse.Namespace(out=str(out), repeats=1), ["a", "b"],
+                      ["numpy", "interpret"], results, "test machine")
+  labels, columns = plot_results.read_table(str(out))
+  assert labels == ["a", "b"]
+  assert columns["numpy cold"] == {"a": 40.0, "b": 10.0}
+  assert columns["interpret cold"] == {"a": 800.0}  # the error cell is left out
+  assert columns["numpy warm"] == {"a": 2.0, "b": 0.5}
+  suite.plot_results(str(out))
+  png = tmp_path / "results.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+  text = out.read_text()
+  assert text.count("![benchmark chart](results.png)") == 1
+  suite.plot_results(str(out))  # linked once, however often it is re-plotted
+  assert out.read_text().count("![benchmark chart](results.png)") == 1

@@ -472,6 +472,7 @@ def _progress_run(params):
 
 
 def test_progress_bar_after_threshold_and_opt_outs(monkeypatch, capsys):
+  monkeypatch.setattr(debugging, "_tqdm", lambda: None)  # the stderr line, even with tqdm
   monkeypatch.setattr(debugging, "PROGRESS_AFTER_S", 0.0)
   _progress_run(pallas_np.InterpretParams())
   err = capsys.readouterr().err

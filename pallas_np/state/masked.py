@@ -60,8 +60,8 @@ class MaskedAccess:
     self.shape = tuple(self.access.result_shape)
     from pallas_np.grid import fill_value
     self.fill = fill_value(ref_aval.dtype, e.compiler.params)
-    # races.note(view, index, kind, mask) when detection is on, else None.
-    self.note = races.note if e.compiler.params.detect_races else None
+    # races.note(view, index, kind, mask) when detection/explain is on, else None.
+    self.note = races.note if e.compiler.params.records_accesses else None
 
   def leaves(self, args):
     return [args[p] for p in self.dyn_positions]

@@ -20,7 +20,7 @@ def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
   themselves with their mask."""
   clamp = e.compiler.params.bounds_check == "clamp"
   idx_atoms = static_atoms(e.folded, idx_atoms)
-  if kind is not None and e.compiler.params.detect_races:  # its own, wrapped resolve
+  if kind is not None and e.compiler.params.records_accesses:  # its own, wrapped resolve
     access = RefAccess(tree, idx_atoms, ref_aval.shape, ref_dtype=ref_aval.dtype, clamp=clamp)
     access.resolve = races.wrap_resolve(access.resolve, kind)
     return access
@@ -82,7 +82,7 @@ def _swap(e):
     view[idx] = val
     return None
   if not want_old and access.num_dynamic == 0 and access.plain() \
-      and not e.compiler.params.detect_races:
+      and not e.compiler.params.records_accesses:
     swap.store_target = store_target(access, lambda idx: idx)
   return swap
 
