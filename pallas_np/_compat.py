@@ -223,14 +223,24 @@ def cuda_lowering_target():
   return jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=device))
 
 
-def digamma_at_zero():
-  """digamma(±0): NaN in XLA up to jaxlib 0.10, -inf from 0.11 on. The change
-  is inside XLA's compiled decomposition, so there is no Python feature to
-  detect; asking XLA would compile on an XLA-free path. The jaxlib version is
-  the one reliable signal."""
-  import numpy as np
+# Behaviour that changed inside XLA's compiled code has no Python feature to
+# detect, and asking XLA would compile on an XLA-free path: for these alone
+# the jaxlib version is the signal.
+def _jaxlib_at_least(*version) -> bool:
   from jax._src.lib import version as jaxlib_version
-  return -np.inf if tuple(jaxlib_version[:2]) >= (0, 11) else np.nan
+  return tuple(jaxlib_version[:len(version)]) >= version
+
+
+def digamma_at_zero():
+  """digamma(±0): NaN in XLA up to jaxlib 0.10, -inf from 0.11 on."""
+  import numpy as np
+  return -np.inf if _jaxlib_at_least(0, 11) else np.nan
+
+
+def bf16_to_bool_flushes_denormals() -> bool:
+  """bfloat16 -> bool: XLA's CPU backend reads bf16 denormals as zero (via
+  float32 with DAZ) in newer jaxlibs; 0.10 compares them with zero exactly."""
+  return _jaxlib_at_least(0, 11)
 
 
 def written_invar_positions(jaxpr) -> set[int]:

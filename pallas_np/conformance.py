@@ -30,7 +30,8 @@ DOMAINS = {
     "div": ((-10, 10), (-10, 10)), "rem": ((-10, 10), (-10, 10)),
 }
 
-# Measured with ``python -m pallas_np.conformance 1000000``.
+# Measured with ``python -m pallas_np.conformance 1000000``; the max over the
+# JAX versions CI tests (0.10.2 and 0.12.0.1: XLA's atan changed in between).
 ULP: dict[str, dict[str, int]] = {}
 
 
@@ -62,7 +63,7 @@ rsqrt                2         0         0
 cbrt                 0         0         0
 asin                 2         1         1
 acos                 2         1         1
-atan                 0         0         0
+atan                 3         0         1
 sinh                24         0         1
 cosh                24         0         1
 asinh                2         1         1

@@ -472,11 +472,15 @@ def _is_float(dt) -> bool:
   return dt.kind == "f" or (dt.kind == "V" and dt not in _SUB_BYTE_INTS)
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16_BOOL_DAZ = jc.bf16_to_bool_flushes_denormals()
+
+
 def make_converter(src, dst):
   """XLA's conversion. int->int wraps (sub-byte ints too: ml_dtypes
   saturates, so those go through int64); float->int truncates, NaN->0 and
-  saturates at the range; float32->bool reads denormals as zero (XLA CPU
-  runs with DAZ). NaN payloads and signs are NumPy's/ml_dtypes' except that
+  saturates at the range; float32->bool (and bfloat16->bool in newer
+  jaxlibs) reads denormals as zero (XLA CPU runs with DAZ). NaN payloads and signs are NumPy's/ml_dtypes' except that
   a NaN becomes -0.0 in float4_e2m1fn (which has no NaN), as in XLA."""
   src = np.dtype(src)
   dst = np.dtype(dst)
@@ -486,8 +490,8 @@ def make_converter(src, dst):
     real = make_converter(np.real(np.zeros((), src)).dtype, dst)
     return lambda x: real(np.real(x))
   if dst == np.bool_:
-    if src == np.float32:
-      tiny = np.float32(np.finfo(np.float32).tiny)
+    if src == np.float32 or (src == _BF16 and _BF16_BOOL_DAZ):
+      tiny = np.asarray(np.finfo(np.float32).tiny, src)
       return lambda x: np.logical_not(np.abs(x) < tiny)  # NaN -> True
     if src == _E8M0:
       return lambda x: np.not_equal(np.asarray(x).astype(np.float32), 0)
