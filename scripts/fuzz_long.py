@@ -21,7 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hypothesis import HealthCheck, given, settings, seed as hyp_seed  # noqa: E402
 
 import pallas_np  # noqa: E402,F401
-from tests.fuzz_core import programs, run_program  # noqa: E402
+from tests.fuzz_core import (alias_prefetch_cases, masked_view_cases,  # noqa: E402
+                             negative_index_programs, programs, run_alias_case,
+                             run_masked_view_case, run_program)
 
 
 def main():
@@ -30,6 +32,9 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--max-ops", type=int, default=20)
   ap.add_argument("--json", default=None, help="write the summary here")
+  ap.add_argument("--edge-cases", type=int, default=300,
+                  help="cases of each edge family (aliases with scalar prefetch, masked "
+                       "views crossing the edge, static negative indices) after the programs")
   args = ap.parse_args()
   stats = {"cases": 0, "kernels": 0, "mismatches": [], "errors": []}
   start = time.time()
@@ -70,6 +75,43 @@ def main():
     fuzz()
   except Done:
     pass
+
+  def edge_family(name, strategy, run):
+    count = [0]
+
+    @hyp_seed(args.seed)
+    @settings(max_examples=10 ** 9, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def family(case):
+      if count[0] >= args.edge_cases:
+        raise Done
+      count[0] += 1
+      stats["kernels"] += 1
+      try:
+        err = run(case)
+      except Exception as e:  # a crash is a mismatch too
+        stats["errors"].append(f"{name} {case}: {type(e).__name__}: {str(e)[:300]}")
+        print("ERROR", stats["errors"][-1], flush=True)
+        return
+      stats["cases"] += 1
+      if err:
+        stats["mismatches"].append(f"{name} {case}: {err}")
+        print("MISMATCH", stats["mismatches"][-1], flush=True)
+    try:
+      family()
+    except Done:
+      pass
+    print(f"... {name}: {count[0]} cases", flush=True)
+
+  def negative_index(program):
+    results = run_program(*program)
+    return None if results is None else "; ".join(e for _, e in results if e) or None
+
+  if args.edge_cases:
+    edge_family("aliases+prefetch", alias_prefetch_cases(), lambda c: run_alias_case(*c))
+    edge_family("masked views", masked_view_cases(), lambda c: run_masked_view_case(*c))
+    edge_family("negative indices", negative_index_programs(), negative_index)
   elapsed = time.time() - start
   n_bad = len(stats["mismatches"]) + len(stats["errors"])
   print(f"fuzz: {stats['cases']} cases in {stats['kernels']} kernels, {n_bad} mismatches "
