@@ -262,9 +262,15 @@ def draw_narrow_convert(draw) -> Op:
   if draw(st.booleans()):
     chain.append(draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.int32),
                                        np.dtype(np.uint8), np.dtype(np.bool_)])))
-
   def fn(x, y, i, chain=tuple(chain)):
     v = x[...]
+    if len(chain) > 1 and v.dtype.kind in "iu" and chain[0] in NARROW_FLOATS:
+      # XLA's CPU backend is inconsistent here: an int -> float8 conversion
+      # fused with a following one saturates on overflow, unfused it gives
+      # NaN (int16 100 -> e4m3b11fnuz -> float4: 6.0 fused, -0.0 hop by hop).
+      # pallas_np follows the unfused conversion; the fuzzer starts such
+      # chains from float32 (docs: known limits).
+      v = lax.convert_element_type(v, np.float32)
     for to in chain:
       v = lax.convert_element_type(v, to)
     return v
