@@ -8,7 +8,7 @@ the hand-off to JAX, ...) with timers, makes one call of the suite kernel and
 reports *exclusive* times in ms (a phase's time minus the wrapped phases
 inside it). ``trace+misc`` is the eager call minus everything wrapped: JAX's
 trace, mostly. Medians over the repeats; the machine's noise applies (see
-GUIDE, Performance).
+docs/performance.md, Measuring).
 """
 from __future__ import annotations
 

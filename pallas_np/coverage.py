@@ -1,7 +1,7 @@
 """Which JAX primitives the NumPy interpreter supports.
 
     python -m pallas_np.coverage              # text report
-    python -m pallas_np.coverage --markdown   # the table in GUIDE.md
+    python -m pallas_np.coverage --markdown   # the table in docs/coverage.md
     python -m pallas_np.coverage --no-ops     # skip tracing the ops kernels
 
 Two questions, answered from what is registered at run time (so rules other
@@ -322,7 +322,7 @@ def format_conformance(markdown: bool) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m pallas_np.coverage", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--markdown", action="store_true", help="print the GUIDE.md table")
+  ap.add_argument("--markdown", action="store_true", help="print the docs/coverage.md table")
   ap.add_argument("--no-ops", action="store_true", help="skip tracing the ops kernels")
   args = ap.parse_args(argv)
   report = build_report(with_ops=not args.no_ops)

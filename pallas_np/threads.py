@@ -6,8 +6,9 @@ call. When each NumPy call of a kernel is long (tens of microseconds: blocks
 of ~10^5 elements, as in a bitonic sort of 128 rows x 1024), two threads on
 two cores overlap most of the work. When calls are short, GIL hand-offs make
 threads a loss, and GEMMs already use every core through BLAS (numbers in
-GUIDE.md, "Performance"). So ``num_threads=None`` (auto) runs threads only for
-*wide*, GEMM-free kernels; ``num_threads=n`` asks for them whenever legal.
+benchmarks/PERF_LOG.md, design in docs/grid.md). So ``num_threads=None``
+(auto) runs threads only for *wide*, GEMM-free kernels; ``num_threads=n``
+asks for them whenever legal.
 
 Legal when (all checked, nothing trusted):
 

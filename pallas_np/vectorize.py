@@ -1754,7 +1754,7 @@ class _SlabRunner:
     self.n_lanes = math.prod(lane_shape)
     lane_bytes = _lane_bytes(kp, operand_batched) + access_bytes
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
-    # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
+    # Auto (None) keeps batched slabs on one thread: no reliable gain (benchmarks/PERF_LOG.md).
     self.threads = max(1, int(kp.params.num_threads or 1))
     if shared:  # slabs run in grid order, each seeing the ones before it
       self.threads = 1
