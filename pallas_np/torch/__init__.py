@@ -20,7 +20,7 @@ from pallas_np.torch.convert import (to_numpy, to_torch, torch_dtype_to_numpy,
                                      numpy_dtype_to_torch)
 from pallas_np.torch.kernels import make_kernel_from_pallas
 from pallas_np.torch.attention import flash_attention, paged_attention
-from pallas_np.torch.torch_ops import UnsupportedTorchOpError, covered_torch_ops
+from pallas_np.torch.ops_table import UnsupportedTorchOpError, covered_torch_ops
 from pallas_np.torch.pallas_call import torch_pallas_call
 from pallas_np.torch import interop
 

@@ -17,7 +17,8 @@ import torch
 
 from pallas_np.torch.convert import numpy_dtype_to_torch, to_numpy, to_torch
 from pallas_np.torch.kernels import TorchNumpyRunner, eager_under_compile
-from pallas_np.torch.torch_ops import JaxTensor, TorchRef, jax_dtype, torch_kernel
+from pallas_np.torch.torch_ops import torch_kernel
+from pallas_np.torch.values import JaxTensor, TorchRef, jax_dtype
 
 
 def jax_view(x):

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from pallas_np.params import InterpretParams, resolve
 from pallas_np.torch.interop import jax_view, torch_view
 from pallas_np.torch.kernels import eager_under_compile
-from pallas_np.torch.torch_ops import jax_dtype
+from pallas_np.torch.values import jax_dtype
 
 
 def _shape_dtype(x):
