@@ -28,7 +28,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.errors import UnsupportedError
-from pallas_np.evaluator import Compiler, RunContext
+from pallas_np.compiler import Compiler, RunContext
 from pallas_np.grid import KernelPlan
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
