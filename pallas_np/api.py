@@ -16,27 +16,24 @@ How a kernel reaches the interpreter:
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import threading
 from typing import Any
 
 import jax
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import lru, registry
+from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
-from pallas_np.evaluator import Compiler, RunContext
 from pallas_np.grid import KernelPlan
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
 
 # -- plan cache ---------------------------------------------------------------
-_PLAN_CACHE_SIZE = 256
-_plan_cache: collections.OrderedDict = collections.OrderedDict()
-_plan_cache_lock = threading.Lock()
+PLAN_CACHE_SIZE = 256  # the bound of each cache of compiled plans
+_plan_cache = lru.LRU(PLAN_CACHE_SIZE)
 
 
 def _plan_key(params: dict, interp: InterpretParams):
@@ -50,17 +47,12 @@ def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   Keyed by the identity of the kernel jaxpr and grid mapping (the objects are
   kept alive by the cache entry, so ids are not reused while cached)."""
   key = _plan_key(params, interp)
-  with _plan_cache_lock:
-    hit = _plan_cache.get(key)
-    if hit is not None:
-      _plan_cache.move_to_end(key)
-      return hit[1]
+  hit = _plan_cache.get(key)
+  if hit is not None:
+    return hit[1]
   plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
                                       if k != "interpret"})
-  with _plan_cache_lock:
-    _plan_cache[key] = ((params["jaxpr"], params["grid_mapping"]), plan)
-    while len(_plan_cache) > _PLAN_CACHE_SIZE:
-      _plan_cache.popitem(last=False)
+  _plan_cache.put(key, ((params["jaxpr"], params["grid_mapping"]), plan))
   return plan
 
 
@@ -71,8 +63,7 @@ def grid_report() -> list[dict]:
   (the vectorizer's reason for a sequential run, else None), ``layout``
   (a vectorized run's lanes: "lanes-first" or "lanes-last", else None) and
   ``batched_axes`` (the grid axes a vectorized run batched, else None)."""
-  with _plan_cache_lock:
-    plans = [entry[1] for entry in _plan_cache.values()]
+  plans = [entry[1] for entry in _plan_cache.values()]
   report = []
   for kp in plans:
     why = None
@@ -93,10 +84,11 @@ def grid_report() -> list[dict]:
 
 
 def clear_caches():
-  """Drop every compiled plan (e.g. after registering a new rule)."""
-  with _plan_cache_lock:
-    _plan_cache.clear()
-  _eager_cache.clear()
+  """Drop every compiled plan (e.g. after registering a new rule): every
+  cache of compiled things (kernel plans, eager plans, eager-jit routes,
+  code objects; see ``pallas_np.lru``) and the source map of the plans."""
+  lru.clear_all()
+  sourcemap.clear()
 
 
 # -- lowering hook (traced path) ---------------------------------------------
@@ -203,7 +195,7 @@ def _compile_pallas_call(e: registry.EqnInfo):
 
 
 # -- public API ---------------------------------------------------------------
-_eager_cache: collections.OrderedDict = collections.OrderedDict()
+_eager_cache = lru.LRU(PLAN_CACHE_SIZE)
 
 
 def _is_concrete(leaves) -> bool:
@@ -298,9 +290,7 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   if entry is None:
     traced = jc.jit_trace(jax_fn, args)
     entry = (EagerPlan(traced.jaxpr, interp), jax.tree_util.tree_structure(traced.out_info))
-    _eager_cache[key] = entry
-    while len(_eager_cache) > _PLAN_CACHE_SIZE:
-      _eager_cache.popitem(last=False)
+    _eager_cache.put(key, entry)
   eager_plan, out_tree = entry
   return eager_plan.run(leaves, own_outputs=own_outputs), out_tree
 

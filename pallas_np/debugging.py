@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from pallas_np.evaluator import _PLAN_SOURCES, plan_filename
+from pallas_np.compiler import failing_eqns, plan_filename, sourcemap
 
 # Seconds a grid must run before the progress bar appears.
 PROGRESS_AFTER_S = 2.0
@@ -101,14 +101,14 @@ def post_mortem(e: BaseException, plan, point):
   import pdb
 
   tb = e.__traceback__
-  eqns = _failing(tb)
+  eqns = failing_eqns(tb)
 
   class KernelPdb(pdb.Pdb):
     def setup(self, f, t):
       stop = super().setup(f, t)
       for i in range(len(self.stack) - 1, -1, -1):
         frame = self.stack[i][0]
-        if frame.f_code.co_filename in _PLAN_SOURCES:
+        if sourcemap.lookup(frame.f_code.co_filename) is not None:
           self.curindex = i
           self.curframe = frame
           self.curframe_locals = frame.f_locals
@@ -127,11 +127,6 @@ def post_mortem(e: BaseException, plan, point):
       f"{where}\n  locals are NumPy values/refs; arguments are also bound by their Python names; "
       "'ll' shows the generated plan, 'c' continues (the error is re-raised).")
   debugger.interaction(None, tb)
-
-
-def _failing(tb):
-  from pallas_np.evaluator import failing_eqns
-  return failing_eqns(tb)
 
 
 # -- progress -------------------------------------------------------------------

@@ -27,7 +27,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import blas, debugging, malloc, races, threads, vectorize
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
-from pallas_np.evaluator import Compiler, RunContext, failing_eqns, new_run
+from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
 

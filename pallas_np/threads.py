@@ -37,7 +37,7 @@ import threading
 import numpy as np
 
 from pallas_np import debugging, registry, vectorize
-from pallas_np.evaluator import RunContext
+from pallas_np.compiler import RunContext
 
 # Rules that take the run context but keep no state across grid points:
 # grid position, control flow and calls (their sub-plans are checked too),

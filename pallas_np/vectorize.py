@@ -59,7 +59,8 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import blas, registry
-from pallas_np.evaluator import Compiler, RunContext, lanes_last_empty
+from pallas_np.compiler import Compiler, RunContext, lanes_last_empty
+from pallas_np.compiler import INLINE_CALLS as _INLINE_CALLS
 
 
 class NotBatchable(Exception):
@@ -1942,7 +1943,6 @@ def _sub_bindings(eqn):
   """[(sub-jaxpr, the eqn atoms its invars take)] for the call-like and
   control-flow eqns whose operands map onto sub-jaxpr inputs; None for any
   other eqn with sub-jaxprs (the callers then assume the worst)."""
-  from pallas_np.evaluator import _INLINE_CALLS
   name, params, ins = eqn.primitive.name, eqn.params, list(eqn.invars)
   unwrap = lambda j: getattr(j, "jaxpr", j)
   if name == "cond":

@@ -18,9 +18,7 @@ JAX wraps the lone primitive in a jit), or any program with a kernel under
 """
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 from typing import Any, Callable
 
 import jax
@@ -28,8 +26,9 @@ import jax
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.api import (EagerPlan, _eager_call, _is_concrete, _PLAN_CACHE_SIZE,
+from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, _eager_call, _is_concrete,
                            force_numpy_interpret)
+from pallas_np.lru import LRU
 from pallas_np.errors import UnsupportedError
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 
@@ -55,27 +54,20 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(),
   jax_jitted = jax.jit(fun, static_argnums=static_argnums, static_argnames=static_argnames)
   # static values -> the function of the dynamic arguments; the eager cache
   # is keyed by that function object, so it must stay the same one.
-  closures: collections.OrderedDict = collections.OrderedDict()
-  lock = threading.Lock()
+  closures = LRU(PLAN_CACHE_SIZE)
 
   def closure_for(static_pos, static_kw):
     key = (static_pos, static_kw)
-    with lock:
-      g = closures.get(key)
-      if g is not None:
-        closures.move_to_end(key)
-        return g
+    g = closures.get(key)
+    if g is not None:
+      return g
 
     def g(dyn_args, dyn_kwargs):
       full = list(dyn_args)
       for i, v in static_pos:
         full.insert(i, v)
       return fun(*full, **dyn_kwargs, **dict(static_kw))
-    with lock:
-      g = closures.setdefault(key, g)
-      while len(closures) > _PLAN_CACHE_SIZE:
-        closures.popitem(last=False)
-    return g
+    return closures.setdefault(key, g)
 
   @functools.wraps(fun)
   def call(*args, **kwargs):
@@ -97,8 +89,7 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(),
 
 # -- eager jit calls ----------------------------------------------------------
 # (id(closed jaxpr), forced params) -> (closed jaxpr, EagerPlan | None)
-_routes: collections.OrderedDict = collections.OrderedDict()
-_routes_lock = threading.Lock()
+_routes = LRU(PLAN_CACHE_SIZE)
 _cpu_default: list = []  # [bool], once: is JAX's default device a CPU?
 
 
@@ -113,17 +104,13 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
   if not _cpu_default[0]:
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   key = (id(jaxpr), forced)
-  with _routes_lock:
-    hit = _routes.get(key)
+  hit = _routes.get(key)
   if hit is None or hit[0] is not jaxpr:
     kernels = _kernel_interprets(jaxpr.jaxpr)
     if not kernels:  # not ours; XLA's C++ cache keeps it from coming back
       return jax_impl(*args, jaxpr=jaxpr, **jit_params)
     hit = (jaxpr, _route(jaxpr, jit_params, forced, kernels))
-    with _routes_lock:
-      _routes[key] = hit
-      while len(_routes) > _PLAN_CACHE_SIZE:
-        _routes.popitem(last=False)
+    _routes.put(key, hit)
   eager_plan = hit[1]
   if eager_plan is None or not all(_on_cpu(a) for a in args):
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)

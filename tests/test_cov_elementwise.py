@@ -264,7 +264,7 @@ def test_max_min_zero_free_fast_path_plan():
   """Each max/min of the network is guarded by one has-zero check of the
   sources it was moved from, not by its own check; a literal zero operand
   keeps the exact rule."""
-  from pallas_np.evaluator import Compiler
+  from pallas_np.compiler import Compiler
   a = np.ones((8, 16), np.float32)
   plan = Compiler().compile(jax.make_jaxpr(_exchange_network)(a, a))
   # Sources: the two inputs and the mid-kernel product z.
@@ -294,7 +294,7 @@ def test_max_min_network_bitwise(zeros):
 def test_max_min_guard_skips_sources_much_bigger_than_the_op():
   """max of one row of a big block: checking the whole block for zeros would
   cost more than the op's own check, so the exact rule runs unguarded."""
-  from pallas_np.evaluator import Compiler
+  from pallas_np.compiler import Compiler
   big = np.ones((64, 128), np.float32)
   row = np.ones((1, 128), np.float32)
   plan = Compiler().compile(jax.make_jaxpr(lambda x, r: jnp.maximum(x[:1], r))(big, row))
@@ -335,7 +335,7 @@ def test_max_min_against_constants_bitwise(dtype):
 def test_relu_plan_skips_the_zero_check():
   """max(x, 0.0) runs NumPy's max plus +0.0 (no zero check, no fix-up);
   a nonzero constant runs the bare ufunc."""
-  from pallas_np.evaluator import Compiler
+  from pallas_np.compiler import Compiler
   a = np.ones((8, 16), np.float32)
   plan = Compiler().compile(jax.make_jaxpr(lambda x: (jnp.maximum(x, 0.0), jnp.minimum(x, 2.0)))(a))
   called = [v for k, v in plan.fn.__globals__.items() if k.startswith("f")]

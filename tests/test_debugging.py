@@ -81,7 +81,7 @@ def test_identical_plans_share_code_but_each_names_its_own_line(monkeypatch):
   # Plans that generate the same text share one code object (compile() is
   # the biggest part of a small plan's cost); errors must still point at
   # each kernel's own source line.
-  from pallas_np import evaluator
+  from pallas_np.compiler import plan as evaluator
   compiled = []
   monkeypatch.setattr(evaluator, "compile", lambda *a: compiled.append(a) or compile(*a),
                       raising=False)

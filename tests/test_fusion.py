@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_np.evaluator import Compiler, _Fusion
+from pallas_np.compiler import Compiler
+from pallas_np.compiler.fusion import Fusion as _Fusion
 
 _rng = np.random.default_rng(7)
 

@@ -44,8 +44,8 @@ def test_call_bodies_are_inlined():
   assert "pjit" in prims or "jit" in prims  # the kernel jaxpr has the calls ...
   # ... but the generated code has no sub-plan call: every line is a rule of
   # a leaf primitive (the inner eqns were emitted in place).
-  from pallas_np.evaluator import _PLAN_SOURCES
-  lines = _PLAN_SOURCES[plan.kernel.filename]
+  from pallas_np.compiler import sourcemap
+  lines = sourcemap.lookup(plan.kernel.filename)
   names = {e.primitive.name for e in lines if e is not None}
   assert not names & {"pjit", "jit", "custom_jvp_call"}, names
 
@@ -294,7 +294,7 @@ def test_first_call_runs_lines_then_later_calls_compile(which):
 
 
 def test_many_grid_steps_compile_during_the_first_call(monkeypatch):
-  from pallas_np import evaluator
+  from pallas_np.compiler import plan as evaluator
   monkeypatch.setattr(evaluator, "FIRST_CALLS", 3)
   x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
   out = pallas_np.pallas_call(
@@ -314,7 +314,7 @@ def _oob_kernel(x_ref, o_ref):
 
 @pytest.mark.parametrize("first_calls", [8, 0])
 def test_errors_name_the_line_whether_lines_run_or_compiled(monkeypatch, first_calls):
-  from pallas_np import evaluator
+  from pallas_np.compiler import plan as evaluator
   monkeypatch.setattr(evaluator, "FIRST_CALLS", first_calls)
   x = jnp.arange(8.0)
   call = pallas_np.pallas_call(_oob_kernel, out_shape=jax.ShapeDtypeStruct((4,), x.dtype),
@@ -333,7 +333,7 @@ def test_errors_name_the_line_whether_lines_run_or_compiled(monkeypatch, first_c
 
 @pytest.mark.parametrize("first_calls", [10 ** 6, 0])
 def test_index_map_errors_name_the_operand_whether_run_or_compiled(monkeypatch, first_calls):
-  from pallas_np import evaluator
+  from pallas_np.compiler import plan as evaluator
   from jax.experimental.pallas import tpu as pltpu
   monkeypatch.setattr(evaluator, "FIRST_CALLS", first_calls)
   gs = pltpu.PrefetchScalarGridSpec(
@@ -365,7 +365,7 @@ def test_ufuncs_write_into_dying_operands(monkeypatch, vectorize):
   """Softmax's ``exp(x - m)`` and ``e / s`` write into the array the line
   before allocated (``Emitter.in_place``), sequential and batched: the same
   bits as with fresh results, and interpret=True's values."""
-  from pallas_np import evaluator
+  from pallas_np.compiler import passes
   x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 64)), jnp.float32)
 
   def softmax(x_ref, o_ref):
@@ -387,8 +387,8 @@ def test_ufuncs_write_into_dying_operands(monkeypatch, vectorize):
   assert [_into_ref_lines(p) for p in _kernel_plans(kp)] == [1]
   np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
   pallas_np.clear_caches()
-  monkeypatch.setattr(evaluator._Emitter, "in_place", lambda self, returned: None)
-  monkeypatch.setattr(evaluator._Emitter, "into_refs", lambda self, returned: None)
+  monkeypatch.setattr(passes, "in_place", lambda em, returned: None)
+  monkeypatch.setattr(passes, "into_refs", lambda em, returned: None)
   fresh = np.asarray(make(interp)(x))
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
   assert [_in_place_lines(p) for p in _kernel_plans(kp)] == [0]

@@ -7,6 +7,7 @@ import numpy as np
 from jax import lax
 
 from pallas_np import registry
+from pallas_np.compiler import Compiler
 from pallas_np.dtypes import has_negative_zero, is_low_precision_float, np_dtype
 
 
@@ -185,7 +186,6 @@ def _reduce(e):
   left fold over the reduced elements, the computation applied to whole
   slices at a time (it is elementwise by construction)."""
   import dataclasses
-  from pallas_np.evaluator import Compiler
   dims = tuple(int(d) for d in e.params["dimensions"])
   closed = e.params["jaxpr"]
   n = len(e.out_avals)

@@ -14,6 +14,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.compiler import Compiler
 from pallas_np.dtypes import np_dtype, is_low_precision_float
 
 _wr = jc.optional_primitive("lax.windowed_reductions", "reduce_window_sum_p")
@@ -79,7 +80,6 @@ if _wr is not None:
 
   @registry.register(_w.reduce_window_p)
   def _reduce_window(e):
-    from pallas_np.evaluator import Compiler
     p = e.params
     n = len(e.out_avals)
     compiler = Compiler(dataclasses.replace(e.compiler.params, check_avals=False), e.compiler.name)
