@@ -464,7 +464,7 @@ def _zero_select(em, g, if_no_zeros, exact) -> str:
 class _ZeroTracker:
   """Which values of a generated function are, element for element, copies
   of which *source* values (through reshapes, slices, concatenates, max/min,
-  ... see ``registry.DATA_MOVEMENT``). A zero-sensitive op (float max/min)
+  ... registered with ``data_movement=True``). A zero-sensitive op (float max/min)
   whose operands come from a few sources checks those sources for zeros once
   per run and takes its fast path when there are none: a bitonic sort's
   hundreds of compare-exchanges share one check of the input block. Not
@@ -698,7 +698,7 @@ class _Fusion:
       em.env_globals[g] = into
     placeholder = em.fresh("_fused")
     env[eqn.outvars[0]] = (placeholder, bool(self.lane_buffer.get(ci)))
-    if eqn.primitive.name in registry.DATA_MOVEMENT:
+    if registry.properties(eqn.primitive).data_movement:
       em.zeros.moved(eqn, in_atoms, [placeholder])
     else:  # a source with no name of its own: checked as part of the buffer
       em.zeros.sources[placeholder] = frozenset((buf,))
@@ -783,7 +783,7 @@ class _Const:
 
 # Call-like primitives whose body is emitted inline into the caller's code
 # (no plan call, no tuple packing): name -> param holding the callee jaxpr.
-_INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr",
                  "checkpoint": "jaxpr", "eval_jaxpr": "call_jaxpr"}
@@ -1054,7 +1054,7 @@ class Compiler:
       else:
         outs.append("_")
     em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, _Const)])
-    if eqn.primitive.name in registry.DATA_MOVEMENT:
+    if registry.properties(eqn.primitive).data_movement:
       em.zeros.moved(eqn, in_atoms_e, outs)
     line = _Line(g, tuple(args), tuple(outs), unpack=multiple, flags=flags)
     if (store is not None and flags is None and not needs_ctx and len(in_atoms_e) >= 2
@@ -1088,7 +1088,7 @@ class Compiler:
     if eqn.primitive is jc.call_hi_primitive_p:
       callee = jc.hi_primitive_expansion(eqn)
     else:
-      param = _INLINE_CALLS.get(eqn.primitive.name)
+      param = INLINE_CALLS.get(eqn.primitive.name)
       if param is None:
         return None
       callee = eqn.params.get(param)
