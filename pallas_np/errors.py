@@ -73,3 +73,12 @@ class RaceError(PallasNumpyError):
     self.buffer = buffer
     self.grid_points = grid_points
     self.element = element
+
+
+class NotBatchable(Exception):
+  """The kernel (or an index map) cannot be evaluated lane-batched."""
+
+
+class LaneOutOfBounds(NotBatchable, IndexError):
+  """A lane accessed outside its ref: the sequential rerun raises it at its
+  grid point and line (or clamps, with ``bounds_check="clamp"``)."""

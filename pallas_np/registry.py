@@ -14,6 +14,23 @@ Three ways to register, from the simplest:
 
 ``needs_ctx=True`` makes the plan pass the run context (program ids, grid,
 options) as the first argument.
+
+Every per-primitive property is given in the same call, so a primitive's
+sequential rule, batched rule and properties sit together:
+
+* ``batch``: how a vectorized grid (``pallas_np.batching``) evaluates the
+  primitive on values with a leading lane axis: a batched rule
+  ``rule(bc, seq_rule, info, in_batched) -> (fn, needs_ctx, out_batched)``,
+  a standard kind (``ELEMENTWISE``, ``IDENTITY``), or ``unbatched(why)``:
+  run lane by lane (or, for a context-dependent primitive, refuse to batch
+  the grid), with the reason.
+* ``context_free``: a ``needs_ctx`` rule that keeps no state across grid
+  points (grid position, control flow, calls, scoped allocation, no-ops), so
+  the grid may still run on threads.
+* ``gemm``: a matrix product (BLAS already uses every core; batched passes
+  keep lanes first for it).
+* ``data_movement``: float outputs only hold bitwise copies of elements of
+  float operands (an output can hold a zero only if an operand does).
 """
 from __future__ import annotations
 
@@ -29,6 +46,45 @@ class Rule:
   needs_ctx: bool = False
   # Pure rules with constant inputs may be evaluated at compile time.
   foldable: bool = True
+  # The properties (see the module docstring).
+  batch: Any = None
+  context_free: bool = False
+  gemm: bool = False
+  data_movement: bool = False
+
+
+class BatchKind:
+  """A standard batched rule, named at registration (``batch=ELEMENTWISE``)
+  and implemented by the batch compiler (``pallas_np.batching``)."""
+  __slots__ = ("name",)
+
+  def __init__(self, name):
+    self.name = name
+
+  def __repr__(self):
+    return f"registry.{self.name}"
+
+
+# Elementwise with numpy broadcasting: the unbatched rule runs on lane-stacked
+# operands as is (a batched lower-rank operand is aligned on the lane axis).
+ELEMENTWISE = BatchKind("ELEMENTWISE")
+# An identity on its operand(s): the lanes pass through.
+IDENTITY = BatchKind("IDENTITY")
+
+
+class unbatched:
+  """``batch=unbatched(why)``: no batched rule, on purpose. The batch
+  compiler runs the sequential rule once per lane when that is correct (a
+  pure primitive, or one touching only its own ref operands); otherwise (it
+  needs the run context, has sub-jaxprs or other effects) the grid runs
+  sequentially. ``why`` says why a batched rule is not worth having."""
+  __slots__ = ("why",)
+
+  def __init__(self, why: str):
+    self.why = why
+
+  def __repr__(self):
+    return f"unbatched({self.why!r})"
 
 
 _RULES: dict[Any, Rule] = {}
@@ -82,7 +138,7 @@ def zero_sensitive(exact: Callable, if_no_zeros: Callable) -> Callable:
   ``if_no_zeros`` only when an operand holds a (signed) zero, like XLA's
   float max/min (+0.0 > -0.0; NumPy returns either zero). The evaluator
   proves zero-freeness per run from the values the operands were moved
-  from (see ``evaluator._ZeroTracker``) and then calls ``if_no_zeros``."""
+  from (see ``compiler.zeros.ZeroTracker``) and then calls ``if_no_zeros``."""
   exact.if_no_zeros = if_no_zeros
   return exact
 
@@ -97,27 +153,26 @@ def const_specialised(fn: Callable, specialise: Callable) -> Callable:
   return fn
 
 
-# Primitives whose float outputs only hold (bitwise) copies of elements of
-# their float operands, so an output can hold a zero only if an operand does.
-DATA_MOVEMENT = frozenset("""reshape transpose rev slice squeeze expand_dims
-broadcast_in_dim concatenate copy copy_p dynamic_slice select_n pad max min
-stop_gradient optimization_barrier""".split())
-
-
-def register(prim, *, needs_ctx: bool = False, foldable: bool = True):
+def register(prim, *, needs_ctx: bool = False, foldable: bool = True, batch=None,
+             context_free: bool = False, gemm: bool = False, data_movement: bool = False):
+  """Decorates ``compile(e: EqnInfo) -> callable``: the primitive's rule,
+  registered with its properties (see the module docstring)."""
   def deco(compile_fn):
-    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)
+    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
+                        context_free, gemm, data_movement)
     return compile_fn
   return deco
 
 
-def register_numpy(prim, fn: Callable, *, foldable: bool = True):
-  _RULES[prim] = Rule(lambda e: fn, False, foldable)
+def register_numpy(prim, fn: Callable, *, foldable: bool = True, batch=None,
+                   data_movement: bool = False):
+  _RULES[prim] = Rule(lambda e: fn, False, foldable, batch, data_movement=data_movement)
   return fn
 
 
 def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
-                  foldable: bool = True):
+                  foldable: bool = True, batch=None, context_free: bool = False,
+                  gemm: bool = False, data_movement: bool = False):
   params = tuple(params)
 
   def deco(fn):
@@ -127,13 +182,23 @@ def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
       def compile_fn(e):
         bound = {p: e.params[p] for p in params}
         return lambda *args: fn(*args, **bound)
-    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx)
+    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
+                        context_free, gemm, data_movement)
     return fn
   return deco
 
 
 def lookup(prim) -> Rule | None:
   return _RULES.get(prim)
+
+
+_NO_RULE = Rule(lambda e: None, foldable=False)
+
+
+def properties(prim) -> Rule:
+  """The registered rule of ``prim`` (properties all off when it has none),
+  for analyses that ask about a property: ``properties(p).gemm``."""
+  return _RULES.get(prim, _NO_RULE)
 
 
 def registered_primitives() -> dict[str, Any]:

@@ -12,11 +12,11 @@ asks for them whenever legal.
 
 Legal when (all checked, nothing trusted):
 
-* the vectorizer's order-free conditions (``vectorize.order_free_reason``);
+* the vectorizer's order-free conditions (``lanes.order_free_reason``);
 * no scratch (it carries state from one grid point to the next);
 * every primitive is context-free: no DMA, semaphores, PRNG state, prints or
   callbacks (their order or shared state would differ between threads);
-* every output block is owned by one *lane* (``vectorize.lane_axes``, on
+* every output block is owned by one *lane* (``lanes.lane_axes``, on
   the index maps evaluated at every grid point, scalar prefetch included).
 
 Each thread walks whole lanes, their grid points in JAX order, so every
@@ -36,17 +36,9 @@ import threading
 
 import numpy as np
 
-from pallas_np import debugging, registry, vectorize
+from pallas_np import debugging, lanes, registry
 from pallas_np.compiler import RunContext
 
-# Rules that take the run context but keep no state across grid points:
-# grid position, control flow and calls (their sub-plans are checked too),
-# scoped allocations, no-ops. Any other context rule keeps the grid serial.
-_CONTEXT_FREE = frozenset("""program_id num_programs cond while scan pjit jit closed_call
-call core_call eval_jaxpr custom_jvp_call custom_jvp_call_jaxpr custom_vjp_call
-custom_vjp_call_jaxpr remat remat2 checkpoint jaxpr_call composite run_scoped delay
-trace_value add_dependency call_hi_primitive""".split())
-_GEMMS = vectorize.GEMMS
 # Auto mode: a kernel is wide when the median eqn result has at least this
 # many elements (a float32 ufunc over it takes ~10 us: GIL hand-offs amortised).
 _WIDE_ELEMENTS = 1 << 15
@@ -81,7 +73,7 @@ class ThreadPlan:
       return "num_threads=1"
     if not kp.several_points:
       return "one grid point"
-    reason = vectorize.order_free_reason(kp)
+    reason = lanes.order_free_reason(kp)
     if reason is not None:
       return reason
     if kp.scratch_avals:
@@ -89,12 +81,15 @@ class ThreadPlan:
     if kp.params.num_cores > 1:
       return "num_cores > 1 (megacore split)"
     sizes, gemm = [], False
-    for eqn in vectorize.all_eqns(kp.kernel_jaxpr):
-      name = eqn.primitive.name
-      rule = registry.lookup(eqn.primitive)
-      if rule is not None and rule.needs_ctx and name not in _CONTEXT_FREE:
-        return f"`{name}` depends on grid order or per-core state"
-      gemm = gemm or name in _GEMMS
+    for eqn in lanes.all_eqns(kp.kernel_jaxpr):
+      # Rules that take the run context but keep no state across grid points
+      # (grid position, control flow and calls, whose sub-plans are checked
+      # too, scoped allocations, no-ops) are registered context_free; any
+      # other context rule keeps the grid serial.
+      rule = registry.properties(eqn.primitive)
+      if rule.needs_ctx and not rule.context_free:
+        return f"`{eqn.primitive.name}` depends on grid order or per-core state"
+      gemm = gemm or rule.gemm
       sizes.append(max((math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars),
                        default=0))
     if requested is None:
@@ -107,18 +102,18 @@ class ThreadPlan:
   def chunks(self, grid, index_ops):
     """Grid points per thread (each a list in grid order), or None when no
     lane structure gives every output block a single owner. Cached per grid
-    (vectorize.per_grid): warm calls do no analysis."""
-    return vectorize.per_grid(self._chunks, self.kp, grid, index_ops, self._split)
+    (lanes.per_grid): warm calls do no analysis."""
+    return lanes.per_grid(self._chunks, self.kp, grid, index_ops, self._split)
 
   def _split(self, grid, index_ops):
-    lanes = self._lane_ids(grid, index_ops)
-    if lanes is None:
+    lane_ids = self._lane_ids(grid, index_ops)
+    if lane_ids is None:
       return None
-    n_lanes = int(lanes.max()) + 1
+    n_lanes = int(lane_ids.max()) + 1
     n = min(self.threads, n_lanes)
     if n < 2:
       return None
-    owner = lanes * n // n_lanes  # contiguous runs of lanes per thread
+    owner = lane_ids * n // n_lanes  # contiguous runs of lanes per thread
     points = list(itertools.product(*map(range, grid)))
     return [[p for p, o in zip(points, owner) if o == t] for t in range(n)]
 
@@ -126,7 +121,7 @@ class ThreadPlan:
     """Lane id of every grid point (grid order), or None."""
     kp = self.kp
     total = math.prod(grid)
-    if total <= 1 or total > vectorize.MAX_GRID:
+    if total <= 1 or total > lanes.MAX_GRID:
       return None
     ndim = len(grid)
     coords = np.indices(grid, dtype=np.int32).reshape(ndim, -1)
@@ -143,7 +138,7 @@ class ThreadPlan:
     except Exception:  # the sequential run reports it at its grid point
       return None
     out_block_idx = [list(np.array(r, np.int64).reshape(total, -1).T) for r in rows]
-    axes = vectorize.lane_axes(grid, coords, out_block_idx, scratch=False)
+    axes = lanes.lane_axes(grid, coords, out_block_idx, scratch=False)
     if axes is None:
       return None
     return np.ravel_multi_index(tuple(coords[d] for d in axes),

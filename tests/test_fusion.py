@@ -124,7 +124,7 @@ def test_fused_non_movement_operand_as_zero_source():
 
 def _batch_plan(fn, *args, in_batched):
   import pallas_np
-  from pallas_np.vectorize import BatchCompiler
+  from pallas_np.batching import BatchCompiler
   comp = BatchCompiler(pallas_np.InterpretParams(), "batched", frozenset())
   return comp.compile(jax.make_jaxpr(fn)(*args), in_batched=in_batched)
 

@@ -233,14 +233,14 @@ def test_jax_gpu_layer_norm_backward_is_vectorized(modes, monkeypatch):
   whole refs at program_id column offsets; every eqn has a batched rule
   (none runs lane by lane, broadcast_to included)."""
   from jax.experimental.pallas.ops.gpu import layer_norm
-  from pallas_np import vectorize
+  from pallas_np import batching
   lane_looped = []
-  orig = vectorize._lane_loop
+  orig = batching.lane_loop
 
   def recording(rule, info, in_batched):
     lane_looped.append(info.primitive.name)
     return orig(rule, info, in_batched)
-  monkeypatch.setattr(vectorize, "_lane_loop", recording)
+  monkeypatch.setattr(batching, "lane_loop", recording)
   x, w, b = _rng(7, (2, 20, 200)), _rng(8, (200,)), _rng(9, (200,))
   loss = lambda interp: (lambda x, w, b: (layer_norm.layer_norm(
       x, w, b, interpret=interp) ** 2).sum())
@@ -256,8 +256,8 @@ def test_slabs_see_what_earlier_slabs_merged(modes, monkeypatch):
   """Slabs of 4 lanes: point i reads element (i + 12) % 16: what point i-4
   wrote in an earlier slab, or, in the first slab, an element only later
   points write: lanes of one slab never meet, so the pass is grid order."""
-  from pallas_np import vectorize
-  monkeypatch.setattr(vectorize, "_MAX_LANES", 4)
+  from pallas_np import slab_runner
+  monkeypatch.setattr(slab_runner, "_MAX_LANES", 4)
 
   def kernel(x_ref, _init_ref, o_ref):
     i = pl.program_id(0)

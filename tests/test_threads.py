@@ -272,8 +272,8 @@ def test_auto_mode_keeps_narrow_and_gemm_kernels_on_one_thread(monkeypatch):
 def test_one_point_grid_skips_the_thread_analysis(monkeypatch):
   """A grid of one point has nothing to spread: no walk over the kernel."""
   walked = []
-  orig = threads.vectorize.all_eqns
-  monkeypatch.setattr(threads.vectorize, "all_eqns", lambda j: walked.append(j) or orig(j))
+  orig = threads.lanes.all_eqns
+  monkeypatch.setattr(threads.lanes, "all_eqns", lambda j: walked.append(j) or orig(j))
   x = _x((16, 128), seed=10)
   plan = _plan_of(lambda v: pl.pallas_call(
       lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.sin(x_ref[...])),

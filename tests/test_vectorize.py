@@ -453,14 +453,14 @@ def test_scratch_leaked_into_an_output_at_the_first_step_falls_back(modes):
 def test_scratch_hand_over_check_reruns_only_the_first_sequential_step(modes, monkeypatch):
   # A kernel that re-initialises its scratch at j == 0 runs batched: one pass
   # over every sequential point, then the check over the first one only.
-  from pallas_np import vectorize
+  from pallas_np import slab_runner
   passes = []
-  orig = vectorize._SlabRunner.run
+  orig = slab_runner.SlabRunner.run
 
   def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
     passes.append(len(seq_points if seq_points is not None else self.seq_points))
     return orig(self, index_ops, buffers, scratch_init, first_states, seq_points)
-  monkeypatch.setattr(vectorize._SlabRunner, "run", run)
+  monkeypatch.setattr(slab_runner.SlabRunner, "run", run)
 
   def kernel(x_ref, o_ref, acc_ref, unused_ref):
     @pl.when(pl.program_id(1) == 0)
@@ -629,9 +629,9 @@ def test_scan_and_static_fori_loop(modes):
 @pytest.fixture
 def body_compiles(monkeypatch):
   """Bodies compiled by the batched loop rules' carry fixpoint, per loop."""
-  from pallas_np import vectorize
+  from pallas_np.control_flow import lane_groups
   counts = []
-  orig = vectorize._fixpoint_carry
+  orig = lane_groups.fixpoint_carry
 
   def fixpoint(compile_body, n_carry, carry_in):
     counts.append(0)
@@ -640,7 +640,7 @@ def body_compiles(monkeypatch):
       counts[-1] += 1
       return compile_body(cb)
     return orig(counted, n_carry, carry_in)
-  monkeypatch.setattr(vectorize, "_fixpoint_carry", fixpoint)
+  monkeypatch.setattr(lane_groups, "fixpoint_carry", fixpoint)
   return counts
 
 
@@ -722,7 +722,7 @@ def test_lane_dependent_window_of_a_batched_block(modes):
 @pytest.mark.parametrize("case", ["rows_batched", "both_ranges", "col_gather", "int_index",
                                   "strided", "shared_ref"])
 def test_trailing_slices_read_the_same_elements(case):
-  from pallas_np.vectorize import _trailing_slices
+  from pallas_np.state.lane_access import trailing_slices as _trailing_slices
   rng = np.random.default_rng(16)
   ref = rng.standard_normal((5, 40, 12))
   lanes = 5
@@ -1073,7 +1073,7 @@ def test_causal_attention_batches_batch_and_head_not_its_loop_axis(modes):
   longest trip count), and K/V lanes are views read in tiles, so their block
   bytes do not count against the auto limit. Bitwise the sequential result."""
   from benchmarks import kernels
-  from pallas_np import api, vectorize
+  from pallas_np import api, lanes
   pallas_np.clear_caches()
   case = kernels.case_gpu_attention()
   seq = case.make(SEQ)(*case.args)
@@ -1086,34 +1086,34 @@ def test_causal_attention_batches_batch_and_head_not_its_loop_axis(modes):
     assert_same(got, seq, rtol=0, atol=0)
   assert_same(got, case.reference(*case.args), rtol=1e-5, atol=1e-5)
   kp = [entry[1] for entry in api._plan_cache.values()][-1]
-  assert vectorize.loop_axes(kp) == {2}
-  assert vectorize.partly_read_operands(kp) == {1, 2}  # K and V, not q or the output
+  assert lanes.loop_axes(kp) == {2}
+  assert lanes.partly_read_operands(kp) == {1, 2}  # K and V, not q or the output
 
 
 def test_lane_view_over_two_grid_axes():
   """Lanes walking (batch, head) blocks of a (B, H, S, D) operand in C order
   are one view of it (no gather copy); any other order is gathered."""
-  from pallas_np import vectorize
+  from pallas_np import slab_runner
   buf = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)
   window = buf.reshape(2, 3, 2, 4, 4)[:, :, :, None]  # blocks of (4, 4): positions (2, 3, 2, 1)
   b, h = np.divmod(np.arange(6), 3)
   cols = [b, h, np.full(6, 1), np.zeros(6, np.int64)]
-  view, copied = vectorize._gather(window, cols)
+  view, copied = slab_runner.gather(window, cols)
   assert not copied and np.shares_memory(view, buf)
   np.testing.assert_array_equal(view, window[tuple(cols)])
   part = [c[2:5] for c in cols]  # a slab of lanes 2..4
-  view, copied = vectorize._gather(window, part)
+  view, copied = slab_runner.gather(window, part)
   assert not copied
   np.testing.assert_array_equal(view, window[tuple(part)])
   order = np.array([0, 3, 1, 4, 2, 5])  # head-major: not one stride
   perm = [c[order] for c in cols]
-  got, copied = vectorize._gather(window, perm)
+  got, copied = slab_runner.gather(window, perm)
   assert copied
   np.testing.assert_array_equal(got, window[tuple(perm)])
 
 
 def test_partly_read_operands_counts_any_whole_access_as_whole():
-  from pallas_np import api, vectorize
+  from pallas_np import api, lanes
   x = _normal(54, (4, 32, 8))
 
   def tile_only(x_ref, o_ref):
@@ -1133,5 +1133,5 @@ def test_partly_read_operands_counts_any_whole_access_as_whole():
         np.asarray(x)[:, 8:16] + np.asarray(x).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     kp = [entry[1] for entry in api._plan_cache.values()][-1]
-    found.append(vectorize.partly_read_operands(kp))
+    found.append(lanes.partly_read_operands(kp))
   assert found == [{0}, set()]

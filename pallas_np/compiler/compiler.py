@@ -299,7 +299,7 @@ class Compiler:
       else:
         outs.append("_")
     em.reads.append([a[0] for a in in_atoms_e if not isinstance(a, Const)])
-    if eqn.primitive.name in registry.DATA_MOVEMENT:
+    if registry.properties(eqn.primitive).data_movement:
       em.zeros.moved(eqn, in_atoms_e, outs)
     line = Line(g, tuple(args), tuple(outs), unpack=multiple, flags=flags)
     if (store is not None and flags is None and not needs_ctx and len(in_atoms_e) >= 2

@@ -171,7 +171,7 @@ class Fusion:
       em.env_globals[g] = into
     placeholder = em.fresh("_fused")
     env[eqn.outvars[0]] = (placeholder, bool(self.lane_buffer.get(ci)))
-    if eqn.primitive.name in registry.DATA_MOVEMENT:
+    if registry.properties(eqn.primitive).data_movement:
       em.zeros.moved(eqn, in_atoms, [placeholder])
     else:  # a source with no name of its own: checked as part of the buffer
       em.zeros.sources[placeholder] = frozenset((buf,))

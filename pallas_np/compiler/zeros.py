@@ -49,7 +49,7 @@ def zero_select(em, g, if_no_zeros, exact) -> str:
 class ZeroTracker:
   """Which values of a generated function are, element for element, copies
   of which *source* values (through reshapes, slices, concatenates, max/min,
-  ... see ``registry.DATA_MOVEMENT``). A zero-sensitive op (float max/min)
+  ... registered with ``data_movement=True``). A zero-sensitive op (float max/min)
   whose operands come from a few sources checks those sources for zeros once
   per run and takes its fast path when there are none: a bitonic sort's
   hundreds of compare-exchanges share one check of the input block. Not

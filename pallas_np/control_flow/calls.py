@@ -17,6 +17,10 @@ def _call_rule(jaxpr_param):
 
 _prim = jc.optional_primitive
 
+# Calls are inlined into the caller's plan (the evaluator's INLINE_CALLS) or,
+# where not, run their callee's plan: never batched as one eqn.
+_CALL = registry.unbatched("a call: its body is inlined and batched eqn by eqn")
+
 for _prim_obj, _param in [
     (_prim("pjit", "jit_p"), "jaxpr"),
     (_prim("pjit", "pjit_p"), "jaxpr"),
@@ -31,11 +35,12 @@ for _prim_obj, _param in [
     (_prim("pallas.primitives", "jaxpr_call_p"), "jaxpr"),
 ]:
   if _prim_obj is not None:
-    registry.register(_prim_obj, needs_ctx=True)(_call_rule(_param))
+    registry.register(_prim_obj, needs_ctx=True, context_free=True, batch=_CALL)(
+        _call_rule(_param))
 
 
 if jc.call_hi_primitive_p is not None:
-  @registry.register(jc.call_hi_primitive_p, needs_ctx=True)
+  @registry.register(jc.call_hi_primitive_p, needs_ctx=True, context_free=True, batch=_CALL)
   def _call_hi_primitive(e):
     """jnp functions JAX >= 0.12 binds as one high-level primitive: run the
     expansion into ordinary primitives JAX itself lowers."""

@@ -1,15 +1,91 @@
-"""while_loop and scan (``fori_loop``, ``pl.loop`` lower to these)."""
+"""while_loop and scan (``fori_loop``, ``pl.loop`` lower to these); in a
+vectorized pass a while whose trip count differs per lane iterates the lanes
+still active (lane groups)."""
 from __future__ import annotations
 
 import numpy as np
 
 from jax import lax
 
-from pallas_np import _compat as jc, registry
+from pallas_np import _compat as jc
+from pallas_np import batching, registry
+from pallas_np.control_flow import lane_groups
+from pallas_np.errors import NotBatchable
 from pallas_np.dtypes import np_dtype
 
 
-@registry.register(lax.while_p, needs_ctx=True)
+def _while_batched(bc, rule, info, in_batched):
+  p = info.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cc_b = tuple(in_batched[:nc])
+  bc_b = tuple(in_batched[nc:nc + nb])
+  carry0 = tuple(in_batched[nc + nb:])
+  n_carry = len(carry0)
+  guess = lane_groups.carry_guess(p["body_jaxpr"].jaxpr, bc_b, carry0)
+  if lane_groups.computed_from_batched(p["cond_jaxpr"].jaxpr, cc_b + guess)[0]:
+    # A lane-dependent trip count (causal attention's kv loop): every carry
+    # ends up batched; no fixpoint to compile the body for.
+    pred_b, body = True, None
+  else:
+    carry_b, body = lane_groups.fixpoint_carry(
+        lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, guess)
+    cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+    pred_b = cond.out_batched[0]
+  carry_avals = info.in_avals[nc + nb:]
+  carry_is_ref = [isinstance(a, jc.AbstractRef) for a in carry_avals]
+  body_written = jc.written_invar_positions(p["body_jaxpr"].jaxpr)
+  bconst_is_ref = [i in body_written for i in range(nb)]  # refs to copy back
+  if any(carry_is_ref):
+    raise NotBatchable("refs in a while carry")
+
+  if not pred_b:
+    body_fn, cond_fn = body.fn, cond.fn
+    body_lift = tuple(body.out_batched)
+
+    def while_loop(ctx, *args):
+      cconsts = args[:nc]
+      bconsts = args[nc:nc + nb]
+      carry = batching.lift(args[nc + nb:], carry0, carry_b, ctx.batch_size)
+      while cond_fn(ctx, *cconsts, *carry)[0]:
+        carry = body_fn(ctx, *bconsts, *carry)
+        if body_lift != carry_b:
+          carry = batching.lift(carry, body_lift, carry_b, ctx.batch_size)
+      return carry
+    return while_loop, True, carry_b
+
+  carry_b = (True,) * n_carry
+  if body is None or tuple(body.out_batched) != carry_b:  # once every carry is batched
+    body = bc.compile(p["body_jaxpr"], in_batched=bc_b + carry_b)
+  body_fn, body_lift = body.fn, tuple(body.out_batched)
+  cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+  cond_fn = cond.fn
+
+  def while_lanes(ctx, *args):
+    cconsts = args[:nc]
+    bconsts = args[nc:nc + nb]
+    n = ctx.batch_size
+    carry = [np.array(batching.to_lanes(v, n)) if not b else np.array(v)
+             for v, b in zip(args[nc + nb:], carry0)]
+    pid_b = lane_groups.pid_batched(bc, ctx)
+    while True:
+      pred = np.asarray(cond_fn(ctx, *cconsts, *carry)[0])
+      if not pred.any():
+        return carry
+      if pred.all():
+        new = body_fn(ctx, *bconsts, *carry)
+        carry = [np.array(v) for v in batching.lift(new, body_lift, carry_b, n)]
+        continue
+      group = lane_groups.LaneGroup(pred)
+      sub_ctx = group.ctx(ctx, pid_b)
+      sub_b = group.take(bconsts, bc_b)
+      new = group.run(body_fn, sub_ctx, *sub_b, *[c[group.sel] for c in carry])
+      group.put_back_refs(bconsts, sub_b, bc_b, bconst_is_ref)
+      for c, v in zip(carry, batching.lift(new, body_lift, carry_b, group.count)):
+        c[group.sel] = v
+  return while_lanes, True, carry_b
+
+
+@registry.register(lax.while_p, needs_ctx=True, context_free=True, batch=_while_batched)
 def _while(e):
   p = e.params
   cond = e.compiler.compile(p["cond_jaxpr"]).fn
@@ -26,7 +102,47 @@ def _while(e):
   return while_loop
 
 
-@registry.register(lax.scan_p, needs_ctx=True)
+def _scan_batched(bc, rule, info, in_batched):
+  p = info.params
+  num_consts, num_carry = jc.scan_counts(p)
+  length = int(p["length"])
+  reverse = bool(p["reverse"])
+  consts_b = tuple(in_batched[:num_consts])
+  carry0 = tuple(in_batched[num_consts:num_consts + num_carry])
+  xs_b = tuple(in_batched[num_consts + num_carry:])
+  if any(isinstance(a, jc.AbstractRef) for a in info.in_avals[num_consts:]):
+    raise NotBatchable("refs in a scan carry")
+  carry_b, body = lane_groups.fixpoint_carry(
+      lambda cb: bc.compile(p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry,
+      lane_groups.carry_guess(p["jaxpr"].jaxpr, consts_b, carry0, xs_b))
+  body_fn = body.fn
+  body_lift = tuple(body.out_batched[:num_carry])
+  ys_b = tuple(body.out_batched[num_carry:])
+  y_avals = info.out_avals[num_carry:]
+  order = range(length - 1, -1, -1) if reverse else range(length)
+
+  def scan(ctx, *args):
+    n = ctx.batch_size
+    consts = args[:num_consts]
+    carry = batching.lift(args[num_consts:num_consts + num_carry], carry0, carry_b, n)
+    xs = args[num_consts + num_carry:]
+    ys = [np.empty((n, *a.shape) if b else tuple(a.shape),
+                   np.dtype(jc.physical_dtype(a.dtype))) for a, b in zip(y_avals, ys_b)]
+    for i in order:
+      out = body_fn(ctx, *consts, *carry, *[x[:, i] if b else x[i] for x, b in zip(xs, xs_b)])
+      carry = out[:num_carry]
+      if body_lift != carry_b:
+        carry = batching.lift(carry, body_lift, carry_b, n)
+      for y, v, b in zip(ys, out[num_carry:], ys_b):
+        if b:
+          y[:, i] = v
+        else:
+          y[i] = v
+    return (*carry, *ys)
+  return scan, True, carry_b + ys_b
+
+
+@registry.register(lax.scan_p, needs_ctx=True, context_free=True, batch=_scan_batched)
 def _scan(e):
   p = e.params
   body = e.compiler.compile(p["jaxpr"]).fn

@@ -1,5 +1,5 @@
 """NumPy rules for lax and Pallas primitives, one family per module; each
 module registers its rules in ``pallas_np.registry`` when imported."""
 from pallas_np.primitives import (  # noqa: F401
-    elementwise, shape, reductions, dot, pallas, misc, debug, triton, tpu, gather_scatter,
+    elementwise, casts, shape, reductions, dot, pallas, misc, debug, triton, tpu, gather_scatter,
     sorting, random, windowed, xla_math)

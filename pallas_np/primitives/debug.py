@@ -12,13 +12,16 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 
 
+_IN_GRID_ORDER = registry.unbatched("prints/calls back in grid order: the grid runs sequentially")
+
+
 def _prefix(ctx) -> str:
   point = tuple(int(i) for i in ctx.grid_point)
   return f"[{ctx.kernel_name} {point}] " if point else f"[{ctx.kernel_name}] "
 
 
 if jc.debug_print_p is not None:
-  @registry.register(jc.debug_print_p, needs_ctx=True, foldable=False)
+  @registry.register(jc.debug_print_p, needs_ctx=True, foldable=False, batch=_IN_GRID_ORDER)
   def _debug_print(e):
     p = e.params
     fmt, in_tree, static_args = p["fmt"], p["in_tree"], p["static_args"]
@@ -38,7 +41,7 @@ if jc.debug_print_p is not None:
     return debug_print
 
 
-@registry.register(jc.debug_callback_p, needs_ctx=True, foldable=False)
+@registry.register(jc.debug_callback_p, needs_ctx=True, foldable=False, batch=_IN_GRID_ORDER)
 def _debug_callback(e):
   callback = e.params["callback"]
 

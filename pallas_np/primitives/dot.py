@@ -10,7 +10,7 @@ on the MXU / tensor cores. opt_einsum would pick the same BLAS call for these
 shapes; a reshape + matmul plan is cheaper per call than an einsum dispatch.
 
 Operands reach BLAS in one layout, whatever they were (``blas_operand``),
-and the batched rule in vectorize.py makes, lane by lane, exactly the call
+and the batched rule (below, next to the sequential one) makes, lane by lane, exactly the call
 the grid loop makes: that is what keeps a vectorized grid bitwise equal to
 the sequential one, since BLAS rounds differently with the routine NumPy
 picks for a layout (gemv_t vs gemv_n, a strided dot) and with a GEMM's row
@@ -60,7 +60,7 @@ def blas_operand(a):
 class DotGeometry:
   """dot_general as (batch, free, contract) x (batch, contract, free): the
   permutations, the 3-D sizes and the dtypes, worked out once per eqn (shared
-  with the batched rule in vectorize.py)."""
+  with the batched rule)."""
 
   def __init__(self, e):
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
@@ -86,7 +86,38 @@ class DotGeometry:
     self.layout = blas_operand if self.B == 1 else np.ascontiguousarray
 
 
-@registry.register(lax.dot_general_p)
+def _dot_general_batched(bc, rule, info, in_batched):
+  """One ``np.matmul`` over every lane whose per-lane products are the very
+  BLAS calls the grid loop makes (the same shapes, operand layouts and
+  thread count). Folding the lanes into the lhs rows (one big GEMM)
+  is faster, but BLAS rounds a GEMM's rows differently with the row count
+  (measured: most elements of a 64-lane 1x32 @ 32x16 product moved by an
+  ulp on an AVX2 EPYC), and vectorized grids must stay bitwise equal to
+  the sequential ones."""
+  g = DotGeometry(info)
+  Bd, M, K, N = g.B, g.M, g.K, g.N
+  out_shape, acc, out = g.out_shape, g.acc, g.out
+  bool_out = out == np.bool_
+  lb_, rb_ = in_batched
+  lperm = (0, *[d + 1 for d in g.lperm]) if lb_ else g.lperm
+  rperm = (0, *[d + 1 for d in g.rperm]) if rb_ else g.rperm
+  matmul = blas.matmul_for(Bd * M * K * N)  # the grid loop's choices
+  layout = g.layout
+
+  def dot(x, y):
+    n = x.shape[0] if lb_ else y.shape[0]
+    x = np.transpose(np.asarray(x, dtype=acc), lperm)
+    y = np.transpose(np.asarray(y, dtype=acc), rperm)
+    x = layout(x.reshape((n, Bd, M, K) if lb_ else (Bd, M, K)))
+    y = layout(y.reshape((n, Bd, K, N) if rb_ else (Bd, K, N)))
+    r = matmul(x, y)  # (n, Bd, M, N); an unbatched operand broadcasts
+    if bool_out:
+      r = r != 0
+    return np.asarray(r.reshape((n, *out_shape)), dtype=out)
+  return dot, False, (True,)
+
+
+@registry.register(lax.dot_general_p, batch=_dot_general_batched, gemm=True)
 def _dot_general(e):
   g = DotGeometry(e)
   lperm, rperm, B, M, K, N = g.lperm, g.rperm, g.B, g.M, g.K, g.N

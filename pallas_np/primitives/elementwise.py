@@ -5,21 +5,28 @@ operands (lax never mixes dtypes), so those register ``np.*`` directly. The
 rest are the places NumPy and XLA disagree: integer division/remainder
 (truncating, and x/0), shifts wider than the type, rounding, and low
 precision floats (bf16/f16/fp8 are computed in float32 and rounded back, as
-XLA's CPU backend does).
+XLA's CPU backend does). Conversions live in ``casts.py``.
+
+Every rule here is elementwise with NumPy broadcasting, registered with
+``batch=registry.ELEMENTWISE``: a vectorized grid runs it on lane-stacked
+operands as is.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import scipy.special
 
 from jax import lax
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import batching, registry
 from pallas_np.dtypes import has_negative_zero, is_low_precision_float, np_dtype
 
-reg = registry.register_numpy
+
+
+def reg(prim, fn):
+  """A NumPy ufunc that is the whole rule, elementwise."""
+  registry.register_numpy(prim, fn, batch=registry.ELEMENTWISE)
 
 
 def _in_dtype(e):
@@ -30,7 +37,7 @@ def _out_dtype(e):
   return np_dtype(e.out_aval.dtype)
 
 
-def _unary_float(fn):
+def unary_float(fn):
   """A float unary rule: low-precision floats go through float32; the result
   keeps the operand dtype."""
   def compile_rule(e):
@@ -58,7 +65,7 @@ def _binary_float(fn):
 def _keeps_dtype(fn, dt, nin) -> bool:
   """``fn`` is a NumPy ufunc whose loop for ``dt`` operands returns ``dt``:
   the rule is then the ufunc itself (no cast wrapper; the evaluator may also
-  let it write into a dying operand, see ``evaluator._Emitter.in_place``)."""
+  let it write into a dying operand, see ``compiler.passes.in_place``)."""
   if not isinstance(fn, np.ufunc) or fn.nin != nin or fn.nout != 1:
     return False
   try:
@@ -76,7 +83,7 @@ def _cast(x, dt):
 def _native_or_f32(np_fn):
   """NumPy ufuncs that ml_dtypes implements natively for bf16 keep their dtype;
   others are evaluated in float32 for low-precision inputs."""
-  return _unary_float(np_fn)
+  return unary_float(np_fn)
 
 
 # -- arithmetic ---------------------------------------------------------------
@@ -143,11 +150,13 @@ def _fix_zero(r, x, y, combine):
   return np.where(both, combine(x, y), r).astype(r.dtype, copy=False)[()]
 
 
-registry.register(lax.max_p)(_minmax(np.maximum, True))
-registry.register(lax.min_p)(_minmax(np.minimum, False))
+registry.register(lax.max_p, batch=registry.ELEMENTWISE, data_movement=True)(
+    _minmax(np.maximum, True))
+registry.register(lax.min_p, batch=registry.ELEMENTWISE, data_movement=True)(
+    _minmax(np.minimum, False))
 
 
-@registry.register(lax.abs_p)
+@registry.register(lax.abs_p, batch=registry.ELEMENTWISE)
 def _abs(e):
   dt = _in_dtype(e)
   if dt.kind == "c":
@@ -156,17 +165,17 @@ def _abs(e):
   return np.abs
 
 
-@registry.register(lax.sign_p)
+@registry.register(lax.sign_p, batch=registry.ELEMENTWISE)
 def _sign(e):
   dt = _in_dtype(e)
   if dt.kind == "u":
     return lambda x: (x != 0).astype(dt)
   if is_low_precision_float(dt):
-    return _unary_float(np.sign)(e)
+    return unary_float(np.sign)(e)
   return np.sign
 
 
-@registry.register(lax.div_p)
+@registry.register(lax.div_p, batch=registry.ELEMENTWISE)
 def _div(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
@@ -185,7 +194,7 @@ def _div(e):
   return _binary_float(np.true_divide)(e)
 
 
-@registry.register(lax.rem_p)
+@registry.register(lax.rem_p, batch=registry.ELEMENTWISE)
 def _rem(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
@@ -197,7 +206,7 @@ def _rem(e):
   return _binary_float(np.fmod)(e)
 
 
-@registry.register(lax.pow_p)
+@registry.register(lax.pow_p, batch=registry.ELEMENTWISE)
 def _pow(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
@@ -208,7 +217,7 @@ def _pow(e):
   return _binary_float(np.power)(e)
 
 
-@registry.register(lax.integer_pow_p)
+@registry.register(lax.integer_pow_p, batch=registry.ELEMENTWISE)
 def _integer_pow(e):
   y = int(e.params["y"])
   dt = _in_dtype(e)
@@ -235,13 +244,13 @@ def _integer_pow(e):
   return ipow
 
 
-@registry.register(lax.square_p)
+@registry.register(lax.square_p, batch=registry.ELEMENTWISE)
 def _square(e):
-  return _unary_float(np.square)(e) if is_low_precision_float(_in_dtype(e)) else np.square
+  return unary_float(np.square)(e) if is_low_precision_float(_in_dtype(e)) else np.square
 
 
 def _reg_unary(prim, fn):
-  registry.register(prim)(_unary_float(fn))
+  registry.register(prim, batch=registry.ELEMENTWISE)(unary_float(fn))
 
 
 for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
@@ -274,9 +283,9 @@ _reg_unary(lax.digamma_p, _digamma)
 # -- primitives of newer JAX versions (registered where they exist) -----------
 _LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
 if hasattr(lax, "log2_p"):
-  @registry.register(lax.log2_p)
+  @registry.register(lax.log2_p, batch=registry.ELEMENTWISE)
   def _log2(e):
-    log = _unary_float(np.log)(e)
+    log = unary_float(np.log)(e)
     dt = _in_dtype(e)
     scale = np.asarray(_LOG2_E, dt)
     if is_low_precision_float(dt):
@@ -286,7 +295,7 @@ if hasattr(lax, "log2_p"):
 
 _one_minus_square_p = getattr(jc.lax_internal, "one_minus_square_p", None)
 if _one_minus_square_p is not None:
-  @registry.register(_one_minus_square_p)
+  @registry.register(_one_minus_square_p, batch=registry.ELEMENTWISE)
   def _one_minus_square(e):
     # XLA: (1 + x) * (1 - x), each op rounded to x's dtype.
     dt = _in_dtype(e)
@@ -304,7 +313,7 @@ if _one_minus_square_p is not None:
 
 _polynomial_p = getattr(jc.lax_internal, "polynomial_p", None)
 if _polynomial_p is not None:
-  @registry.register(_polynomial_p)
+  @registry.register(_polynomial_p, batch=registry.ELEMENTWISE)
   def _polynomial(e):
     # XLA: Horner's rule from the highest coefficient, acc * x + c, each
     # product and sum rounded to the dtype (low precision: per op via f32).
@@ -331,27 +340,27 @@ if _polynomial_p is not None:
     return polynomial
 
 
-@registry.register(lax.exp2_p)
+@registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
 def _exp2(e):
   # XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's dtype.
   dt = _in_dtype(e)
   ln2 = np.asarray(np.log(2.0), dt)
-  exp = _unary_float(np.exp)(e)
+  exp = unary_float(np.exp)(e)
   return lambda x: exp(np.multiply(x, ln2, dtype=dt))
 
 
 _reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
 _reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
-registry.register(lax.atan2_p)(_binary_float(np.arctan2))
+registry.register(lax.atan2_p, batch=registry.ELEMENTWISE)(_binary_float(np.arctan2))
 
 
-@registry.register(lax.round_p)
+@registry.register(lax.round_p, batch=registry.ELEMENTWISE)
 def _round(e):
   method = e.params.get("rounding_method")
   to_even = int(method) == int(lax.RoundingMethod.TO_NEAREST_EVEN)
   if to_even:
-    return _unary_float(np.rint)(e)
-  return _unary_float(_round_away_from_zero)(e)
+    return unary_float(np.rint)(e)
+  return unary_float(_round_away_from_zero)(e)
 
 
 def _round_away_from_zero(x):
@@ -361,7 +370,13 @@ def _round_away_from_zero(x):
 
 
 # -- comparisons/logic on bool ------------------------------------------------
-@registry.register(lax.select_n_p)
+def _select_n_batched(bc, rule, info, in_batched):
+  if len(in_batched) == 2:  # select_n with one case returns it as is
+    return (lambda p, c: c), False, (in_batched[1],)
+  return batching.elementwise(bc, rule, info, in_batched)
+
+
+@registry.register(lax.select_n_p, batch=_select_n_batched, data_movement=True)
 def _select_n(e):
   n_cases = len(e.in_avals) - 1
   pred_dt = np_dtype(e.in_avals[0].dtype)
@@ -378,7 +393,7 @@ def _select_n(e):
   return select
 
 
-@registry.register(lax.clamp_p)
+@registry.register(lax.clamp_p, batch=registry.ELEMENTWISE)
 def _clamp(e):
   return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
 
@@ -411,12 +426,12 @@ def _shift(kind):
   return compile_rule
 
 
-registry.register(lax.shift_left_p)(_shift("left"))
-registry.register(lax.shift_right_logical_p)(_shift("logical"))
-registry.register(lax.shift_right_arithmetic_p)(_shift("arithmetic"))
+registry.register(lax.shift_left_p, batch=registry.ELEMENTWISE)(_shift("left"))
+registry.register(lax.shift_right_logical_p, batch=registry.ELEMENTWISE)(_shift("logical"))
+registry.register(lax.shift_right_arithmetic_p, batch=registry.ELEMENTWISE)(_shift("arithmetic"))
 
 
-@registry.register(lax.population_count_p)
+@registry.register(lax.population_count_p, batch=registry.ELEMENTWISE)
 def _popcount(e):
   dt = _in_dtype(e)
   # np.bitwise_count counts |x| for signed ints; XLA counts the bit pattern.
@@ -424,7 +439,7 @@ def _popcount(e):
   return lambda x: np.bitwise_count(np.asarray(x).view(udt)).astype(dt)[()]
 
 
-@registry.register(lax.clz_p)
+@registry.register(lax.clz_p, batch=registry.ELEMENTWISE)
 def _clz(e):
   dt = _in_dtype(e)
   bits = dt.itemsize * 8
@@ -448,167 +463,26 @@ def _clz(e):
   return clz
 
 
-# -- conversions --------------------------------------------------------------
-@registry.register(lax.convert_element_type_p)
-def _convert_element_type(e):
-  src = _in_dtype(e)
-  dst = np_dtype(e.params["new_dtype"])
-  return make_converter(src, dst)
-
-
-_SUB_BYTE_INTS = {np.dtype(getattr(ml_dtypes, n)) for n in ("int2", "uint2", "int4", "uint4")
-                  if hasattr(ml_dtypes, n)}
-_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu) if hasattr(ml_dtypes, "float8_e8m0fnu") else None
-
-
-_WIDE_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
-
-
-def _is_int(dt) -> bool:
-  return dt.kind in "biu" or dt in _SUB_BYTE_INTS
-
-
-def _is_float(dt) -> bool:
-  return dt.kind == "f" or (dt.kind == "V" and dt not in _SUB_BYTE_INTS)
-
-
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-_BF16_BOOL_DAZ = jc.bf16_to_bool_flushes_denormals()
-
-
-def make_converter(src, dst):
-  """XLA's conversion. int->int wraps (sub-byte ints too: ml_dtypes
-  saturates, so those go through int64); float->int truncates, NaN->0 and
-  saturates at the range; float32->bool (and bfloat16->bool in newer
-  jaxlibs) reads denormals as zero (XLA CPU runs with DAZ). NaN payloads and signs are NumPy's/ml_dtypes' except that
-  a NaN becomes -0.0 in float4_e2m1fn (which has no NaN), as in XLA."""
-  src = np.dtype(src)
-  dst = np.dtype(dst)
-  if src == dst:
-    return lambda x: x
-  if src.kind == "c" and dst.kind != "c":
-    real = make_converter(np.real(np.zeros((), src)).dtype, dst)
-    return lambda x: real(np.real(x))
-  if dst == np.bool_:
-    if src == np.float32 or (src == _BF16 and _BF16_BOOL_DAZ):
-      tiny = np.asarray(np.finfo(np.float32).tiny, src)
-      return lambda x: np.logical_not(np.abs(x) < tiny)  # NaN -> True
-    if src == _E8M0:
-      return lambda x: np.not_equal(np.asarray(x).astype(np.float32), 0)
-    return lambda x: np.not_equal(x, 0)
-  if _is_int(src) and _is_int(dst):
-    return _int_to_int(src, dst)
-  if _is_float(src) and _is_int(dst):
-    return _float_to_int(src, dst)
-  via = None
-  if src in _SUB_BYTE_INTS:
-    via = np.dtype(np.int8)   # exact; ml_dtypes lacks some sub-byte -> float casts
-  elif _E8M0 is not None and _E8M0 in (src, dst) and src not in _WIDE_FLOATS:
-    via = np.dtype(np.float32)  # exact; ml_dtypes has no fp8 <-> e8m0 casts
-  if dst == np.dtype(getattr(ml_dtypes, "float4_e2m1fn", np.float32)) and _is_float(src):
-    neg0 = np.zeros((), dst) * np.asarray(-1, dst)
-
-    def to_f4(x):
-      x = np.asarray(x)
-      out = (x.astype(via) if via is not None else x).astype(dst)
-      nan = np.isnan(x.astype(np.float32) if src.kind == "V" else x)
-      return (np.where(nan, neg0, out) if nan.any() else out)[()]
-    return to_f4
-  if via is not None:
-    return lambda x: np.asarray(x).astype(via).astype(dst)[()]
-  return lambda x: np.asarray(x).astype(dst)[()]
-
-
-def _int_to_int(src, dst):
-  if src not in _SUB_BYTE_INTS and dst not in _SUB_BYTE_INTS:
-    return lambda x: np.asarray(x).astype(dst)[()]  # NumPy wraps, as XLA
-  bits = 2 if dst.name.endswith("int2") else 4 if dst.name.endswith("int4") else dst.itemsize * 8
-  mask = np.int64((1 << bits) - 1)
-  signed = dst.kind == "i" or dst.name.startswith("int")
-  half, full = np.int64(1 << (bits - 1)), np.int64(1 << bits)
-
-  def wrap(x):
-    v = np.asarray(x).astype(np.int64) & mask
-    if signed:
-      v = np.where(v >= half, v - full, v)
-    return v.astype(dst)[()]
-  return wrap
-
-
-def _float_to_int(src, dst):
-  info = ml_dtypes.iinfo(dst)
-  lo, hi = float(info.min), float(info.max)
-  # XLA clamps with the range bounds converted to the source type: where a
-  # bound rounds inside the range (float4_e2m1fn's 6.0 for int8's 127) the
-  # values from there on saturate too. A bound that overflows to NaN/inf
-  # clamps nothing more than the plain range does.
-  def bound(v):
-    b = float(np.asarray(np.asarray(v, np.float64).astype(src)).astype(np.float64))
-    return b if np.isfinite(b) else None
-  lo_src, hi_src = bound(lo), bound(hi)
-  hi_in = hi_src is not None and hi_src < hi
-  lo_in = lo_src is not None and lo_src > lo
-  wide = src.itemsize == 8 and src.kind == "f"
-
-  def f2i(x):
-    x = np.asarray(x)
-    if not wide:
-      x = (x.astype(np.float32) if src.kind == "V" else x).astype(np.float64)
-    r = np.clip(np.trunc(np.nan_to_num(x, nan=0.0, posinf=hi, neginf=lo)), lo, hi)
-    if hi_in:
-      r = np.where(x >= hi_src, hi, r)
-    if lo_in:
-      r = np.where(x <= lo_src, lo, r)
-    out = r.astype(dst)
-    if dst.itemsize == 8:  # float(max int64) rounds up to 2**63
-      out = np.where(r >= 2.0 ** (63 if dst.kind == "i" else 64), np.array(info.max, dst), out)
-    return out[()]
-  return f2i
-
-
-@registry.register(lax.bitcast_convert_type_p)
-def _bitcast_convert_type(e):
-  src = _in_dtype(e)
-  dst = np_dtype(e.params["new_dtype"])
-  if src.itemsize == dst.itemsize:
-    return lambda x: np.asarray(x).view(dst)[()]
-  if src.itemsize > dst.itemsize:
-    # One element becomes a trailing dim of narrower elements.
-    k = src.itemsize // dst.itemsize
-    return lambda x: np.ascontiguousarray(x).view(dst).reshape(*np.shape(x), k)
-  # Trailing dim of narrower elements folds into one wider element.
-  return lambda x: np.ascontiguousarray(x).view(dst).reshape(np.shape(x)[:-1])
-
-
-@registry.register(lax.reduce_precision_p)
-def _reduce_precision(e):
-  exponent_bits = int(e.params["exponent_bits"])
-  mantissa_bits = int(e.params["mantissa_bits"])
-  dt = _in_dtype(e)
-  from pallas_np.dtypes import reduce_precision
-  return lambda x: reduce_precision(x, exponent_bits, mantissa_bits, dt)
-
-
 # -- complex ------------------------------------------------------------------
-@registry.register(lax.real_p)
+@registry.register(lax.real_p, batch=registry.ELEMENTWISE)
 def _real(e):
   out = _out_dtype(e)
   return lambda x: np.real(x).astype(out)[()]
 
 
-@registry.register(lax.imag_p)
+@registry.register(lax.imag_p, batch=registry.ELEMENTWISE)
 def _imag(e):
   out = _out_dtype(e)
   return lambda x: np.imag(x).astype(out)[()]
 
 
-@registry.register(lax.complex_p)
+@registry.register(lax.complex_p, batch=registry.ELEMENTWISE)
 def _complex(e):
   out = _out_dtype(e)
   return lambda x, y: (np.asarray(x) + 1j * np.asarray(y)).astype(out)[()]
 
 
-@registry.register(lax.conj_p)
+@registry.register(lax.conj_p, batch=registry.ELEMENTWISE)
 def _conj(e):
   out = _out_dtype(e)
   return lambda x, **_: np.conj(x).astype(out)[()]
@@ -618,15 +492,16 @@ def _conj(e):
 for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
                   ("zeta_p", scipy.special.zeta)]:
   if hasattr(lax, _name):
-    registry.register(getattr(lax, _name))(_binary_float(_f))
+    registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(_binary_float(_f))
 
 
 if hasattr(lax, "polygamma_p"):
-  registry.register(lax.polygamma_p)(_binary_float(scipy.special.polygamma))
+  registry.register(lax.polygamma_p, batch=registry.ELEMENTWISE)(
+      _binary_float(scipy.special.polygamma))
 
 
 if hasattr(lax, "regularized_incomplete_beta_p"):
-  @registry.register(lax.regularized_incomplete_beta_p)
+  @registry.register(lax.regularized_incomplete_beta_p, batch=registry.ELEMENTWISE)
   def _betainc(e):
     dt = _in_dtype(e)
     work = np.float32 if is_low_precision_float(dt) else dt
@@ -649,7 +524,7 @@ def _mulhi_u64(x, y):
 
 
 if hasattr(jc.lax_internal, "mulhi_p"):
-  @registry.register(jc.lax_internal.mulhi_p)
+  @registry.register(jc.lax_internal.mulhi_p, batch=registry.ELEMENTWISE)
   def _mulhi(e):
     dt = _in_dtype(e)
     bits = dt.itemsize * 8

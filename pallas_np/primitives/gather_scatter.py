@@ -94,7 +94,10 @@ def _canonical_perm(out_rank, window_positions):
   return tuple(perm), batch_positions
 
 
-@registry.register(lax.gather_p)
+_PER_LANE = registry.unbatched("index arrays per lane: run lane by lane")
+
+
+@registry.register(lax.gather_p, batch=_PER_LANE)
 def _gather(e):
   p = e.params
   dn = p["dimension_numbers"]
@@ -191,4 +194,4 @@ def _scatter_rule(e):
 
 
 for _prim in [lax.scatter_p, *_SCATTER_UFUNC]:
-  registry.register(_prim)(_scatter_rule)
+  registry.register(_prim, batch=_PER_LANE)(_scatter_rule)

@@ -17,10 +17,11 @@ for _p in [getattr(lax, "stop_gradient_p", None),
            jc.optional_primitive("core", "pvary_p"),
            jc.optional_primitive("lax.parallel", "pvary_p")]:
   if _p is not None and not _p.multiple_results:
-    registry.register(_p)(_identity_single)
+    registry.register(_p, batch=registry.IDENTITY,
+                      data_movement=_p.name == "stop_gradient")(_identity_single)
 
 
-@registry.register(lax.optimization_barrier_p)
+@registry.register(lax.optimization_barrier_p, batch=registry.IDENTITY, data_movement=True)
 def _optimization_barrier(e):
   return lambda *xs: xs
 
@@ -28,14 +29,15 @@ def _optimization_barrier(e):
 # Autodiff's own addition (JVPs of kernels sum tangents with it): a plain add.
 _add_any_p = jc.optional_primitive("ad_util", "add_jaxvals_p")
 if _add_any_p is not None:
-  registry.register_numpy(_add_any_p, np.add)
+  registry.register_numpy(_add_any_p, np.add, batch=registry.ELEMENTWISE)
 
 
 # -- platform-dependent code: interpret=True lowers for the CPU ------------
 _platform_index_p = jc.optional_primitive(
     "lax.control_flow.conditionals", "platform_index_p")
 if _platform_index_p is not None:
-  @registry.register(_platform_index_p)
+  @registry.register(_platform_index_p, batch=registry.unbatched(
+      "no operands: one value for every lane, computed once per pass"))
   def _platform_index(e):
     import numpy as np
     platforms = e.params["platforms"]
@@ -57,7 +59,8 @@ if _platform_index_p is not None:
 for _name in ("pure_callback_p", "io_callback_p"):
   _cb = jc.optional_primitive("callback", _name)
   if _cb is not None:
-    @registry.register(_cb, foldable=False)
+    @registry.register(_cb, foldable=False, batch=registry.unbatched(
+        "a host callback: called once per lane (io_callback, an effect: grid order)"))
     def _host_callback(e):
       import numpy as np
       from pallas_np.dtypes import np_dtype
@@ -72,19 +75,20 @@ for _name in ("pure_callback_p", "io_callback_p"):
 
 _composite_p = getattr(jc.lax_internal, "composite_p", None)
 if _composite_p is not None:
-  @registry.register(_composite_p, needs_ctx=True)
+  @registry.register(_composite_p, needs_ctx=True, context_free=True, batch=registry.unbatched(
+      "a call of a sub-jaxpr XLA may decompose; not batched (the grid runs sequentially)"))
   def _composite(e):
     return e.compiler.compile(e.params["jaxpr"]).fn
 
 
 _random_clone_p = jc.optional_primitive("random", "random_clone_p")
 if _random_clone_p is not None:
-  registry.register(_random_clone_p)(_identity_single)
+  registry.register(_random_clone_p, batch=registry.IDENTITY)(_identity_single)
 
 
 _zeros_like_p = jc.optional_primitive("ad_util", "zeros_like_p")
 if _zeros_like_p is not None:
-  @registry.register(_zeros_like_p)
+  @registry.register(_zeros_like_p, batch=registry.unbatched("autodiff only: run lane by lane"))
   def _zeros_like(e):
     import numpy as np
     from pallas_np.dtypes import np_dtype

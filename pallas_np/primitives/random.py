@@ -30,14 +30,17 @@ def _compile_traced(e, fn, in_avals):
   return lambda *args: plan(None, *args)[0]
 
 
-@registry.register(prng.random_seed_p)
+_KEYS = registry.unbatched("PRNG key data carry trailing key dims: run lane by lane")
+
+
+@registry.register(prng.random_seed_p, batch=_KEYS)
 def _random_seed(e):
   aval, = e.in_avals
   impl = e.params["impl"]
   return _compile_traced(e, prng.iterated_vmap_unary(aval.ndim, impl.seed), [aval])
 
 
-@registry.register(prng.random_split_p)
+@registry.register(prng.random_split_p, batch=_KEYS)
 def _random_split(e):
   aval, = e.in_avals
   impl = aval.dtype._impl
@@ -46,7 +49,7 @@ def _random_split(e):
   return _compile_traced(e, fn, [jc.physical_aval(aval)])
 
 
-@registry.register(prng.random_fold_in_p)
+@registry.register(prng.random_fold_in_p, batch=_KEYS)
 def _random_fold_in(e):
   keys_aval, msgs_aval = e.in_avals
   impl = keys_aval.dtype._impl
@@ -54,7 +57,7 @@ def _random_fold_in(e):
   return _compile_traced(e, fn, [jc.physical_aval(keys_aval), msgs_aval])
 
 
-@registry.register(prng.random_bits_p)
+@registry.register(prng.random_bits_p, batch=_KEYS)
 def _random_bits(e):
   aval, = e.in_avals
   impl = aval.dtype._impl
@@ -64,11 +67,12 @@ def _random_bits(e):
   return _compile_traced(e, fn, [jc.physical_aval(aval)])
 
 
-registry.register(prng.random_wrap_p)(lambda e: (lambda x: x))
-registry.register(prng.random_unwrap_p)(lambda e: (lambda x: x))
+registry.register(prng.random_wrap_p, batch=registry.IDENTITY)(lambda e: (lambda x: x))
+registry.register(prng.random_unwrap_p, batch=registry.IDENTITY)(lambda e: (lambda x: x))
 
 
-@registry.register(prng.iota_2x32_shape_p)
+@registry.register(prng.iota_2x32_shape_p, batch=registry.unbatched(
+    "no operands: one value for every lane, computed once per pass"))
 def _iota_2x32_shape(e):
   shape = tuple(e.params["shape"])
   counts = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
@@ -98,4 +102,4 @@ def threefry2x32(k1, k2, x1, x2):
   return [np.asarray(x[0], u32), np.asarray(x[1], u32)]
 
 
-registry.register(jc.jax_threefry.threefry2x32_p)(lambda e: threefry2x32)
+registry.register(jc.jax_threefry.threefry2x32_p, batch=registry.ELEMENTWISE)(lambda e: threefry2x32)

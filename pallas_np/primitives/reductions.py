@@ -6,7 +6,8 @@ import numpy as np
 
 from jax import lax
 
-from pallas_np import registry
+from pallas_np import _compat as jc
+from pallas_np import batching, registry
 from pallas_np.compiler import Compiler
 from pallas_np.dtypes import has_negative_zero, is_low_precision_float, np_dtype
 
@@ -19,7 +20,34 @@ def _float_acc(dt):
   return np.float32 if is_low_precision_float(dt) else dt
 
 
-@registry.register(lax.reduce_sum_p)
+def _shifted_rule(param, single=False, ordered=False):
+  """The batched rule: the unbatched rule with ``param``'s axes shifted past
+  the lane axis. ``ordered``: a float sum/product, whose rounding depends on
+  the order NumPy adds in."""
+  def brule(bc, rule, info, in_batched):
+    if len(in_batched) != 1:
+      return batching.lane_loop(rule, info, in_batched)
+    shifted = registry.EqnInfo(info.eqn, bc, info.outvars_used, info.folded)
+    params = dict(info.params)
+    v = params[param]
+    params[param] = int(v) + 1 if single else batching.shift_axes(v)
+    shifted.params = params
+    fn = rule.compile(shifted)
+    if bc.lanes_last and ordered and np.dtype(
+        jc.physical_dtype(info.in_avals[0].dtype)).kind in "fc":
+      # NumPy sums pairwise along a contiguous axis but one element after
+      # another across a strided one: a lanes-last operand would round
+      # differently from the grid loop. Lanes first, it adds in its order.
+      return (lambda x: fn(np.ascontiguousarray(x))), False, (True,) * len(info.out_avals)
+    return fn, False, (True,) * len(info.out_avals)
+  return brule
+
+
+_BY_AXES = _shifted_rule("axes")
+_BY_AXIS = _shifted_rule("axis", single=True)
+
+
+@registry.register(lax.reduce_sum_p, batch=_shifted_rule("axes", ordered=True))
 def _reduce_sum(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
@@ -31,7 +59,7 @@ def _reduce_sum(e):
   return lambda x: np.asarray(np.add.reduce(x, axis=axes, dtype=acc), dtype=dt)[()]
 
 
-@registry.register(lax.reduce_prod_p)
+@registry.register(lax.reduce_prod_p, batch=_shifted_rule("axes", ordered=True))
 def _reduce_prod(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
@@ -48,7 +76,7 @@ def _identity(dt, kind):
   return np.array(info.min if kind == "max" else info.max, dt)
 
 
-@registry.register(lax.reduce_max_p)
+@registry.register(lax.reduce_max_p, batch=_BY_AXES)
 def _reduce_max(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
@@ -60,7 +88,7 @@ def _reduce_max(e):
   return fast
 
 
-@registry.register(lax.reduce_min_p)
+@registry.register(lax.reduce_min_p, batch=_BY_AXES)
 def _reduce_min(e):
   axes = _axes(e)
   dt = np_dtype(e.in_avals[0].dtype)
@@ -98,9 +126,9 @@ def _bitwise_reduce(ufunc, bool_fn):
   return compile_rule
 
 
-registry.register(lax.reduce_and_p)(_bitwise_reduce(np.bitwise_and, np.all))
-registry.register(lax.reduce_or_p)(_bitwise_reduce(np.bitwise_or, np.any))
-registry.register(lax.reduce_xor_p)(_bitwise_reduce(
+registry.register(lax.reduce_and_p, batch=_BY_AXES)(_bitwise_reduce(np.bitwise_and, np.all))
+registry.register(lax.reduce_or_p, batch=_BY_AXES)(_bitwise_reduce(np.bitwise_or, np.any))
+registry.register(lax.reduce_xor_p, batch=_BY_AXES)(_bitwise_reduce(
     np.bitwise_xor, lambda x, axis: np.logical_xor.reduce(x, axis=axis)))
 
 
@@ -112,8 +140,8 @@ def _arg(fn):
   return compile_rule
 
 
-registry.register(lax.argmax_p)(_arg(np.argmax))
-registry.register(lax.argmin_p)(_arg(np.argmin))
+registry.register(lax.argmax_p, batch=_BY_AXES)(_arg(np.argmax))
+registry.register(lax.argmin_p, batch=_BY_AXES)(_arg(np.argmin))
 
 
 def _cumulative(accumulate):
@@ -167,20 +195,21 @@ def _low_precision_scan(x, axis, reverse, accumulate, dt):
   return np.moveaxis(out, 0, axis)
 
 
-registry.register(lax.cumsum_p)(_cumulative(
+registry.register(lax.cumsum_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.cumsum(x, axis=axis, dtype=dt) if dt != np.bool_
     else np.logical_or.accumulate(x, axis=axis)))
-registry.register(lax.cumprod_p)(_cumulative(
+registry.register(lax.cumprod_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.cumprod(x, axis=axis, dtype=dt)))
-registry.register(lax.cummax_p)(_cumulative(
+registry.register(lax.cummax_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.maximum.accumulate(x, axis=axis)))
-registry.register(lax.cummin_p)(_cumulative(
+registry.register(lax.cummin_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.minimum.accumulate(x, axis=axis)))
-registry.register(lax.cumlogsumexp_p)(_cumulative(
+registry.register(lax.cumlogsumexp_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.logaddexp.accumulate(x, axis=axis)))
 
 
-@registry.register(lax.reduce_p)
+@registry.register(lax.reduce_p, batch=registry.unbatched(
+    "a reducer jaxpr: no batched rule (the grid runs sequentially)"))
 def _reduce(e):
   """``lax.reduce`` with a custom (possibly variadic) monoid: a sequential
   left fold over the reduced elements, the computation applied to whole

@@ -2,7 +2,10 @@
 concatenate, pad, rev, dynamic slices, gather/scatter from jnp indexing.
 
 Results may be views of their operands (values are never mutated in place;
-only refs are), so most of these cost no copy.
+only refs are), so most of these cost no copy. Each batched rule (a
+vectorized grid's lane-stacked operands, ``pallas_np.batching``) sits right
+above its sequential rule: mostly the same NumPy call with axes shifted past
+the lane axis.
 """
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ import numpy as np
 from jax import lax
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import batching, registry
 from pallas_np.dtypes import np_dtype
+from pallas_np.errors import NotBatchable
 
 
-@registry.register(lax.iota_p)
+@registry.register(lax.iota_p, batch=registry.unbatched("no operands: one value for every lane, computed once per pass"))
 def _iota(e):
   dt = np_dtype(e.params["dtype"])
   shape = tuple(e.params["shape"])
@@ -58,7 +62,25 @@ def broadcast(x, expanded: tuple, shape: tuple, size: int):
   return np.broadcast_to(x, shape)
 
 
-@registry.register(lax.broadcast_in_dim_p)
+def lane_broadcast(shape, expanded):
+  """Broadcast a lane-stacked operand laid out as ``expanded`` to ``shape``."""
+  size = math.prod(shape)
+
+  def bcast(x):
+    n = x.shape[0]
+    return broadcast(x, (n, *expanded), (n, *shape), n * size)
+  return bcast, False, (True,)
+
+
+def _broadcast_in_dim_batched(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  if len(in_batched) > 1:
+    raise NotBatchable("dynamic broadcast_in_dim")
+  return lane_broadcast(*broadcast_geometry(info))
+
+
+@registry.register(lax.broadcast_in_dim_p, batch=_broadcast_in_dim_batched, data_movement=True)
 def _broadcast_in_dim(e):
   shape, expanded = broadcast_geometry(e)
   size = math.prod(shape)
@@ -67,7 +89,16 @@ def _broadcast_in_dim(e):
   return lambda x, *dyn: broadcast(x, expanded, shape, size)
 
 
-@registry.register(lax.reshape_p)
+def _reshape_batched(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  if info.params.get("dimensions") is not None:
+    raise NotBatchable("reshape with dimensions")
+  new_sizes = tuple(info.params["new_sizes"])
+  return (lambda x, *dyn: np.reshape(x, (x.shape[0], *new_sizes))), False, (True,)
+
+
+@registry.register(lax.reshape_p, batch=_reshape_batched, data_movement=True)
 def _reshape(e):
   new_sizes = tuple(e.params["new_sizes"])
   dims = e.params.get("dimensions")
@@ -77,7 +108,9 @@ def _reshape(e):
   return lambda x, *dyn: x.reshape(new_sizes)
 
 
-@registry.register(lax.transpose_p)
+@registry.register(lax.transpose_p, data_movement=True, batch=batching.unary_batched(
+    lambda e: (lambda x, perm=(0, *batching.shift_axes(e.params["permutation"])):
+               np.transpose(x, perm))))
 def _transpose(e):
   perm = tuple(e.params["permutation"])
   # Materialised, as XLA does: a lazy transposed view would hand its strided
@@ -116,7 +149,8 @@ def _swap_last_two_by_slabs(x, slab):
   return out
 
 
-@registry.register(lax.squeeze_p)
+@registry.register(lax.squeeze_p, data_movement=True, batch=batching.unary_batched(
+    lambda e: (lambda x, d=batching.shift_axes(e.params["dimensions"]): np.squeeze(x, axis=d))))
 def _squeeze(e):
   out_shape = tuple(jc.physical_aval(e.out_aval).shape)  # PRNG keys: + key dims
   # Dropping size-1 dims is always a view; reshape is the cheapest call.
@@ -124,34 +158,54 @@ def _squeeze(e):
 
 
 if hasattr(lax, "expand_dims_p"):
-  @registry.register(lax.expand_dims_p)
+  @registry.register(lax.expand_dims_p, data_movement=True, batch=batching.unary_batched(
+      lambda e: (lambda x, d=batching.shift_axes(e.params["dimensions"]): np.expand_dims(x, d))))
   def _expand_dims(e):
     dims = tuple(e.params["dimensions"])
     return lambda x: np.expand_dims(x, dims)
 
 
-@registry.register(lax.concatenate_p)
+def _concatenate_batched(bc, rule, info, in_batched):
+  dim = int(info.params["dimension"]) + 1
+  flags = tuple(in_batched)
+
+  def concat(*xs):
+    n = next(x.shape[0] for x, f in zip(xs, flags) if f)
+    return np.concatenate([x if f else batching.to_lanes(x, n) for x, f in zip(xs, flags)], axis=dim)
+  return concat, False, (True,)
+
+
+@registry.register(lax.concatenate_p, batch=_concatenate_batched, data_movement=True)
 def _concatenate(e):
   dim = e.params["dimension"]
   return lambda *xs: np.concatenate(xs, axis=dim)
 
 
 if hasattr(jc.lax_internal, "stack_p"):
-  @registry.register(jc.lax_internal.stack_p)
+  @registry.register(jc.lax_internal.stack_p, batch=registry.unbatched("rare in kernels: run lane by lane"))
   def _stack(e):
     axis = int(e.params["axis"])
     return lambda *xs: np.stack(xs, axis=axis)
 
 
 if hasattr(jc.lax_internal, "unstack_p"):
-  @registry.register(jc.lax_internal.unstack_p)
+  @registry.register(jc.lax_internal.unstack_p, batch=registry.unbatched("rare in kernels: run lane by lane"))
   def _unstack(e):
     axis = int(e.params["axis"])
     n = e.in_avals[0].shape[axis]
     return lambda x: [np.take(x, i, axis=axis) for i in range(n)]
 
 
-@registry.register(lax.split_p)
+def _split_batched(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,) * len(info.out_avals)
+  sizes = tuple(info.params["sizes"])
+  axis = int(info.params["axis"]) + 1
+  bounds = np.cumsum(sizes)[:-1]
+  return (lambda x: np.split(x, bounds, axis=axis)), False, (True,) * len(sizes)
+
+
+@registry.register(lax.split_p, batch=_split_batched)
 def _split(e):
   sizes = tuple(e.params["sizes"])
   axis = e.params["axis"]
@@ -159,7 +213,17 @@ def _split(e):
   return lambda x: np.split(x, bounds, axis=axis)
 
 
-@registry.register(lax.slice_p)
+def _slice_batched(bc, rule, info, in_batched):
+  if not in_batched[0]:
+    return rule.compile(info), False, (False,)
+  starts = info.params["start_indices"]
+  limits = info.params["limit_indices"]
+  strides = info.params["strides"] or (1,) * len(starts)
+  idx = (slice(None),) + tuple(slice(s, l, st) for s, l, st in zip(starts, limits, strides))
+  return (lambda x: x[idx]), False, (True,)
+
+
+@registry.register(lax.slice_p, batch=_slice_batched, data_movement=True)
 def _slice(e):
   starts = e.params["start_indices"]
   limits = e.params["limit_indices"]
@@ -168,7 +232,8 @@ def _slice(e):
   return lambda x: x[idx]
 
 
-@registry.register(lax.rev_p)
+@registry.register(lax.rev_p, data_movement=True, batch=batching.unary_batched(
+    lambda e: (lambda x, d=batching.shift_axes(e.params["dimensions"]): np.flip(x, d))))
 def _rev(e):
   dims = set(e.params["dimensions"])
   idx = tuple(slice(None, None, -1) if d in dims else slice(None)
@@ -176,7 +241,15 @@ def _rev(e):
   return lambda x: x[idx]
 
 
-@registry.register(lax.pad_p)
+def _pad_batched(bc, rule, info, in_batched):
+  if in_batched[1]:
+    return batching.lane_loop(rule, info, in_batched)
+  config = ((0, 0, 0),) + tuple(info.params["padding_config"])
+  dt = np.dtype(jc.physical_dtype(info.out_aval.dtype))
+  return (lambda x, v: pad_array(x, v, config, dt)), False, (True,)
+
+
+@registry.register(lax.pad_p, batch=_pad_batched, data_movement=True)
 def _pad(e):
   config = tuple(e.params["padding_config"])
   out_shape = tuple(e.out_aval.shape)
@@ -213,7 +286,19 @@ def _clamped_starts(starts, operand_shape, sizes):
   return tuple(min(max(int(s), 0), n - z) for s, n, z in zip(starts, operand_shape, sizes))
 
 
-@registry.register(lax.dynamic_slice_p)
+def _dynamic_slice_batched(bc, rule, info, in_batched):
+  if any(in_batched[1:]):
+    return batching.lane_loop(rule, info, in_batched)
+  sizes = tuple(info.params["slice_sizes"])
+  shape = tuple(info.in_avals[0].shape)
+
+  def dynamic_slice(x, *starts):
+    st = _clamped_starts(starts, shape, sizes)
+    return x[(slice(None),) + tuple(slice(s, s + z) for s, z in zip(st, sizes))]
+  return dynamic_slice, False, (True,)
+
+
+@registry.register(lax.dynamic_slice_p, batch=_dynamic_slice_batched, data_movement=True)
 def _dynamic_slice(e):
   sizes = tuple(e.params["slice_sizes"])
   shape = tuple(e.in_avals[0].shape)
@@ -225,7 +310,25 @@ def _dynamic_slice(e):
   return dynamic_slice
 
 
-@registry.register(lax.dynamic_update_slice_p)
+def _dynamic_update_slice_batched(bc, rule, info, in_batched):
+  if any(in_batched[2:]):
+    return batching.lane_loop(rule, info, in_batched)
+  shape = tuple(info.in_avals[0].shape)
+  upd_shape = tuple(info.in_avals[1].shape)
+  x_batched = in_batched[0]
+
+  def dynamic_update_slice(x, update, *starts):
+    st = _clamped_starts(starts, shape, upd_shape)
+    if x_batched:
+      out = np.array(x)
+    else:
+      out = np.array(batching.to_lanes(x, update.shape[0]))
+    out[(slice(None),) + tuple(slice(s, s + z) for s, z in zip(st, upd_shape))] = update
+    return out
+  return dynamic_update_slice, False, (True,)
+
+
+@registry.register(lax.dynamic_update_slice_p, batch=_dynamic_update_slice_batched)
 def _dynamic_update_slice(e):
   shape = tuple(e.in_avals[0].shape)
   upd_shape = tuple(e.in_avals[1].shape)
@@ -238,24 +341,25 @@ def _dynamic_update_slice(e):
   return dynamic_update_slice
 
 
-@registry.register(lax.copy_p)
+@registry.register(lax.copy_p, batch=registry.IDENTITY, data_movement=True)
 def _copy(e):
   return lambda x: x
 
 
-registry.register_numpy(jc.lax_internal.copy_p, lambda x: x) if hasattr(
-    jc.lax_internal, "copy_p") else None
+if hasattr(jc.lax_internal, "copy_p"):
+  registry.register_numpy(jc.lax_internal.copy_p, lambda x: x, batch=registry.IDENTITY,
+                          data_movement=True)
 
 
 if hasattr(jc.lax_internal, "tile_p"):
-  @registry.register(jc.lax_internal.tile_p)
+  @registry.register(jc.lax_internal.tile_p, batch=registry.unbatched("rare in kernels: run lane by lane"))
   def _tile(e):
     reps = tuple(int(r) for r in e.params["reps"])
     return lambda x: np.tile(x, reps)
 
 
 if hasattr(jc.lax_internal, "empty_p"):
-  @registry.register(jc.lax_internal.empty_p)
+  @registry.register(jc.lax_internal.empty_p, batch=registry.unbatched("no operands: one value for every lane, computed once per pass"))
   def _empty(e):
     # XLA's CPU lowering materialises zeros.
     aval = jc.physical_aval(e.out_aval)

@@ -49,7 +49,7 @@ def _sort_keys(x):
   return [total_order_key(_canonical_for_sort(x))]
 
 
-@registry.register(lax.sort_p)
+@registry.register(lax.sort_p, batch=registry.unbatched("sorts along an axis: run lane by lane"))
 def _sort(e):
   dim = int(e.params["dimension"])
   num_keys = int(e.params["num_keys"])
@@ -66,7 +66,7 @@ def _sort(e):
   return sort
 
 
-@registry.register(lax.top_k_p)
+@registry.register(lax.top_k_p, batch=registry.unbatched("run lane by lane"))
 def _top_k(e):
   k = int(e.params["k"])
   axis = int(e.params.get("axis", -1))
@@ -95,4 +95,4 @@ def _total_order_compare(ufunc):
 for _name, _ufunc in [("eq_to_p", np.equal), ("lt_to_p", np.less), ("le_to_p", np.less_equal)]:
   _p = getattr(jc.lax_internal, _name, None)
   if _p is not None:
-    registry.register(_p)(_total_order_compare(_ufunc))
+    registry.register(_p, batch=registry.ELEMENTWISE)(_total_order_compare(_ufunc))

@@ -15,8 +15,15 @@ mp = jc.mosaic_primitives
 pp = jc.pallas_primitives
 
 
+# Properties shared by this module's registrations.
+_SEQUENTIAL = registry.unbatched(
+    "TPU state (DMAs, semaphores, the PRNG) is per core and in grid order: "
+    "the grid runs sequentially")
+_NO_OP = registry.unbatched("a no-op here that takes the run context: the grid runs sequentially")
+
+
 # -- value primitives ----------------------------------------------------------
-@registry.register(mp.roll_p)
+@registry.register(mp.roll_p, batch=registry.unbatched("rare: run lane by lane"))
 def _roll(e):
   axis = int(e.params["axis"])
   stride, stride_axis = e.params["stride"], e.params["stride_axis"]
@@ -32,7 +39,7 @@ def _roll(e):
   return roll_strided
 
 
-@registry.register(mp.bitcast_p)
+@registry.register(mp.bitcast_p, batch=registry.unbatched("rare: run lane by lane"))
 def _bitcast(e):
   """TPU bitcast packs/unpacks along the second-minor dim (see the Mosaic
   lowering of ``bitcast_p``)."""
@@ -61,7 +68,7 @@ def _bitcast(e):
 _PRNG_KEY = "tpu_prng"
 
 
-@registry.register(mp.prng_seed_p, needs_ctx=True)
+@registry.register(mp.prng_seed_p, needs_ctx=True, batch=_SEQUENTIAL)
 def _prng_seed(e):
   """The TPU's hardware PRNG cannot be reproduced on CPU (TPU interpret mode
   returns zeros); we seed NumPy's Philox with the seed words so sampling is
@@ -75,7 +82,7 @@ def _prng_seed(e):
   return seed
 
 
-@registry.register(mp.prng_random_bits_p, needs_ctx=True)
+@registry.register(mp.prng_random_bits_p, needs_ctx=True, batch=_SEQUENTIAL)
 def _prng_random_bits(e):
   return _prng_random_bits_fn(tuple(e.params["shape"]))
 
@@ -96,9 +103,9 @@ def _prng_random_bits_fn(shape):
 
 
 # -- no-ops for a CPU ------------------------------------------------------------
-registry.register(pp.delay_p, needs_ctx=True)(lambda e: (lambda ctx, nanos: []))
-registry.register(mp.trace_value_p, needs_ctx=True)(lambda e: (lambda ctx, v: []))
-registry.register(mp.touch_p, needs_ctx=True)(lambda e: (lambda ctx, *refs: []))
+registry.register(pp.delay_p, needs_ctx=True, context_free=True, batch=_NO_OP)(lambda e: (lambda ctx, nanos: []))
+registry.register(mp.trace_value_p, needs_ctx=True, context_free=True, batch=_NO_OP)(lambda e: (lambda ctx, v: []))
+registry.register(mp.touch_p, needs_ctx=True, context_free=True, batch=_NO_OP)(lambda e: (lambda ctx, *refs: []))
 
 
 # -- refs with transforms inside pytrees (DMA and semaphore operands) -----------
@@ -179,7 +186,7 @@ def _device_is_self(e, device_id_node):
   return check
 
 
-@registry.register(mp.dma_start_p, needs_ctx=True, foldable=False)
+@registry.register(mp.dma_start_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_start(e):
   src, dst, dst_sem, src_sem, device_id = _positions(e, e.params["tree"])
   get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
@@ -208,7 +215,7 @@ def _dma_start(e):
   return dma_start
 
 
-@registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False)
+@registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_wait(e):
   src, dst, sem, _, device_id = _positions(e, e.params["tree"])
   get_sem = _ref_operand(e, sem)
@@ -235,7 +242,7 @@ def _dma_wait(e):
   return dma_wait
 
 
-@registry.register(pp.semaphore_signal_p, needs_ctx=True, foldable=False)
+@registry.register(pp.semaphore_signal_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _semaphore_signal(e):
   ref, transforms, inc, device_id, core_index = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
@@ -254,7 +261,7 @@ def _semaphore_signal(e):
   return signal
 
 
-@registry.register(pp.semaphore_wait_p, needs_ctx=True, foldable=False)
+@registry.register(pp.semaphore_wait_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _semaphore_wait(e):
   ref, transforms, value, decrement = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
@@ -272,7 +279,7 @@ def _semaphore_wait(e):
   return sem_wait
 
 
-@registry.register(pp.semaphore_read_p, needs_ctx=True, foldable=False)
+@registry.register(pp.semaphore_read_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _semaphore_read(e):
   ref, transforms = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
@@ -282,7 +289,8 @@ def _semaphore_read(e):
   return read
 
 
-@registry.register(mp.get_barrier_semaphore_p, needs_ctx=True, foldable=False)
+@registry.register(mp.get_barrier_semaphore_p, needs_ctx=True, foldable=False,
+                   batch=_SEQUENTIAL)
 def _get_barrier_semaphore(e):
   return lambda ctx: dma_mod.barrier_semaphore(ctx)
 

@@ -17,17 +17,19 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
-from pallas_np.primitives.shape import broadcast
+from pallas_np.primitives.shape import broadcast, lane_broadcast
 
 tp = jc.triton_primitives
 
 if tp is not None:
-  registry.register(tp.max_contiguous_p)(lambda e: (lambda x: x))
-  registry.register(tp.debug_barrier_p)(lambda e: (lambda: []))
+  registry.register(tp.max_contiguous_p, batch=registry.IDENTITY)(lambda e: (lambda x: x))
+  registry.register(tp.debug_barrier_p, batch=registry.unbatched(
+      "a barrier between threads of one program: nothing to batch"))(lambda e: (lambda: []))
 
   _TANH_ASM = re.compile(r"^\s*tanh\.approx\.(f16|bf16|f32|f64)\s+\$0\s*,\s*\$1\s*;?\s*$")
 
-  @registry.register(tp.elementwise_inline_asm_p)
+  @registry.register(tp.elementwise_inline_asm_p, batch=registry.unbatched(
+      "inline assembly (approx tanh only): run lane by lane"))
   def _inline_asm(e):
     asm = e.params["asm"]
     if not _TANH_ASM.match(asm) or len(e.in_avals) != 1:
@@ -53,7 +55,11 @@ def broadcast_to_geometry(e):
 
 
 if _broadcast_to_p is not None:
-  @registry.register(_broadcast_to_p)
+  def _broadcast_to_batched(bc, rule, info, in_batched):
+    """The state primitive Triton-style kernels emit: right-aligned."""
+    return lane_broadcast(*broadcast_to_geometry(info))
+
+  @registry.register(_broadcast_to_p, batch=_broadcast_to_batched)
   def _broadcast_to(e):
     shape, expanded = broadcast_to_geometry(e)
     size = math.prod(shape)

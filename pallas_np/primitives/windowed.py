@@ -74,11 +74,13 @@ def _simple(kind):
 
 if _wr is not None:
   _w = jc.internal_module("lax.windowed_reductions")
-  registry.register(_w.reduce_window_sum_p)(_simple("sum"))
-  registry.register(_w.reduce_window_max_p)(_simple("max"))
-  registry.register(_w.reduce_window_min_p)(_simple("min"))
+  _PER_LANE = registry.unbatched("rare in kernels: run lane by lane")
+  registry.register(_w.reduce_window_sum_p, batch=_PER_LANE)(_simple("sum"))
+  registry.register(_w.reduce_window_max_p, batch=_PER_LANE)(_simple("max"))
+  registry.register(_w.reduce_window_min_p, batch=_PER_LANE)(_simple("min"))
 
-  @registry.register(_w.reduce_window_p)
+  @registry.register(_w.reduce_window_p, batch=registry.unbatched(
+      "a reducer jaxpr: no batched rule (the grid runs sequentially)"))
   def _reduce_window(e):
     p = e.params
     n = len(e.out_avals)

@@ -12,10 +12,12 @@ Measured agreement is in ``pallas_np.conformance``.
 from __future__ import annotations
 
 import numpy as np
+import scipy.special
 from jax import lax
 
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
+from pallas_np.primitives.elementwise import unary_float
 
 _F32 = np.float32
 
@@ -87,10 +89,10 @@ def _f32_rule(f32_fn, fallback):
 
 
 def register():
-  import scipy.special
-  from pallas_np.primitives.elementwise import _unary_float
-  registry.register(lax.erf_inv_p)(_f32_rule(erf_inv_f32, _unary_float(scipy.special.erfinv)))
-  registry.register(lax.log1p_p)(_f32_rule(log1p_f32, _unary_float(np.log1p)))
+  registry.register(lax.erf_inv_p, batch=registry.ELEMENTWISE)(
+      _f32_rule(erf_inv_f32, unary_float(scipy.special.erfinv)))
+  registry.register(lax.log1p_p, batch=registry.ELEMENTWISE)(
+      _f32_rule(log1p_f32, unary_float(np.log1p)))
 
 
 register()

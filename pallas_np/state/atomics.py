@@ -33,8 +33,12 @@ def _combine(kind: str, dtype):
   return {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[kind]
 
 
+_PER_LANE = registry.unbatched(
+    "a Triton atomic on a ref: run lane by lane (refused on a shared output)")
+
+
 if tp is not None:
-  @registry.register(tp.atomic_rmw_p)
+  @registry.register(tp.atomic_rmw_p, batch=_PER_LANE)
   def _atomic_rmw(e):
     ref_pos, transforms_pos, val_pos, mask_pos = split_args(e)
     acc = MaskedAccess(e, ref_pos, transforms_pos)
@@ -71,7 +75,7 @@ if tp is not None:
       return old
     return atomic
 
-  @registry.register(tp.atomic_cas_p)
+  @registry.register(tp.atomic_cas_p, batch=_PER_LANE)
   def _atomic_cas(e):
     def cas(ref, cmp, val):
       old = ref[()]  # a NumPy scalar: a copy

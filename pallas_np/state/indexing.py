@@ -40,7 +40,7 @@ class _Dyn:
     return f"_Dyn({self.k})"
 
 
-def _static(v):
+def is_static(v):
   return not isinstance(v, _Dyn)
 
 
@@ -71,14 +71,14 @@ class _DimInt:
     self.value, self.dim = value, dim
 
 
-class _DimSlice:
+class DimSlice:
   __slots__ = ("start", "size", "stride", "dim")
 
   def __init__(self, start, size, stride, dim):
     self.start, self.size, self.stride, self.dim = start, size, stride, dim
 
 
-class _DimArray:
+class DimArray:
   __slots__ = ("value", "dim")
 
   def __init__(self, value, dim):
@@ -188,7 +188,7 @@ class RefAccess:
       return True
     if len(steps) != 1 or steps[0][0] != "index":
       return False
-    return not any(isinstance(d, _DimArray) for d in steps[0][1])
+    return not any(isinstance(d, DimArray) for d in steps[0][1])
 
   def __init__(self, tree, idx_atoms: Sequence[Any], ref_shape, *, clamp: bool,
                ref_dtype=None):
@@ -214,14 +214,14 @@ class RefAccess:
         dims = []
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
           if isinstance(ix, jc.Slice):
-            dims.append(_DimSlice(ix.start, ix.size, int(ix.stride), n))
+            dims.append(DimSlice(ix.start, ix.size, int(ix.stride), n))
           elif ix.ndim == 0 if isinstance(ix, _Dyn) else np.ndim(ix) == 0:
             dims.append(_DimInt(_wrap_static(ix, n), n))
           else:
-            dims.append(_DimArray(_wrap_static(ix, n), n))
+            dims.append(DimArray(_wrap_static(ix, n), n))
         steps.append(("index", dims, shape))
         self._final_layout = _int_block_layout(dims, tuple(t.int_indexer_shape))
-        if any(isinstance(d, _DimSlice) and not _static(d.size) for d in dims):
+        if any(isinstance(d, DimSlice) and not is_static(d.size) for d in dims):
           raise UnsupportedError("pallas_np: dynamically sized ref slices are not supported")
         shape = _indexed_shape(dims, self._final_layout)
       elif jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
@@ -355,7 +355,7 @@ class RefAccess:
     if isinstance(d, _DimInt):
       k, n = d.value.k, d.dim
       return lambda leaves: _check_int(leaves[k], n, axis, shape, clamp)
-    if isinstance(d, _DimSlice) and isinstance(d.start, _Dyn) and _static(d.size):
+    if isinstance(d, DimSlice) and isinstance(d.start, _Dyn) and is_static(d.size):
       k, size, stride, n = d.start.k, d.size, d.stride, d.dim
       return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
     build = self._build_dim
@@ -396,7 +396,7 @@ class RefAccess:
     int_shape, int_at, slice_axes = self._final_layout
     coords = []
     for d, slice_axis in zip(dims, slice_axes):
-      if isinstance(d, _DimSlice):
+      if isinstance(d, DimSlice):
         start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
         size = int(leaves[d.size.k] if isinstance(d.size, _Dyn) else d.size)
         c = int(start) + d.stride * np.arange(size, dtype=np.int64)
@@ -423,8 +423,8 @@ class RefAccess:
     int_shape, int_at, slice_axes = self._final_layout
     coords = []
     for d, slice_axis in zip(dims, slice_axes):
-      if isinstance(d, _DimSlice):
-        if not _static(d.size):
+      if isinstance(d, DimSlice):
+        if not is_static(d.size):
           return None
         shape = [1] * (n_out + 1)
         shape[slice_axis + 1] = int(d.size)
@@ -446,13 +446,13 @@ class RefAccess:
 
   @staticmethod
   def _dim_static(d):
-    if isinstance(d, _DimSlice):
-      return _static(d.start) and _static(d.size)
-    return _static(d.value)
+    if isinstance(d, DimSlice):
+      return is_static(d.start) and is_static(d.size)
+    return is_static(d.value)
 
   def _build_dim(self, d, axis, shape, leaves):
     clamp = self.clamp
-    if isinstance(d, _DimSlice):
+    if isinstance(d, DimSlice):
       start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
       size = leaves[d.size.k] if isinstance(d.size, _Dyn) else d.size
       return _check_slice(start, size, d.stride, d.dim, axis, shape, clamp)
@@ -467,7 +467,7 @@ def _composable(step) -> bool:
   """An indexer of ints and static-size slices: its view's axes are its
   slice dims, in order, so coordinates map back through it one to one."""
   return step[0] == "index" and not any(
-      isinstance(d, _DimArray) or (isinstance(d, _DimSlice) and not _static(d.size))
+      isinstance(d, DimArray) or (isinstance(d, DimSlice) and not is_static(d.size))
       for d in step[1])
 
 
@@ -476,7 +476,7 @@ def _unindex(dims, leaves, coords, n_out):
   out = []
   it = iter(coords)
   for d in dims:
-    if isinstance(d, _DimSlice):
+    if isinstance(d, DimSlice):
       start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
       out.append(int(start) + d.stride * next(it))
     else:
@@ -504,7 +504,7 @@ def _int_block_layout(dims, int_shape):
   """Where an NDIndexer puts its axes in the result (NumPy's rule, which
   ``NDIndexer.get_indexer_shape`` follows): ``(int_shape, first axis of the
   integer-indexed block, result axis of each slice dim or None)``."""
-  is_int = [not isinstance(d, _DimSlice) for d in dims]
+  is_int = [not isinstance(d, DimSlice) for d in dims]
   int_dims = [i for i, x in enumerate(is_int) if x]
   contiguous = all(b - a == 1 for a, b in zip(int_dims, int_dims[1:]))
   int_shape = tuple(int(s) for s in int_shape)

@@ -21,8 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import races, registry
-from pallas_np.state.indexing import RefAccess, static_atoms
+from pallas_np import batching, races, registry
+from pallas_np.errors import NotBatchable
+from pallas_np.shared_outputs import active as shared_outputs
+from pallas_np.state.indexing import DimArray, DimSlice, RefAccess, static_atoms
+from pallas_np.state.lane_access import (
+    LaneIndexed, count_lane_bytes, lane_index, lanes_of, masked_on, tracked)
 
 
 class _Pos:
@@ -119,7 +123,102 @@ class MaskedAccess:
     view[index] = np.broadcast_to(val, self.shape)[active]
 
 
-@registry.register(jc.pallas_primitives.load_p)
+# -- batched rules: one NumPy index of the lane-stacked ref ---------------------------
+def _access_for_lanes(info, in_batched):
+  """``(operand positions, access, fancy, lane_indexed)``. ``access`` is set
+  when every lane indexes its own ref block with the same indices (the loop
+  counters and column vectors Triton-style kernels use), so that one index
+  of the lane-stacked ref does all lanes; ``fancy``: an integer-array index
+  (NumPy then gives a copy, not a view). Otherwise ``lane_indexed`` (a
+  LaneIndexed) when the indices differ per lane (program_id offsets) or the
+  ref is shared by all lanes; both None: run lane by lane."""
+  positions = split_args(info)
+  ref_pos, transforms_pos = positions[:2]
+  acc = MaskedAccess(info, ref_pos, transforms_pos)
+  if acc.note is not None:
+    return positions, None, False, None
+  leaf_b = tuple(in_batched[p] for p in acc.dyn_positions)
+  if not in_batched[ref_pos] or any(leaf_b):
+    return positions, acc, False, LaneIndexed.make(acc.access, in_batched[ref_pos], leaf_b)
+  steps = acc.access.steps
+  if len(steps) > 1 or (steps and steps[0][0] != "index"):
+    return positions, None, False, None
+  dims = steps[0][1] if steps else ()
+  adv = [i for i, d in enumerate(dims) if not isinstance(d, DimSlice)]
+  fancy = any(isinstance(dims[i], DimArray) for i in adv)
+  if fancy and adv[-1] - adv[0] != len(adv) - 1:
+    # NumPy would move split integer indices before the lanes.
+    return positions, acc, False, LaneIndexed.make(acc.access, True, leaf_b)
+  return positions, acc, fancy, None
+
+
+def _lane_ref_args(args, ref_pos):
+  """``args`` with the ref replaced by lane 0's block (same shape for all)."""
+  args = list(args)
+  args[ref_pos] = args[ref_pos][0]
+  return args
+
+
+def _load_batched(bc, rule, info, in_batched):
+  (ref_pos, _, mask_pos, other_pos), acc, _, lane_acc = _access_for_lanes(
+      info, in_batched)
+  dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
+  if lane_acc is not None:
+    flags = tuple(in_batched)
+    ref_b = in_batched[ref_pos]
+    count_lane_bytes(bc, lane_acc, dtype)
+
+    def load_lanes(*args):
+      ref = args[ref_pos]
+      mask = None if mask_pos is None else args[mask_pos]
+      coords, lanes = lane_acc.coords(acc.leaves(args)), lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, coords, lanes, mask)
+      if span is not None:
+        shared = shared_outputs()
+        if shared is not None:
+          shared.access_span(ref, span, "read")
+        val = span.gather(ref, acc.fill, dtype)
+        if mask is not None and other_pos is not None:
+          val = np.where(mask, val, args[other_pos])
+        return np.ascontiguousarray(np.broadcast_to(val, span.full), dtype=dtype)
+      index, in_bounds, full = lane_acc.index(ref, coords, lanes, mask)
+      shared = None if ref_b else shared_outputs()
+      if shared is not None:
+        shared.access(ref, index, full, masked_on(mask, in_bounds), "read")
+      val = ref[index]
+      if in_bounds is not None:
+        val = np.where(in_bounds, val, acc.fill)
+      if mask is not None and other_pos is not None:
+        val = np.where(mask, val, args[other_pos])
+      return np.ascontiguousarray(np.broadcast_to(val, full), dtype=dtype)
+    return load_lanes, False, (True,)
+  if acc is None:
+    return batching.lane_loop(rule, info, in_batched)
+
+  def load(*args):
+    ref = args[ref_pos]
+    hit = acc.resolve(args)
+    if hit is not None:
+      bidx = lane_index(hit[1])
+      # C order: NumPy lays ``a[:, idx]`` out lanes-inner, and a later
+      # reduction would then add in another order than the sequential run.
+      val = np.array(ref[bidx], dtype=dtype, order="C")
+    elif mask_pos is None:
+      raise IndexError("out-of-bounds masked load")  # the sequential rerun names it
+    else:
+      _, safe, in_bounds, mask = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+      bidx = (slice(None), *safe)
+      if not ref[0].size:
+        val = np.full((ref.shape[0], *acc.shape), acc.fill, dtype=dtype)
+      else:
+        val = np.where(in_bounds, ref[bidx], acc.fill).astype(dtype, copy=False)
+    if mask_pos is not None and other_pos is not None:
+      val = np.where(args[mask_pos], val, args[other_pos]).astype(dtype, copy=False)
+    return np.ascontiguousarray(val)
+  return load, False, (True,)
+
+
+@registry.register(jc.pallas_primitives.load_p, batch=_load_batched)
 def _masked_load(e):
   ref_pos, transforms_pos, mask_pos, other_pos = split_args(e)
   acc = MaskedAccess(e, ref_pos, transforms_pos)
@@ -153,7 +252,91 @@ def _masked_load(e):
   return load
 
 
-@registry.register(jc.pallas_primitives.swap_p)
+def _swap_batched(bc, rule, info, in_batched):
+  (ref_pos, _, val_pos, mask_pos), acc, fancy, lane_acc = _access_for_lanes(
+      info, in_batched)
+  ref_b = in_batched[ref_pos]
+  if not ref_b and lane_acc is None:
+    raise NotBatchable("write to a ref shared by all lanes")
+  want_old = info.outvars_used[0]
+  kind = "readwrite" if want_old else "write"
+  if lane_acc is not None:
+    flags = tuple(in_batched)
+    count_lane_bytes(bc, lane_acc, info.in_avals[val_pos].dtype)
+
+    def swap_lanes(*args):
+      ref, val = args[ref_pos], args[val_pos]
+      mask = None if mask_pos is None else args[mask_pos]
+      coords, lanes = lane_acc.coords(acc.leaves(args)), lanes_of(args, flags)
+      span = None if ref_b else lane_acc.span(ref, coords, lanes, mask)
+      if span is not None:
+        tracked(ref).access_span(ref, span, kind)
+        old = span.gather(ref, acc.fill, ref.dtype) if want_old else None
+        span.scatter(ref, val)
+        if old is None:
+          return None
+        if mask is not None:
+          old = np.where(mask, old, val)
+        return np.ascontiguousarray(np.broadcast_to(old, span.full), dtype=ref.dtype)
+      index, in_bounds, full = lane_acc.index(ref, coords, lanes, mask)
+      on = masked_on(mask, in_bounds)
+      if not ref_b:  # a shared output: no two lanes may meet (checked first)
+        tracked(ref).access(ref, index, full, on, kind)
+      old = None
+      if want_old:
+        old = np.broadcast_to(ref[index], full)
+        if in_bounds is not None:
+          old = np.where(in_bounds, old, acc.fill)
+      active = LaneIndexed.active(index, full, on)
+      val = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)
+      ref[active] = val.ravel() if on is None else val[np.broadcast_to(on, full)]
+      if old is None:
+        return None
+      old = np.broadcast_to(old, full)
+      if mask is not None:
+        old = np.where(mask, old, val)
+      return np.ascontiguousarray(old, dtype=ref.dtype)
+    return swap_lanes, False, (True,)
+  if acc is None:
+    return batching.lane_loop(rule, info, in_batched)
+
+  def swap(*args):
+    ref, val = args[ref_pos], args[val_pos]
+    hit = acc.resolve(args)
+    if hit is not None:
+      bidx = lane_index(hit[1])
+      if mask_pos is None:
+        old = np.array(ref[bidx], order="C") if want_old else None
+        ref[bidx] = val
+        return old
+      mask = args[mask_pos]
+      region = ref[bidx]
+      old = np.array(region, order="C") if want_old or fancy else None
+      if fancy:
+        ref[bidx] = np.where(mask, val, old)
+      else:
+        np.copyto(region, np.broadcast_to(val, region.shape),
+                  where=np.broadcast_to(mask, region.shape))
+      if not want_old:
+        return None
+      return np.ascontiguousarray(np.where(mask, old, val).astype(old.dtype, copy=False))
+    if mask_pos is None:
+      raise IndexError("out-of-bounds masked store")  # the sequential rerun names it
+    _, safe, in_bounds, mask = acc.lanes(_lane_ref_args(args, ref_pos), args[mask_pos])
+    lanes = ref.shape[0]
+    full = (lanes, *acc.shape)
+    old = None
+    if want_old:
+      old = np.where(in_bounds, ref[(slice(None), *safe)], acc.fill).astype(ref.dtype, copy=False)
+    active = np.broadcast_to(mask & in_bounds, full)
+    lane = np.arange(lanes).reshape((lanes,) + (1,) * len(acc.shape))
+    index = tuple(np.broadcast_to(c, full)[active] for c in (lane, *safe))
+    ref[index] = np.broadcast_to(np.asarray(val, dtype=ref.dtype), full)[active]
+    return None if old is None else np.ascontiguousarray(np.where(mask, old, val))
+  return swap, False, (True,)
+
+
+@registry.register(jc.pallas_primitives.swap_p, batch=_swap_batched)
 def _masked_swap(e):
   ref_pos, transforms_pos, val_pos, mask_pos = split_args(e)
   acc = MaskedAccess(e, ref_pos, transforms_pos)

@@ -4,14 +4,22 @@ load/store live in ``masked.py``, atomics in ``atomics.py``).
 Refs are NumPy arrays; a write goes through a view into the block, so it
 lands in the operand/output buffer directly. A read returns a copy: the kernel
 may overwrite the ref while the value read earlier is still alive.
+
+Each primitive's batched rule (a vectorized grid, ``pallas_np.batching``)
+sits right above its sequential rule: a lane-stacked ref indexed once for
+every lane, or per-lane indices through ``state.lane_access``.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import races, registry
+from pallas_np import batching, races, registry
+from pallas_np.errors import NotBatchable
+from pallas_np.shared_outputs import active as shared_outputs
 from pallas_np.state.indexing import RefAccess, static_atoms
+from pallas_np.state.lane_access import (
+    LaneIndexed, count_lane_bytes, dyn_flags, lane_index, lanes_of, trailing_slices, tracked)
 
 
 def _access(e: registry.EqnInfo, ref_aval, idx_atoms, tree, kind=None):
@@ -47,7 +55,50 @@ def _read(x):
   return x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x
 
 
-@registry.register(jc.state_primitives.get_p)
+def _read_lanes_last(x):
+  """``_read`` keeping the memory order ('K'): a copy of a lanes-last
+  block stays lanes-last (a 'C' copy would put the lanes first again)."""
+  return x.copy(order="K") if x.flags.writeable else x
+
+
+
+def _get_batched(bc, rule, info, in_batched):
+  access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
+  ref_b, leaf_b = in_batched[0], dyn_flags(access, in_batched[1:])
+  resolve = access.resolve
+  if ref_b and not any(leaf_b) and access.plain():
+    read = _read_lanes_last if bc.lanes_last else _read
+
+    def get(ref, *leaves):
+      view, idx = resolve(ref, _dyn(access, leaves))
+      return read(view[lane_index(idx)])
+    return get, False, (True,)
+  lane_acc = None if access.clamp else LaneIndexed.make(access, ref_b, leaf_b)
+  if lane_acc is None:
+    return batching.lane_loop(rule, info, in_batched)
+  flags = tuple(in_batched)
+
+  count_lane_bytes(bc, lane_acc, info.out_aval.dtype)
+
+  def get_lanes(ref, *leaves):
+    dyn, lanes = _dyn(access, leaves), lanes_of((ref, *leaves), flags)
+    coords = lane_acc.coords(dyn)
+    span = None if ref_b else lane_acc.span(ref, coords, lanes, None)
+    if span is not None:
+      shared = shared_outputs()
+      if shared is not None:
+        shared.access_span(ref, span, "read")
+      return span.gather(ref, 0, ref.dtype)
+    index, _, full = lane_acc.index(ref, coords, lanes, None)
+    shared = None if ref_b else shared_outputs()
+    if shared is not None:
+      shared.access(ref, index, full, None, "read")
+    return np.ascontiguousarray(np.broadcast_to(ref[trailing_slices(index, full)], full))
+  return get_lanes, False, (True,)
+
+
+
+@registry.register(jc.state_primitives.get_p, batch=_get_batched)
 def _get(e):
   ref_aval = e.in_avals[0]
   access = _access(e, ref_aval, e.eqn.invars[1:], e.params["tree"], "read")
@@ -65,7 +116,53 @@ def _get(e):
   return get
 
 
-@registry.register(jc.state_primitives.swap_p)
+def _swap_batched(bc, rule, info, in_batched):
+  access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
+  ref_b = in_batched[0]
+  leaf_b = dyn_flags(access, in_batched[2:])
+  resolve = access.resolve
+  want_old = info.outvars_used[0]
+  kind = "readwrite" if want_old else "write"
+  if ref_b and not any(leaf_b) and access.plain():
+    order = "K" if bc.lanes_last else "C"
+
+    def swap(ref, val, *leaves):
+      view, idx = resolve(ref, _dyn(access, leaves))
+      bidx = lane_index(idx)
+      old = view[bidx].copy(order=order) if want_old else None
+      view[bidx] = val
+      return old
+    if not want_old and access.num_dynamic == 0:
+      swap.store_target = store_target(access, lane_index)
+    return swap, False, (True,)
+  lane_acc = None if access.clamp else LaneIndexed.make(access, ref_b, leaf_b)
+  if lane_acc is None:
+    if not ref_b:
+      raise NotBatchable("write to a ref shared by all lanes")
+    return batching.lane_loop(rule, info, in_batched)
+  count_lane_bytes(bc, lane_acc, info.in_avals[1].dtype)
+  flags = tuple(in_batched)
+
+  def swap_lanes(ref, val, *leaves):
+    dyn, lanes = _dyn(access, leaves), lanes_of((ref, val, *leaves), flags)
+    coords = lane_acc.coords(dyn)
+    span = None if ref_b else lane_acc.span(ref, coords, lanes, None)
+    if span is not None:
+      tracked(ref).access_span(ref, span, kind)
+      old = span.gather(ref, 0, ref.dtype) if want_old else None
+      span.scatter(ref, val)
+      return old
+    index, _, full = lane_acc.index(ref, coords, lanes, None)
+    if not ref_b:  # a shared output: no two lanes may meet (checked first)
+      tracked(ref).access(ref, index, full, None, kind)
+      index = tuple(np.broadcast_to(c, full) for c in index)
+    old = np.ascontiguousarray(ref[index]) if want_old else None
+    ref[index] = val  # repeated indices: the last in C order wins, as per lane
+    return old
+  return swap_lanes, False, (True,)
+
+
+@registry.register(jc.state_primitives.swap_p, batch=_swap_batched)
 def _swap(e):
   ref_aval = e.in_avals[0]
   want_old = e.outvars_used[0]
@@ -104,7 +201,23 @@ def store_target(access: RefAccess, lane_index):
   return target
 
 
-@registry.register(jc.state_primitives.addupdate_p)
+def _addupdate_batched(bc, rule, info, in_batched):
+  access = _access(info, info.in_avals[0], info.eqn.invars[2:], info.params["tree"])
+  if not in_batched[0]:
+    raise NotBatchable("write to a ref shared by all lanes")
+  if any(in_batched[2:]) or not access.plain():
+    return batching.lane_loop(rule, info, in_batched)
+  resolve = access.resolve
+
+  def addupdate(ref, val, *leaves):
+    view, idx = resolve(ref, _dyn(access, leaves))
+    bidx = lane_index(idx)
+    view[bidx] += val
+    return []
+  return addupdate, False, ()
+
+
+@registry.register(jc.state_primitives.addupdate_p, batch=_addupdate_batched)
 def _addupdate(e):
   ref_aval = e.in_avals[0]
   access = _access(e, ref_aval, e.eqn.invars[2:], e.params["tree"], "readwrite")
@@ -120,7 +233,25 @@ def _addupdate(e):
   return addupdate
 
 
-@registry.register(jc.pallas_primitives.run_scoped_p, needs_ctx=True, foldable=False)
+def _run_scoped_batched(bc, rule, info, in_batched):
+  """Scoped buffers are lane-private: allocated with a lane axis."""
+  from pallas_np.grid import allocate
+  jaxpr = info.params["jaxpr"]
+  scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
+            for v in jaxpr.invars]
+  compiled = bc.compile(jaxpr, constvars_as_args=True,
+                        in_batched=(*in_batched, *([True] * len(scoped))))
+  plan = compiled.fn
+  params = bc.params
+
+  def run_scoped(ctx, *consts):
+    n = ctx.batch_size
+    return plan(ctx, *consts, *[allocate((n, *a.shape), a.dtype, params) for a in scoped])
+  return run_scoped, True, tuple(compiled.out_batched)
+
+
+@registry.register(jc.pallas_primitives.run_scoped_p, needs_ctx=True, foldable=False,
+                   batch=_run_scoped_batched, context_free=True)
 def _run_scoped(e):
   """Allocate the scoped refs (uninitialized fill), run the body, drop them."""
   from pallas_np.grid import allocate

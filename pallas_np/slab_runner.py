@@ -1,0 +1,306 @@
+"""The slab runner: a vectorized grid's passes over the block buffers.
+
+The lanes (grid points of the batched axes) are cut into slabs that fit
+``_SLAB_BYTES`` of blocks; each slab walks the sequential grid points in grid
+order, with the lanes' blocks gathered into one lane-stacked array per
+operand (a view where the lanes' blocks are adjacent, ``lane_view``; else a
+copy written back) and lane-private scratch, and calls the batched kernel
+plan once per sequential point. Slabs may run on threads
+(``num_threads``), except with shared outputs.
+
+Layout: a pass stores its lane-stacked values lanes-first or, for kernels
+whose values have short last axes, lanes-last (the lane axis contiguous in
+memory, ``lanes.prefers_lanes_last``): the runner copies the lanes' blocks
+and scratch into that layout and the output blocks back. Same values either
+way.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np.compiler import RunContext, lanes_last_empty
+from pallas_np.shared_outputs import SharedOutputs, tracking
+
+_SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
+_MAX_LANES = 1 << 14
+_LANES_LAST_MIN_LANES = 8
+
+
+def lane_points(grid, axes, lane_coords=None):
+  """Flat grid index of every lane (in lane order) at the first sequential
+  grid point; ``lane_coords``: the lanes' coordinates on ``axes``."""
+  if lane_coords is None:
+    lane_coords = np.indices(tuple(grid[d] for d in axes)).reshape(len(axes), -1)
+  return sum(lane_coords[k].astype(np.int64) * math.prod(grid[d + 1:])
+             for k, d in enumerate(axes))
+
+
+def bytes_per_lane(kp, operand_batched):
+  """Bytes of the blocks and scratch one lane owns."""
+  n = sum(int(np.prod(geo.sizes)) * np.dtype(jc.physical_dtype(geo.dtype)).itemsize
+          for geo, b in zip(kp.blocks, operand_batched) if b)
+  return n + sum(int(np.prod(a.shape)) * np.dtype(jc.physical_dtype(a.dtype)).itemsize
+                 for a in kp.scratch_avals)
+
+
+class SlabRunner:
+  """Walks the lanes slab by slab, each slab through every sequential grid
+  point in order."""
+
+  def __init__(self, kp, grid, axes, block_idx, operand_batched, kernel, shared=frozenset(),
+               access_bytes=0, lanes_last=False):
+    self.kp, self.grid, self.axes = kp, grid, axes
+    self.lanes_last = lanes_last
+    self.shared = shared  # operands whose one block every lane shares (SharedOutputs)
+    self.block_idx = block_idx
+    self.operand_batched = operand_batched
+    self.kernel = kernel
+    blocks = kp.blocks
+    self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
+    lane_shape = tuple(grid[d] for d in axes)
+    self.n_lanes = math.prod(lane_shape)
+    lane_bytes = bytes_per_lane(kp, operand_batched) + access_bytes
+    per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
+    # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
+    self.threads = max(1, int(kp.params.num_threads or 1))
+    if shared:  # slabs run in grid order, each seeing the ones before it
+      self.threads = 1
+    if self.threads > 1:
+      per_slab = min(per_slab, -(-self.n_lanes // self.threads))
+    self.slabs = [(s, min(s + per_slab, self.n_lanes)) for s in range(0, self.n_lanes, per_slab)]
+    self.lane_coords = np.indices(lane_shape, dtype=np.int32).reshape(len(axes), -1)
+    self.lane_flat = lane_points(grid, axes, self.lane_coords)
+    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    self.seq_points = list(itertools.product(*[range(grid[d]) for d in self.seq_axes]))
+    self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
+    self.progress = None
+    self.done = 0
+
+  def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
+    """Walks every slab through ``seq_points`` (default: all sequential grid
+    points); returns the final scratch of every lane. ``first_states``
+    (_FirstStates) sees each slab's state after its first point."""
+    kp = self.kp
+    windows = [block_windows(buf, geo) for buf, geo in zip(buffers, kp.blocks)]
+    finals = [np.empty((self.n_lanes, *a.shape), np.dtype(jc.physical_dtype(a.dtype)))
+              for a in kp.scratch_avals]
+    if seq_points is None:
+      seq_points = self.seq_points
+    args = (index_ops, windows, scratch_init, finals, first_states, seq_points)
+    if self.threads > 1 and len(self.slabs) > 1:
+      with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+        futures = [pool.submit(self._slab, lo, hi, *args) for lo, hi in self.slabs]
+        for f in futures:
+          f.result()
+    else:
+      for lo, hi in self.slabs:
+        self._slab(lo, hi, *args)
+    return finals
+
+  def _slab(self, lo, hi, index_ops, windows, scratch_init, finals, first_states, seq_points):
+    kp = self.kp
+    params = kp.params
+    blocks = kp.blocks
+    grid, axes, local = self.grid, self.axes, kp.local_dims
+    operand_batched = self.operand_batched
+    n_in = kp.num_inputs
+    n_ops = len(windows)
+    pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, blocks)]
+    n = hi - lo
+    ctx = RunContext(kp.name, params)
+    ctx.num_programs = self.num_programs
+    ctx.batch_size = n
+    ctx.grid_point = None
+    ids = [None] * len(grid)
+    for k, d in enumerate(axes):
+      ids[d] = self.lane_coords[k, lo:hi]
+    lane_flat = self.lane_flat[lo:hi]
+    lanes_last = self.lanes_last and n >= _LANES_LAST_MIN_LANES
+    if scratch_init is None:
+      scratch = [lane_full(n, a.shape, fill(a.dtype, params),
+                            np.dtype(jc.physical_dtype(a.dtype)), lanes_last)
+                 for a in kp.scratch_avals]
+    else:
+      scratch = [lanes_last_copy(s[lo:hi]) if lanes_last else np.array(s[lo:hi])
+                 for s in scratch_init]
+    shared_last = [None] * n_ops
+    shared_view = [None] * n_ops
+    kernel = self.kernel
+    if self.shared:
+      assert len(self.seq_points) == 1, "shared outputs batch every grid axis"
+      return self._shared_slab(n, ctx, ids, lane_flat, index_ops, windows, pos_limits)
+    for step, point in enumerate(seq_points):
+      flat = lane_flat
+      for d, v in zip(self.seq_axes, point):
+        ids[d] = np.int32(v)
+        flat = flat + v * self.grid_strides[d]
+      ctx.program_ids = tuple(ids[d] for d in local)
+      views = [None] * n_ops
+      step_cols = [None] * n_ops
+      writeback = []
+      relaid = []  # (block view, its lanes-last copy the kernel writes)
+      for b in range(n_ops):
+        cols = [c[flat] for c in self.block_idx[b]]
+        cols = step_cols[b] = check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
+        if not operand_batched[b]:
+          key = tuple(int(c[0]) for c in cols)
+          if key != shared_last[b]:
+            shared_last[b] = key
+            shared_view[b] = windows[b][key] if key else windows[b]
+          views[b] = shared_view[b]
+          continue
+        view, copied = gather(windows[b], cols)
+        views[b] = view
+        if copied and b >= n_in:
+          writeback.append((b, cols, view))
+        if lanes_last:
+          views[b] = lanes_last_copy(view)
+          if b >= n_in:
+            relaid.append((view, views[b]))
+          else:
+            views[b].flags.writeable = False  # read-only, as the input block
+      kernel(ctx, *index_ops, *views, *scratch)
+      for view, copy in relaid:
+        np.copyto(view, copy)
+      for b, cols, view in writeback:
+        windows[b][tuple(cols)] = view
+      if step == 0 and first_states is not None:
+        first_states.visit(lo, hi, scratch, {b: gather(windows[b], step_cols[b])[0]
+                                             for b in range(n_in, n_ops)})
+      if self.progress is not None:
+        self.done += n
+        self.progress.tick(self.done)
+    for f, s in zip(finals, scratch):
+      f[lo:hi] = s
+
+
+  def _shared_slab(self, n, ctx, ids, flat, index_ops, windows, pos_limits):
+    """One slab of a pass with shared outputs, written in place while a
+    SharedOutputs records who touched what (fresh for every slab)."""
+    kp = self.kp
+    blocks = kp.blocks
+    for d in self.seq_axes:
+      ids[d] = np.int32(0)
+    ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+    shared = SharedOutputs(n)
+    views, writeback = [], []
+    for b in range(len(windows)):
+      cols = [c[flat] for c in self.block_idx[b]]
+      cols = check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
+      if not self.operand_batched[b]:
+        key = tuple(int(c[0]) for c in cols)
+        view = windows[b][key] if key else windows[b]
+        if b in self.shared:
+          shared.add(view)
+        views.append(view)
+        continue
+      view, copied = gather(windows[b], cols)
+      if copied and b >= kp.num_inputs:
+        writeback.append((b, cols, view))
+      views.append(view)
+    tracking.shared = shared
+    try:
+      self.kernel(ctx, *index_ops, *views)
+    finally:
+      tracking.shared = None
+    for b, cols, view in writeback:
+      windows[b][tuple(cols)] = view
+    if self.progress is not None:
+      self.done += n
+      self.progress.tick(self.done)
+
+
+def block_windows(buf, geo):
+  """View of ``buf`` indexed by block position: W[i0, i1, ...] is the block."""
+  pos_shape, strides = [], []
+  blk_shape, blk_strides = [], []
+  for d, (kind, b) in enumerate(zip(geo.kinds, geo.sizes)):
+    mult = b if kind == "blocked" else 1
+    n = geo.padded_shape[d]
+    pos_shape.append((n - b) // mult + 1 if n >= b else 0)
+    strides.append(buf.strides[d] * mult)
+    if kind != "squeezed":
+      blk_shape.append(b)
+      blk_strides.append(buf.strides[d])
+  return np.lib.stride_tricks.as_strided(
+      buf, shape=(*pos_shape, *blk_shape), strides=(*strides, *blk_strides),
+      writeable=buf.flags.writeable)
+
+
+def lanes_last_copy(x):
+  out = lanes_last_empty(x.shape[0], x.shape[1:], x.dtype)
+  np.copyto(out, x)
+  return out
+
+
+def lane_full(n, shape, fill, dtype, lanes_last):
+  if not lanes_last:
+    return np.full((n, *shape), fill, dtype)
+  out = lanes_last_empty(n, tuple(shape), dtype)
+  out[...] = fill
+  return out
+
+
+def fill(dtype, params):
+  from pallas_np.grid import fill_value
+  return fill_value(dtype, params)
+
+
+def check_positions(cols, limits, clamp, geo):
+  out = []
+  for d, (c, lim) in enumerate(zip(cols, limits)):
+    if c.size and (c.min() < 0 or c.max() >= lim):
+      if not clamp:
+        raise IndexError(f"block index out of bounds on dimension {d} of {geo.origin}")
+      c = np.clip(c, 0, lim - 1)
+    out.append(c)
+  return out
+
+
+def gather(window, cols):
+  """The lanes' blocks as one array with a leading lane axis: a view when
+  possible (``lane_view``); else a copy (written back after the step for
+  outputs)."""
+  view = lane_view(window, cols)
+  if view is not None:
+    return view, False
+  return window[tuple(cols)], True
+
+
+def lane_view(window, cols):
+  """The lanes' blocks as a view of ``window``, or None: when one block
+  coordinate steps by one from lane to lane and the others are fixed, or
+  when the lanes walk consecutive block positions of several adjacent dims
+  in C order (lanes over (batch, head) of a (B, H, ...) operand) whose
+  windows merge into one axis without a copy."""
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  if len(varying) <= 1:
+    d = varying[0] if varying else 0
+    c = cols[d]
+    start = int(c[0])
+    if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
+        n < 3 or (np.diff(c) == 1).all()):
+      idx = tuple(slice(start, start + n) if k == d else int(cols[k][0])
+                  for k in range(len(cols)))
+      return window[idx]
+    return None
+  lo, hi = varying[0], varying[-1] + 1
+  extents = window.shape[lo:hi]
+  flat = np.ravel_multi_index(tuple(cols[lo:hi]), extents)
+  start = int(flat[0])
+  if int(flat[-1]) - start != n - 1 or not (np.diff(flat) == 1).all():
+    return None
+  run = window[tuple(slice(None) if lo <= k < hi else int(cols[k][0])
+                     for k in range(len(cols)))]
+  merged = hi - lo  # the first ``merged`` axes of ``run`` fold into one
+  if any(run.strides[k] != run.strides[k + 1] * run.shape[k + 1] for k in range(merged - 1)):
+    return None
+  return np.lib.stride_tricks.as_strided(
+      run, (math.prod(extents), *run.shape[merged:]),
+      (run.strides[merged - 1], *run.strides[merged:]))[start:start + n]
