@@ -8,6 +8,11 @@ import os
 import runpy
 import sys
 
+import pallas_np
+from pallas_np.explainer import Explanation, KernelExplanation
+from pallas_np.explainer.record import ExplainSession
+from pallas_np.params import default_params
+
 USAGE = """usage: python -m pallas_np [options] [-m module | script.py] [args...]
 
 options (InterpretParams for every pallas_call):
@@ -29,7 +34,6 @@ _FLAGS = {"--detect-races": ("detect_races", True), "--clamp": ("bounds_check", 
 
 
 def print_grid_report(file=sys.stderr) -> None:
-  import pallas_np
   rows = pallas_np.grid_report()
   print(f"pallas_np grid report ({len(rows)} kernels):", file=file)
   for r in rows:
@@ -60,11 +64,8 @@ def main(argv: list[str] | None = None) -> None:
   if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
     print(USAGE, file=sys.stderr)
     raise SystemExit(2)
-  import pallas_np
-  from pallas_np.params import default_params
   session = None
   if explain_dir is not None:
-    from pallas_np.explainer.record import ExplainSession
     session = ExplainSession(first_run_only=True)
     options.update(explain=session, vectorize=False, num_threads=1)
   pallas_np.set_numpy_interpret(default_params(**options))
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def write_explanations(session, outdir: str, file=sys.stderr) -> None:
   """Summaries first (they need no matplotlib), then one PNG per kernel."""
-  from pallas_np.explainer import Explanation, KernelExplanation
   explanation = Explanation(KernelExplanation(r) for r in session.close())
   os.makedirs(outdir, exist_ok=True)
   with open(os.path.join(outdir, "summary.txt"), "w") as f:

@@ -5,8 +5,15 @@ file. Tested with JAX 0.10.x (see README for the tested range).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+
 import jax
+import numpy as np
+from jax._src import api_util
 from jax._src import core as jax_core
+from jax._src import mesh as mesh_lib
 from jax._src import source_info_util
 from jax._src import lax_reference
 from jax._src import dtypes as jax_dtypes
@@ -24,6 +31,8 @@ from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.mosaic import primitives as mosaic_primitives
 from jax._src.pallas.mosaic import core as mosaic_core
 from jax._src.pallas.mosaic import tpu_info as mosaic_tpu_info
+from jax._src.pallas.mosaic import random as mosaic_random
+from jax._src.lib import version as jaxlib_version
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.state import indexing as state_indexing
@@ -166,7 +175,6 @@ def get_block_shape(block_shape):
 def uninitialized_value_np(dtype):
   """Scalar fill interpret=True uses for memory nobody wrote (mirrors
   jax._src.pallas.primitives.uninitialized_value)."""
-  import numpy as np
   dtype = np.dtype(dtype)
   if jax.numpy.issubdtype(dtype, jax.numpy.floating) or jax.numpy.issubdtype(
       dtype, jax.numpy.complexfloating):
@@ -182,7 +190,6 @@ def uninitialized_value_np(dtype):
 
 def internal_module(module: str):
   """``jax._src.<module>`` (e.g. ``"pjit"``); raises ImportError if missing."""
-  import importlib
   return importlib.import_module(f"jax._src.{module}")
 
 
@@ -214,8 +221,6 @@ def cuda_lowering_target():
   """Context for cross-lowering a CUDA kernel on a host without a GPU: JAX >=
   0.11 asks for an abstract GPU device (an H100) in the abstract mesh; older
   JAX needs nothing."""
-  import contextlib
-  from jax._src import mesh as mesh_lib
   device_cls = getattr(mesh_lib, "AbstractDevice", None)
   if device_cls is None:
     return contextlib.nullcontext()
@@ -227,13 +232,11 @@ def cuda_lowering_target():
 # detect, and asking XLA would compile on an XLA-free path: for these alone
 # the jaxlib version is the signal.
 def _jaxlib_at_least(*version) -> bool:
-  from jax._src.lib import version as jaxlib_version
   return tuple(jaxlib_version[:len(version)]) >= version
 
 
 def digamma_at_zero():
   """digamma(±0): NaN in XLA up to jaxlib 0.10, -inf from 0.11 on."""
-  import numpy as np
   return -np.inf if _jaxlib_at_least(0, 11) else np.nan
 
 
@@ -279,7 +282,6 @@ def np_to_jax(x):
   """A jax.Array of a NumPy result, by the cheapest route: one
   ``batched_device_put`` on the default CPU device (the array may be
   aliased, not copied: results are fresh arrays nobody mutates later)."""
-  import numpy as np
   x = np.asarray(x)
   try:
     dev, sharding = _default_placement()
@@ -341,15 +343,12 @@ def is_pallas_tpu_key(dtype) -> bool:
   """Keys of pltpu's PRNG impls (the stateful samplers' placeholder key and
   ``pltpu.to_pallas_key``/``sample_block`` keys): their random_bits seeds and
   draws the kernel's hardware PRNG, which needs the run context."""
-  from jax._src.pallas.mosaic import random as mosaic_random
   impl = getattr(dtype, "_impl", None)
   return impl is mosaic_random.tpu_internal_stateful_impl or impl is mosaic_random.tpu_key_impl
 
 
 def infer_argnums_and_argnames(fun, static_argnums, static_argnames):
   """jax.jit's own completion of static_argnums <-> static_argnames."""
-  import inspect
-  from jax._src import api_util
   try:
     sig = inspect.signature(fun)
   except (TypeError, ValueError):

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
 from pallas_np import lru, registry
@@ -67,7 +68,7 @@ def grid_report() -> list[dict]:
   report = []
   for kp in plans:
     why = None
-    gv = kp._vectorizer
+    gv = kp.vectorizer
     if kp.last_mode not in (None, "vectorized"):
       if kp.params.vectorize is False:
         why = "vectorize=False"
@@ -167,7 +168,8 @@ def _mesh_kernel_rule(e: registry.EqnInfo):
 
 _MESH_PRIMITIVES = jc.mesh_kernel_primitives()
 for _prim in _MESH_PRIMITIVES:
-  registry.register(_prim, foldable=False)(_mesh_kernel_rule)
+  registry.register(_prim, foldable=False, batch=registry.unbatched(
+      "mesh kernels are not supported: the rule raises when compiled"))(_mesh_kernel_rule)
 
 
 def _reject_mesh_kernels(jaxpr):
@@ -182,7 +184,8 @@ def _reject_mesh_kernels(jaxpr):
 
 
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------
-@registry.register(jc.pallas_call_p, foldable=False)
+@registry.register(jc.pallas_call_p, foldable=False, batch=registry.unbatched(
+    "a pallas_call inside a kernel runs its own grid: the outer grid runs sequentially"))
 def _compile_pallas_call(e: registry.EqnInfo):
   # Only the eager paths evaluate outer jaxprs; their compiler carries the
   # options the call resolved (explicit, forced or default), or says that
@@ -198,7 +201,7 @@ def _compile_pallas_call(e: registry.EqnInfo):
 _eager_cache = lru.LRU(PLAN_CACHE_SIZE)
 
 
-def _is_concrete(leaves) -> bool:
+def is_concrete(leaves) -> bool:
   for x in leaves:
     if isinstance(x, jc.Tracer):
       return False
@@ -214,7 +217,6 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
   kernel body is traced with the jitted functions it calls inlined where that
   is safe (``InterpretParams.inline_jit``, pallas_np.tracing).
   """
-  from jax.experimental import pallas as pl
   if interpret is None:
     interpret = "numpy"
   if not is_numpy_mode(interpret):
@@ -231,14 +233,14 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
       # JAX reads the config when the call is built, so build it now.
       return pl.pallas_call(kernel, out_shape, interpret=forced, **kwargs)(*args)
     leaves = jax.tree_util.tree_leaves(args)
-    if not _is_concrete(leaves):
+    if not is_concrete(leaves):
       return jax_fn(*args)
-    return _eager_call(jax_fn, resolve(forced) if forced is not None else interp, args)
+    return eager_call(jax_fn, resolve(forced) if forced is not None else interp, args)
   call.jax_callable = jax_fn
   return call
 
 
-def _eager_call(jax_fn, interp, args):
+def eager_call(jax_fn, interp, args):
   # Outputs may become jax.Arrays without a copy, so none may share memory
   # with an input or a constant of the plan (own_outputs).
   outs, out_tree = eager_numpy_call(jax_fn, interp, args, own_outputs=True)

@@ -1,6 +1,6 @@
 """The batch compiler: a kernel compiled for a *slab* of grid points at once.
 
-A vectorized grid (``pallas_np.vectorize``) runs many independent grid
+A vectorized grid (``pallas_np.grid.vectorize``) runs many independent grid
 points in one NumPy pass: every block ref gains a leading lane axis (lane =
 one grid point of the batched axes) and program_id of a batched axis becomes
 an int32 array. ``BatchCompiler`` compiles the kernel for that: each value
@@ -19,7 +19,7 @@ sequential rule (``registry.register(prim, batch=...)``):
 
 An eqn none of whose operands is batched computes one value for every lane,
 once per pass. This module knows nothing of grids: the slab runner lives in
-``pallas_np.slab_runner``.
+``pallas_np.grid.slab_runner``.
 """
 from __future__ import annotations
 

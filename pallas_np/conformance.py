@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import sys
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 
 # name: (low, high) for unary; ((low, high), (low, high)) for binary.
 DOMAINS = {
@@ -111,11 +116,7 @@ def _sample(lo, hi, n, dt, rng):
 
 def measure(name: str, dtype, n: int = 1_000_000, seed: int = 0) -> int:
   """Max ulp difference of ``lax.<name>`` between numpy mode and XLA."""
-  import jax
-  from jax import lax
-  from jax.experimental import pallas as pl
   dt = np.dtype(dtype)
-  import jax.numpy as jnp
   f = getattr(lax, name, None) or getattr(jnp, name)  # log2: a lax primitive from JAX 0.11
   rng = np.random.default_rng(seed)
   dom = DOMAINS[name]
@@ -141,7 +142,6 @@ def describe(name: str) -> str | None:
 
 
 def main(argv=None):
-  import ml_dtypes
   argv = sys.argv[1:] if argv is None else argv
   n = int(argv[0]) if argv else 1_000_000
   names = argv[1].split(",") if len(argv) > 1 else list(DOMAINS)

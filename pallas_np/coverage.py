@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_np  # noqa: E402,F401  (registers every rule)
 from pallas_np import _compat as jc  # noqa: E402
-from pallas_np import registry  # noqa: E402
+from pallas_np import conformance, registry  # noqa: E402
 
 CATEGORIES: list[tuple[str, list[str]]] = [
     ("lax", [
@@ -306,7 +306,6 @@ def format_text(report) -> str:
 def format_conformance(markdown: bool) -> str:
   """Per float primitive, bit-exact with XLA CPU or the measured ulp bound
   (pallas_np/conformance.py, checked by tests/test_conformance.py)."""
-  from pallas_np import conformance
   rows = sorted(conformance.ULP.items())
   if markdown:
     lines = ["", "Conformance with XLA on CPU (max ulp over 10^6 samples; 0 = bit-exact):", "",

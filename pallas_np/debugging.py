@@ -9,33 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pdb
 import sys
 import threading
 import time
 
-from pallas_np.compiler import failing_eqns, plan_filename, sourcemap
+import jax
+
+from pallas_np import _compat as jc
+from pallas_np.compiler import failing_eqns, sourcemap
 
 # Seconds a grid must run before the progress bar appears.
 PROGRESS_AFTER_S = 2.0
 # How often the bar is redrawn.
 PROGRESS_EVERY_S = 0.25
-
-
-def index_map_origin(plan, tb):
-  """The operand whose index map (or block slicing) raised, or None."""
-  by_file = {m.filename: geo.origin for m, geo in zip(plan.index_maps, plan.blocks)}
-  from pallas_np.grid import BlockGeometry
-  while tb is not None:
-    frame = tb.tb_frame
-    code = frame.f_code
-    origin = by_file.get(plan_filename(frame))
-    if origin is not None:
-      return origin
-    if code is BlockGeometry.block_index.__code__:
-      geo = frame.f_locals.get("self")
-      return getattr(geo, "origin", None)
-    tb = tb.tb_next
-  return None
 
 
 # -- typed errors across jit ----------------------------------------------------
@@ -63,7 +50,6 @@ def kernel_errors():
   try:
     yield
   except Exception as jax_error:
-    import jax
     with _last_error_lock:
       err, _last_error[0] = _last_error[0], None
     if (isinstance(jax_error, jax.errors.JaxRuntimeError) and err is not None
@@ -98,8 +84,6 @@ def post_mortem(e: BaseException, plan, point):
   are also bound under their Python names (``x_ref``; ``j``, ``acc`` in a
   loop body), and ``ctx.grid_point`` is where we are in the grid.
   """
-  import pdb
-
   tb = e.__traceback__
   eqns = failing_eqns(tb)
 
@@ -120,7 +104,6 @@ def post_mortem(e: BaseException, plan, point):
   debugger.reset()
   where = ""
   if eqns:
-    from pallas_np import _compat as jc
     where = f"\n  failing eqn: {eqns[-1]}\n  at {jc.source_summary(eqns[-1].source_info)}"
   debugger.message(
       f"pallas_np: {type(e).__name__} in kernel '{plan.name}' at grid point {point}: {e}"
@@ -196,7 +179,7 @@ class _Progress:
 def _tqdm():
   """``tqdm.auto.tqdm`` (notebook widget or terminal bar), None without tqdm."""
   try:
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # an optional dependency
   except ImportError:
     return None
   return tqdm

@@ -1,6 +1,8 @@
 """Exceptions that point at the kernel, not at the interpreter."""
 from __future__ import annotations
 
+import os
+
 
 class PallasNumpyError(Exception):
   """Base class of errors raised while interpreting a kernel."""
@@ -37,7 +39,6 @@ class FallbackError(PallasNumpyError, AssertionError):
 
 
 def check_fallback(failure: BaseException | None, path: str, kernel: str) -> None:
-  import os
   if failure is not None and os.environ.get("PALLAS_NP_STRICT_FALLBACKS") == "1":
     raise FallbackError(
         f"pallas_np: the {path} run of kernel '{kernel}' failed with "

@@ -42,7 +42,7 @@ class InterpretParams:
     num_threads: threads over independent grid points. ``None`` (default,
       auto): as many as there are cores, only for kernels whose blocks are too
       big to batch, whose NumPy calls are long and that do no GEMMs (see
-      pallas_np.threads); ``1``: off; ``n``: up to ``n`` threads wherever
+      pallas_np.grid.threads); ``1``: off; ``n``: up to ``n`` threads wherever
       legal (vectorized slabs, or whole lanes of the sequential grid).
     num_cores: TensorCores per device (like ``pltpu.InterpretParams(
       num_cores_or_threads=...)``): the leading 'parallel' grid dims are split

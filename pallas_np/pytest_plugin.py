@@ -16,6 +16,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   races = config.getoption("--pallas-numpy-races", default=False)
   if races or config.getoption("--pallas-numpy", default=False):
+    # Imported only when asked for: suites not using the option skip pallas_np's set-up.
     import pallas_np
     from pallas_np.params import default_params
     pallas_np.set_numpy_interpret(default_params(detect_races=races))
@@ -24,5 +25,5 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
   if getattr(config, "_pallas_np_forced", False):
-    import pallas_np
+    import pallas_np  # already imported by pytest_configure
     pallas_np.unset_numpy_interpret()

@@ -192,7 +192,7 @@ class RaceDetector:
 
   def _access_general(self, region, ptr, view, index, kind, mask):
     """Element-offset version: any view (bitcast ones too) and index."""
-    offsets = _byte_offsets(view)
+    offsets = byte_offsets(view)
     if index is not Ellipsis:
       offsets = offsets[index]
     offsets = np.asarray(offsets)
@@ -245,7 +245,7 @@ def _shadow_views(region: _Region, ptr: int, view: np.ndarray):
           as_strided(region.step[start:], view.shape, strides))
 
 
-def _byte_offsets(view: np.ndarray) -> np.ndarray:
+def byte_offsets(view: np.ndarray) -> np.ndarray:
   """Byte offset of each element of ``view`` from its first element."""
   off = np.zeros((), np.int64)
   for d, (n, s) in enumerate(zip(view.shape, view.strides)):

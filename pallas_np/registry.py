@@ -38,6 +38,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from pallas_np import _compat as jc
+from pallas_np.errors import UnsupportedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,6 @@ class EqnInfo:
     return jc.source_summary(self.eqn.source_info)
 
   def unsupported(self, what: str) -> Exception:
-    from pallas_np.errors import UnsupportedError
     return UnsupportedError(
         f"pallas_np: {what} (primitive '{self.primitive.name}') is not "
         f"supported by the NumPy interpreter, at {self.source}")

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, _eager_call, _is_concrete,
+from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, eager_call, is_concrete,
                            force_numpy_interpret)
 from pallas_np.lru import LRU
 from pallas_np.errors import UnsupportedError
@@ -79,9 +79,9 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(),
     dyn_args = tuple(a for i, a in enumerate(args) if i not in pos)
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
     with force_numpy_interpret(interp):
-      if not _is_concrete(jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))):
+      if not is_concrete(jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))):
         return jax_jitted(*args, **kwargs)
-      return _eager_call(closure_for(static_pos, static_kw), interp, (dyn_args, dyn_kwargs))
+      return eager_call(closure_for(static_pos, static_kw), interp, (dyn_args, dyn_kwargs))
 
   call.jax_jitted = jax_jitted
   return call

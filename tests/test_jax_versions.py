@@ -15,7 +15,8 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import _compat as jc
-from pallas_np import errors, vectorize
+from pallas_np import errors
+from pallas_np.grid import vectorize
 
 rng = np.random.default_rng(0)
 LOW_AND_F32 = [np.float32, ml_dtypes.bfloat16, np.float16]

@@ -127,15 +127,15 @@ def test_eager_call_traces_the_jitted_pallas_call_directly(monkeypatch):
 def test_eager_results_reach_jax_without_a_copy(monkeypatch, shape):
   """Output buffers are allocated 64-byte aligned, which XLA's CPU client
   needs to alias them: the jax.Array is the buffer the kernel wrote."""
-  from pallas_np import malloc
+  from pallas_np import memory
   made = []
-  orig = malloc.aligned_empty
+  orig = memory.aligned_empty
 
   def recording(shape, dtype):
     buf = orig(shape, dtype)
     made.append(buf)
     return buf
-  monkeypatch.setattr(malloc, "aligned_empty", recording)
+  monkeypatch.setattr(memory, "aligned_empty", recording)
 
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
@@ -205,13 +205,13 @@ def _malloc_state(env_value):
   import subprocess
   import sys
   code = ("import jax, jax.numpy as jnp, numpy as np, pallas_np\n"
-          "from pallas_np import malloc\n"
+          "from pallas_np import memory\n"
           "from jax.experimental import pallas as pl\n"
           "def k(x_ref, o_ref): o_ref[...] = x_ref[...] + 1\n"
-          "assert not malloc.tuned  # importing alone changes nothing\n"
+          "assert not memory.tuned  # importing alone changes nothing\n"
           "f = pallas_np.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))\n"
           "assert float(f(jnp.ones((8, 128)))[0, 0]) == 2.0\n"
-          "print(malloc.tuned)\n")
+          "print(memory.tuned)\n")
   env = dict(os.environ, PALLAS_NP_TUNE_MALLOC=env_value, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -261,8 +261,8 @@ def test_equal_ref_accesses_share_one_compiled_indexer():
 def _kernel_plans(kp):
   """The sequential and batched plans a KernelPlan has built."""
   plans = [kp._kernel] if kp._kernel is not None else []
-  if kp._vectorizer is not None:
-    plans += [p for p in kp._vectorizer._kernels.values() if hasattr(p, "fn")]
+  if kp.vectorizer is not None:
+    plans += [p for p in kp.vectorizer._kernels.values() if hasattr(p, "fn")]
   return plans
 
 

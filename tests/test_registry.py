@@ -15,10 +15,6 @@ import pallas_np
 from pallas_np import _compat as jc
 from pallas_np import batching, registry
 
-# Registered outside the rule modules, in the entry points (``api.py``), and
-# never batched: a pallas_call inside a kernel, mesh kernels (which raise).
-_ENTRY_POINTS = {jc.pallas_call_p, *jc.mesh_kernel_primitives()}
-
 # JAX batches these like elementwise ops (vectorized_batcher), but their
 # NumPy values carry PRNG key data in trailing dims the logical shape lacks.
 _KEY_DATA = {"random_seed", "random_split", "random_bits", "random_fold_in"}
@@ -49,7 +45,7 @@ def test_every_primitive_has_a_batched_rule_or_a_reason():
   """``batch=`` is a batched rule, a standard kind, or ``unbatched(why)``:
   never left out."""
   bare = sorted(p.name for p, rule in registry._RULES.items()
-                if rule.batch is None and p not in _ENTRY_POINTS)
+                if rule.batch is None)
   assert not bare, f"registered without batch= (a batched rule or unbatched(why)): {bare}"
   for p, rule in registry._RULES.items():
     if isinstance(rule.batch, registry.unbatched):

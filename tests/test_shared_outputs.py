@@ -182,7 +182,7 @@ def test_conflict_is_remembered(plans):
   f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.float32), grid=(8,),
                      input_output_aliases={1: 0}, interpret=VEC, name="remembered")
   f(x, jnp.zeros((1,), jnp.float32))
-  gv = plans[-1]._vectorizer
+  gv = plans[-1].vectorizer
   assert gv.shared_outputs_ok is False
   assert "shared output" in str(gv.last_failure)
   gv.last_failure = None
@@ -256,7 +256,7 @@ def test_slabs_see_what_earlier_slabs_merged(modes, monkeypatch):
   """Slabs of 4 lanes: point i reads element (i + 12) % 16: what point i-4
   wrote in an earlier slab, or, in the first slab, an element only later
   points write: lanes of one slab never meet, so the pass is grid order."""
-  from pallas_np import slab_runner
+  from pallas_np.grid import slab_runner
   monkeypatch.setattr(slab_runner, "_MAX_LANES", 4)
 
   def kernel(x_ref, _init_ref, o_ref):
@@ -441,7 +441,7 @@ def test_grid_report_says_how_and_why():
 def test_failed_batched_compile_is_not_retried(monkeypatch):
   """A kernel with a primitive that has no batched rule (a print) is compiled
   batched once; later calls go straight to the grid loop."""
-  from pallas_np import vectorize
+  from pallas_np.grid import vectorize
   compiled = []
   orig = vectorize.BatchCompiler.__init__
 
@@ -482,7 +482,7 @@ def test_auto_mode_weighs_program_id_access_bytes(plans):
     got = make(tile)(pallas_np.InterpretParams())(x)
     assert plans[-1].last_mode == auto_mode, (tile, plans[-1].last_mode)
     if auto_mode == "sequential":
-      assert "too big" in str(plans[-1]._vectorizer.last_failure)
+      assert "too big" in str(plans[-1].vectorizer.last_failure)
     forced = make(tile)(VEC)(x)
     assert plans[-1].last_mode == "vectorized"
     np.testing.assert_array_equal(got, forced)

@@ -1,4 +1,4 @@
-"""Grid points on threads (pallas_np.threads): results identical to the
+"""Grid points on threads (pallas_np.grid.threads): results identical to the
 sequential loop and to interpret=True, taken only where legal (and, in auto
 mode, only for wide GEMM-free kernels), errors reported at the exact grid
 point as in sequential mode."""
@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
-from pallas_np import threads
+from pallas_np.grid import threads
 from pallas_np.grid import KernelPlan
 from tests.conftest import assert_same
 

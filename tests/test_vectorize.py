@@ -61,7 +61,7 @@ def check(make_call, *args, expect_mode, modes, rtol=1e-5, atol=1e-5, threads=No
   """numpy vectorized == numpy sequential == interpret=True, with the lanes
   of a batched pass laid out first and last (vectorize.LANES_LAST); and the
   vectorized run took the expected path."""
-  from pallas_np import vectorize
+  from pallas_np.grid import vectorize
   vec = VEC if threads is None else pallas_np.InterpretParams(
       vectorize=True, check_avals=True, num_threads=threads)
   seq = make_call(SEQ)(*args)
@@ -453,7 +453,7 @@ def test_scratch_leaked_into_an_output_at_the_first_step_falls_back(modes):
 def test_scratch_hand_over_check_reruns_only_the_first_sequential_step(modes, monkeypatch):
   # A kernel that re-initialises its scratch at j == 0 runs batched: one pass
   # over every sequential point, then the check over the first one only.
-  from pallas_np import slab_runner
+  from pallas_np.grid import slab_runner
   passes = []
   orig = slab_runner.SlabRunner.run
 
@@ -979,7 +979,7 @@ def test_vectorize_false_and_auto(modes):
 def test_auto_mode_skips_big_blocks_without_running_the_analysis(modes, monkeypatch):
   # Output blocks alone over the auto limit: sequential, and decided before
   # the batched index maps are compiled and evaluated (a first-call cost).
-  from pallas_np import vectorize
+  from pallas_np.grid import vectorize
   x = _normal(10, (8, 256))
   make = row_blocks(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2.0), x, rows=2)
   monkeypatch.setattr(vectorize, "_AUTO_LANE_BYTES", 1024)  # 2x256 f32 = 2 KiB per lane
@@ -1073,7 +1073,8 @@ def test_causal_attention_batches_batch_and_head_not_its_loop_axis(modes):
   longest trip count), and K/V lanes are views read in tiles, so their block
   bytes do not count against the auto limit. Bitwise the sequential result."""
   from benchmarks import kernels
-  from pallas_np import api, lanes
+  from pallas_np import api
+  from pallas_np.grid import lanes
   pallas_np.clear_caches()
   case = kernels.case_gpu_attention()
   seq = case.make(SEQ)(*case.args)
@@ -1093,7 +1094,7 @@ def test_causal_attention_batches_batch_and_head_not_its_loop_axis(modes):
 def test_lane_view_over_two_grid_axes():
   """Lanes walking (batch, head) blocks of a (B, H, S, D) operand in C order
   are one view of it (no gather copy); any other order is gathered."""
-  from pallas_np import slab_runner
+  from pallas_np.grid import slab_runner
   buf = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)
   window = buf.reshape(2, 3, 2, 4, 4)[:, :, :, None]  # blocks of (4, 4): positions (2, 3, 2, 1)
   b, h = np.divmod(np.arange(6), 3)
@@ -1113,7 +1114,8 @@ def test_lane_view_over_two_grid_axes():
 
 
 def test_partly_read_operands_counts_any_whole_access_as_whole():
-  from pallas_np import api, lanes
+  from pallas_np import api
+  from pallas_np.grid import lanes
   x = _normal(54, (4, 32, 8))
 
   def tile_only(x_ref, o_ref):

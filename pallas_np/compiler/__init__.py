@@ -9,8 +9,7 @@ errors and pdb.
 """
 from pallas_np.compiler.compiler import INLINE_CALLS, Compiler
 from pallas_np.compiler.emitter import np_constant
-from pallas_np.compiler.fusion import lanes_last_empty
 from pallas_np.compiler.plan import Plan, RunContext, failing_eqns, new_run, plan_filename
 
 __all__ = ["Compiler", "INLINE_CALLS", "Plan", "RunContext", "failing_eqns",
-           "lanes_last_empty", "new_run", "np_constant", "plan_filename"]
+           "new_run", "np_constant", "plan_filename"]

@@ -48,7 +48,7 @@ class Compiler:
   go through the same compiler and are cached per jaxpr object; the bodies
   of jit/closed_call/custom_jvp/custom_vjp/remat calls are inlined."""
 
-  batched = False  # see pallas_np.vectorize.BatchCompiler
+  batched = False  # see pallas_np.batching.BatchCompiler
   lanes_last = False  # ditto
 
   def __init__(self, params: InterpretParams | None = None, name: str = "kernel", *,

@@ -11,12 +11,7 @@ from pallas_np import registry
 from pallas_np.compiler.emitter import Const, Line, per_dtype
 from pallas_np.compiler.zeros import zero_select
 from pallas_np.dtypes import is_low_precision_float
-
-
-def lanes_last_empty(n, shape, dtype) -> np.ndarray:
-  """An uninitialised (n, *shape) array laid out lane-minor: the lane axis
-  is the contiguous one (see vectorize: the lanes-last layout)."""
-  return np.moveaxis(np.empty((*shape, n), dtype), -1, 0)
+from pallas_np.memory import lanes_last_empty
 
 
 class Fusion:

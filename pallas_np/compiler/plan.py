@@ -27,7 +27,7 @@ class RunContext:
     self.num_programs = num_programs
     self.grid_point = ()
     self.extra = {}
-    # Lanes of a vectorized pass (pallas_np.vectorize); None when sequential.
+    # Lanes of a vectorized pass (pallas_np.grid.vectorize); None when sequential.
     self.batch_size = None
 
 
@@ -75,7 +75,7 @@ class Plan:
 
   def __init__(self, jaxpr, filename, line_eqns, text):
     self.out_batched = ()
-    self.lane_access_bytes = 0  # batched plans: see vectorize._count_lane_bytes
+    self.lane_access_bytes = 0  # batched plans: see state.lane_access.count_lane_bytes
     # Outputs that are constants of the plan (the same array every call).
     self.const_outputs = frozenset()
     self.jaxpr = jaxpr

@@ -13,10 +13,13 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import numpy as np
 
+from pallas_np.api import force_numpy_interpret
 from pallas_np.explainer.access_map import OperandAccess, fmt_bytes
 from pallas_np.explainer.record import ExplainSession, RunRecorder
+from pallas_np.params import default_params
 
 __all__ = ["explain", "Explanation", "KernelExplanation", "OperandAccess", "explain_params"]
 
@@ -24,7 +27,6 @@ __all__ = ["explain", "Explanation", "KernelExplanation", "OperandAccess", "expl
 def explain_params(session: ExplainSession):
   """InterpretParams that record into ``session``: point by point, one
   thread (the recorder needs grid order), everything else default."""
-  from pallas_np.params import default_params
   return default_params(explain=session, vectorize=False, num_threads=1)
 
 
@@ -37,8 +39,6 @@ def explain(fn, *args, **kwargs) -> "Explanation":
   ``.save("k.png")`` / ``.save("k.svg")`` for the picture (needs the
   ``pallas-np[viz]`` extra), or read its access maps (``.operands[i].visits``,
   ``.first_step``, ``.written``...)."""
-  import jax
-  from pallas_np.api import force_numpy_interpret
   session = ExplainSession()
   try:
     with force_numpy_interpret(explain_params(session)):
@@ -195,20 +195,20 @@ class KernelExplanation:
   # -- pictures -------------------------------------------------------------
   def figure(self, **options):
     """A matplotlib ``Figure`` (see ``pallas_np.explainer.render.figure``)."""
-    from pallas_np.explainer import render
+    from pallas_np.explainer import render  # imports matplotlib, an optional dependency
     return render.figure(self, **options)
 
   def save(self, path: str, **options) -> str:
     """Write the picture; the format follows the suffix (.png, .svg, .pdf)."""
-    from pallas_np.explainer import render
+    from pallas_np.explainer import render  # imports matplotlib, an optional dependency
     return render.save(self, path, **options)
 
   def _repr_png_(self):
-    from pallas_np.explainer import render
+    from pallas_np.explainer import render  # imports matplotlib, an optional dependency
     return render.to_bytes(self, "png")
 
   def _repr_svg_(self):
-    from pallas_np.explainer import render
+    from pallas_np.explainer import render  # imports matplotlib, an optional dependency
     return render.to_bytes(self, "svg").decode("utf-8")
 
 

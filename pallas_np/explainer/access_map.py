@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pallas_np import _compat as jc
 from pallas_np.explainer.record import RunRecorder, TrackedBuffer
 
 
@@ -153,7 +154,6 @@ class OperandAccess:
 
 
 def _physical(dtype):
-  from pallas_np import _compat as jc
   return jc.physical_dtype(dtype)
 
 

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from pallas_np.races import _byte_offsets
+from pallas_np.races import byte_offsets
 
 
 class TrackedBuffer:
@@ -90,7 +90,7 @@ class RunRecorder:
     if buf_pos is None:  # run_scoped / private memory
       return
     buf = self.buffers[buf_pos]
-    elems = ((ptr - buf.start) + _byte_offsets(view)) // buf.itemsize
+    elems = ((ptr - buf.start) + byte_offsets(view)) // buf.itemsize
     if index is not Ellipsis:
       elems = elems[index]
     elems = np.asarray(elems)

@@ -24,6 +24,7 @@ MAX_LABELS = 64          # tiles / grid cells labelled with their number
 
 
 def _matplotlib():
+  # matplotlib is an optional dependency (the viz extra): imported on first picture.
   try:
     import matplotlib
     from matplotlib.figure import Figure
@@ -344,7 +345,7 @@ def _mask_rects(mask):
 
 
 def _step_cmap(steps: int):
-  import matplotlib
+  import matplotlib  # optional dependency, see _matplotlib
   cmap = matplotlib.colormaps["viridis"].resampled(steps) if steps <= 32 else \
       matplotlib.colormaps["viridis"]
   return cmap.with_extremes(bad=UNMAPPED)
@@ -361,5 +362,5 @@ def _ink(rgba) -> str:
 
 
 def _rgb(color: str):
-  from matplotlib import colors
+  from matplotlib import colors  # optional dependency, see _matplotlib
   return colors.to_rgb(color)

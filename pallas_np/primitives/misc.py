@@ -7,6 +7,7 @@ from jax import lax
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.dtypes import np_dtype
 
 _identity_single = lambda e: (lambda x: x)
 
@@ -39,7 +40,6 @@ if _platform_index_p is not None:
   @registry.register(_platform_index_p, batch=registry.unbatched(
       "no operands: one value for every lane, computed once per pass"))
   def _platform_index(e):
-    import numpy as np
     platforms = e.params["platforms"]
     chosen = None
     for i, ps in enumerate(platforms):
@@ -62,8 +62,6 @@ for _name in ("pure_callback_p", "io_callback_p"):
     @registry.register(_cb, foldable=False, batch=registry.unbatched(
         "a host callback: called once per lane (io_callback, an effect: grid order)"))
     def _host_callback(e):
-      import numpy as np
-      from pallas_np.dtypes import np_dtype
       callback = e.params["callback"]
       outs = [(tuple(a.shape), np_dtype(a.dtype)) for a in e.out_avals]
 
@@ -90,8 +88,6 @@ _zeros_like_p = jc.optional_primitive("ad_util", "zeros_like_p")
 if _zeros_like_p is not None:
   @registry.register(_zeros_like_p, batch=registry.unbatched("autodiff only: run lane by lane"))
   def _zeros_like(e):
-    import numpy as np
-    from pallas_np.dtypes import np_dtype
     aval = jc.physical_aval(e.out_aval)
     value = np.zeros(tuple(aval.shape), np_dtype(aval.dtype))
     return lambda x: value

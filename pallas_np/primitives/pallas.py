@@ -5,6 +5,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.dtypes import is_low_precision_float, np_dtype
 
 pp = jc.pallas_primitives
 
@@ -45,7 +46,6 @@ if hasattr(pp, "max_contiguous_p"):
 if hasattr(pp, "reciprocal_p"):
   @registry.register(pp.reciprocal_p, batch=registry.ELEMENTWISE)
   def _reciprocal(e):
-    from pallas_np.dtypes import np_dtype, is_low_precision_float
     dt = np_dtype(e.in_avals[0].dtype)
     if is_low_precision_float(dt):
       return lambda x: np.asarray(1.0 / np.asarray(x, np.float32), dt)[()]

@@ -2,6 +2,8 @@
 dtype as XLA does (NumPy would widen int32 sums to int64)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jax import lax
@@ -214,7 +216,6 @@ def _reduce(e):
   """``lax.reduce`` with a custom (possibly variadic) monoid: a sequential
   left fold over the reduced elements, the computation applied to whole
   slices at a time (it is elementwise by construction)."""
-  import dataclasses
   dims = tuple(int(d) for d in e.params["dimensions"])
   closed = e.params["jaxpr"]
   n = len(e.out_avals)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_np import _compat as jc
 from pallas_np import registry
@@ -299,8 +300,6 @@ def assume_tpu_chip(version: str = "v5e", num_cores: int = 1):
   """Make JAX's TPU-only tracing helpers (``pltpu.emit_pipeline`` infers DMA
   tilings from the device's TpuInfo) trace on a CPU by assuming this chip.
   Affects tracing only; kernels still run in the NumPy interpreter."""
-  from jax.experimental.pallas import tpu as pltpu
-  import jax as _jax
   chip = pltpu.ChipVersion(version)
-  kind = _jax.devices()[0].device_kind
+  kind = jax.devices()[0].device_kind
   jc.register_tpu_device_kind(kind, lambda: pltpu.get_tpu_info_for_chip(chip, num_cores))

@@ -7,7 +7,7 @@ count is too low. Waiting pops the *most recently* queued DMA first, reads the
 source at that moment and writes the destination. We do the same, so a kernel
 that races its own DMAs sees the same values as under TPU interpret mode.
 
-A semaphore is a 0-d cell of an int64 NumPy array (``grid.allocate`` gives
+A semaphore is a 0-d cell of an int64 NumPy array (``memory.allocate`` gives
 semaphore scratch int64 so byte counts of DMA semaphores cannot overflow); its
 address identifies it in the per-run table of pending DMAs kept in
 ``RunContext.extra``. The interpreter runs one core, so a wait that its queued

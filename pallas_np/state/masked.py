@@ -23,6 +23,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import batching, races, registry
 from pallas_np.errors import NotBatchable
+from pallas_np.memory import fill_value
 from pallas_np.shared_outputs import active as shared_outputs
 from pallas_np.state.indexing import DimArray, DimSlice, RefAccess, static_atoms
 from pallas_np.state.lane_access import (
@@ -62,7 +63,6 @@ class MaskedAccess:
     self.dyn_positions = [idx_positions[p] for p in self.access.dynamic_positions]
     self.clamp = e.compiler.params.bounds_check == "clamp"
     self.shape = tuple(self.access.result_shape)
-    from pallas_np.grid import fill_value
     self.fill = fill_value(ref_aval.dtype, e.compiler.params)
     # races.note(view, index, kind, mask) when detection/explain is on, else None.
     self.note = races.note if e.compiler.params.records_accesses else None

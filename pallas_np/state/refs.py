@@ -16,6 +16,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import batching, races, registry
 from pallas_np.errors import NotBatchable
+from pallas_np.memory import allocate
 from pallas_np.shared_outputs import active as shared_outputs
 from pallas_np.state.indexing import RefAccess, static_atoms
 from pallas_np.state.lane_access import (
@@ -235,7 +236,6 @@ def _addupdate(e):
 
 def _run_scoped_batched(bc, rule, info, in_batched):
   """Scoped buffers are lane-private: allocated with a lane axis."""
-  from pallas_np.grid import allocate
   jaxpr = info.params["jaxpr"]
   scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
             for v in jaxpr.invars]
@@ -254,7 +254,6 @@ def _run_scoped_batched(bc, rule, info, in_batched):
                    batch=_run_scoped_batched, context_free=True)
 def _run_scoped(e):
   """Allocate the scoped refs (uninitialized fill), run the body, drop them."""
-  from pallas_np.grid import allocate
   jaxpr = e.params["jaxpr"]
   plan = e.compiler.compile(jaxpr, constvars_as_args=True).fn
   params = e.compiler.params

@@ -35,6 +35,7 @@ def _install():
   module.manual_seed_all = lambda seed: None
   # Registers the device module plus Python hooks and a device guard, so
   # torch's accelerator queries (torch.compile makes them) keep working.
+  # torch-internal, not in every torch version: imported only when the device is registered.
   from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
   _setup_privateuseone_for_python_backend(
       rename="jax" if current == "privateuseone" else None, backend_module=module)

@@ -10,7 +10,7 @@ plan once per sequential point. Slabs may run on threads
 
 Layout: a pass stores its lane-stacked values lanes-first or, for kernels
 whose values have short last axes, lanes-last (the lane axis contiguous in
-memory, ``lanes.prefers_lanes_last``): the runner copies the lanes' blocks
+memory, ``pallas_np.grid.lanes.prefers_lanes_last``): the runner copies the lanes' blocks
 and scratch into that layout and the output blocks back. Same values either
 way.
 """
@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.compiler import RunContext, lanes_last_empty
+from pallas_np.compiler import RunContext
+from pallas_np.memory import fill_value, lanes_last_empty
 from pallas_np.shared_outputs import SharedOutputs, tracking
 
 _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
@@ -122,7 +123,7 @@ class SlabRunner:
     lane_flat = self.lane_flat[lo:hi]
     lanes_last = self.lanes_last and n >= _LANES_LAST_MIN_LANES
     if scratch_init is None:
-      scratch = [lane_full(n, a.shape, fill(a.dtype, params),
+      scratch = [lane_full(n, a.shape, fill_value(a.dtype, params),
                             np.dtype(jc.physical_dtype(a.dtype)), lanes_last)
                  for a in kp.scratch_avals]
     else:
@@ -244,11 +245,6 @@ def lane_full(n, shape, fill, dtype, lanes_last):
   out = lanes_last_empty(n, tuple(shape), dtype)
   out[...] = fill
   return out
-
-
-def fill(dtype, params):
-  from pallas_np.grid import fill_value
-  return fill_value(dtype, params)
 
 
 def check_positions(cols, limits, clamp, geo):

@@ -38,13 +38,13 @@ When is it safe (the analysis, all of it conservative):
 
 Layout: a pass stores its lane-stacked values lanes-first or, for kernels
 whose values have short last axes, lanes-last (the lane axis contiguous in
-memory; see ``pallas_np.slab_runner``). Same values either way.
+memory; see ``pallas_np.grid.slab_runner``). Same values either way.
 
 This module decides and drives a vectorized run: ``GridVectorizer`` (per
 kernel plan: the compiled batched kernel and index maps, the choice of
 axes), ``run_vectorized`` (one call's run, with the scratch hand-over check).
-The analysis lives in ``pallas_np.lanes``, the passes in
-``pallas_np.slab_runner``, the batched rules with their primitives.
+The analysis lives in ``pallas_np.grid.lanes``, the passes in
+``pallas_np.grid.slab_runner``, the batched rules with their primitives.
 
 Sequential axes stay sequential: each slab of lanes walks the sequential
 grid points in JAX order, with its own lane-private scratch. Control flow that
@@ -65,11 +65,12 @@ from pallas_np import _compat as jc
 from pallas_np import debugging
 from pallas_np.batching import BatchCompiler, NotBatchable
 from pallas_np.compiler import RunContext
-from pallas_np.lanes import (
+from pallas_np.grid.lanes import (
     MAX_GRID, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands, per_grid,
     prefers_lanes_last)
-from pallas_np.slab_runner import (
-    SlabRunner, block_windows, bytes_per_lane, fill, lane_points, lane_view)
+from pallas_np.grid.slab_runner import (
+    SlabRunner, block_windows, bytes_per_lane, lane_points, lane_view)
+from pallas_np.memory import fill_value
 
 # vectorize=None (auto) batches only grids whose per-grid-point blocks are
 # small: there the Python cost per grid point dominates. With bigger blocks
@@ -272,7 +273,7 @@ def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
   # scratch is as good a proof as a second whole pass, at 1/n_seq the cost.
   states = _FirstStates(kp, runner)
   finals = runner.run(index_ops, buffers, None, states)
-  handed = [np.concatenate([np.full((1, *a.shape), fill(a.dtype, kp.params), f.dtype), f[:-1]])
+  handed = [np.concatenate([np.full((1, *a.shape), fill_value(a.dtype, kp.params), f.dtype), f[:-1]])
             for a, f in zip(kp.scratch_avals, finals)]
   states.checking = True
   _, check_ops, check_buffers, _ = prepare()  # fresh outputs: the first point's start

@@ -18,114 +18,19 @@ copies.
 """
 from __future__ import annotations
 
-import functools
 import itertools
-from typing import Any, Sequence
 
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, malloc, races, threads, vectorize
-from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
+from pallas_np import blas, debugging, memory, races
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
+from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
+from pallas_np.grid import threads, vectorize
+from pallas_np.grid.blocks import BlockGeometry, index_map_origin
+from pallas_np.memory import allocate
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
-
-
-def fill_value(dtype, params: InterpretParams):
-  return _fill_value(np.dtype(jc.physical_dtype(dtype)), params.uninitialized)
-
-
-@functools.lru_cache(maxsize=None)
-def _fill_value(dtype, uninitialized):
-  """Cached: every grid run allocates outputs and scratch."""
-  if uninitialized == "zero":
-    return np.zeros((), dtype)
-  return jc.uninitialized_value_np(dtype)
-
-
-def allocate(shape, dtype, params: InterpretParams) -> np.ndarray:
-  if jc.is_semaphore_dtype(dtype):
-    # Semaphores count DMA bytes: int64 cells (see pallas_np.state.dma).
-    return np.zeros(shape, np.int64)
-  dtype = np.dtype(jc.physical_dtype(dtype))
-  buf = malloc.aligned_empty(shape, dtype)
-  buf[...] = fill_value(dtype, params)
-  return buf
-
-
-class BlockGeometry:
-  """How one operand's blocks are cut out of its (padded) array."""
-  __slots__ = ("origin", "array_shape", "dtype", "kinds", "sizes", "pad_low",
-               "padded_shape", "needs_padding", "whole", "trivial_index_map")
-
-  def __init__(self, bm):
-    if bm.transforms:
-      raise UnsupportedError(
-          f"pallas_np: block transforms {bm.transforms} on {bm.origin} are not supported")
-    self.origin = bm.origin
-    self.array_shape = tuple(bm.array_aval.shape)
-    self.dtype = bm.array_aval.dtype
-    kinds, sizes, pad_low, pad_high = [], [], [], []
-    for dim in bm.block_shape:
-      if isinstance(dim, jc.Squeezed):
-        kinds.append("squeezed"); sizes.append(1); pad_low.append(0); pad_high.append(0)
-      elif isinstance(dim, jc.Blocked):
-        kinds.append("blocked"); sizes.append(int(dim.block_size))
-        pad_low.append(0); pad_high.append(0)
-      elif isinstance(dim, jc.Element):
-        kinds.append("element"); sizes.append(int(dim.block_size))
-        pad_low.append(int(dim.padding[0])); pad_high.append(int(dim.padding[1]))
-      else:
-        raise UnsupportedError(
-            f"pallas_np: block dimension {dim!r} of {bm.origin} is not supported "
-            "by the NumPy interpreter")
-    self.kinds = tuple(kinds)
-    self.sizes = tuple(sizes)
-    self.pad_low = tuple(pad_low)
-    padded = []
-    for n, b, lo, hi in zip(self.array_shape, sizes, pad_low, pad_high):
-      n = n + lo + hi
-      padded.append(-(-n // b) * b if b else n)
-    self.padded_shape = tuple(padded)
-    self.needs_padding = self.padded_shape != self.array_shape
-    self.whole = (not self.needs_padding and all(k == "blocked" for k in kinds)
-                  and self.sizes == self.array_shape)
-    outs = bm.index_map_jaxpr.jaxpr.outvars
-    self.trivial_index_map = all(
-        isinstance(a, jc.Literal) and int(a.val) == 0 for a in outs)
-
-  def pad(self, arr: np.ndarray, params) -> np.ndarray:
-    """A padded copy, garbage where the array has no data."""
-    buf = allocate(self.padded_shape, arr.dtype, params)
-    buf[self.unpadded_index()] = arr
-    return buf
-
-  def unpadded_index(self):
-    return tuple(slice(lo, lo + n) for lo, n in zip(self.pad_low, self.array_shape))
-
-  def block_index(self, block_indices, clamp: bool):
-    """NumPy basic index of the block at ``block_indices`` (a view)."""
-    idx = []
-    for d, (kind, b, i) in enumerate(zip(self.kinds, self.sizes, block_indices)):
-      i = int(i)
-      start = i * b if kind == "blocked" else i
-      limit = self.padded_shape[d]
-      if start < 0 or start + b > limit:
-        if clamp:
-          start = min(max(start, 0), limit - b)
-        else:
-          raise IndexError(
-              f"block index {tuple(int(x) for x in block_indices)} of {self.origin} "
-              f"is out of bounds: dimension {d} starts at {start} with block size "
-              f"{b}, but the array dimension is {self.array_shape[d]}"
-              + (f" (padded to {limit})" if limit != self.array_shape[d] else "")
-              + ". interpret=True would silently clamp it; pass "
-              "InterpretParams(bounds_check='clamp') to do the same.")
-      idx.append(start if kind == "squeezed" else slice(start, start + b))
-    # The Ellipsis keeps a block whose dims are all squeezed a 0-d *view*
-    # (a[1, 2] would be a scalar copy and writes to it would be lost).
-    return (*idx, Ellipsis)
 
 
 class KernelPlan:
@@ -141,7 +46,7 @@ class KernelPlan:
           f"pallas_np: pallas_call over a mesh ({_unused['mesh']!r}; pl.kernel/pl.core_map "
           f"mesh kernels) is not supported in numpy mode yet (kernel "
           f"{getattr(jaxpr.debug_info, 'func_src_info', None) or _kernel_name(jaxpr)})")
-    malloc.tune_once()
+    memory.tune_once()
     self.params = params
     self.compiler_params = compiler_params
     gm = grid_mapping
@@ -175,7 +80,7 @@ class KernelPlan:
     self.parallel_prefix = _parallel_prefix(compiler_params or {}, len(self.grid))
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
-    self._vectorizer = None
+    self.vectorizer = None
     self._threads = None  # threads.ThreadPlan, built on the first sequential run
     # More than one grid point (or a dynamic grid): vectorizing or threading
     # the grid may pay.
@@ -227,23 +132,23 @@ class KernelPlan:
     scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
     detector = races.for_run(self, grid, buffers, scratch)
     if detector is None:
-      self._run_grid(grid, index_ops, buffers, scratch)
+      self.run_grid(grid, index_ops, buffers, scratch)
     else:
       with races.activate(detector):
-        self._run_grid(grid, index_ops, buffers, scratch, detector)
+        self.run_grid(grid, index_ops, buffers, scratch, detector)
     if fallback is not None:  # the fast path failed where this run did not
       check_fallback(fallback[1], fallback[0], self.name)
     self.last_mode = "sequential"
     return self._results(out_bufs)
 
   def _run_vectorized(self, args):
-    """(outputs, None) of a batched grid (pallas_np.vectorize); (None,
+    """(outputs, None) of a batched grid (pallas_np.grid.vectorize); (None,
     failure) when it does not apply (failure None) or failed (then the
     sequential run starts again from fresh buffers and reports any error at
     its exact grid point; if it succeeds instead, the failure was a bug)."""
-    if self._vectorizer is None:
-      self._vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
-    gv = self._vectorizer
+    if self.vectorizer is None:
+      self.vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
+    gv = self.vectorizer
     if gv.reason is not None:
       return None, None
     try:
@@ -295,7 +200,7 @@ class KernelPlan:
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:
         view = buf[geo.unpadded_index()]
-        buf = malloc.aligned_empty(view.shape, view.dtype)
+        buf = memory.aligned_empty(view.shape, view.dtype)
         buf[...] = view
       results.append(buf)
     return results
@@ -316,16 +221,16 @@ class KernelPlan:
         break
       scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
       if detector is None:
-        self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
+        self.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
                        points=chunk)
         continue
       for i, buf in enumerate(scratch):
         detector.track(f"scratch_operands[{i}] of core {core}", buf, scratch=True)
       with races.activate(detector):
-        self._run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
+        self.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
                        detector, points=chunk)
 
-  def _run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
+  def run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
                 progress=True):
     params = self.params
     ctx = RunContext(self.name, params)
@@ -398,7 +303,7 @@ class KernelPlan:
           where += f" (called from {' <- '.join(reversed(lines[:-1]))})"
       else:
         where = f" in primitive '{prim}'"
-    origin = debugging.index_map_origin(self, e.__traceback__)
+    origin = index_map_origin(self, e.__traceback__)
     if origin is not None:
       where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")
     point = tuple(int(p) for p in point)

@@ -1,5 +1,5 @@
 """Independent grid points on a thread pool: the multi-core way to take the
-grid loop away when blocks are too big to batch (pallas_np.vectorize).
+grid loop away when blocks are too big to batch (pallas_np.grid.vectorize).
 
 Why it can pay: NumPy releases the GIL inside every ufunc, copy and BLAS
 call. When each NumPy call of a kernel is long (tens of microseconds: blocks
@@ -36,7 +36,8 @@ import threading
 
 import numpy as np
 
-from pallas_np import debugging, lanes, registry
+from pallas_np import debugging, registry
+from pallas_np.grid import lanes
 from pallas_np.compiler import RunContext
 
 # Auto mode: a kernel is wide when the median eqn result has at least this
@@ -167,7 +168,7 @@ def run(kp, grid, index_ops, buffers, chunks) -> Exception | None:
 def _run_chunk(kp, grid, index_ops, buffers, points, progress) -> Exception | None:
   try:
     with np.errstate(all="ignore"):  # errstate is per thread
-      kp._run_grid(grid, index_ops, buffers, [], points=points, progress=progress)
+      kp.run_grid(grid, index_ops, buffers, [], points=points, progress=progress)
     return None
   except Exception as e:
     return e

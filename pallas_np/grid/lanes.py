@@ -1,6 +1,6 @@
 """Which grid points may run together: the lane/ownership analysis shared
-by the vectorized grid (``pallas_np.vectorize``) and the threaded one
-(``pallas_np.threads``).
+by the vectorized grid (``pallas_np.grid.vectorize``) and the threaded one
+(``pallas_np.grid.threads``).
 
 A *lane* is one grid point of the batched axes. Grid points may run out of
 grid order when nothing observes the order (``order_free_reason``) and every

@@ -1,4 +1,9 @@
-"""glibc malloc tuning for NumPy's temporaries, applied on first use.
+"""Memory: allocating the buffers a run works on, the values uninitialised
+memory is filled with, alignment for zero-copy handoff to XLA, and glibc
+malloc tuning. A leaf: it imports nothing of pallas_np but ``_compat``.
+
+glibc malloc tuning for NumPy's temporaries is applied on first use
+(``tune_once``).
 
 A plan allocates and frees block-sized temporaries (hundreds of KiB) at every
 eqn. glibc serves those with mmap/munmap and trims the heap top back to the
@@ -15,11 +20,14 @@ with glibc, and ``PALLAS_NP_TUNE_MALLOC=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import sys
 
 import numpy as np
+
+from pallas_np import _compat as jc
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -62,3 +70,35 @@ def aligned_empty(shape, dtype) -> np.ndarray:
   raw = np.empty(nbytes + XLA_ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % XLA_ALIGNMENT
   return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def fill_value(dtype, params) -> np.ndarray:
+  """The 0-d value uninitialised memory of ``dtype`` holds under
+  ``params.uninitialized`` (an InterpretParams)."""
+  return _fill_value(np.dtype(jc.physical_dtype(dtype)), params.uninitialized)
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_value(dtype, uninitialized):
+  """Cached: every grid run allocates outputs and scratch."""
+  if uninitialized == "zero":
+    return np.zeros((), dtype)
+  return jc.uninitialized_value_np(dtype)
+
+
+def allocate(shape, dtype, params) -> np.ndarray:
+  """A fresh buffer (aligned, see ``aligned_empty``) filled with the
+  uninitialised value; semaphores are zeroed int64 counters."""
+  if jc.is_semaphore_dtype(dtype):
+    # Semaphores count DMA bytes: int64 cells (see pallas_np.state.dma).
+    return np.zeros(shape, np.int64)
+  dtype = np.dtype(jc.physical_dtype(dtype))
+  buf = aligned_empty(shape, dtype)
+  buf[...] = fill_value(dtype, params)
+  return buf
+
+
+def lanes_last_empty(n, shape, dtype) -> np.ndarray:
+  """An uninitialised (n, *shape) array laid out lane-minor: the lane axis
+  is the contiguous one (see pallas_np.grid.vectorize: the lanes-last layout)."""
+  return np.moveaxis(np.empty((*shape, n), dtype), -1, 0)
