@@ -1,9 +1,8 @@
 """Small matmuls on one BLAS thread.
 
 NumPy's OpenBLAS runs every GEMM on all cores. For the small blocks kernels
-multiply, waking the BLAS threads costs far more than the product (measured
-on the 2-core dev machine under load: 36 ms instead of 40 us for a 128x64 @
-64x128 product made between other Python work). So GEMMs below a size run
+multiply, waking the BLAS threads costs far more than the product (up to a
+thousand times, under load: benchmarks/PERF_LOG.md). So GEMMs below a size run
 with the thread count set to 1 for the call (two ~1 us ctypes calls); big
 ones keep every thread. Nothing happens
 when NumPy's BLAS is not an OpenBLAS we can find (plain ``np.matmul``).

@@ -8,10 +8,9 @@ glibc malloc tuning for NumPy's temporaries is applied on first use
 A plan allocates and frees block-sized temporaries (hundreds of KiB) at every
 eqn. glibc serves those with mmap/munmap and trims the heap top back to the
 OS as soon as 128 KiB to 1 MiB is free, so a run keeps page-faulting fresh
-memory: measured on the 2-core machine, bitonic sort 1024x1024 first call
-median 90.7 -> 78.3 ms with the thresholds below (6 alternating fresh
-processes each; warm unchanged). Keeping up to 32 MiB allocations on the heap and
-trimming only past 256 MiB free trades some retained memory for that.
+memory (a first call some 15% slower: benchmarks/PERF_LOG.md). Keeping up to
+32 MiB allocations on the heap and trimming only past 256 MiB free trades
+some retained memory for that.
 
 Process-wide, so it happens when the first kernel plan is built (not on
 ``import pallas_np``: the pytest plugin imports it in every session), only

@@ -80,10 +80,9 @@ from pallas_np.memory import fill_value
 # sequential point that is a second whole pass: _AUTO_LANE_BYTES_SCRATCH.
 _AUTO_LANE_BYTES = 128 << 10      # exclusive
 # Lanes last, a batched pass stays ahead of the grid loop with bigger blocks
-# (bitonic 1024x1024 in 32-row blocks, 256 KiB per lane: 38 -> 27 ms warm).
+# (benchmarks/PERF_LOG.md, entry 70).
 _AUTO_LANE_BYTES_LANES_LAST = 512 << 10  # exclusive
 _AUTO_LANE_BYTES_SCRATCH = 16 << 10
-_MAX_LANES = 1 << 14
 
 
 class GridVectorizer:
@@ -320,7 +319,7 @@ def _auto_lane_limit(kp, lanes_last=False, n_seq=None):
   """Per-lane bytes below which auto mode batches. With scratch the check
   re-runs the first of ``n_seq`` sequential points: a pass costs 1 + 1/n_seq
   (``None``: not known yet, the most lenient). Paged-attention decode (16
-  pages per sequence, ~70 KiB per lane) runs 17.5 -> 12.4 ms batched."""
+  pages per sequence, ~70 KiB per lane) is faster batched (PERF_LOG)."""
   limit = _AUTO_LANE_BYTES_LANES_LAST if lanes_last else _AUTO_LANE_BYTES
   if not kp.scratch_avals or n_seq is None:
     return limit

@@ -131,9 +131,9 @@ def _transpose_slab_rows(rows: int, cols: int, itemsize: int) -> int:
   plain copy. NumPy writes the output in order and reads the input down
   its columns: with rows of >= 1 KiB (powers of two above all) every read
   of a column maps to the same cache sets and the copy thrashes. Copying
-  slabs of a few rows keeps those lines in cache: a 128x1024 float32
-  block 420 -> ~90-140 us, 1024x1024 3.7 -> 0.9 ms (measured; 8 rows for
-  4 KiB rows, 16 for 2 KiB, 32 for 1 KiB, where each was fastest)."""
+  slabs of a few rows keeps those lines in cache (4x faster or more on big
+  blocks: benchmarks/PERF_LOG.md; 8 rows for 4 KiB rows, 16 for 2 KiB, 32
+  for 1 KiB, where each was fastest)."""
   row_bytes = cols * itemsize
   if row_bytes < 1024 or rows * cols < 4096:
     return 0
