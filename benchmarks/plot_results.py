@@ -14,9 +14,15 @@ COLORS = {"numpy": "#1f77b4", "interpret": "#ff7f0e", "tpu": "#2ca02c",
 
 
 def read_table(path: str) -> tuple[list[str], dict[str, dict[str, float]]]:
-  """(kernel labels, {column name: {label: ms}}) of the times table; cells
-  that are not numbers (errors, '-') are left out."""
-  lines = [l for l in open(path).read().splitlines() if l.startswith("| ")]
+  """(kernel labels, {column name: {label: ms}}) of the times table (the
+  file's first table); cells that are not numbers (errors, '-') are left
+  out."""
+  lines = []
+  for l in open(path).read().splitlines():
+    if l.startswith("| "):
+      lines.append(l)
+    elif lines and not l.startswith("|"):
+      break
   if not lines:
     raise ValueError(f"{path}: no results table")
   head = [c.strip() for c in lines[0].strip("|").split("|")]

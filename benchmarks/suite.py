@@ -43,6 +43,19 @@ MODES = {
              "costs more",
 }
 DEFAULT_MODES = ("numpy", "interpret", "tpu")
+# benchmarks/small_kernels.py's section of RESULTS.md, kept when this
+# script rewrites its own table.
+SMALL_KERNELS_START = "<!-- small-kernels: written by benchmarks/small_kernels.py -->"
+SMALL_KERNELS_END = "<!-- /small-kernels -->"
+
+
+def split_section(text):
+  """(``text`` without the small-kernels section, that section or '')."""
+  start, end = text.find(SMALL_KERNELS_START), text.find(SMALL_KERNELS_END)
+  if start < 0 or end < start:
+    return text, ""
+  end += len(SMALL_KERNELS_END)
+  return text[:start].rstrip("\n") + "\n" + text[end:].lstrip("\n"), text[start:end]
 
 
 def _interpret_value(mode):
@@ -342,8 +355,11 @@ def write_results(args, names, modes, results, info):
                  f"vs interpret=True {i['warm'] * 1e3:.1f} ms "
                  f"({'faster' if n['warm'] < i['warm'] else 'slower'}).")
   lines.append("")
+  kept = ""  # benchmarks/small_kernels.py's section survives a rewrite
+  if os.path.exists(args.out):
+    _, kept = split_section(open(args.out).read())
   with open(args.out, "w") as f:
-    f.write("\n".join(lines))
+    f.write("\n".join(lines) + ("\n" + kept + "\n" if kept else ""))
   print("\n".join(lines[-6:]))
   print(f"wrote {args.out}")
 

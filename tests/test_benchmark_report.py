@@ -110,3 +110,42 @@ def test_plot_from_results_md(tmp_path):
   assert text.count("![benchmark chart](results.png)") == 1
   suite.plot_results(str(out))  # linked once, however often it is re-plotted
   assert out.read_text().count("![benchmark chart](results.png)") == 1
+
+
+def test_small_kernels_build_and_match_interpret_true():
+  """benchmarks/small_kernels.py: every kernel builds and its numpy-mode
+  result (eager) matches interpret=True's and the reference (no timing)."""
+  import jax
+  import numpy as np
+  from benchmarks import small_kernels
+  cases = small_kernels.all_cases()
+  assert len(cases) >= 11 and small_kernels.FLOOR in cases
+  for name, builder in cases.items():
+    case = builder()
+    got = case.make("numpy")(*case.args)
+    want = case.make(True)(*case.args)
+    assert np.asarray(got).dtype == np.asarray(want).dtype, name
+    assert small_kernels.max_err(got, want) <= case.tol, name
+    assert small_kernels.max_err(got, case.reference(*case.args)) <= case.tol, name
+
+
+def test_small_kernels_section_survives_suite_rewrite(tmp_path):
+  """The small-kernels section of RESULTS.md is replaced in place by its
+  script and kept by suite.py's rewrite; the chart reads the main table."""
+  from benchmarks import plot_results, small_kernels
+  out = tmp_path / "RESULTS.md"
+  results = {("a", "numpy"): _run("a", 40.0, 2.0), ("a", "interpret"): _run("a", 800.0, 1.0)}
+  args = argparse.Namespace(out=str(out), repeats=1)
+  suite.write_results(args, ["a"], ["numpy", "interpret"], results, "test machine")
+  w = {m: 1e-3 for m in small_kernels.MODES}
+  r = {"name": "k", "first": w, "warm": w, "err": 0.0, "ok": True, "reps": 3}
+  small_kernels.write_section(str(out), small_kernels.report({"k": r}, "cmd", "m1"))
+  small_kernels.write_section(str(out), small_kernels.report({"k": r}, "cmd", "m2"))
+  text = out.read_text()
+  assert text.count(small_kernels.SECTION_START) == 1 and "m2" in text and "m1" not in text
+  assert "eager **1.00**" in text
+  suite.write_results(args, ["a"], ["numpy", "interpret"], results, "test machine 2")
+  text = out.read_text()
+  assert "test machine 2" in text and text.count(small_kernels.SECTION_START) == 1
+  labels, columns = plot_results.read_table(str(out))
+  assert labels == ["a"] and columns["numpy warm"] == {"a": 2.0}

@@ -15,11 +15,17 @@ the grid loop makes: that is what keeps a vectorized grid bitwise equal to
 the sequential one, since BLAS rounds differently with the routine NumPy
 picks for a layout (gemv_t vs gemv_n, a strided dot) and with a GEMM's row
 count.
+
+Small-integer products (int8/uint8/int4/int16 operands, integer
+accumulation) go through a float GEMM when it is provably exact
+(``exact_int_gemm``): NumPy's integer matmul is a naive loop, 10-100x slower
+than BLAS, and has no int8 GEMM.
 """
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from jax import lax
@@ -40,6 +46,55 @@ def _acc_dtype(lhs_dt, rhs_dt, pref):
   if out == np.bool_:
     return np.dtype(np.int32), out
   return out, out
+
+
+# Largest |sum of K products| a float GEMM adds up exactly, whatever the
+# order: every partial sum is an integer of at most this size (all such
+# integers are floats).
+_F32_EXACT = 1 << 24
+_F64_EXACT = 1 << 53
+
+
+def _int_magnitude(dt):
+  """max |x| over integer dtype ``dt`` (int4 etc. via ml_dtypes), or None
+  for non-integer dtypes."""
+  if dt.kind in "iu":
+    info = np.iinfo(dt)
+  elif dt.name in ("int4", "uint4", "int2", "uint2"):
+    info = ml_dtypes.iinfo(dt)
+  else:
+    return None
+  return max(-int(info.min), int(info.max))
+
+
+def exact_int_gemm(lhs_dt, rhs_dt, acc, K):
+  """(float dtype, wrap) to compute an integer dot_general through BLAS,
+  or None. Exact: every product and partial sum is an integer of at most
+  2^24 (float32) / 2^53 (float64), so the float GEMM returns the exact
+  sum in any summation order; the integer accumulation XLA does wraps mod
+  2^bits, and so does narrowing the exact sum through int64 (``wrap``:
+  needed when the sum may not fit ``acc``)."""
+  if acc.kind not in "iu" or acc.itemsize > 8:
+    return None
+  a, b = _int_magnitude(lhs_dt), _int_magnitude(rhs_dt)
+  if a is None or b is None or lhs_dt.itemsize > 2 or rhs_dt.itemsize > 2:
+    return None
+  bound = max(K, 1) * a * b
+  if bound <= _F32_EXACT:
+    f = np.dtype(np.float32)
+  elif bound <= _F64_EXACT:
+    f = np.dtype(np.float64)
+  else:
+    return None
+  info = np.iinfo(acc)
+  return f, bound > info.max or (acc.kind == "u")
+
+
+def _to_int(r, acc, wrap):
+  """The exact float sums ``r`` as ``acc`` integers, wrapping like XLA."""
+  if wrap:
+    r = r.astype(np.int64)
+  return r.astype(acc)
 
 
 def blas_operand(a):
@@ -79,6 +134,10 @@ class DotGeometry:
     self.acc, _ = _acc_dtype(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
                              e.params.get("preferred_element_type"))
     self.out = np_dtype(e.out_aval.dtype)
+    # Integer products through a float GEMM where exact (None: as acc).
+    self.int_gemm = exact_int_gemm(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
+                                   self.acc, self.K)
+    self.compute = self.int_gemm[0] if self.int_gemm else self.acc
     self.lnd, self.rnd = lnd, rnd
     # How the grid loop lays out each product's operands (the batched rule
     # must match it): 2-D products take blas_operand; NumPy's batched matmul
@@ -97,6 +156,7 @@ def _dot_general_batched(bc, rule, info, in_batched):
   g = DotGeometry(info)
   Bd, M, K, N = g.B, g.M, g.K, g.N
   out_shape, acc, out = g.out_shape, g.acc, g.out
+  compute, int_gemm = g.compute, g.int_gemm
   bool_out = out == np.bool_
   lb_, rb_ = in_batched
   lperm = (0, *[d + 1 for d in g.lperm]) if lb_ else g.lperm
@@ -106,11 +166,13 @@ def _dot_general_batched(bc, rule, info, in_batched):
 
   def dot(x, y):
     n = x.shape[0] if lb_ else y.shape[0]
-    x = np.transpose(np.asarray(x, dtype=acc), lperm)
-    y = np.transpose(np.asarray(y, dtype=acc), rperm)
+    x = np.transpose(np.asarray(x, dtype=compute), lperm)
+    y = np.transpose(np.asarray(y, dtype=compute), rperm)
     x = layout(x.reshape((n, Bd, M, K) if lb_ else (Bd, M, K)))
     y = layout(y.reshape((n, Bd, K, N) if rb_ else (Bd, K, N)))
     r = matmul(x, y)  # (n, Bd, M, N); an unbatched operand broadcasts
+    if int_gemm:
+      r = _to_int(r, acc, int_gemm[1])
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape((n, *out_shape)), dtype=out)
@@ -123,14 +185,15 @@ def _dot_general(e):
   lperm, rperm, B, M, K, N = g.lperm, g.rperm, g.B, g.M, g.K, g.N
   out_shape, acc, out = g.out_shape, g.acc, g.out
   lnd, rnd, layout = g.lnd, g.rnd, g.layout
+  compute, int_gemm = g.compute, g.int_gemm
   ltrivial = lperm == tuple(range(lnd))
   rtrivial = rperm == tuple(range(rnd))
   bool_out = out == np.bool_
   matmul = blas.matmul_for(B * M * K * N)
 
   def dot(x, y):
-    x = np.asarray(x, dtype=acc)
-    y = np.asarray(y, dtype=acc)
+    x = np.asarray(x, dtype=compute)
+    y = np.asarray(y, dtype=compute)
     if not ltrivial:
       x = np.transpose(x, lperm)
     if not rtrivial:
@@ -139,11 +202,13 @@ def _dot_general(e):
       r = matmul(layout(x.reshape(M, K)), layout(y.reshape(K, N)))
     else:
       r = matmul(layout(x.reshape(B, M, K)), layout(y.reshape(B, K, N)))
+    if int_gemm:
+      r = _to_int(r, acc, int_gemm[1])
     if bool_out:
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)
 
-  if B == 1 and lnd == 2 and rnd == 2 and acc == out and not bool_out:
+  if B == 1 and lnd == 2 and rnd == 2 and acc == out and not bool_out and not int_gemm:
     def dot_out(x, y, out=None):
       """A plain 2-D product, optionally into ``out`` (the ref block it is
       stored to: see the evaluator's ``into_refs``)."""
