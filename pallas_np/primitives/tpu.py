@@ -156,7 +156,8 @@ def _ref_operand(e, node, transforms=()):
   dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
   fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
-  fn.shape = tuple(access.result_shape)  # static: the operand's shape
+  # static: the operand's shape; None for a traced pl.ds size (known at run time)
+  fn.shape = None if access.dynamic_size else tuple(access.result_shape)
   return fn
 
 
@@ -200,6 +201,9 @@ def _dma_start(e):
   src_shape, dst_shape = get_src.shape, get_dst.shape
   mismatch = (f"DMA shape mismatch: source {src_shape}, destination {dst_shape}"
               if src_shape != dst_shape else None)
+  dynamic = src_shape is None or dst_shape is None
+  if dynamic:
+    mismatch = None
 
   def dma_start(ctx, *args):
     if check_device is not None:
@@ -208,6 +212,8 @@ def _dma_start(e):
       raise ValueError(mismatch)
     s_view, s_idx = get_src(args)
     d_view, d_idx = get_dst(args)
+    if dynamic:
+      dma_mod.check_shapes(s_view[s_idx], d_view[d_idx])
     dsem = dma_mod.sem_cell(*get_dst_sem(args))
     ssem = dma_mod.sem_cell(*get_src_sem(args)) if get_src_sem is not None else None
     dma_mod.start(ctx, (s_view, s_idx), (d_view, d_idx), dsem, ssem, add=add,
@@ -236,6 +242,15 @@ def _dma_wait(e):
         dtype = t.dtype
   nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
   what = f"DMA wait at {e.source}"
+  if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
+    get_src, itemsize = _ref_operand(e, src), np_dtype(dtype).itemsize
+
+    def dma_wait(ctx, *args):
+      view, idx = get_src(args)
+      n = view[idx].size * itemsize
+      dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), n, what=what)
+      return []
+    return dma_wait
 
   def dma_wait(ctx, *args):
     dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), nbytes, what=what)

@@ -97,9 +97,18 @@ class Dma:
     self.state = DONE
 
 
+def check_shapes(src: np.ndarray, dst: np.ndarray):
+  """Source and destination of a DMA with a traced size agree when it runs."""
+  if src.shape != dst.shape:
+    raise ValueError(f"DMA shape mismatch: source {src.shape}, destination {dst.shape}")
+
+
 def start(ctx, src, dst, dst_sem, src_sem, *, add, source):
   st = state_of(ctx)
   dma = Dma(src, dst, src_sem, dst_sem, add, source, ctx.grid_point)
+  if isinstance(src[0], np.ndarray) and src[0][src[1]].size == 0:  # a traced pl.ds size of 0: nothing to move or wait for
+    dma.state = DONE
+    return
   st.dmas.append(dma)
   if src_sem is not None:
     st.tasks.setdefault(sem_key(src_sem), []).append((src_sem, dma.read))

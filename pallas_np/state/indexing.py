@@ -25,6 +25,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
+from pallas_np.state import lens
 
 
 class _Dyn:
@@ -133,6 +134,17 @@ def _check_int(i, dim, axis, shape, clamp):
 def _check_slice(start, size, stride, dim, axis, shape, clamp):
   start = int(start)
   size = int(size)
+  if size < 0 or (size - 1) * stride + 1 > dim:  # only a traced size can be
+    fits = (dim - 1) // stride + 1 if dim else 0
+    if not clamp:
+      raise IndexError(
+          f"out-of-bounds ref access: slice pl.ds(start={start}, size={size}"
+          + (f", stride={stride}" if stride != 1 else "") + f") on axis {axis} of a "
+          f"ref of shape {tuple(shape)}: its dynamic size is "
+          + ("negative" if size < 0 else f"larger than the axis ({dim})")
+          + f". bounds_check='clamp' clamps the size to [0, {fits}] (and then the "
+          "start, as lax.dynamic_slice does); TPU interpret mode raises.")
+    size = min(max(size, 0), fits)
   extent = (size - 1) * stride + 1 if size > 0 else 0
   if start < 0 or start + extent > dim:
     jax_start = min(max(_wrapped(start, dim), 0), max(dim - extent, 0))
@@ -206,6 +218,7 @@ class RefAccess:
     if transforms is None:
       transforms = ()
     self.clamp = clamp
+    self.dynamic_size = False
     # Walk the transforms, tracking the ref's shape/dtype.
     shape = tuple(ref_shape)
     steps = []
@@ -219,11 +232,20 @@ class RefAccess:
             dims.append(_DimInt(_wrap_static(ix, n), n))
           else:
             dims.append(DimArray(_wrap_static(ix, n), n))
+        if self.dynamic_size:
+          raise UnsupportedError(
+              "pallas_np: indexing a dynamically sized ref slice again is not supported")
         steps.append(("index", dims, shape))
         self._final_layout = _int_block_layout(dims, tuple(t.int_indexer_shape))
-        if any(isinstance(d, DimSlice) and not is_static(d.size) for d in dims):
-          raise UnsupportedError("pallas_np: dynamically sized ref slices are not supported")
+        # A traced pl.ds size (JAX allows it in refs handed to DMAs): the
+        # size is known when the access runs; result_shape holds the axis
+        # size there, an upper bound (see runtime_shape).
+        self.dynamic_size = any(isinstance(d, DimSlice) and not is_static(d.size)
+                                for d in dims)
         shape = _indexed_shape(dims, self._final_layout)
+      elif self.dynamic_size:
+        raise UnsupportedError(  # JAX refuses these at trace time too
+            f"pallas_np: ref transform {t!r} after a dynamically sized slice is not supported")
       elif jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
         steps.append(("bitcast", np.dtype(t.dtype), shape))
         shape = _bitcast_shape(shape, ref_dtype, t.dtype)
@@ -289,8 +311,7 @@ class RefAccess:
       elif kind == "reshape":
         fns.append(_reshape_view(arg))
       elif kind == "transpose":
-        perm = arg
-        fns.append(lambda v, leaves, perm=perm: v.transpose(perm))
+        fns.append(_transpose_view(arg))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
@@ -494,7 +515,7 @@ def _indexed_shape(dims, layout) -> tuple:
   out = [0] * (sum(a is not None for a in slice_axes) + (len(int_shape) if has_int else 0))
   for d, axis in zip(dims, slice_axes):
     if axis is not None:
-      out[axis] = int(d.size)
+      out[axis] = int(d.size) if is_static(d.size) else d.dim  # the bound
   if has_int:
     out[int_at:int_at + len(int_shape)] = int_shape
   return tuple(out)
@@ -529,6 +550,8 @@ def _int_block_layout(dims, int_shape):
 def _apply_index(builder):
   def f(view, leaves):
     idx = builder(leaves)
+    if isinstance(view, lens.LensView):
+      return lens.indexed(view, idx)
     out = view[idx]
     if not isinstance(out, np.ndarray) or (out.base is None and out.size and view.size):
       if any(isinstance(i, np.ndarray) for i in idx):
@@ -551,23 +574,30 @@ def _bitcast_shape(shape, from_dtype, to_dtype):
 
 
 def _bitcast_view(dtype):
+  """Same width, or a 1-D ref: a NumPy view. A width change packs along the
+  second-minor dim (``lens.tpu_bitcast``), which no strided view can do."""
   def f(view, leaves):
-    if view.dtype.itemsize == dtype.itemsize:
-      return view.view(dtype)
-    if view.ndim >= 2:
-      raise UnsupportedError(
-          "pallas_np: width-changing ref bitcasts are not supported yet")
+    if isinstance(view, lens.LensView) or (
+        view.dtype.itemsize != dtype.itemsize and view.ndim >= 2):
+      return lens.bitcast(view, dtype)
     return view.view(dtype)
   return f
 
 
 def _reshape_view(shape):
   def f(view, leaves):
+    if isinstance(view, lens.LensView):
+      return lens.reshaped(view, shape)
     try:
-      out = np.reshape(view, shape, copy=False)
-    except ValueError as e:  # numpy would have to copy: writes would be lost
-      raise UnsupportedError(
-          f"pallas_np: ref reshape of a non-contiguous view {view.shape}->{shape} "
-          "is not supported") from e
-    return out
+      return np.reshape(view, shape, copy=False)
+    except ValueError:  # a non-contiguous view: read and written through a copy
+      return lens.reshaped(view, shape)
+  return f
+
+
+def _transpose_view(perm):
+  def f(view, leaves):
+    if isinstance(view, lens.LensView):
+      return lens.transposed(view, perm)
+    return view.transpose(perm)
   return f
