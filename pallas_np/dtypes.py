@@ -74,3 +74,20 @@ def has_negative_zero(x) -> bool:
     return x.dtype.kind not in "biu"
   unsigned, pattern = bits
   return bool((x.view(unsigned) == pattern).any())
+
+
+def bit_width(dtype) -> int:
+  """Bits per element: NumPy's itemsize says 1 byte for ml_dtypes' sub-byte
+  types (int4, uint2, float4_e2m1fn, ...), which hold 4 or 2 bits."""
+  dt = np.dtype(dtype)
+  if dt.kind in "iu" or dt.kind == "V" and "int" in dt.name:
+    try:
+      return int(ml_dtypes.iinfo(dt).bits)
+    except (TypeError, ValueError):
+      pass
+  if dt.kind in "fV":
+    try:
+      return int(ml_dtypes.finfo(dt).bits)
+    except (TypeError, ValueError):
+      pass
+  return dt.itemsize * 8

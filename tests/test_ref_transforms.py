@@ -132,3 +132,25 @@ def test_smem_bitcast():
                          out_specs=pl.BlockSpec(memory_space=pltpu.SMEM))(jnp.asarray(X[:4, :8]))
   np.testing.assert_array_equal(np.asarray(got), packed(X[:4, :8], np.int16))
   np.testing.assert_array_equal(packed(packed(X, np.int8), np.int32), X)  # the reference round-trips
+
+
+def test_sub_byte_bitcast_raises():
+  """A width-changing bitcast to or from a sub-byte type (int4: two per byte)
+  cannot be a NumPy array of the right shape: numpy mode must refuse it
+  rather than return a wrongly shaped ref."""
+  import pallas_np
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref.bitcast(jnp.int4)[...].astype(jnp.int32)[:16]
+
+  call = lambda: pallas_np.pallas_call(  # noqa: E731
+      kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.int32))(X)
+  try:
+    jax.make_jaxpr(lambda x: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.int32), interpret=True)(x))(X)
+  except Exception as e:  # this JAX refuses the kernel while tracing: so must we
+    with pytest.raises(type(e)):
+      call()
+    return
+  with pytest.raises(pallas_np.UnsupportedError, match="sub-byte"):
+    call()

@@ -25,6 +25,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
+from pallas_np.dtypes import bit_width
 from pallas_np.state import lens
 
 
@@ -564,7 +565,12 @@ def _apply_index(builder):
 def _bitcast_shape(shape, from_dtype, to_dtype):
   if from_dtype is None:
     return shape
-  a, b = np.dtype(jc.physical_dtype(from_dtype)).itemsize, np.dtype(to_dtype).itemsize
+  src, dst = np.dtype(jc.physical_dtype(from_dtype)), np.dtype(to_dtype)
+  if bit_width(src) != bit_width(dst) and min(bit_width(src), bit_width(dst)) < 8:
+    raise UnsupportedError(  # NumPy arrays cannot hold packed sub-byte elements
+        f"pallas_np: ref bitcast {src.name} -> {dst.name} (a sub-byte type of another "
+        "width) is not supported")
+  a, b = src.itemsize, dst.itemsize
   if a == b or not shape:
     return shape
   # Pallas/TPU convention: the second-minor dimension absorbs the width change.
