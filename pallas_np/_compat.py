@@ -410,3 +410,17 @@ def lowering_source(ctx) -> str:
     return source_info_util.summarize(source_info_util.SourceInfo(ctx.traceback, ctx.name_stack))
   except Exception:  # pragma: no cover - never mask the real error
     return ""
+
+
+# -- multi-device (shard_map) kernels ------------------------------------------
+axis_index_p = jax.lax.axis_index_p
+# pl.DeviceIdType (JAX 0.12); pltpu.DeviceIdType before (and deprecated after).
+DeviceIdType = getattr(pallas_primitives, "DeviceIdType", None) or mosaic_primitives.DeviceIdType
+
+
+def axis_env_sizes() -> dict:
+  """The named axes bound where we are tracing or lowering, with their sizes
+  (a shard_map body's manual mesh axes, in mesh order; pmap's axis): what
+  TPU interpret mode reads to number devices. Empty outside any."""
+  env = jax_core.get_axis_env()
+  return dict(getattr(env, "axis_sizes", {}) or {})

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import lru, registry
+from pallas_np import devices, lru, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
@@ -114,6 +114,32 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
   # itself, instead of as an XLA runtime error from inside the callback.
   plan = get_kernel_plan(plan_params, interp)
   plan.kernel  # noqa: B018 (the lazily compiled sequential plan)
+
+  # Multi-device kernels (axis_index, remote DMAs, the barrier semaphore):
+  # we are lowering one device's part of a shard_map (or pmap) body, whose
+  # bound axes are known here; each device's coordinates are computed in the
+  # lowered program and handed to its callback (pallas_np.devices).
+  axis_names, remote = plan.device_features
+  axis_sizes = jc.axis_env_sizes()
+  if (axis_names or remote) and axis_sizes:
+    missing = sorted(set(axis_names) - set(axis_sizes), key=str)
+    if missing:
+      raise UnsupportedError(
+          f"pallas_np: kernel '{plan.name}' reads jax.lax.axis_index of {missing}, not "
+          f"axes bound around the pallas_call (bound: {tuple(axis_sizes)})")
+    names, sizes = tuple(axis_sizes), tuple(axis_sizes.values())
+    key = (id(plan), names, sizes)
+
+    def host_run_on_device(*args):
+      coords, args = args[:len(names)], args[len(names):]
+      placement = devices.Placement(key, names, sizes, [int(c) for c in coords])
+      return plan.run(*args, placement=placement)
+
+    def impl(*args):
+      coords = [jax.lax.axis_index(n) for n in names]
+      return jax.experimental.io_callback(host_run_on_device, result_shapes, *coords,
+                                          *args, ordered=False)
+    return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
 
   def host_run(*args):
     return plan.run(*args)

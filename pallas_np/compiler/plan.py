@@ -17,7 +17,7 @@ from pallas_np.lru import LRU
 class RunContext:
   """Per-execution state that ctx-rules read: where in the grid we are."""
   __slots__ = ("program_ids", "num_programs", "kernel_name", "params",
-               "grid_point", "extra", "batch_size")
+               "grid_point", "extra", "batch_size", "device")
 
   def __init__(self, kernel_name="kernel", params=None, program_ids=(),
                num_programs=()):
@@ -29,6 +29,8 @@ class RunContext:
     self.extra = {}
     # Lanes of a vectorized pass (pallas_np.grid.vectorize); None when sequential.
     self.batch_size = None
+    # The kernel instance's devices.DeviceContext in a multi-device run, else None.
+    self.device = None
 
 
 # Code objects by generated source (without the function name): index maps,

@@ -23,7 +23,7 @@ import itertools
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, memory, races
+from pallas_np import blas, debugging, devices, memory, races
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
 from pallas_np.grid import threads, vectorize
@@ -55,6 +55,7 @@ class KernelPlan:
     self.compiler = Compiler(params, self.name)
     self.kernel_jaxpr = jaxpr
     self._kernel = None  # the sequential plan, compiled on first use
+    self._device_features = None
     if debug:
       print(f"pallas_np plan for {self.name}:\n{self.kernel.source}")
     self.grid = tuple(gm.grid)
@@ -97,13 +98,54 @@ class KernelPlan:
       self._kernel = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
     return self._kernel
 
+  @property
+  def device_features(self):
+    """(axis names the kernel reads with axis_index, whether it talks to
+    other devices): such a kernel runs as one instance per device inside a
+    shard_map (``devices.device_features``)."""
+    if self._device_features is None:
+      self._device_features = devices.device_features(self.kernel_jaxpr)
+    return self._device_features
+
   # -- execution ---------------------------------------------------------------
-  def run(self, *args) -> list[np.ndarray]:
+  def run(self, *args, placement=None) -> list[np.ndarray]:
+    """``placement``: a ``devices.Placement`` when this is one device's
+    instance of a multi-device kernel (pallas_np.api passes it inside a
+    shard_map); such a run is sequential and meets its peers (devices.py)."""
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
     new_run()
     with np.errstate(all="ignore"), blas.kernel_run():
+      if placement is not None:
+        return self._run_on_device(args, placement)
       return self._run(*args)
+
+  def _run_on_device(self, args, placement):
+    if self.params.num_cores > 1 and self.parallel_prefix:
+      raise UnsupportedError(
+          f"pallas_np: kernel '{self.name}': num_cores > 1 together with multi-device "
+          "communication (axis_index, remote DMAs) is not supported")
+    grid, index_ops, buffers, out_bufs = self._prepare(args)
+    scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
+    targets = [*index_ops,
+               *(buf if geo.whole else None for geo, buf in zip(self.blocks, buffers)),
+               *scratch]
+    me = devices.enter(placement, targets)
+    error = None
+    try:
+      detector = races.for_run(self, grid, buffers, scratch)
+      if detector is None:
+        self.run_grid(grid, index_ops, buffers, scratch, device=me)
+      else:
+        with races.activate(detector):
+          self.run_grid(grid, index_ops, buffers, scratch, detector, device=me)
+    except BaseException as e:
+      error = e
+      raise
+    finally:
+      devices.leave(me, error)
+    self.last_mode = "sequential"
+    return self._results(out_bufs)
 
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
@@ -231,9 +273,10 @@ class KernelPlan:
                        detector, points=chunk)
 
   def run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
-                progress=True):
+                progress=True, device=None):
     params = self.params
     ctx = RunContext(self.name, params)
+    ctx.device = device
     local = self.local_dims
     ctx.num_programs = tuple(np.int32(grid[d]) for d in local)
     kernel = self.kernel.fn
@@ -277,15 +320,17 @@ class KernelPlan:
           progress.tick(step + 1)
       if ctx.extra:
         dma.check_finished(ctx)
+      if device is not None:
+        devices.check_failed(device)
     except KernelError:
       raise
     except Exception as e:
-      raise self._kernel_error(e, point) from e
+      raise self._kernel_error(e, point, device) from e
     finally:
       if own_bar and progress is not None:
         progress.close()
 
-  def _kernel_error(self, e: Exception, point) -> Exception:
+  def _kernel_error(self, e: Exception, point, device=None) -> Exception:
     eqns = failing_eqns(e.__traceback__)
     where = ""
     prim = None
@@ -307,7 +352,9 @@ class KernelPlan:
     if origin is not None:
       where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")
     point = tuple(int(p) for p in point)
-    msg = f"{type(e).__name__} in Pallas kernel '{self.name}' at grid point {point}{where}: {e}"
+    on = f" on {device.placement.describe()}" if device is not None else ""
+    msg = (f"{type(e).__name__} in Pallas kernel '{self.name}'{on} at grid point "
+           f"{point}{where}: {e}")
     cls = kernel_error_class(type(e))
     err = cls(msg, kernel=self.name, program_ids=point, primitive=prim, source=source,
               original=e)

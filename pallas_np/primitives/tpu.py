@@ -9,6 +9,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
+from pallas_np.errors import UnsupportedError
 from pallas_np.state import dma as dma_mod
 from pallas_np.state.indexing import RefAccess
 
@@ -173,19 +174,39 @@ def _arg(e, leaf):
   return lambda args: leaf
 
 
-def _device_is_self(e, device_id_node):
-  """A remote operation is local when its device id is this (the only) device."""
+def _device_target(e, device_id_node):
+  """Compile a DMA/signal's ``device_id`` into ``fn(ctx, args)``: None when
+  the target is this device, else the peer's logical id (``pallas_np.devices``).
+  Outside a multi-device run only device 0 (this device) exists."""
   if device_id_node is None:
     return None
-  getters = [_arg(e, l) for l in jax.tree_util.tree_leaves(device_id_node)]
+  id_type = e.params.get("device_id_type", jc.DeviceIdType.MESH)
+  if isinstance(device_id_node, dict):
+    getters = {k: _arg(e, v) for k, v in device_id_node.items()}
+    read = lambda args: {k: int(g(args)) for k, g in getters.items()}
+  elif isinstance(device_id_node, (tuple, list)):
+    getters = [_arg(e, v) for v in device_id_node]
+    read = lambda args: tuple(int(g(args)) for g in getters)
+  else:
+    get = _arg(e, device_id_node)
+    read = lambda args: int(get(args))
 
-  def check(args):
-    for get in getters:
-      if int(get(args)) != 0:
-        raise NotImplementedError(
-            f"remote DMA/semaphore to device {int(get(args))}: the NumPy "
-            "interpreter simulates one device (only device id 0 = itself)")
-  return check
+  def target(ctx, args):
+    device_id = read(args)
+    me = ctx.device
+    if me is None:
+      ids = device_id.values() if isinstance(device_id, dict) else (
+          device_id if isinstance(device_id, tuple) else (device_id,))
+      for i in ids:
+        if i != 0:
+          raise NotImplementedError(
+              f"remote DMA/semaphore to device {device_id}: outside a multi-device run "
+              "(jax.jit of a jax.shard_map) the NumPy interpreter has one device "
+              "(only device id 0 = itself)")
+      return None
+    t = me.target_id(device_id, id_type)
+    return None if t == me.logical_id else t
+  return target
 
 
 @registry.register(mp.dma_start_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
@@ -193,7 +214,7 @@ def _dma_start(e):
   src, dst, dst_sem, src_sem, device_id = _positions(e, e.params["tree"])
   get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
   get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
-  check_device = _device_is_self(e, device_id)
+  target = _device_target(e, device_id)
   add = bool(e.params.get("add", False))
   source = e.source
   # The shapes are static: a mismatch raises when the DMA runs (with its
@@ -206,10 +227,14 @@ def _dma_start(e):
     mismatch = None
 
   def dma_start(ctx, *args):
-    if check_device is not None:
-      check_device(args)
+    peer = target(ctx, args) if target is not None else None
     if mismatch is not None:
       raise ValueError(mismatch)
+    if peer is not None:
+      dma_mod.remote_start(ctx, peer, get_src(args), get_dst(args), get_dst_sem(args),
+                           get_src_sem(args) if get_src_sem is not None else None,
+                           add=add, source=source)
+      return []
     s_view, s_idx = get_src(args)
     d_view, d_idx = get_dst(args)
     if dynamic:
@@ -262,17 +287,19 @@ def _dma_wait(e):
 def _semaphore_signal(e):
   ref, transforms, inc, device_id, core_index = _positions(e, e.params["args_tree"])
   get_sem = _ref_operand(e, ref, transforms)
-  check_device = _device_is_self(e, device_id)
+  target = _device_target(e, device_id)
   get_inc = _arg(e, inc)
   get_core = _arg(e, core_index) if core_index is not None else None
+  source = e.source
 
   def signal(ctx, *args):
-    if check_device is not None:
-      check_device(args)
+    peer = target(ctx, args) if target is not None else None
     if get_core is not None and int(get_core(args)) != 0:
       raise NotImplementedError("signalling another core: the NumPy interpreter runs one core")
-    cell = dma_mod.sem_cell(*get_sem(args))
-    cell[...] += int(get_inc(args))
+    if peer is not None:
+      dma_mod.remote_signal(ctx, peer, get_sem(args), int(get_inc(args)), source=source)
+      return []
+    dma_mod.signal(ctx, dma_mod.sem_cell(*get_sem(args)), int(get_inc(args)))
     return []
   return signal
 
@@ -286,11 +313,8 @@ def _semaphore_wait(e):
 
   def sem_wait(ctx, *args):
     cell = dma_mod.sem_cell(*get_sem(args))
-    val = int(get_value(args))
-    dec = bool(get_dec(args))
-    dma_mod.wait(ctx, cell, val, what=what)
-    if not dec:
-      cell[...] += val
+    dma_mod.wait(ctx, cell, int(get_value(args)), what=what,
+                 decrement=bool(get_dec(args)))
     return []
   return sem_wait
 
@@ -309,6 +333,24 @@ def _semaphore_read(e):
                    batch=_SEQUENTIAL)
 def _get_barrier_semaphore(e):
   return lambda ctx: dma_mod.barrier_semaphore(ctx)
+
+
+# -- devices: jax.lax.axis_index inside a kernel ----------------------------------
+@registry.register(jc.axis_index_p, needs_ctx=True, foldable=False, batch=registry.unbatched(
+    "axis_index reads the device the kernel instance runs on: the grid runs sequentially"))
+def _axis_index(e):
+  name = e.params["axis_name"]
+  source = e.source
+
+  def axis_index(ctx):
+    if ctx.device is None:
+      raise UnsupportedError(
+          f"pallas_np: jax.lax.axis_index({name!r}) at {source} needs the device the kernel "
+          "runs on: it is supported inside jax.jit(jax.shard_map(...)) (or pmap), where "
+          "XLA runs each device's kernel instance; not on this path (an eager "
+          "evaluation of the kernel outside JAX's multi-device runtime)")
+    return ctx.device.axis_index(name)
+  return axis_index
 
 
 def assume_tpu_chip(version: str = "v5e", num_cores: int = 1):

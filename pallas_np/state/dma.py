@@ -12,12 +12,14 @@ semaphore scratch int64 so byte counts of DMA semaphores cannot overflow); its
 address identifies it in the per-run table of pending DMAs kept in
 ``RunContext.extra``. The interpreter runs one core, so a wait that its queued
 DMAs cannot satisfy can never be satisfied: it raises instead of hanging.
+Between devices (``shard_map``) waits block on the other devices' signals
+and remote DMAs copy at start; see ``pallas_np.devices``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from pallas_np import races
+from pallas_np import devices, races
 
 _STATE_KEY = "tpu_dma"
 
@@ -115,28 +117,86 @@ def start(ctx, src, dst, dst_sem, src_sem, *, add, source):
   st.tasks.setdefault(sem_key(dst_sem), []).append((dst_sem, dma.read_and_write))
 
 
-def wait(ctx, cell: np.ndarray, value: int, *, what: str):
+def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True):
   """Wait until the semaphore reaches ``value`` and decrement it, running
-  queued DMAs (newest first) while it is too low."""
-  if cell[()] < value:
-    st = ctx.extra.get(_STATE_KEY)
-    queue = st.tasks.get(sem_key(cell)) if st is not None else None
-    while cell[()] < value and queue:
-      _, task = queue.pop()
-      task()
-    if st is not None:
-      st.dmas = [d for d in st.dmas if d.state != DONE]
+  queued DMAs (newest first) while it is too low. In a multi-device run
+  (``ctx.device``) a wait still too low blocks until another device signals
+  it, or raises when no device ever can (``pallas_np.devices``)."""
+  with devices.lock(ctx):
     if cell[()] < value:
-      raise RuntimeError(
-          f"deadlock: {what} waits for the semaphore to reach {value}, but its "
-          f"value is {int(cell[()])} and no pending DMA or other core can signal "
-          "it: on a TPU this wait would hang forever. (Kernels that split a "
-          "'parallel' grid dim across TensorCores, e.g. megacore modes, need "
-          "InterpretParams(num_cores=2).)")
-  cell[...] -= value
+      st = ctx.extra.get(_STATE_KEY)
+      queue = st.tasks.get(sem_key(cell)) if st is not None else None
+      while cell[()] < value and queue:
+        _, task = queue.pop()
+        task()
+      if st is not None:
+        st.dmas = [d for d in st.dmas if d.state != DONE]
+      if cell[()] < value and ctx.device is not None:
+        devices.block_until(
+            ctx, lambda: cell[()] >= value,
+            f"{what} waits for the semaphore to reach {value} (it is {int(cell[()])})")
+      if cell[()] < value:
+        raise RuntimeError(
+            f"deadlock: {what} waits for the semaphore to reach {value}, but its "
+            f"value is {int(cell[()])} and no pending DMA or other core can signal "
+            "it: on a TPU this wait would hang forever. (Kernels that split a "
+            "'parallel' grid dim across TensorCores, e.g. megacore modes, need "
+            "InterpretParams(num_cores=2).)")
+    if decrement:
+      cell[...] -= value
+
+
+def signal(ctx, cell: np.ndarray, inc: int):
+  """Add ``inc`` to one of this device's semaphores."""
+  lk = devices.lock(ctx)
+  with lk:
+    cell[...] += inc
+    lk.notify_all()
+
+
+# -- between devices (pallas_np.devices) -------------------------------------------
+def _peer(ctx, target: int):
+  me = ctx.device
+  devices.check_failed(me)
+  return me, me.session.members[target]
+
+
+def remote_start(ctx, target: int, src, dst, dst_sem, src_sem, *, add, source):
+  """A DMA to another device: copies now (source read, the peer's
+  destination written, the send semaphore and the peer's receive semaphore
+  counted), under the session lock."""
+  what = f"remote DMA at {source}"
+  lk = devices.lock(ctx)
+  with lk:
+    me, peer = _peer(ctx, target)
+    d_view, d_idx = dst
+    peer_dst = me.peer_ref(peer, d_view, what)
+    s_view, s_idx = src
+    data = np.array(s_view[s_idx])
+    if add:
+      peer_dst[d_idx] += data
+    else:
+      peer_dst[d_idx] = data
+    sem_view, sem_idx = dst_sem
+    sem_cell(me.peer_ref(peer, sem_view, what), sem_idx)[...] += data.nbytes
+    if src_sem is not None:
+      sem_cell(*src_sem)[...] += data.nbytes
+    lk.notify_all()
+
+
+def remote_signal(ctx, target: int, sem, inc: int, *, source):
+  """``semaphore_signal(..., device_id=target)`` to another device."""
+  lk = devices.lock(ctx)
+  with lk:
+    me, peer = _peer(ctx, target)
+    view, idx = sem
+    sem_cell(me.peer_ref(peer, view, f"remote semaphore_signal at {source}"), idx)[...] += inc
+    lk.notify_all()
 
 
 def barrier_semaphore(ctx) -> np.ndarray:
+  if ctx.device is not None:  # one per device per kernel invocation
+    return ctx.device.barrier
   st = state_of(ctx)
   if st.barrier is None:
     st.barrier = np.zeros((), np.int64)

@@ -1,0 +1,199 @@
+"""Multi-device kernels for tests/test_multi_device.py, run in a subprocess
+with N host devices (``python tests/multi_device_kernels.py CASE``).
+
+Not collected by pytest (no test_ prefix): XLA_FLAGS must be set before JAX
+starts, so each case runs in a fresh interpreter with a hard timeout."""
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+import pallas_np  # noqa: F401  (installs interpret="numpy")
+
+DeviceIdType = getattr(pl, "DeviceIdType", None) or pltpu.DeviceIdType
+N = jax.device_count()
+MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+ANY = pl.ANY
+
+
+def shmap(f, in_specs=P("x"), out_specs=P("x"), mesh=MESH):
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                               check_vma=False))
+
+
+# -- the "distributed TPU kernels" tutorial's right permute -----------------------
+def right_permute_kernel(input_ref, output_ref, send_sem, recv_sem, *, shift=1, to=None):
+  my_id = jax.lax.axis_index("x")
+  target = jax.lax.rem(my_id + shift, N) if to is None else to(my_id)
+  copy = pltpu.make_async_remote_copy(
+      src_ref=input_ref, dst_ref=output_ref, send_sem=send_sem, recv_sem=recv_sem,
+      device_id=(target,), device_id_type=DeviceIdType.MESH)
+  copy.start()
+  copy.wait()
+
+
+def right_permute(x, interpret="numpy", **kw):
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=0, in_specs=[pl.BlockSpec(memory_space=ANY)],
+      out_specs=pl.BlockSpec(memory_space=ANY),
+      scratch_shapes=[pltpu.SemaphoreType.DMA] * 2)
+  return pl.pallas_call(functools.partial(right_permute_kernel, **kw),
+                        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid_spec=spec, interpret=interpret)(x)
+
+
+# -- the tutorial's ring all-gather (barrier handshake, LOGICAL device ids) -------
+def all_gather_kernel(input_ref, output_ref, local_copy_sem, send_sem, recv_sems,
+                      *, skip_barrier_signal=False, wait_count=2):
+  outer_step = pl.program_id(0)
+  my_id = jax.lax.axis_index("x")
+  right = jax.lax.rem(my_id + 1, N)
+  left = jax.lax.rem(my_id - 1 + N, N)
+  copy_slot = jax.lax.rem(my_id - outer_step + N, N)
+
+  @pl.when(outer_step == 0)
+  def _():
+    # Handshake with both neighbours so nobody writes into a kernel that
+    # has not started (the tutorial's barrier).
+    barrier = pltpu.get_barrier_semaphore()
+    pl.semaphore_signal(barrier, device_id=left, device_id_type=DeviceIdType.LOGICAL)
+    if not skip_barrier_signal:
+      pl.semaphore_signal(barrier, device_id=right, device_id_type=DeviceIdType.LOGICAL)
+    pl.semaphore_wait(barrier, wait_count)
+    local = pltpu.make_async_copy(input_ref, output_ref.at[my_id], local_copy_sem)
+    local.start()
+    local.wait()
+
+  copy = pltpu.make_async_remote_copy(
+      src_ref=output_ref.at[copy_slot], dst_ref=output_ref.at[copy_slot],
+      send_sem=send_sem, recv_sem=recv_sems.at[outer_step],
+      device_id=(right,), device_id_type=DeviceIdType.MESH)
+  copy.start()
+  copy.wait()
+
+
+def all_gather(x, interpret="numpy", **kw):
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=0, in_specs=[pl.BlockSpec(memory_space=ANY)],
+      out_specs=pl.BlockSpec(memory_space=ANY),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA,
+                      pltpu.SemaphoreType.DMA((N - 1,))],
+      grid=(N - 1,))
+  return pl.pallas_call(functools.partial(all_gather_kernel, **kw),
+                        out_shape=jax.ShapeDtypeStruct((N, *x.shape), x.dtype),
+                        grid_spec=spec, interpret=interpret,
+                        compiler_params=pltpu.CompilerParams(collective_id=0))(x)
+
+
+def data(rows=8):
+  return jnp.arange(N * rows * 128, dtype=jnp.float32).reshape(N * rows, 128)
+
+
+def check(got, want, what):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape and np.array_equal(got, want), (what, got, want)
+  print("ok", what)
+
+
+def case_correct():
+  x = data()
+  perm = [(i, (i + 1) % N) for i in range(N)]
+  want = shmap(lambda v: jax.lax.ppermute(v, "x", perm))(x)
+  check(shmap(right_permute)(x), want, "right_permute vs ppermute")
+  # a left shift by N - 1 (MESH ids), twice: sessions of one plan in a row
+  for _ in range(2):
+    check(shmap(functools.partial(right_permute, shift=N - 1))(x),
+          shmap(lambda v: jax.lax.ppermute(v, "x", [(i, (i - 1) % N) for i in range(N)]))(x),
+          "left_permute vs ppermute")
+  want_ag = shmap(lambda v: jax.lax.all_gather(v, "x"), out_specs=P(None))(x)
+  got_ag = shmap(lambda v: all_gather(v)[None], out_specs=P("x"))(x)
+  for d in range(N):
+    check(got_ag[d], want_ag, f"tutorial all_gather on device {d} vs lax.all_gather")
+  from jax.experimental.pallas.ops.tpu import all_gather as ag_mod
+  with pallas_np.force_numpy_interpret():
+    got = ag_mod.all_gather(x, mesh=MESH, axis_name="x")
+  check(got, x, "pallas.ops.tpu.all_gather")
+  # psum from the gathered shards (all-reduce built on the kernel)
+  check(shmap(lambda v: all_gather(v).sum(0))(x),
+        shmap(lambda v: jax.lax.psum(v, "x"))(x), "all_gather + sum vs psum")
+  # 2-D mesh: MESH device-id tuples and axis_index per axis
+  if N % 2 == 0 and N > 2:
+    mesh2 = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, N // 2), ("a", "b"))
+
+    def k2(x_ref, o_ref, send, recv):
+      a, b = jax.lax.axis_index("a"), jax.lax.axis_index("b")
+      copy = pltpu.make_async_remote_copy(
+          x_ref, o_ref, send, recv, device_id=(a, jax.lax.rem(b + 1, N // 2)),
+          device_id_type=DeviceIdType.MESH)
+      copy.start()
+      copy.wait()
+
+    def f2(v):
+      spec = pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=0, in_specs=[pl.BlockSpec(memory_space=ANY)],
+          out_specs=pl.BlockSpec(memory_space=ANY),
+          scratch_shapes=[pltpu.SemaphoreType.DMA] * 2)
+      return pl.pallas_call(k2, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                            grid_spec=spec, interpret="numpy")(v)
+    m = N // 2
+    got = shmap(f2, in_specs=P(("a", "b")), out_specs=P(("a", "b")), mesh=mesh2)(x)
+    want = shmap(lambda v: jax.lax.ppermute(v, "b", [(i, (i + 1) % m) for i in range(m)]),
+                 in_specs=P(("a", "b")), out_specs=P(("a", "b")), mesh=mesh2)(x)
+    check(got, want, "2-D mesh permute along b vs ppermute")
+
+
+def case_oracle():
+  """The same kernels under TPU interpret mode (JAX's own CPU simulation)."""
+  x = data()
+  tpu = pltpu.InterpretParams()
+  check(shmap(right_permute)(x), shmap(functools.partial(right_permute, interpret=tpu))(x),
+        "right_permute vs TPU interpret mode")
+  check(shmap(lambda v: all_gather(v)[None])(x),
+        shmap(lambda v: all_gather(v, interpret=tpu)[None])(x),
+        "all_gather vs TPU interpret mode")
+
+
+def expect_error(fn, *needles):
+  try:
+    jax.block_until_ready(fn())
+  except Exception as e:  # noqa: BLE001 (XLA wraps the callback's error)
+    msg = str(e)
+    for n in needles:
+      assert n in msg, (n, msg)
+    print("raised", needles[0])
+    return
+  raise AssertionError(f"no error; expected {needles}")
+
+
+def case_broken():
+  x = data()
+  here = __file__.rsplit("/", 1)[-1]
+  # a barrier nobody signals twice
+  expect_error(lambda: shmap(lambda v: all_gather(v, skip_barrier_signal=True)[None])(x),
+               "deadlock across devices", "semaphore_wait at", here, "grid point (0,)",
+               "device 0 (x=0)")
+  # waiting for more than is ever signalled
+  expect_error(lambda: shmap(lambda v: all_gather(v, wait_count=3)[None])(x),
+               "deadlock across devices", "reach 3")
+  # wrong neighbour: the last device sends to device 1 instead of 0, so
+  # device 0 waits forever while the others leave (needs N >= 3)
+  expect_error(lambda: shmap(functools.partial(
+      right_permute, to=lambda i: jnp.where(i == N - 1, 1, i + 1)))(x),
+      "deadlock across devices", "DMA wait at", here, "has left the kernel")
+  # a device id outside the mesh on the last device: its peers must not hang
+  expect_error(lambda: shmap(functools.partial(right_permute, to=lambda i: i + 1))(x),
+               "outside the mesh")
+  # after all of these, the shared state is clean: a correct kernel still runs
+  perm = [(i, (i + 1) % N) for i in range(N)]
+  check(shmap(right_permute)(x), shmap(lambda v: jax.lax.ppermute(v, "x", perm))(x),
+        "right_permute after errors")
+
+
+if __name__ == "__main__":
+  globals()["case_" + sys.argv[1]]()
+  print("done")

@@ -1,0 +1,126 @@
+"""Multi-device kernels (issue 31): jax.lax.axis_index, remote DMAs and
+semaphores, the barrier semaphore, under jax.jit(jax.shard_map) over host
+devices. Multi-device cases run tests/multi_device_kernels.py in a
+subprocess (XLA_FLAGS must be set before JAX starts) with a hard timeout;
+the 1-device mesh runs in-process."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+import pallas_np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "multi_device_kernels.py"
+DeviceIdType = getattr(pl, "DeviceIdType", None) or pltpu.DeviceIdType
+
+
+def run_case(case: str, devices: int, timeout=240):
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  env["PALLAS_NP_DEVICE_TIMEOUT"] = "60"  # backstop only; deadlocks raise at once
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, str(SCRIPT), case], env=env, cwd=str(ROOT),
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), (
+      proc.stdout[-4000:] + proc.stderr[-8000:])
+  return proc.stdout
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_correct_kernels_match_lax_collectives(devices):
+  out = run_case("correct", devices)
+  assert "ok right_permute vs ppermute" in out
+  assert "ok pallas.ops.tpu.all_gather" in out
+
+
+def test_matches_tpu_interpret_mode():
+  out = run_case("oracle", 4)
+  assert "ok all_gather vs TPU interpret mode" in out
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_broken_kernels_raise_never_hang(devices):
+  out = run_case("broken", devices)
+  assert out.count("raised") == 4
+  assert "ok right_permute after errors" in out
+
+
+# -- one device: in-process ---------------------------------------------------------
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
+
+
+def _moe_kernel(x_ref, o_ref):
+  # expert parallelism over a 1-device mesh: this device's expert offset
+  expert = jax.lax.axis_index("ep")
+  o_ref[...] = x_ref[...] + (expert * 100 + pl.program_id(0)).astype(jnp.float32)
+
+
+def _moe(x):
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  return pl.pallas_call(_moe_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(2,), in_specs=[spec], out_specs=spec, interpret="numpy")(x)
+
+
+def test_axis_index_one_device_mesh():
+  x = jnp.ones((16, 128), jnp.float32)
+  f = jax.shard_map(_moe, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"), check_vma=False)
+  want = np.concatenate([np.full((8, 128), 1.0), np.full((8, 128), 2.0)]).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), want)
+  np.testing.assert_array_equal(np.asarray(f(x)), want)  # eager shard_map
+
+
+def test_remote_copy_to_self_one_device_mesh():
+  def kernel(x_ref, o_ref, send, recv):
+    me = jax.lax.axis_index("ep")
+    barrier = pltpu.get_barrier_semaphore()
+    pl.semaphore_signal(barrier, device_id=(me,), device_id_type=DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, 1)
+    copy = pltpu.make_async_remote_copy(x_ref, o_ref, send, recv, device_id=(me,),
+                                        device_id_type=DeviceIdType.MESH)
+    copy.start()
+    copy.wait()
+
+  def call(x):
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA] * 2)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid_spec=spec, interpret="numpy",
+                          compiler_params=pltpu.CompilerParams(collective_id=0))(x)
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+  f = jax.jit(jax.shard_map(call, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"),
+                            check_vma=False))
+  np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
+
+
+def test_one_device_deadlock_raises():
+  def kernel(x_ref, o_ref):
+    pl.semaphore_wait(pltpu.get_barrier_semaphore(), 1)  # nobody signals
+    o_ref[...] = x_ref[...]
+
+  def call(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret="numpy")(x)
+  f = jax.jit(jax.shard_map(call, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"),
+                            check_vma=False))
+  with pytest.raises(Exception, match="deadlock across devices"):
+    jax.block_until_ready(f(jnp.ones((8, 128), jnp.float32)))
+
+
+def test_axis_index_without_a_device_raises_unsupported():
+  """pallas_np.jit evaluates programs itself: a shard_map (no NumPy rule)
+  is refused with UnsupportedError, never run with a made-up device id."""
+  f = jax.shard_map(_moe, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"), check_vma=False)
+  with pytest.raises(pallas_np.UnsupportedError):
+    pallas_np.jit(f)(jnp.ones((16, 128), jnp.float32))
