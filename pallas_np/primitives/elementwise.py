@@ -311,35 +311,6 @@ if _one_minus_square_p is not None:
         return (one + x) * (one - x)
     return one_minus_square
 
-_polynomial_p = getattr(jc.lax_internal, "polynomial_p", None)
-if _polynomial_p is not None:
-  @registry.register(_polynomial_p, batch=registry.ELEMENTWISE)
-  def _polynomial(e):
-    # XLA: Horner's rule from the highest coefficient, acc * x + c, each
-    # product and sum rounded to the dtype (low precision: per op via f32).
-    dt = _out_dtype(e)
-    low = is_low_precision_float(dt)
-
-    def polynomial(x, *coeffs):
-      if low:
-        f32 = lambda v: np.asarray(v, np.float32)
-        acc = np.asarray(coeffs[-1], dt)
-        for c in reversed(coeffs[:-1]):
-          acc = _cast(f32(_cast(f32(acc) * f32(x), dt)) + f32(c), dt)
-      elif dt == np.float32:  # XLA's CPU backend fuses acc * x + c into an FMA
-        acc, x64 = np.asarray(coeffs[-1], np.float64), np.asarray(x, np.float64)
-        for c in reversed(coeffs[:-1]):
-          acc = np.asarray(acc * x64 + np.asarray(c, np.float64), dt).astype(np.float64)
-        acc = np.asarray(acc, dt)
-      else:
-        acc = np.asarray(coeffs[-1], dt)
-        with np.errstate(over="ignore", invalid="ignore"):
-          for c in reversed(coeffs[:-1]):
-            acc = acc * x + c
-      return np.broadcast_to(acc, e.out_aval.shape).astype(dt, copy=False)[()]
-    return polynomial
-
-
 @registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
 def _exp2(e):
   # XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's dtype.

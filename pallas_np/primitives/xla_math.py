@@ -15,6 +15,7 @@ import numpy as np
 import scipy.special
 from jax import lax
 
+from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
 from pallas_np.primitives.elementwise import unary_float
@@ -96,3 +97,32 @@ def register():
 
 
 register()
+
+
+_polynomial_p = getattr(jc.lax_internal, "polynomial_p", None)  # JAX >= 0.12
+if _polynomial_p is not None:
+  @registry.register(_polynomial_p, batch=registry.ELEMENTWISE)
+  def _polynomial(e):
+    """XLA: Horner's rule from the highest coefficient, ``acc * x + c``; in
+    float32 each step one FMA, in bf16/f16 each product and sum rounded to
+    the dtype (computed in float32), in float64 plain product and sum."""
+    dt = np_dtype(e.out_aval.dtype)
+    low = is_low_precision_float(dt)
+
+    def polynomial(x, *coeffs):
+      if low:
+        f32 = lambda v: np.asarray(v, _F32)  # noqa: E731
+        acc = np.asarray(coeffs[-1], dt)
+        for c in reversed(coeffs[:-1]):
+          acc = np.asarray(f32(np.asarray(f32(acc) * f32(x), dt)) + f32(c), dt)
+      elif dt == _F32:
+        acc = np.asarray(coeffs[-1], _F32)
+        for c in reversed(coeffs[:-1]):
+          acc = _fma(acc, x, c)
+      else:
+        acc = np.asarray(coeffs[-1], dt)
+        with np.errstate(over="ignore", invalid="ignore"):
+          for c in reversed(coeffs[:-1]):
+            acc = acc * x + c
+      return np.broadcast_to(acc, e.out_aval.shape).astype(dt, copy=False)[()]
+    return polynomial
