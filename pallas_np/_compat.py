@@ -424,3 +424,52 @@ def axis_env_sizes() -> dict:
   TPU interpret mode reads to number devices. Empty outside any."""
   env = jax_core.get_axis_env()
   return dict(getattr(env, "axis_sizes", {}) or {})
+
+
+# -- mesh kernels: running them (pallas_np.meshes) ------------------------------
+from jax._src.state import discharge as state_discharge  # noqa: E402
+
+mpmd_map_p = optional_primitive("pallas.mpmd", "mpmd_map_p")
+core_map_p = optional_primitive("pallas.core", "core_map_p")
+run_state_p = state_discharge.run_state_p
+TensorCoreMesh = mosaic_core.TensorCoreMesh
+_sc_core = internal_module("pallas.mosaic.sc_core")
+VectorSubcoreMesh = getattr(_sc_core, "VectorSubcoreMesh", None)
+ScalarSubcoreMesh = getattr(_sc_core, "ScalarSubcoreMesh", None)
+
+
+def discharge_run_state(jaxpr):
+  """A run_state body with its refs discharged (closed, no consts): what
+  run_state's own impl evaluates; a core_map inside becomes an mpmd_map."""
+  if ClosedJaxpr is not jax_core.Jaxpr:
+    jaxpr = ClosedJaxpr(jaxpr, ())
+  return state_discharge.discharge_state(jaxpr)
+
+
+def memory_space_of(aval):
+  """The memory space of a ref aval (or of a ShapedArray that carries one)."""
+  return getattr(aval, "memory_space", None)
+
+
+def mesh_grid_mapping(jaxpr, num_inputs: int, num_outputs: int, default_memory_space,
+                      debug=False):
+  """The GridMapping of one program of a mesh kernel: a single grid point,
+  every operand a whole-array ref in its memory space (what JAX's fallback
+  lowering of ``mpmd_map`` builds, without the grid over the mesh)."""
+  avals = [v.aval for v in jaxpr.invars]
+
+  def spec(aval):
+    space = memory_space_of(aval)
+    return pallas_core.BlockSpec(memory_space=space if space is not None
+                                 else default_memory_space)
+  inner = [a.inner_aval if isinstance(a, AbstractRef) else a for a in avals]
+  in_avals, out_avals = inner[:num_inputs], inner[num_inputs:num_inputs + num_outputs]
+  grid_spec = pallas_core.GridSpec(
+      grid=(), in_specs=tuple(spec(a) for a in avals[:num_inputs]),
+      out_specs=tuple(spec(a) for a in avals[num_inputs:num_inputs + num_outputs]))
+  in_tree = jax.tree_util.tree_structure(tuple(in_avals))
+  out_tree = jax.tree_util.tree_structure(tuple(out_avals))
+  _, gm = pallas_core.get_grid_mapping(
+      grid_spec, in_avals, in_tree, [f"arg{i}" for i in range(num_inputs)],
+      out_avals, out_tree, [f"out{i}" for i in range(num_outputs)], debug=debug)
+  return gm

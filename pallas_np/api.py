@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import devices, lru, registry
+from pallas_np import devices, lru, meshes, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
@@ -164,49 +164,77 @@ def install():
   jc.register_pallas_call_lowering(_pallas_call_lowering)
 
 
-# -- mesh kernels (pl.kernel(mesh=...), pl.core_map): not supported yet ------
-# Their CPU lowering calls JAX's pallas_call lowering directly, past our
-# rule: in numpy mode they must raise, never run in another interpreter.
-def mesh_kernel_error(prim_name, params, call_site="") -> UnsupportedError:
-  where = " and ".join(jc.mesh_kernel_sources(params)) or "<unknown kernel>"
-  if call_site and call_site != "<unknown source>":
-    where += f", called at {call_site}"
-  return UnsupportedError(
-      f"pallas_np: pl.kernel/pl.core_map mesh kernels ({prim_name}) are not supported in "
-      f"numpy mode yet (kernel {where}). pallas_np does not hand them to another "
-      "interpreter: run them outside numpy mode (e.g. interpret=True with no "
-      "force_numpy_interpret), or write the kernel as a pl.pallas_call with a grid.")
-
-
+# -- mesh kernels (pl.kernel(mesh=...), pl.core_map; pallas_np.meshes) -------
+# Their CPU lowering calls JAX's pallas_call lowering directly, past our rule:
+# in numpy mode ours runs them (io_callback into meshes.MeshKernel.run),
+# never another interpreter.
 def _mesh_kernel_lowering(jax_rule, prim):
   def rule(ctx, *in_nodes, **params):
-    if is_numpy_mode(jc.interpret_mode_config.value) or is_numpy_mode(params.get("interpret")):
-      raise mesh_kernel_error(prim.name, params, jc.lowering_source(ctx))
-    return jax_rule(ctx, *in_nodes, **params)
+    forced = jc.interpret_mode_config.value
+    interpret = forced if is_numpy_mode(forced) else params.get("interpret")
+    if not is_numpy_mode(interpret):
+      return jax_rule(ctx, *in_nodes, **params)
+    if prim is not jc.mpmd_map_p:  # a stateful core_map that was not discharged
+      raise meshes.mesh_kernel_error(f"an undischarged {prim.name}", params,
+                                     jc.lowering_source(ctx))
+    kernel = meshes.get_mesh_kernel(params, len(in_nodes), resolve(interpret))
+    outside = kernel.axis_names()
+    if outside:
+      raise UnsupportedError(
+          f"pallas_np: mesh kernel {kernel.source} reads jax.lax.axis_index of "
+          f"{sorted(map(str, outside))}, not axes of its mesh: mesh kernels that talk to "
+          "other devices (inside shard_map) are not supported")
+    result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
+
+    def impl(*args):
+      return jax.experimental.io_callback(kernel.run, result_shapes, *args, ordered=False)
+    return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
   rule.pallas_np_mesh = True
   return rule
 
 
-def _mesh_kernel_rule(e: registry.EqnInfo):
-  """The eager evaluator (pallas_np.jit, whole_program) meets one."""
-  raise mesh_kernel_error(e.primitive.name, e.params, e.source)
+if jc.mpmd_map_p is not None:
+  @registry.register(jc.mpmd_map_p, foldable=False, batch=registry.unbatched(
+      "a mesh kernel runs its own programs: the outer grid runs sequentially"))
+  def _mesh_kernel_rule(e: registry.EqnInfo):
+    """The eager evaluator (pallas_np.jit, whole_program) meets one."""
+    interp = e.compiler.params
+    if e.compiler.kernel_params_from_eqns:
+      interp = resolve(e.params["interpret"])
+    kernel = meshes.get_mesh_kernel(dict(e.params), len(e.in_avals), interp)
+    if kernel.axis_names():
+      raise e.unsupported(f"a mesh kernel reading axis_index of "
+                          f"{sorted(map(str, kernel.axis_names()))} (not its mesh's axes)")
+    return kernel.run
 
 
-_MESH_PRIMITIVES = jc.mesh_kernel_primitives()
-for _prim in _MESH_PRIMITIVES:
-  registry.register(_prim, foldable=False, batch=registry.unbatched(
-      "mesh kernels are not supported: the rule raises when compiled"))(_mesh_kernel_rule)
+if jc.core_map_p is not None:
+  @registry.register(jc.core_map_p, foldable=False, batch=registry.unbatched(
+      "a stateful core_map outside run_state: the rule raises when compiled"))
+  def _core_map_rule(e: registry.EqnInfo):
+    raise meshes.mesh_kernel_error("a stateful core_map outside pl.run_state", e.params,
+                                   e.source)
 
 
-def _reject_mesh_kernels(jaxpr):
-  """Name a mesh kernel nested in a primitive the evaluator lacks (core_map
-  inside pl.run_state) rather than that primitive."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive in _MESH_PRIMITIVES:
-      raise mesh_kernel_error(eqn.primitive.name, eqn.params,
-                              jc.source_summary(eqn.source_info))
-  for sub in jc.subjaxprs(jaxpr):
-    _reject_mesh_kernels(sub)
+@registry.register(jc.run_state_p, needs_ctx=True, context_free=True, foldable=False,
+                   batch=registry.unbatched(
+    "run_state: its discharged body runs as a call"))
+def _run_state_rule(e: registry.EqnInfo):
+  """``pl.run_state`` (how ``pl.core_map`` is used on values): its body with
+  the refs discharged, as JAX's own impl evaluates it (a core_map inside
+  becomes an mpmd_map, which the rule above runs)."""
+  closed = jc.discharge_run_state(e.params["jaxpr"])
+  plan = e.compiler.compile(closed).fn
+  is_init = tuple(e.params["is_initialized"])
+  if all(is_init):
+    return plan
+  avals = [v.aval for v in getattr(closed, "jaxpr", closed).invars]
+
+  def run_state(ctx, *args):
+    it = iter(args)
+    full = [next(it) if init else np.zeros(a.shape, a.dtype) for init, a in zip(is_init, avals)]
+    return plan(ctx, *full)
+  return run_state
 
 
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------
@@ -281,7 +309,6 @@ class EagerPlan:
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
-    _reject_mesh_kernels(closed.jaxpr)
     self.plan = Compiler(interp, name, kernel_params_from_eqns=kernel_params_from_eqns
                          ).compile(closed, first_calls=True)
     # Python scalars and float64/int64 NumPy values take JAX's canonical

@@ -207,8 +207,9 @@ class DeviceContext:
 class Session:
   """The N kernel instances of one invocation."""
 
-  def __init__(self, n):
+  def __init__(self, n, unit: str = "device"):
     self.n = n
+    self.unit = unit  # what an instance is, for messages: a device, a core
     self.cond = threading.Condition(threading.RLock())
     self.members: dict[int, DeviceContext] = {}
     self.left: set[int] = set()
@@ -329,10 +330,12 @@ def _check_deadlock(session: Session):
       lines.append(f"  {placement.describe(d)} has left the kernel")
     else:
       _, what, point = session.blocked[d]
-      lines.append(f"  {placement.describe(d)} at grid point {point}: {what}")
+      at = f" at grid point {point}" if point else ""
+      lines.append(f"  {placement.describe(d)}{at}: {what}")
+  unit = session.unit
   err = DeviceError(
-      "deadlock across devices: every device still in the kernel waits on a semaphore "
-      "that no pending DMA and no other device can signal (on TPUs this kernel would "
+      f"deadlock across {unit}s: every {unit} still in the kernel waits on a semaphore "
+      f"that no pending DMA and no other {unit} can signal (on TPUs this kernel would "
       "hang forever):\n" + "\n".join(lines))
   session.fail(err, None)
 

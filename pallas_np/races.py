@@ -140,6 +140,13 @@ class RaceDetector:
             "different cores, and each core writes the whole output block back.",
             buffer=name, grid_points=(other, self.point), element=None)
 
+  def release(self, semaphore_key):
+    """A semaphore is signalled (a mesh kernel's detector orders the
+    programs' accesses by these; the grid's detector has nothing to do)."""
+
+  def acquire(self, semaphore_key):
+    """A semaphore wait returned (see ``release``)."""
+
   def _point_of(self, step: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(step, self.grid)) if self.grid else ()
 

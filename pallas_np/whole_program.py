@@ -144,9 +144,13 @@ def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
     return None
 
 
+_MESH_KERNELS = jc.mesh_kernel_primitives()  # pl.kernel(mesh=...), pl.core_map
+
+
 def _kernel_interprets(jaxpr) -> list:
   """The ``interpret=`` of every pallas_call in a program (nested ones too)."""
-  found = [eqn.params["interpret"] for eqn in jaxpr.eqns if eqn.primitive is jc.pallas_call_p]
+  found = [eqn.params["interpret"] for eqn in jaxpr.eqns
+           if eqn.primitive is jc.pallas_call_p or eqn.primitive in _MESH_KERNELS]
   for sub in jc.subjaxprs(jaxpr):
     found += _kernel_interprets(sub)
   return found

@@ -294,8 +294,15 @@ def _semaphore_signal(e):
 
   def signal(ctx, *args):
     peer = target(ctx, args) if target is not None else None
-    if get_core is not None and int(get_core(args)) != 0:
-      raise NotImplementedError("signalling another core: the NumPy interpreter runs one core")
+    if get_core is not None:
+      core = int(get_core(args))
+      to_core = getattr(ctx.device, "core_target", None)
+      if to_core is not None:  # a program of a mesh kernel (pallas_np.meshes)
+        peer = to_core(core)
+      elif core != 0:
+        raise NotImplementedError(
+            "signalling another core (core_index=...) outside a pl.kernel/pl.core_map "
+            "mesh kernel: a pallas_call grid runs one core at a time here")
     if peer is not None:
       dma_mod.remote_signal(ctx, peer, get_sem(args), int(get_inc(args)), source=source)
       return []

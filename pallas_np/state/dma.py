@@ -144,14 +144,24 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True
             "InterpretParams(num_cores=2).)")
     if decrement:
       cell[...] -= value
+    det = races.current()
+    if det is not None:
+      det.acquire(sem_key(cell))
 
 
 def signal(ctx, cell: np.ndarray, inc: int):
   """Add ``inc`` to one of this device's semaphores."""
   lk = devices.lock(ctx)
   with lk:
+    _released(cell)
     cell[...] += inc
     lk.notify_all()
+
+
+def _released(cell):
+  det = races.current()
+  if det is not None:
+    det.release(sem_key(cell))
 
 
 # -- between devices (pallas_np.devices) -------------------------------------------
@@ -178,7 +188,9 @@ def remote_start(ctx, target: int, src, dst, dst_sem, src_sem, *, add, source):
     else:
       peer_dst[d_idx] = data
     sem_view, sem_idx = dst_sem
-    sem_cell(me.peer_ref(peer, sem_view, what), sem_idx)[...] += data.nbytes
+    peer_sem = sem_cell(me.peer_ref(peer, sem_view, what), sem_idx)
+    _released(peer_sem)
+    peer_sem[...] += data.nbytes
     if src_sem is not None:
       sem_cell(*src_sem)[...] += data.nbytes
     lk.notify_all()
@@ -190,7 +202,9 @@ def remote_signal(ctx, target: int, sem, inc: int, *, source):
   with lk:
     me, peer = _peer(ctx, target)
     view, idx = sem
-    sem_cell(me.peer_ref(peer, view, f"remote semaphore_signal at {source}"), idx)[...] += inc
+    peer_sem = sem_cell(me.peer_ref(peer, view, f"remote semaphore_signal at {source}"), idx)
+    _released(peer_sem)
+    peer_sem[...] += inc
     lk.notify_all()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import batching, races, registry
-from pallas_np.errors import NotBatchable
+from pallas_np.errors import NotBatchable, UnsupportedError
 from pallas_np.memory import allocate
 from pallas_np.shared_outputs import active as shared_outputs
 from pallas_np.state.indexing import RefAccess, static_atoms
@@ -237,6 +237,8 @@ def _addupdate(e):
 def _run_scoped_batched(bc, rule, info, in_batched):
   """Scoped buffers are lane-private: allocated with a lane axis."""
   jaxpr = info.params["jaxpr"]
+  if info.params.get("collective_axes"):
+    raise NotBatchable("run_scoped with collective_axes shares its buffers between programs")
   scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
             for v in jaxpr.invars]
   compiled = bc.compile(jaxpr, constvars_as_args=True,
@@ -260,6 +262,29 @@ def _run_scoped(e):
   scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
             for v in jaxpr.invars]
 
+  collective = e.params.get("collective_axes") or ()
+  if collective:
+    return _collective_run_scoped(e, plan, scoped, collective)
+
   def run_scoped(ctx, *consts):
     return plan(ctx, *consts, *[allocate(a.shape, a.dtype, params) for a in scoped])
+  return run_scoped
+
+
+def _collective_run_scoped(e, plan, scoped, collective):
+  """``pl.run_scoped(..., collective_axes=...)``: programs that differ only
+  along those mesh axes get the same buffers. Only a mesh kernel's program
+  instances (pallas_np.meshes) know their peers."""
+  key = id(e.eqn)
+  source = e.source
+  params = e.compiler.params
+
+  def run_scoped(ctx, *consts):
+    alloc = getattr(ctx.device, "collective_alloc", None)
+    if alloc is None:
+      raise UnsupportedError(
+          f"pallas_np: pl.run_scoped(..., collective_axes={collective}) at {source} outside a "
+          "mesh kernel (pl.kernel / pl.core_map): there are no programs to share the "
+          "allocation with here")
+    return plan(ctx, *consts, *alloc(key, collective, scoped, params))
   return run_scoped

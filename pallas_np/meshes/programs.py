@@ -1,0 +1,308 @@
+"""Running the programs of a mesh kernel: one thread per core / subcore.
+
+Every program is an independent instance of its body on its own thread, as
+on hardware, meeting the others through ``pallas_np.devices``' session
+machinery (the one multi-device kernels use): a semaphore wait that is too
+low blocks until another program signals it; when every program still
+running waits on a semaphore nobody can signal, all of them raise a deadlock
+naming each one's wait and line; an error in one program stops the others at
+their next wait. Nothing here times out on a correct kernel.
+
+Races (``InterpretParams(detect_races=True)``): accesses to memory two
+programs share are ordered by semaphores (signal = release, wait = acquire,
+vector clocks); an access to an element another program wrote without such
+an order in between is a race, reported with both programs and the element.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import devices, races
+from pallas_np.errors import KernelError, RaceError, UnsupportedError
+from pallas_np.grid import KernelPlan
+from pallas_np.memory import allocate
+
+
+class Program:
+  """One instance of a body: where it sits on its mesh and its operands
+  (inputs, outputs, scratch; arrays shared with other programs where the
+  hardware shares that memory)."""
+  __slots__ = ("plan", "names", "sizes", "coords", "operands", "num_blocks", "semaphores")
+
+  def __init__(self, plan: KernelPlan, names, sizes, coords, operands, num_blocks: int,
+               semaphores=()):
+    self.plan = plan
+    self.names = tuple(names)
+    self.sizes = tuple(int(s) for s in sizes)
+    self.coords = tuple(int(c) for c in coords)
+    self.operands = list(operands)
+    self.num_blocks = num_blocks  # inputs + outputs; the rest is scratch
+    self.semaphores = frozenset(semaphores)  # scratch positions that are semaphores
+
+
+class MeshPlacement(devices.Placement):
+  """A program's place on its mesh; described as ``core 1 (core=1)``."""
+  __slots__ = ("unit",)
+
+  def __init__(self, key, names, sizes, coords, unit):
+    super().__init__(key, names, sizes, coords)
+    self.unit = unit
+
+  def describe(self, logical=None) -> str:
+    return self.unit + super().describe(logical)[len("device"):]
+
+
+class MeshSession(devices.Session):
+  """The programs of one invocation, and the buffers of collective
+  ``run_scoped`` allocations they share."""
+
+  def __init__(self, n, unit):
+    super().__init__(n, unit)
+    self.allocations: dict = {}  # key -> [buffers, programs that took them]
+
+
+class ProgramContext(devices.DeviceContext):
+  """``RunContext.device`` of a program: its mesh coordinates and peers."""
+  __slots__ = ("shared", "scoped_counts")
+
+  def __init__(self, placement, targets, shared):
+    super().__init__(placement, targets)
+    self.shared = shared  # ids of arrays every program sees as the same buffer
+    self.scoped_counts: dict = {}
+
+  def core_target(self, core: int):
+    """Logical id of the program ``core_index=core`` names (TPU
+    ``semaphore_signal``), None for this program itself."""
+    pl_ = self.placement
+    if len(pl_.sizes) != 1:
+      raise _unsupported("semaphore_signal(core_index=...) on a mesh with several axes "
+                           f"{pl_.names}: use device_id={{axis: index}}")
+    t = self.target_id((core,), jc.DeviceIdType.MESH)
+    return None if t == self.logical_id else t
+
+  def peer_ref(self, peer, view, what: str):
+    if id(view) in self.shared or id(view) in self.session_shared():
+      return view
+    return super().peer_ref(peer, view, what)
+
+  def session_shared(self):
+    return {id(b) for bufs, _ in self.session.allocations.values() for b in bufs}
+
+  def collective_alloc(self, key, collective_axes, avals, params):
+    """The buffers of a ``run_scoped(..., collective_axes=...)``: the same for
+    every program that differs from this one only along those axes."""
+    pl_ = self.placement
+    axes = set()
+    for a in collective_axes:
+      axes.update(a if isinstance(a, tuple) else (a,))
+    unknown = axes - set(pl_.names)
+    if unknown:
+      raise _unsupported(f"run_scoped collective_axes {sorted(map(str, unknown))} are not "
+                           f"axes of the mesh {pl_.names}")
+    count = self.scoped_counts.get(key, 0)
+    self.scoped_counts[key] = count + 1
+    group = tuple(c for n, c in zip(pl_.names, pl_.coords) if n not in axes)
+    size = int(np.prod([s for n, s in zip(pl_.names, pl_.sizes) if n in axes]))
+    full_key = (key, count, group)
+    session = self.session
+    with session.cond:
+      entry = session.allocations.get(full_key)
+      if entry is None:
+        entry = session.allocations[full_key] = [
+            [allocate(a.shape, a.dtype, params) for a in avals], 0]
+      entry[1] += 1
+      bufs = entry[0]
+      if entry[1] == size:
+        del session.allocations[full_key]
+        self.shared |= {id(b) for b in bufs}
+    return bufs
+
+
+def _unsupported(msg):
+  return UnsupportedError("pallas_np: " + msg)
+
+
+# -- races ---------------------------------------------------------------------------
+class _Clocks:
+  """Vector clocks of the programs and of the semaphores (shared)."""
+
+  def __init__(self, n):
+    self.lock = threading.Lock()
+    self.program = np.zeros((n, n), np.int64)
+    np.fill_diagonal(self.program, 1)
+    self.semaphore: dict[int, np.ndarray] = {}
+
+
+class ProgramRaceDetector(races.RaceDetector):
+  """One program's view of the shared shadow memory: ``group`` is the
+  program, ``step`` its own clock; a foreign write is a race unless this
+  program has acquired (through a semaphore) the writer's clock at the write."""
+
+  def __init__(self, kernel, me: int, describe, clocks: _Clocks, regions):
+    super().__init__(kernel, (), ())
+    self.me = me
+    self.describe = describe
+    self.clocks = clocks
+    if regions is not None:
+      self.regions = regions
+    self.group = me
+    self.step = 1
+
+  def begin(self, step, point, block_indices=()):
+    self.group = self.me
+    self.step = int(self.clocks.program[self.me, self.me])
+
+  def release(self, semaphore_key):
+    c = self.clocks
+    with c.lock:
+      mine = c.program[self.me]
+      old = c.semaphore.get(semaphore_key)
+      c.semaphore[semaphore_key] = mine.copy() if old is None else np.maximum(old, mine)
+      mine[self.me] += 1
+      self.step = int(mine[self.me])
+
+  def acquire(self, semaphore_key):
+    c = self.clocks
+    with c.lock:
+      sem = c.semaphore.get(semaphore_key)
+      if sem is not None:
+        np.maximum(c.program[self.me], sem, out=c.program[self.me])
+
+  def _access_general(self, region, ptr, view, index, kind, mask):
+    offsets = races.byte_offsets(view)
+    if index is not Ellipsis:
+      offsets = offsets[index]
+    offsets = np.asarray(offsets)
+    if mask is not None:
+      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
+    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    if elems.size == 0:
+      return
+    writer = region.group[elems]
+    when = region.step[elems]
+    known = self.clocks.program[self.me][np.maximum(writer, 0)]
+    unordered = (writer >= 0) & (writer != self.me) & (when > known)
+    if (kind != "write" or not region.scratch) and unordered.any():
+      k = int(np.argmax(unordered))
+      self._report_programs(region, int(elems[k]), int(writer[k]), kind)
+    if kind != "read":
+      region.step[elems] = self.step
+      region.group[elems] = self.me
+
+  def _report_programs(self, region, elem, other, kind):
+    where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
+    verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
+    raise RaceError(
+        f"data race on {region.name} in kernel '{self.kernel}': {self.describe(self.me)} "
+        f"{verb} element {where} that {self.describe(other)} wrote, with no semaphore "
+        "signal/wait (or barrier) ordering the two: on hardware they run concurrently.",
+        buffer=region.name, grid_points=(other, self.me), element=where)
+
+
+def _detectors(kernel, programs, placements):
+  if not kernel.params.detect_races:
+    return [None] * len(programs)
+  clocks = _Clocks(len(programs))
+  first = ProgramRaceDetector(kernel.name, 0, placements[0].describe, clocks, None)
+  seen = set()
+  for p in programs:
+    plan = p.plan
+    for geo, buf in zip(plan.blocks, p.operands[:p.num_blocks]):
+      if id(buf) not in seen:
+        seen.add(id(buf))
+        first.track(str(geo.origin), buf)
+  # Scratch every program shares (VMEM_SHARED, HBM scratch) is tracked too;
+  # private scratch cannot race.
+  counts: dict = {}
+  for p in programs:
+    for buf in p.operands[p.num_blocks:]:
+      counts[id(buf)] = counts.get(id(buf), 0) + 1
+  for p in programs:
+    for i, buf in enumerate(p.operands[p.num_blocks:]):
+      if counts[id(buf)] > 1 and id(buf) not in seen and i not in p.semaphores:
+        seen.add(id(buf))
+        first.track(f"shared scratch_operands[{i}]", buf)
+  for r in first.regions:
+    r.ensure()
+  dets = [first] + [ProgramRaceDetector(kernel.name, k, placements[0].describe, clocks,
+                                        first.regions) for k in range(1, len(programs))]
+  return dets
+
+
+# -- running ---------------------------------------------------------------------------
+def run_programs(kernel, programs: list[Program], unit: str = "core"):
+  """Run ``programs`` (one mesh: row-major over its points) concurrently;
+  raises the first program's own error (peers stopped by it say so), or a
+  deadlock; then reports semaphores left signalled at the end."""
+  n = len(programs)
+  session = MeshSession(n, unit)
+  key = id(kernel)
+  placements = [MeshPlacement(key, p.names, p.sizes, p.coords, unit) for p in programs]
+  contexts = []
+  for k, (p, place) in enumerate(zip(programs, placements)):
+    shared = {id(b) for b in p.operands[:p.num_blocks]}
+    ctx = ProgramContext(place, p.operands, shared)
+    ctx.logical_id = k
+    ctx.session = session
+    session.members[k] = ctx
+    contexts.append(ctx)
+  detectors = _detectors(kernel, programs, placements)
+  errors: list = [None] * n
+
+  def run_one(k):
+    p, ctx, det = programs[k], contexts[k], detectors[k]
+    error = None
+    try:
+      with np.errstate(all="ignore"):
+        blocks, scratch = p.operands[:p.num_blocks], p.operands[p.num_blocks:]
+        if det is None:
+          p.plan.run_grid((), [], blocks, scratch, points=[()], progress=None, device=ctx)
+        else:
+          with races.activate(det):
+            p.plan.run_grid((), [], blocks, scratch, det, points=[()], progress=None,
+                            device=ctx)
+    except BaseException as e:  # noqa: BLE001 (reported by the caller)
+      error = e
+      errors[k] = e
+    finally:
+      devices.leave(ctx, error)
+
+  if n == 1:
+    run_one(0)
+  else:
+    threads = [threading.Thread(target=run_one, args=(k,), daemon=True,
+                                name=f"pallas_np {unit} {k}") for k in range(n)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  failed = [e for e in errors if e is not None]
+  if failed:
+    own = [e for e in failed
+           if not isinstance(getattr(e, "original", e), devices.DeviceError)]
+    raise (own or failed)[0]
+  _check_semaphores(kernel, programs, placements)
+
+
+def _check_semaphores(kernel, programs, placements):
+  """Semaphores left non-zero when the kernel ends (a signal nobody waited
+  for: TPU interpret mode prints this, hardware leaves the semaphore dirty)."""
+  seen = set()
+  for p, place in zip(programs, placements):
+    for i, buf in enumerate(p.operands[p.num_blocks:]):
+      if id(buf) in seen or i not in p.semaphores:
+        continue
+      seen.add(id(buf))
+      nonzero = np.flatnonzero(np.asarray(buf).reshape(-1))
+      if nonzero.size:
+        k = int(nonzero[0])
+        idx = tuple(int(i) for i in np.unravel_index(k, buf.shape))
+        value = int(np.asarray(buf).reshape(-1)[k])
+        raise KernelError(
+            f"semaphore scratch_operands[{i}]{list(idx) if idx else ''} of "
+            f"{place.describe()} is {value}, not 0, when kernel '{kernel.name}' "
+            f"({kernel.source}) ends: a signal (or DMA) that nothing waited for.",
+            kernel=kernel.name, program_ids=place.coords)
