@@ -71,12 +71,10 @@ class MeshKernel:
     if self.runner is None:
       kinds = ", ".join(sorted({type(m).__name__ for m in self.meshes}))
       raise mesh_kernel_error(f"mesh type {kinds}", params)
-    n_in = {len(j.invars) for j in self.jaxprs}
-    self.num_scratch = [len(j.invars) for j in self.jaxprs]
-    self.num_inputs = None  # known from the operands (the eqn's invars)
+    self.num_scratch: list[int] = []
+    self.num_inputs = None  # known from the operands (the eqn's invars): bind_inputs
     self._programs: dict[int, KernelPlan] = {}
-    self._written = None
-    del n_in
+    self._written = frozenset()
 
   def bind_inputs(self, num_inputs: int):
     self.num_inputs = num_inputs
