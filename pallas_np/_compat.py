@@ -473,3 +473,17 @@ def mesh_grid_mapping(jaxpr, num_inputs: int, num_outputs: int, default_memory_s
       grid_spec, in_avals, in_tree, [f"arg{i}" for i in range(num_inputs)],
       out_avals, out_tree, [f"out{i}" for i in range(num_outputs)], debug=debug)
   return gm
+try:
+  sc_primitives = internal_module("pallas.mosaic.sc_primitives")
+except ImportError:  # pragma: no cover - a JAX without SparseCore support
+  sc_primitives = None
+
+
+def has_effects(eqn) -> bool:
+  """Whether an eqn must run even when its results are unused: it has
+  effects, or its primitive says it is effectful (``plsc.parallel_loop``
+  over refs carries no effects on the eqn itself in JAX 0.10/0.12)."""
+  if eqn.effects:
+    return True
+  effectful = getattr(eqn.primitive, "is_effectful", None)
+  return bool(effectful(eqn.params)) if callable(effectful) else False

@@ -157,7 +157,7 @@ class Compiler:
     Var = jc.Var
     for i in range(len(eqns) - 1, -1, -1):
       eqn = eqns[i]
-      if eqn.effects or any([o in live for o in eqn.outvars]):  # (a DropVar is never live)
+      if jc.has_effects(eqn) or any([o in live for o in eqn.outvars]):  # (a DropVar is never live)
         keep[i] = True
         for v in eqn.invars:
           if isinstance(v, Var):

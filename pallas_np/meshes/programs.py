@@ -30,10 +30,11 @@ class Program:
   """One instance of a body: where it sits on its mesh and its operands
   (inputs, outputs, scratch; arrays shared with other programs where the
   hardware shares that memory)."""
-  __slots__ = ("plan", "names", "sizes", "coords", "operands", "num_blocks", "semaphores")
+  __slots__ = ("plan", "names", "sizes", "coords", "operands", "num_blocks", "semaphores",
+               "barrier_axes")
 
   def __init__(self, plan: KernelPlan, names, sizes, coords, operands, num_blocks: int,
-               semaphores=()):
+               semaphores=(), barrier_axes=None):
     self.plan = plan
     self.names = tuple(names)
     self.sizes = tuple(int(s) for s in sizes)
@@ -41,6 +42,9 @@ class Program:
     self.operands = list(operands)
     self.num_blocks = num_blocks  # inputs + outputs; the rest is scratch
     self.semaphores = frozenset(semaphores)  # scratch positions that are semaphores
+    # The axes a subcore barrier spans (the programs differing only along
+    # them wait for each other); None: the mesh has no such barrier.
+    self.barrier_axes = barrier_axes
 
 
 class MeshPlacement(devices.Placement):
@@ -62,16 +66,47 @@ class MeshSession(devices.Session):
   def __init__(self, n, unit):
     super().__init__(n, unit)
     self.allocations: dict = {}  # key -> [buffers, programs that took them]
+    self.barriers: dict = {}  # (group, generation) -> [arrived, passed]
 
 
 class ProgramContext(devices.DeviceContext):
   """``RunContext.device`` of a program: its mesh coordinates and peers."""
-  __slots__ = ("shared", "scoped_counts")
+  __slots__ = ("shared", "scoped_counts", "barrier_axes", "barriers_passed")
 
-  def __init__(self, placement, targets, shared):
+  def __init__(self, placement, targets, shared, barrier_axes=None):
     super().__init__(placement, targets)
     self.shared = shared  # ids of arrays every program sees as the same buffer
     self.scoped_counts: dict = {}
+    self.barrier_axes = barrier_axes
+    self.barriers_passed = 0
+
+  def subcore_barrier(self, ctx, what: str):
+    """Wait until every program of this one's barrier group (same
+    coordinates off ``barrier_axes``) has reached its barrier of the same
+    generation. For races it orders everything before it in any program
+    of the group before everything after it."""
+    pl_ = self.placement
+    if self.barrier_axes is None:
+      raise _unsupported(f"{what}: this mesh has no subcore barrier")
+    group = tuple(c for n, c in zip(pl_.names, pl_.coords) if n not in self.barrier_axes)
+    size = int(np.prod([s for n, s in zip(pl_.names, pl_.sizes) if n in self.barrier_axes]))
+    self.barriers_passed += 1
+    key = ("barrier", group, self.barriers_passed)
+    session = self.session
+    det = races.current()
+    with session.cond:
+      state = session.barriers.setdefault(key, [0, 0])
+      state[0] += 1
+      if det is not None:
+        det.release(key)
+      session.cond.notify_all()
+      devices.block_until(ctx, lambda: state[0] >= size,
+                          f"{what} waits for {size - state[0]} more of its {size} subcores")
+      if det is not None:
+        det.acquire(key)
+      state[1] += 1
+      if state[1] == size:
+        del session.barriers[key]
 
   def core_target(self, core: int):
     """Logical id of the program ``core_index=core`` names (TPU
@@ -244,7 +279,7 @@ def run_programs(kernel, programs: list[Program], unit: str = "core"):
   contexts = []
   for k, (p, place) in enumerate(zip(programs, placements)):
     shared = {id(b) for b in p.operands[:p.num_blocks]}
-    ctx = ProgramContext(place, p.operands, shared)
+    ctx = ProgramContext(place, p.operands, shared, p.barrier_axes)
     ctx.logical_id = k
     ctx.session = session
     session.members[k] = ctx

@@ -61,6 +61,13 @@ def shared_axes(mesh, aval) -> tuple:
   return ()
 
 
+def barrier_axes(mesh):
+  """``plsc.subcore_barrier`` spans the vector subcores of one SparseCore."""
+  if jc.VectorSubcoreMesh is not None and isinstance(mesh, jc.VectorSubcoreMesh):
+    return (mesh.subcore_axis_name,)
+  return None
+
+
 def unit_of(mesh) -> str:
   if jc.VectorSubcoreMesh is not None and isinstance(mesh, jc.VectorSubcoreMesh):
     return "subcore"
@@ -91,7 +98,7 @@ def run_tpu_mesh(kernel, buffers):
         buf = allocations[key] = allocate(aval.shape, aval.dtype, kernel.params)
       scratch.append(buf)
     programs.append(Program(plan, names, sizes, coords, [*buffers, *scratch],
-                            len(buffers), semaphores))
+                            len(buffers), semaphores, barrier_axes(mesh)))
   run_programs(kernel, programs, unit_of(mesh))
 
 

@@ -367,3 +367,9 @@ def assume_tpu_chip(version: str = "v5e", num_cores: int = 1):
   chip = pltpu.ChipVersion(version)
   kind = jax.devices()[0].device_kind
   jc.register_tpu_device_kind(kind, lambda: pltpu.get_tpu_info_for_chip(chip, num_cores))
+
+
+# Operand helpers other TPU families (SparseCore: primitives/sparsecore.py) share.
+operand_positions = _positions
+ref_operand = _ref_operand
+scalar_operand = _arg

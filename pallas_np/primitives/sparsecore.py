@@ -1,0 +1,192 @@
+"""SparseCore (``jax.experimental.pallas.tpu_sc``) primitives: indexed
+gathers and scatters from VMEM refs, expanded loads / compressed stores,
+atomic adds, ``parallel_loop`` and the subcore barrier.
+
+The vector subcores themselves are programs of a mesh kernel
+(``pallas_np.meshes``); what these rules need of them (the barrier) they ask
+of the run context's program (``ctx.device``).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import races, registry
+from pallas_np.errors import UnsupportedError
+from pallas_np.memory import allocate
+from pallas_np.primitives.tpu import operand_positions, ref_operand, scalar_operand
+
+scp = jc.sc_primitives
+_SEQUENTIAL = registry.unbatched("SparseCore state (refs, barriers) is per subcore: "
+                                 "the grid runs sequentially")
+
+
+def _check_indices(indices, shape, what):
+  for d, (i, n) in enumerate(zip(indices, shape)):
+    if i.size and (i.min() < 0 or i.max() >= n):
+      bad = int(i[(i < 0) | (i >= n)][0])
+      raise IndexError(f"{what}: index {bad} is out of bounds for dimension {d} of a ref "
+                       f"of shape {tuple(shape)}")
+
+
+def _indexed(e, tree):
+  """(ref resolver, index getters, value getter or None, mask getter or None)."""
+  parts = operand_positions(e, tree)
+  if len(parts) == 4:
+    ref, transforms, indices, mask = parts
+    value = None
+  else:
+    ref, transforms, indices, value, mask = parts
+  get_ref = ref_operand(e, ref, transforms)
+  get_idx = [scalar_operand(e, i) for i in indices]
+  get_val = scalar_operand(e, value) if value is not None else None
+  get_mask = scalar_operand(e, mask) if mask is not None else None
+  return get_ref, get_idx, get_val, get_mask
+
+
+if scp is not None:
+  @registry.register(scp.gather_p, foldable=False, batch=_SEQUENTIAL)
+  def _gather(e):
+    """``plsc.load_gather(ref, [i0, i1, ...], mask=)``: ``ref[i0[k], i1[k], ...]``;
+    masked-off elements are undefined (the uninitialized fill here)."""
+    get_ref, get_idx, _, get_mask = _indexed(e, e.params["tree"])
+    out = e.out_avals[0]
+    params = e.compiler.params
+    what = f"load_gather at {e.source}"
+
+    def gather(*args):
+      view, idx = get_ref(args)
+      sub = view[idx]
+      ii = tuple(np.asarray(g(args)) for g in get_idx)
+      if get_mask is not None:
+        m = np.asarray(get_mask(args), bool)
+        ii = tuple(i[m] for i in ii)
+      _check_indices(ii, sub.shape, what)
+      races.note(sub, ii, "read")
+      if get_mask is None:
+        return np.array(sub[ii], dtype=out.dtype)
+      res = allocate(out.shape, out.dtype, params)
+      res[m] = sub[ii]
+      return res
+    return gather
+
+  @registry.register(scp.scatter_p, foldable=False, batch=_SEQUENTIAL)
+  def _scatter(e):
+    """``plsc.store_scatter`` / ``addupdate_scatter``: ``ref[i0[k], ...] = x[k]``
+    (``+=`` with ``add``; repeated indices accumulate)."""
+    get_ref, get_idx, get_val, get_mask = _indexed(e, e.params["tree"])
+    add = bool(e.params["add"])
+    what = f"{'addupdate' if add else 'store'}_scatter at {e.source}"
+
+    def scatter(*args):
+      view, idx = get_ref(args)
+      sub = view[idx]
+      ii = tuple(np.asarray(g(args)) for g in get_idx)
+      x = np.asarray(get_val(args))
+      if get_mask is not None:
+        m = np.asarray(get_mask(args), bool)
+        ii, x = tuple(i[m] for i in ii), x[m]
+      _check_indices(ii, sub.shape, what)
+      races.note(sub, ii, "readwrite" if add else "write")
+      if add:
+        np.add.at(sub, ii, x)
+      else:
+        sub[ii] = x
+      return []
+    return scatter
+
+  def _ref_access(e):
+    """The ref (invar 0) with the eqn's transforms, as ``fn(args) -> (view,
+    index)``, and the mask's position (None without one)."""
+    n_fixed = 2 if e.primitive is scp.swap_p else 1  # ref (, x)
+    has_mask = bool(e.params["has_mask"])
+    n_tr = len(e.eqn.invars) - n_fixed - (1 if has_mask else 0)
+    n = len(e.eqn.invars)
+    positions = operand_positions(e, jax.tree_util.tree_structure(list(range(n))))
+    transforms = jc.tree_unflatten(e.params["tree"], positions[n_fixed:n_fixed + n_tr])
+    get = ref_operand(e, positions[0], transforms)
+    return get, (n_fixed + n_tr if has_mask else None)
+
+  @registry.register(scp.load_p, foldable=False, batch=_SEQUENTIAL)
+  def _load_expanded(e):
+    """``plsc.load_expanded(ref, mask=)``: the i-th True of the mask gets the
+    i-th element of the (flattened) ref; the others are undefined."""
+    get, mask_pos = _ref_access(e)
+    out = e.out_avals[0]
+    params = e.compiler.params
+
+    def load(*args):
+      view, idx = get(args)
+      sub = view[idx]
+      races.note(view, idx, "read")
+      if mask_pos is None:
+        return np.array(sub)
+      m = np.asarray(args[mask_pos], bool)
+      res = allocate(out.shape, out.dtype, params)
+      res[m] = sub.reshape(-1)[:int(m.sum())]
+      return res
+    return load
+
+  @registry.register(scp.swap_p, foldable=False, batch=_SEQUENTIAL)
+  def _store_compressed(e):
+    """``plsc.store_compressed`` / ``addupdate`` / ``addupdate_compressed``:
+    the masked elements of ``x`` go, in order, to the first elements of the
+    (flattened) ref (added with ``add``). Returns the ref's old contents."""
+    get, mask_pos = _ref_access(e)
+    add = bool(e.params["add"])
+
+    def store(*args):
+      view, idx = get(args)
+      sub = view[idx]
+      old = np.array(sub)
+      x = np.asarray(args[1])
+      races.note(view, idx, "readwrite" if add else "write")
+      if mask_pos is None:
+        if add:
+          sub += x
+        else:
+          sub[...] = x
+        return old
+      m = np.asarray(args[mask_pos], bool)
+      vals = x[m]
+      flat = sub.reshape(-1)  # a view: refs are contiguous blocks here
+      if not np.shares_memory(flat, sub):
+        raise UnsupportedError("pallas_np: a compressed store to a non-contiguous ref view")
+      if add:
+        flat[:vals.size] += vals
+      else:
+        flat[:vals.size] = vals
+      return old
+    return store
+
+  @registry.register(scp.barrier_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
+  def _subcore_barrier(e):
+    what = f"plsc.subcore_barrier at {e.source}"
+
+    def barrier(ctx):
+      wait = getattr(ctx.device, "subcore_barrier", None)
+      if wait is None:
+        raise UnsupportedError(
+            f"pallas_np: {what} outside a SparseCore VectorSubcoreMesh kernel (pl.kernel)")
+      wait(ctx, what)
+      return []
+    return barrier
+
+  @registry.register(scp.parallel_loop_p, needs_ctx=True, context_free=True, foldable=False,
+                     batch=_SEQUENTIAL)
+  def _parallel_loop(e):
+    """``plsc.parallel_loop``: iterations are independent by contract, so
+    running them in order is one of the schedules the hardware may pick."""
+    jaxpr = e.params["jaxpr"]
+    plan = e.compiler.compile(jaxpr, constvars_as_args=True).fn
+    tree = e.params["tree"]
+    idx_dtype = np.dtype(jaxpr.invars[0].aval.dtype)
+
+    def parallel_loop(ctx, *args):
+      lower, upper, step, consts, carry = jc.tree_unflatten(tree, list(args))
+      carry = list(carry)
+      for i in range(int(lower), int(upper), int(step)):
+        carry = list(plan(ctx, *consts, idx_dtype.type(i), *carry))
+      return carry
+    return parallel_loop
