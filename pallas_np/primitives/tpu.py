@@ -369,6 +369,18 @@ def assume_tpu_chip(version: str = "v5e", num_cores: int = 1):
   jc.register_tpu_device_kind(kind, lambda: pltpu.get_tpu_info_for_chip(chip, num_cores))
 
 
+# -- pltpu.has_memory_space (JAX >= 0.12) ----------------------------------------
+_has_memory_space_p = getattr(mp, "has_memory_space_p", None)
+if _has_memory_space_p is not None:
+  @registry.register(_has_memory_space_p, foldable=False, batch=registry.ELEMENTWISE)
+  def _has_memory_space(e):
+    """A ``pl.ANY`` ref is placed in HBM here (as TPU interpret mode places
+    it), so the check is true exactly for HBM."""
+    space = e.params["memory_space"]
+    answer = np.bool_(str(getattr(space, "name", space)).upper() == "HBM")
+    return lambda ref: answer
+
+
 # Operand helpers other TPU families (SparseCore: primitives/sparsecore.py) share.
 operand_positions = _positions
 ref_operand = _ref_operand
