@@ -55,6 +55,8 @@ CATEGORIES: list[tuple[str, list[str]]] = [
         "pallas.pallas_call", "pallas.core",
     ]),
     ("pallas TPU (Mosaic)", ["pallas.mosaic.primitives"]),
+    ("pallas TPU SparseCore", ["pallas.mosaic.sc_primitives"]),
+    ("mesh kernels", ["pallas.mpmd", "state.discharge"]),
     ("pallas GPU (Triton)", ["pallas.triton.primitives"]),
     ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives"]),
 ]
