@@ -381,6 +381,43 @@ if _has_memory_space_p is not None:
     return lambda ref: answer
 
 
+# -- pltpu.conv (JAX >= 0.12) ----------------------------------------------------
+_conv_p = getattr(mp, "conv_p", None)
+if _conv_p is not None:
+  @registry.register(_conv_p, gemm=True, batch=registry.unbatched("rare: run lane by lane"))
+  def _tpu_conv(e):
+    """``acc + conv(lhs, rhs)`` (acc zero when absent), through JAX's NumPy
+    reference convolution (opt_einsum); float inputs accumulate in float32
+    as the MXU does, integers in int64 (wrapping to the output type)."""
+    p = e.params
+    if p.get("feature_group_count", 1) != 1 or p.get("batch_group_count", 1) != 1:
+      raise e.unsupported("pltpu.conv with feature/batch groups")
+    if p.get("window_reversal") is not None and any(p["window_reversal"]):
+      raise e.unsupported("pltpu.conv with window_reversal")
+    if any(lo < 0 or hi < 0 for lo, hi in (p.get("padding") or ())):
+      raise e.unsupported("pltpu.conv with negative padding")
+    dn = p["dimension_numbers"]
+    nsp = len(dn.lhs_spec) - 2
+    strides = tuple(p.get("window_strides") or (1,) * nsp)
+    pads = tuple(tuple(x) for x in (p.get("padding") or ((0, 0),) * nsp))
+    lhs_dil = tuple(p.get("lhs_dilation") or (1,) * nsp)
+    rhs_dil = tuple(p.get("rhs_dilation") or (1,) * nsp)
+    out_dt = np_dtype(e.out_avals[0].dtype)
+    acc_dt = np.dtype(np.int64) if np.issubdtype(out_dt, np.integer) else np.dtype(np.float32)
+    out_perm = np.argsort(dn.out_spec)
+    ref = jc.lax_reference
+
+    def conv(lhs, rhs, *acc):
+      l = np.transpose(np.asarray(lhs, acc_dt), dn.lhs_spec)
+      r = np.transpose(np.asarray(rhs, acc_dt), dn.rhs_spec)
+      y = np.transpose(ref.conv_with_general_padding(l, r, strides, pads, lhs_dil, rhs_dil),
+                       out_perm)
+      if acc:
+        y = y + np.asarray(acc[0], acc_dt)
+      return y.astype(out_dt)
+    return conv
+
+
 # Operand helpers other TPU families (SparseCore: primitives/sparsecore.py) share.
 operand_positions = _positions
 ref_operand = _ref_operand
