@@ -1,4 +1,5 @@
-"""pltpu primitives added in JAX 0.12 (issue 28): ``has_memory_space``."""
+"""pltpu primitives added in JAX 0.12 (issue 28): ``has_memory_space``, ``conv``,
+the MXU staging/FIFO/accumulator primitives."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,3 +75,55 @@ def test_grouped_conv_is_unsupported():
   with pytest.raises(pallas_np.UnsupportedError, match="feature/batch groups"):
     pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 4, 4, 4), jnp.float32),
                    interpret="numpy")(x, w)
+
+
+needs_fifo = pytest.mark.skipif(not hasattr(pltpu, "matmul_lhs_fifo"),
+                                reason="the MXU FIFO primitives are JAX >= 0.12")
+
+
+@pytest.fixture
+def chip_with_accumulators():
+  """Tracing checks the chip's MXUs: assume a 7x, then the v5e the other tests assume."""
+  pallas_np.assume_tpu_chip("7x")
+  yield
+  pallas_np.assume_tpu_chip("v5e")
+
+
+@needs_fifo
+def test_mxu_fifo_and_accumulator_matmuls(chip_with_accumulators):
+  """Explicit MXU programming: a RHS pushed to a staging register, loaded by
+  the first matmul and reused by the next; results through the FIFO and
+  through an accumulator (pltpu.ACC). No interpreter of JAX runs these on
+  CPU: the reference is NumPy's matmul."""
+  k = pltpu.get_tpu_info().mxu_column_size
+  a = jax.random.normal(jax.random.key(0), (16, k), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (k, k), jnp.float32)
+
+  def kernel(a_ref, b_ref, f1_ref, f2_ref, acc_out, acc):
+    pltpu.matmul_push_rhs(b_ref[...], staging_register=0, mxu_index=0)
+    pltpu.matmul_lhs_fifo(a_ref[...], 0, load_staged_rhs=0)
+    pltpu.matmul_lhs_fifo(a_ref[...] * 2, 0)  # the same RHS, still loaded
+    f1_ref[...] = pltpu.matmul_pop_fifo((16, k), jnp.float32, 0)
+    f2_ref[...] = pltpu.matmul_pop_fifo((16, k), jnp.float32, 0)
+    pltpu.matmul_push_rhs(b_ref[...], staging_register=1, mxu_index=1, transpose=True)
+    pltpu.matmul_acc_lhs(acc, a_ref[...], load_staged_rhs=1)
+    pltpu.matmul_acc_lhs(acc, a_ref[...])  # accumulates
+    acc_out[...] = pltpu.matmul_pop(acc)
+  out = [jax.ShapeDtypeStruct((16, k), jnp.float32)] * 3
+  f1, f2, acc = pl.pallas_call(kernel, out_shape=out, interpret="numpy",
+                               scratch_shapes=[pltpu.ACC(1)((16, k), jnp.float32)])(a, b)
+  an, bn = np.asarray(a), np.asarray(b)
+  np.testing.assert_allclose(np.asarray(f1), an @ bn, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(f2), 2 * an @ bn, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(acc), 2 * an @ bn.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_fifo
+def test_popping_an_empty_mxu_fifo_raises(chip_with_accumulators):
+  k = pltpu.get_tpu_info().mxu_column_size
+
+  def kernel(o_ref):
+    o_ref[...] = pltpu.matmul_pop_fifo((8, k), jnp.float32, 0)
+  with pytest.raises(RuntimeError, match="FIFO of MXU 0 is empty"):
+    pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, k), jnp.float32),
+                   interpret="numpy")()

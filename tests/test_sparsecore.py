@@ -26,6 +26,8 @@ NC, NS, L = 2, 4, 8  # SparseCores, vector subcores each, lanes
 def sparse_core_chip():
   """Meshes ask the chip for its SparseCore count: assume a v5p (tracing only)."""
   pallas_np.assume_tpu_chip("v5p")
+  yield
+  pallas_np.assume_tpu_chip("v5e")
 
 
 def vector_mesh(cores=NC, subcores=NS):
