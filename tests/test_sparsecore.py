@@ -214,3 +214,23 @@ def test_scalar_subcore_mesh():
   with pallas_np.force_numpy_interpret():
     np.testing.assert_array_equal(np.asarray(jax.jit(
         pl.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, f32), mesh=mesh))(x)), want)
+
+
+def test_scalar_and_vector_subcores_together_are_unsupported():
+  """pl.kernel over [ScalarSubcoreMesh, VectorSubcoreMesh] (MPMD): one mesh
+  per kernel is supported; this raises UnsupportedError, never runs wrong."""
+  smesh = plsc.ScalarSubcoreMesh(axis_name="core", num_cores=1)
+  x = jnp.ones((8, 128), f32)
+
+  def scalar_body(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  def vector_body(x_hbm, o_hbm):
+    pass
+  try:
+    k = pl.kernel([scalar_body, vector_body], out_type=jax.ShapeDtypeStruct(x.shape, f32),
+                  mesh=[smesh, vector_mesh(1, 2)], interpret="numpy")
+  except TypeError:
+    pytest.skip("this JAX's pl.kernel takes one body")
+  with pytest.raises(pallas_np.UnsupportedError, match="several meshes"):
+    k(x)
