@@ -269,6 +269,63 @@ def _detectors(kernel, programs, placements):
 
 
 # -- running ---------------------------------------------------------------------------
+class _Worker(threading.Thread):
+  """A parked thread that runs one task at a time (starting a thread per
+  program per call costs more than small kernels do)."""
+
+  def __init__(self, pool):
+    super().__init__(daemon=True, name="pallas_np mesh program")
+    self.pool = pool
+    self.ready = threading.Semaphore(0)
+    self.task = None
+    self.done = None
+
+  def run(self):
+    while True:
+      self.ready.acquire()
+      task, done = self.task, self.done
+      self.task = self.done = None
+      try:
+        task()
+      finally:
+        self.pool.park(self)
+        done.release()
+
+
+class _Workers:
+  """Parked worker threads. ``run_concurrently`` gives every task a thread
+  of its own (programs wait on each other, so none may queue behind
+  another), spawning workers when too few are parked."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.parked: list[_Worker] = []
+
+  def park(self, worker):
+    with self.lock:
+      self.parked.append(worker)
+
+  def run_concurrently(self, tasks, here):
+    """Run ``tasks`` on workers and ``here`` on this thread; return when all
+    are done (tasks must not raise: they record their errors)."""
+    with self.lock:
+      take = min(len(tasks), len(self.parked))
+      workers = [self.parked.pop() for _ in range(take)]
+    workers += [_Worker(self) for _ in range(len(tasks) - len(workers))]
+    done = threading.Semaphore(0)
+    for w, task in zip(workers, tasks):
+      w.task, w.done = task, done
+      if not w.is_alive():
+        w.start()
+      w.ready.release()
+    here()
+    for _ in tasks:
+      done.acquire()
+
+
+_workers = _Workers()
+
+
 def run_programs(kernel, programs: list[Program], unit: str = "core"):
   """Run ``programs`` (one mesh: row-major over its points) concurrently;
   raises the first program's own error (peers stopped by it say so), or a
@@ -306,15 +363,8 @@ def run_programs(kernel, programs: list[Program], unit: str = "core"):
     finally:
       devices.leave(ctx, error)
 
-  if n == 1:
-    run_one(0)
-  else:
-    threads = [threading.Thread(target=run_one, args=(k,), daemon=True,
-                                name=f"pallas_np {unit} {k}") for k in range(n)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
+  _workers.run_concurrently([lambda k=k: run_one(k) for k in range(1, n)],
+                             lambda: run_one(0))
   failed = [e for e in errors if e is not None]
   if failed:
     own = [e for e in failed
