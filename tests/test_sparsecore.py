@@ -234,3 +234,24 @@ def test_scalar_and_vector_subcores_together_are_unsupported():
     pytest.skip("this JAX's pl.kernel takes one body")
   with pytest.raises(pallas_np.UnsupportedError, match="several meshes"):
     k(x)
+
+
+def test_core_map_over_vector_subcores():
+  """pl.core_map(VectorSubcoreMesh) on refs, with core_map scratch."""
+  x = jnp.arange(16 * 128, dtype=f32).reshape(16, 128)
+
+  def f(x):
+    def stateful(refs):
+      x_ref, o_ref = refs
+
+      @pl.core_map(vector_mesh(1, 2), interpret="numpy",
+                   scratch_shapes=[pltpu.VMEM((8, 128), f32)])
+      def _(buf):
+        s = jax.lax.axis_index("subcore")
+        pltpu.sync_copy(x_ref.at[pl.ds(s * 8, 8)], buf)
+        buf[...] = buf[...] * 3 + s.astype(f32)
+        pltpu.sync_copy(buf, o_ref.at[pl.ds(s * 8, 8)])
+    return pl.run_state(stateful)((x, jnp.zeros_like(x)))[1]
+  want = np.asarray(x) * 3 + (np.arange(16) >= 8)[:, None]
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), want)
+  np.testing.assert_array_equal(np.asarray(pallas_np.jit(f)(x)), want)
