@@ -161,14 +161,16 @@ def test_core_map_matches_tpu_interpret_mode():
 
 
 # -- run_on_first_core, collective run_scoped, core_index signals --------------------
-def test_run_on_first_core_and_a_collective_scratch(no_jax_interpreter):
-  """Core 0 fills a buffer shared by both cores (run_scoped with
-  collective_axes), signals core 1, which reads it: the way the two cores of
-  a megacore chip hand data over without a trip through HBM."""
-  def body(x_hbm, o_hbm):
+@pytest.mark.parametrize("detect_races", [False, True])
+def test_run_on_first_core_and_a_collective_scratch(detect_races, no_jax_interpreter):
+  """Core 0 fills a buffer both cores share (run_scoped with collective_axes:
+  one allocation for the programs that differ along those axes, as JAX
+  defines it), then a core barrier (on a per-core scratch semaphore), then
+  core 1 reads it. No race: the barrier orders the accesses."""
+  def body(x_hbm, o_hbm, sem):
     core = jax.lax.axis_index("core")
 
-    def scoped(shared, sem):
+    def scoped(shared):
       @pltpu.run_on_first_core("core")
       def _():
         pltpu.sync_copy(x_hbm, shared)
@@ -179,11 +181,26 @@ def test_run_on_first_core_and_a_collective_scratch(no_jax_interpreter):
       def _():
         pltpu.sync_copy(shared, o_hbm)
       pltpu.core_barrier(sem, core_axis_name="core")
-    pl.run_scoped(scoped, pltpu.VMEM(X.shape, f32), pltpu.SemaphoreType.REGULAR,
-                  collective_axes="core")
+    pl.run_scoped(scoped, pltpu.VMEM(X.shape, f32), collective_axes="core")
   k = pl.kernel(body, out_type=jax.ShapeDtypeStruct(X.shape, f32), mesh=MESH2,
-                interpret="numpy")
-  np.testing.assert_array_equal(np.asarray(k(X)), np.asarray(X) + 100)
+                scratch_types=[pltpu.SemaphoreType.REGULAR],
+                interpret=pallas_np.InterpretParams(detect_races=detect_races))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(k(X)), np.asarray(X) + 100)
+
+
+def test_collective_scratch_written_by_both_cores_races():
+  def body(x_hbm, o_hbm):
+    core = jax.lax.axis_index("core")
+
+    def scoped(shared):
+      pltpu.sync_copy(x_hbm, shared)  # both cores write all of it
+      pltpu.sync_copy(shared.at[pl.ds(core * 8, 8)], o_hbm.at[pl.ds(core * 8, 8)])
+    pl.run_scoped(scoped, pltpu.VMEM(X.shape, f32), collective_axes="core")
+  k = pl.kernel(body, out_type=jax.ShapeDtypeStruct(X.shape, f32), mesh=MESH2,
+                interpret=pallas_np.InterpretParams(detect_races=True))
+  with pytest.raises(pallas_np.RaceError, match="collective_axes"):
+    k(X)
 
 
 def test_collective_run_scoped_outside_a_mesh_raises():

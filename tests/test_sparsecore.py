@@ -216,24 +216,37 @@ def test_scalar_subcore_mesh():
         pl.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, f32), mesh=mesh))(x)), want)
 
 
-def test_scalar_and_vector_subcores_together_are_unsupported():
-  """pl.kernel over [ScalarSubcoreMesh, VectorSubcoreMesh] (MPMD): one mesh
-  per kernel is supported; this raises UnsupportedError, never runs wrong."""
-  smesh = plsc.ScalarSubcoreMesh(axis_name="core", num_cores=1)
-  x = jnp.ones((8, 128), f32)
+def test_scalar_and_vector_subcores_together():
+  """pl.kernel over [ScalarSubcoreMesh, VectorSubcoreMesh] (MPMD): the scalar
+  subcore of each SparseCore stages rows into the core's shared VMEM
+  (VMEM_SHARED, which it shares with its vector subcores) and copies them out;
+  the vector subcores scale their own rows. All programs run at once."""
+  smesh = plsc.ScalarSubcoreMesh(axis_name="core", num_cores=NC)
+  vmesh = vector_mesh(NC, 2)
+  x = jnp.arange(4 * NC * 8 * 128, dtype=f32).reshape(4 * NC * 8, 128)
 
-  def scalar_body(x_hbm, o_hbm):
-    pltpu.sync_copy(x_hbm, o_hbm)
+  def scalar_body(x_hbm, o_hbm, spmem, vbuf):
+    c = jax.lax.axis_index("core")
+    pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], spmem)
+    pltpu.sync_copy(spmem, o_hbm.at[pl.ds(c * 8, 8)])
 
-  def vector_body(x_hbm, o_hbm):
-    pass
+  def vector_body(x_hbm, o_hbm, spmem, vbuf):
+    w = jax.lax.axis_index("core") * 2 + jax.lax.axis_index("subcore")
+    rows = pl.ds(NC * 8 + w * 8, 8)
+    pltpu.sync_copy(x_hbm.at[rows], vbuf)
+    vbuf[...] = vbuf[...] * 2.0
+    pltpu.sync_copy(vbuf, o_hbm.at[rows])
   try:
     k = pl.kernel([scalar_body, vector_body], out_type=jax.ShapeDtypeStruct(x.shape, f32),
-                  mesh=[smesh, vector_mesh(1, 2)], interpret="numpy")
+                  mesh=[smesh, vmesh], interpret="numpy",
+                  scratch_types=[pltpu.VMEM_SHARED((8, 128), f32),
+                                 (pltpu.VMEM @ vmesh)((8, 128), f32)])
   except TypeError:
     pytest.skip("this JAX's pl.kernel takes one body")
-  with pytest.raises(pallas_np.UnsupportedError, match="several meshes"):
-    k(x)
+  got = np.asarray(k(x))
+  want = np.asarray(x).copy()
+  want[NC * 8:NC * 8 + NC * 2 * 8] *= 2
+  np.testing.assert_array_equal(got[:NC * 8 * 3], want[:NC * 8 * 3])
 
 
 def test_core_map_over_vector_subcores():

@@ -31,10 +31,10 @@ class Program:
   (inputs, outputs, scratch; arrays shared with other programs where the
   hardware shares that memory)."""
   __slots__ = ("plan", "names", "sizes", "coords", "operands", "num_blocks", "semaphores",
-               "barrier_axes")
+               "barrier_axes", "unit", "offset")
 
   def __init__(self, plan: KernelPlan, names, sizes, coords, operands, num_blocks: int,
-               semaphores=(), barrier_axes=None):
+               semaphores=(), barrier_axes=None, unit="core", offset=0):
     self.plan = plan
     self.names = tuple(names)
     self.sizes = tuple(int(s) for s in sizes)
@@ -45,18 +45,28 @@ class Program:
     # The axes a subcore barrier spans (the programs differing only along
     # them wait for each other); None: the mesh has no such barrier.
     self.barrier_axes = barrier_axes
+    self.unit = unit  # "core", "subcore", "scalar subcore": for messages
+    # Global id of the first program of this one's mesh (a kernel over
+    # several meshes numbers them one mesh after the other).
+    self.offset = offset
 
 
 class MeshPlacement(devices.Placement):
-  """A program's place on its mesh; described as ``core 1 (core=1)``."""
-  __slots__ = ("unit",)
+  """A program's place on its mesh; described as ``core 1 (core=1)``.
+  ``peers``: every program's placement, by global program id (several meshes
+  of one kernel number their programs one after the other)."""
+  __slots__ = ("unit", "peers", "offset")
 
-  def __init__(self, key, names, sizes, coords, unit):
+  def __init__(self, key, names, sizes, coords, unit, offset=0):
     super().__init__(key, names, sizes, coords)
     self.unit = unit
+    self.peers = None
+    self.offset = offset  # global id of this mesh's first program
 
   def describe(self, logical=None) -> str:
-    return self.unit + super().describe(logical)[len("device"):]
+    if logical is not None and self.peers is not None:
+      return self.peers[logical].describe()
+    return self.unit + super().describe()[len("device"):]
 
 
 class MeshSession(devices.Session):
@@ -88,7 +98,8 @@ class ProgramContext(devices.DeviceContext):
     pl_ = self.placement
     if self.barrier_axes is None:
       raise _unsupported(f"{what}: this mesh has no subcore barrier")
-    group = tuple(c for n, c in zip(pl_.names, pl_.coords) if n not in self.barrier_axes)
+    group = (pl_.offset,) + tuple(c for n, c in zip(pl_.names, pl_.coords)
+                                  if n not in self.barrier_axes)
     size = int(np.prod([s for n, s in zip(pl_.names, pl_.sizes) if n in self.barrier_axes]))
     self.barriers_passed += 1
     key = ("barrier", group, self.barriers_passed)
@@ -119,13 +130,14 @@ class ProgramContext(devices.DeviceContext):
     t = self.target_id((core,), jc.DeviceIdType.MESH)
     return None if t == self.logical_id else t
 
+  def target_id(self, device_id, device_id_type) -> int:
+    """A program of this one's mesh, by its mesh coordinates (global id)."""
+    return self.placement.offset + super().target_id(device_id, device_id_type)
+
   def peer_ref(self, peer, view, what: str):
-    if id(view) in self.shared or id(view) in self.session_shared():
+    if id(view) in self.shared:
       return view
     return super().peer_ref(peer, view, what)
-
-  def session_shared(self):
-    return {id(b) for bufs, _ in self.session.allocations.values() for b in bufs}
 
   def collective_alloc(self, key, collective_axes, avals, params):
     """The buffers of a ``run_scoped(..., collective_axes=...)``: the same for
@@ -140,7 +152,7 @@ class ProgramContext(devices.DeviceContext):
                            f"axes of the mesh {pl_.names}")
     count = self.scoped_counts.get(key, 0)
     self.scoped_counts[key] = count + 1
-    group = tuple(c for n, c in zip(pl_.names, pl_.coords) if n not in axes)
+    group = (pl_.offset,) + tuple(c for n, c in zip(pl_.names, pl_.coords) if n not in axes)
     size = int(np.prod([s for n, s in zip(pl_.names, pl_.sizes) if n in axes]))
     full_key = (key, count, group)
     session = self.session
@@ -151,9 +163,11 @@ class ProgramContext(devices.DeviceContext):
             [allocate(a.shape, a.dtype, params) for a in avals], 0]
       entry[1] += 1
       bufs = entry[0]
+      if entry[1] == 1:
+        track_shared(f"run_scoped(collective_axes={tuple(collective_axes)}) buffer", bufs)
       if entry[1] == size:
         del session.allocations[full_key]
-        self.shared |= {id(b) for b in bufs}
+    self.shared |= {id(b) for b in bufs}  # a peer's signal names them as ours
     return bufs
 
 
@@ -170,6 +184,25 @@ class _Clocks:
     self.program = np.zeros((n, n), np.int64)
     np.fill_diagonal(self.program, 1)
     self.semaphore: dict[int, np.ndarray] = {}
+    self.detectors: list = []
+
+
+def track_shared(name, buffers):
+  """Track buffers programs share that appear while they run (collective
+  run_scoped allocations) in the active mesh race detector, if any."""
+  det = races.current()
+  clocks = getattr(det, "clocks", None)
+  if clocks is None:
+    return
+  with clocks.lock:
+    fresh = races.RaceDetector(det.kernel, (), ())
+    for i, buf in enumerate(buffers):
+      fresh.track(f"{name}[{i}]", buf)
+    for r in fresh.regions:
+      r.ensure()
+    det.regions[:0] = fresh.regions  # newest first: a reused address finds its own
+    for d in clocks.detectors:
+      d.forget_views()
 
 
 class ProgramRaceDetector(races.RaceDetector):
@@ -186,6 +219,9 @@ class ProgramRaceDetector(races.RaceDetector):
       self.regions = regions
     self.group = me
     self.step = 1
+
+  def forget_views(self):
+    self._views = {}
 
   def begin(self, step, point, block_indices=()):
     self.group = self.me
@@ -265,6 +301,7 @@ def _detectors(kernel, programs, placements):
     r.ensure()
   dets = [first] + [ProgramRaceDetector(kernel.name, k, placements[0].describe, clocks,
                                         first.regions) for k in range(1, len(programs))]
+  clocks.detectors = dets
   return dets
 
 
@@ -326,14 +363,19 @@ class _Workers:
 _workers = _Workers()
 
 
-def run_programs(kernel, programs: list[Program], unit: str = "core"):
-  """Run ``programs`` (one mesh: row-major over its points) concurrently;
-  raises the first program's own error (peers stopped by it say so), or a
-  deadlock; then reports semaphores left signalled at the end."""
+def run_programs(kernel, programs: list[Program]):
+  """Run ``programs`` concurrently (each mesh's row-major over its points,
+  the meshes one after the other, ``Program.offset`` the global id of its
+  mesh's first); raises the first program's own error (peers stopped by it
+  say so), or a deadlock; then reports semaphores left signalled at the end."""
   n = len(programs)
-  session = MeshSession(n, unit)
+  units = {p.unit for p in programs}
+  session = MeshSession(n, units.pop() if len(units) == 1 else "program")
   key = id(kernel)
-  placements = [MeshPlacement(key, p.names, p.sizes, p.coords, unit) for p in programs]
+  placements = [MeshPlacement(key, p.names, p.sizes, p.coords, p.unit, p.offset)
+                for p in programs]
+  for place in placements:
+    place.peers = placements
   contexts = []
   for k, (p, place) in enumerate(zip(programs, placements)):
     shared = {id(b) for b in p.operands[:p.num_blocks]}

@@ -40,13 +40,17 @@ def is_tpu_mesh(mesh) -> bool:
 
 def _space_name(aval) -> str:
   space = jc.memory_space_of(aval)
+  if hasattr(space, "mesh") and hasattr(space, "memory_space"):  # `pltpu.VMEM @ mesh`
+    space = space.memory_space
   if space is None:
     return "any"
   return str(getattr(space, "name", None) or getattr(space, "value", space)).lower()
 
 
-def shared_axes(mesh, aval) -> tuple:
-  """The mesh axes along which programs see one buffer for a scratch aval."""
+def shared_axes(mesh, aval):
+  """The mesh axes along which programs see one buffer for a scratch aval
+  (programs of other meshes of the kernel with the same coordinates off
+  those axes share it too); None: each program's own memory."""
   names = tuple(mesh.shape)
   space = _space_name(aval)
   if "hbm" in space or space == "any" or space.endswith(".any"):
@@ -56,9 +60,11 @@ def shared_axes(mesh, aval) -> tuple:
   if "vmem_shared" in space:
     if jc.VectorSubcoreMesh is not None and isinstance(mesh, jc.VectorSubcoreMesh):
       return (mesh.subcore_axis_name,)
+    if jc.ScalarSubcoreMesh is not None and isinstance(mesh, jc.ScalarSubcoreMesh):
+      return ()  # the SparseCore's Spmem: with its vector subcores
     if isinstance(mesh, jc.TensorCoreMesh):
       return names
-  return ()
+  return None
 
 
 def barrier_axes(mesh):
@@ -71,35 +77,41 @@ def barrier_axes(mesh):
 def unit_of(mesh) -> str:
   if jc.VectorSubcoreMesh is not None and isinstance(mesh, jc.VectorSubcoreMesh):
     return "subcore"
+  if jc.ScalarSubcoreMesh is not None and isinstance(mesh, jc.ScalarSubcoreMesh):
+    return "scalar subcore"
   return "core"
 
 
 def run_tpu_mesh(kernel, buffers):
-  if len(kernel.meshes) != 1:
-    raise UnsupportedError(
-        f"pallas_np: mesh kernel {kernel.source} pairs several meshes (MPMD: "
-        f"{', '.join(type(m).__name__ for m in kernel.meshes)}); one mesh per kernel is "
-        "supported")
-  mesh = kernel.meshes[0]
-  plan = kernel.program(0)
-  names, sizes = tuple(mesh.shape), tuple(int(s) for s in mesh.shape.values())
-  scratch_avals = kernel.scratch_avals(0)
-  inner = [a.inner_aval if isinstance(a, jc.AbstractRef) else a for a in scratch_avals]
-  sharing = [shared_axes(mesh, a) for a in scratch_avals]
-  semaphores = [i for i, a in enumerate(inner) if jc.is_semaphore_dtype(a.dtype)]
+  """Every body over every point of its mesh, all at once. Several meshes
+  (a SparseCore's scalar subcore with its vector subcores) share what their
+  memory spaces share: scratch is keyed by the coordinates off its sharing
+  axes, and the meshes of one kernel name the core axis alike."""
   allocations: dict = {}
   programs = []
-  for coords in itertools.product(*map(range, sizes)):
-    scratch = []
-    for i, (aval, axes) in enumerate(zip(inner, sharing)):
-      key = (i, tuple(c for n, c in zip(names, coords) if n not in axes))
-      buf = allocations.get(key)
-      if buf is None:
-        buf = allocations[key] = allocate(aval.shape, aval.dtype, kernel.params)
-      scratch.append(buf)
-    programs.append(Program(plan, names, sizes, coords, [*buffers, *scratch],
-                            len(buffers), semaphores, barrier_axes(mesh)))
-  run_programs(kernel, programs, unit_of(mesh))
+  for body, mesh in enumerate(kernel.meshes):
+    plan = kernel.program(body)
+    names, sizes = tuple(mesh.shape), tuple(int(s) for s in mesh.shape.values())
+    scratch_avals = kernel.scratch_avals(body)
+    inner = [a.inner_aval if isinstance(a, jc.AbstractRef) else a for a in scratch_avals]
+    sharing = [shared_axes(mesh, a) for a in scratch_avals]
+    semaphores = [i for i, a in enumerate(inner) if jc.is_semaphore_dtype(a.dtype)]
+    offset = len(programs)
+    for coords in itertools.product(*map(range, sizes)):
+      scratch = []
+      for i, (aval, axes) in enumerate(zip(inner, sharing)):
+        if axes is None:  # one program's own memory
+          key = (i, "private", body, coords)
+        else:
+          key = (i, "shared", tuple((n, c) for n, c in zip(names, coords) if n not in axes))
+        buf = allocations.get(key)
+        if buf is None:
+          buf = allocations[key] = allocate(aval.shape, aval.dtype, kernel.params)
+        scratch.append(buf)
+      programs.append(Program(plan, names, sizes, coords, [*buffers, *scratch],
+                              len(buffers), semaphores, barrier_axes(mesh), unit_of(mesh),
+                              offset))
+  run_programs(kernel, programs)
 
 
 register_mesh_runner(is_tpu_mesh, run_tpu_mesh)
