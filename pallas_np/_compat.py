@@ -452,10 +452,11 @@ def memory_space_of(aval):
 
 
 def mesh_grid_mapping(jaxpr, num_inputs: int, num_outputs: int, default_memory_space,
-                      debug=False):
-  """The GridMapping of one program of a mesh kernel: a single grid point,
-  every operand a whole-array ref in its memory space (what JAX's fallback
-  lowering of ``mpmd_map`` builds, without the grid over the mesh)."""
+                      grid=(), debug=False):
+  """The GridMapping of a mesh kernel's body: the mesh as the grid (what
+  ``pl.program_id`` reads inside a core_map), every operand a whole-array
+  ref in its memory space (what JAX's fallback lowering of ``mpmd_map``
+  builds)."""
   avals = [v.aval for v in jaxpr.invars]
 
   def spec(aval):
@@ -465,7 +466,7 @@ def mesh_grid_mapping(jaxpr, num_inputs: int, num_outputs: int, default_memory_s
   inner = [a.inner_aval if isinstance(a, AbstractRef) else a for a in avals]
   in_avals, out_avals = inner[:num_inputs], inner[num_inputs:num_inputs + num_outputs]
   grid_spec = pallas_core.GridSpec(
-      grid=(), in_specs=tuple(spec(a) for a in avals[:num_inputs]),
+      grid=tuple(grid), in_specs=tuple(spec(a) for a in avals[:num_inputs]),
       out_specs=tuple(spec(a) for a in avals[num_inputs:num_inputs + num_outputs]))
   in_tree = jax.tree_util.tree_structure(tuple(in_avals))
   out_tree = jax.tree_util.tree_structure(tuple(out_avals))

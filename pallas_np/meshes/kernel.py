@@ -93,12 +93,16 @@ class MeshKernel:
     return [v.aval for v in j.invars[self.num_inputs + self.num_outputs:]]
 
   def program(self, body: int) -> KernelPlan:
-    """Body ``body`` as a one-point KernelPlan over whole refs (compiled once)."""
+    """Body ``body`` as a KernelPlan over whole refs whose grid is the mesh
+    (a program runs one point of it: ``pl.program_id`` is its coordinate);
+    compiled once."""
     kp = self._programs.get(body)
     if kp is None:
       j, mesh = self.jaxprs[body], self.meshes[body]
       gm = jc.mesh_grid_mapping(j, self.num_inputs, self.num_outputs,
-                                mesh.default_memory_space, self.debug)
+                                mesh.default_memory_space,
+                                grid=tuple(int(s) for s in mesh.shape.values()),
+                                debug=self.debug)
       kp = KernelPlan(jaxpr=j, grid_mapping=gm, input_output_aliases=(),
                       out_avals=self.out_avals, params=self.params, name=self.name,
                       debug=self.debug, compiler_params=self.compiler_params)

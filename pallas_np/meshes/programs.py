@@ -394,11 +394,12 @@ def run_programs(kernel, programs: list[Program]):
       with np.errstate(all="ignore"):
         blocks, scratch = p.operands[:p.num_blocks], p.operands[p.num_blocks:]
         if det is None:
-          p.plan.run_grid((), [], blocks, scratch, points=[()], progress=None, device=ctx)
+          p.plan.run_grid(p.sizes, [], blocks, scratch, points=[p.coords], progress=None,
+                          device=ctx)
         else:
           with races.activate(det):
-            p.plan.run_grid((), [], blocks, scratch, det, points=[()], progress=None,
-                            device=ctx)
+            p.plan.run_grid(p.sizes, [], blocks, scratch, det, points=[p.coords],
+                            progress=None, device=ctx)
     except BaseException as e:  # noqa: BLE001 (reported by the caller)
       error = e
       errors[k] = e
