@@ -268,3 +268,35 @@ def test_core_map_over_vector_subcores():
   want = np.asarray(x) * 3 + (np.arange(16) >= 8)[:, None]
   np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), want)
   np.testing.assert_array_equal(np.asarray(pallas_np.jit(f)(x)), want)
+
+
+@pytest.mark.skipif(not hasattr(plsc, "fetch_and_add"), reason="plsc.fetch_and_add is JAX >= 0.12")
+def test_fetch_and_add_hands_out_unique_tickets():
+  """Every subcore takes a ticket from subcore 0's SMEM counter with an
+  atomic fetch_and_add; the tickets are 0..n-1 in some order and the counter
+  ends at n."""
+  n = 4
+
+  def body(o_hbm, c_hbm, counter, ticket_v):
+    sub = jax.lax.axis_index("subcore")
+
+    @pl.when(sub == 0)
+    def _():
+      counter[0] = 0
+    plsc.subcore_barrier()
+    t = plsc.fetch_and_add(counter.at[0], jnp.int32(1), subcore_id=jnp.int32(0))
+    ticket_v[...] = jnp.full((L,), t, i32)
+    pltpu.sync_copy(ticket_v, o_hbm.at[sub])
+    plsc.subcore_barrier()
+
+    @pl.when(sub == 0)
+    def _():
+      ticket_v[...] = jnp.full((L,), counter[0], i32)
+      pltpu.sync_copy(ticket_v, c_hbm)
+  k = pl.kernel(body, out_type=(jax.ShapeDtypeStruct((n, L), i32), jax.ShapeDtypeStruct((L,), i32)),
+                mesh=vector_mesh(1, n), interpret="numpy",
+                scratch_types=[pltpu.SMEM((1,), i32), pltpu.VMEM((L,), i32)])
+  tickets, count = k()
+  assert sorted(np.asarray(tickets)[:, 0].tolist()) == list(range(n))
+  assert (np.asarray(tickets) == np.asarray(tickets)[:, :1]).all()
+  assert (np.asarray(count) == n).all()

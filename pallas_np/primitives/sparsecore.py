@@ -12,8 +12,9 @@ import jax
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import races, registry
+from pallas_np import devices, races, registry
 from pallas_np.errors import UnsupportedError
+from pallas_np.dtypes import np_dtype
 from pallas_np.memory import allocate
 from pallas_np.primitives.tpu import operand_positions, ref_operand, scalar_operand
 
@@ -190,3 +191,31 @@ if scp is not None:
         carry = list(plan(ctx, *consts, idx_dtype.type(i), *carry))
       return carry
     return parallel_loop
+
+
+_fetch_and_add_p = getattr(scp, "fetch_and_add_p", None) if scp is not None else None
+if _fetch_and_add_p is not None:
+  @registry.register(_fetch_and_add_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
+  def _fetch_and_add(e):
+    """``plsc.fetch_and_add(ref, v, subcore_id=s)``: atomically add ``v`` to
+    the scalar SMEM ref on vector subcore ``s`` of this SparseCore and return
+    its old value (under the programs' session lock)."""
+    n_idx = len(e.eqn.invars) - 3
+    what = f"plsc.fetch_and_add at {e.source}"
+    dt = np_dtype(e.out_avals[0].dtype)
+
+    def fetch_and_add(ctx, ref, value, *rest):
+      idx, subcore = tuple(int(i) for i in rest[:n_idx]), int(rest[n_idx])
+      me = ctx.device
+      axes = getattr(me, "barrier_axes", None)
+      if not axes:
+        raise UnsupportedError(f"pallas_np: {what} outside a SparseCore VectorSubcoreMesh "
+                               "kernel (pl.kernel)")
+      with devices.lock(ctx):
+        target = me.target_id({axes[0]: subcore}, jc.DeviceIdType.MESH)
+        buf = ref if target == me.logical_id else me.peer_ref(
+            me.session.members[target], ref, what)
+        old = dt.type(buf[idx])
+        buf[idx] = old + dt.type(value)
+      return old
+    return fetch_and_add
