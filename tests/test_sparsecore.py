@@ -270,7 +270,6 @@ def test_core_map_over_vector_subcores():
   np.testing.assert_array_equal(np.asarray(pallas_np.jit(f)(x)), want)
 
 
-@pytest.mark.skipif(not hasattr(plsc, "fetch_and_add"), reason="plsc.fetch_and_add is JAX >= 0.12")
 def test_fetch_and_add_hands_out_unique_tickets():
   """Every subcore takes a ticket from subcore 0's SMEM counter with an
   atomic fetch_and_add; the tickets are 0..n-1 in some order and the counter

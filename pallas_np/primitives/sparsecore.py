@@ -193,7 +193,7 @@ if scp is not None:
     return parallel_loop
 
 
-_fetch_and_add_p = getattr(scp, "fetch_and_add_p", None) if scp is not None else None
+_fetch_and_add_p = getattr(scp, "fetch_and_add_p", None) if scp is not None else None  # noqa: E501
 if _fetch_and_add_p is not None:
   @registry.register(_fetch_and_add_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
   def _fetch_and_add(e):
