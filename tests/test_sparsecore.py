@@ -299,3 +299,23 @@ def test_fetch_and_add_hands_out_unique_tickets():
   assert sorted(np.asarray(tickets)[:, 0].tolist()) == list(range(n))
   assert (np.asarray(tickets) == np.asarray(tickets)[:, :1]).all()
   assert (np.asarray(count) == n).all()
+
+
+@pytest.mark.parametrize("bits", [[0, 0, 1, 0, 1, 1, 0, 0], [0] * 8])
+def test_mask_all_reductions(bits):
+  """all_reduce_population_count / all_reduce_ffs, from their docstrings:
+  every element holds the count of True / the first True's index (the size
+  when none)."""
+  def body(b_hbm, o_hbm, b, o):
+    pltpu.sync_copy(b_hbm, b)
+    m = b[...] != 0
+    o[0] = plsc.all_reduce_population_count(m)
+    o[1] = plsc.all_reduce_ffs(m)
+    pltpu.sync_copy(o, o_hbm)
+  k = pl.kernel(body, out_type=jax.ShapeDtypeStruct((2, L), i32), mesh=vector_mesh(1, 1),
+                interpret="numpy",
+                scratch_types=[pltpu.VMEM((L,), i32), pltpu.VMEM((2, L), i32)])
+  got = np.asarray(k(jnp.array(bits, i32)))
+  bits = np.array(bits, bool)
+  np.testing.assert_array_equal(got[0], np.full(L, bits.sum()))
+  np.testing.assert_array_equal(got[1], np.full(L, np.argmax(bits) if bits.any() else L))

@@ -219,3 +219,22 @@ if _fetch_and_add_p is not None:
         buf[idx] = old + dt.type(value)
       return old
     return fetch_and_add
+
+
+if scp is not None and getattr(scp, "all_reduce_population_count_p", None) is not None:
+  @registry.register(scp.all_reduce_population_count_p, batch=_SEQUENTIAL)
+  def _all_reduce_population_count(e):
+    """Every element of the (n // reduce,) result holds the number of True in x."""
+    n = e.out_avals[0].shape[0]
+    return lambda x: np.full((n,), np.count_nonzero(x), np.int32)
+
+  @registry.register(scp.all_reduce_ffs_p, batch=_SEQUENTIAL)
+  def _all_reduce_ffs(e):
+    """Every element holds the index of x's first True (x.size if none)."""
+    n = e.out_avals[0].shape[0]
+
+    def ffs(x):
+      x = np.asarray(x, bool)
+      first = int(np.argmax(x)) if x.any() else x.size
+      return np.full((n,), first, np.int32)
+    return ffs
