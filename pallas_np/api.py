@@ -130,14 +130,19 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
     names, sizes = tuple(axis_sizes), tuple(axis_sizes.values())
     key = (id(plan), names, sizes)
 
-    def host_run_on_device(*args):
+    def host_run_on_device(call, *args):
       coords, args = args[:len(names)], args[len(names):]
-      placement = devices.Placement(key, names, sizes, [int(c) for c in coords])
+      placement = devices.Placement(key, names, sizes, [int(c) for c in coords], call=call)
       return plan.run(*args, placement=placement)
 
     def impl(*args):
       coords = [jax.lax.axis_index(n) for n in names]
-      return jax.experimental.io_callback(host_run_on_device, result_shapes, *coords,
+      # Pair the devices' instances by call, not by arrival order: one
+      # ticket per device, the mesh-wide max is this call's id (devices.py).
+      ticket = jax.experimental.io_callback(
+          devices.new_ticket, jax.ShapeDtypeStruct((), np.int32), ordered=False)
+      call = jax.lax.pmax(ticket, names)
+      return jax.experimental.io_callback(host_run_on_device, result_shapes, call, *coords,
                                           *args, ordered=False)
     return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
 

@@ -22,9 +22,14 @@ instances of one invocation meet here, in a ``Session``:
   naming its own kernel line, device and grid point, and listing the others;
 * an error on one device fails the session: the others raise at their next
   wait (or at once if blocked), so no device is left waiting;
-* a session is dropped when all N have left; instances are matched by the
-  count of runs of the same plan on the same mesh per device (the k-th run on
-  device d meets the k-th run on every other device).
+* a session is dropped when all N have left. Instances are matched *by call*:
+  the lowered program draws a ticket per device (``new_ticket``, a host
+  callback) and takes the maximum over the mesh with ``lax.pmax``; XLA pairs
+  that collective per execution, so the N instances of one call carry the same
+  ticket and two concurrent calls (two Python threads) carry different ones.
+  Callers without a ticket (``Placement.call`` None) are matched by the count
+  of runs of the same plan per device (the k-th run on device d meets the k-th
+  run on every other device).
 
 A backstop timeout (``PALLAS_NP_DEVICE_TIMEOUT`` seconds, default 120) bounds
 only what the deadlock check cannot see: a device whose kernel instance
@@ -32,6 +37,7 @@ never starts (a runtime that serialised the devices' callbacks).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -90,16 +96,29 @@ def device_features(jaxpr) -> tuple[frozenset, bool]:
 
 
 # -- one device's view ----------------------------------------------------------
+_tickets = itertools.count(1)
+_TICKET_RANGE = 2**31 - 1
+
+
+def new_ticket() -> np.int32:
+  """A per-device number for one call of a multi-device kernel; the lowered
+  program takes the maximum over the mesh (``lax.pmax``), which is one of
+  this call's tickets and so differs from every concurrent call's."""
+  return np.int32(next(_tickets) % _TICKET_RANGE)
+
+
 class Placement:
   """Where one kernel instance runs: the bound axes (mesh order), their
-  sizes and this device's coordinates. ``key`` names the kernel (plan)."""
-  __slots__ = ("key", "names", "sizes", "coords")
+  sizes and this device's coordinates. ``key`` names the kernel (plan);
+  ``call`` (optional) identifies the call, the same on every device of it."""
+  __slots__ = ("key", "names", "sizes", "coords", "call")
 
-  def __init__(self, key, names, sizes, coords):
+  def __init__(self, key, names, sizes, coords, call=None):
     self.key = key
     self.names = tuple(names)
     self.sizes = tuple(int(s) for s in sizes)
     self.coords = tuple(int(c) for c in coords)
+    self.call = None if call is None else int(call)
 
   @property
   def num_devices(self) -> int:
@@ -223,8 +242,8 @@ class Session:
 
 
 _lock = threading.Lock()
-_sessions: dict = {}  # (key, generation) -> Session
-_generation: dict = {}  # (key, logical id) -> runs entered
+_sessions: dict = {}  # (key, ("call", ticket) or generation) -> Session
+_generation: dict = {}  # (key, logical id) -> runs entered (calls without a ticket)
 
 
 def _peer_failed(session: Session, me: DeviceContext) -> DeviceError:
@@ -241,9 +260,12 @@ def enter(placement: Placement, targets) -> DeviceContext:
   me = DeviceContext(placement, targets)
   dev = me.logical_id
   with _lock:
-    gen = _generation.get((placement.key, dev), 0)
-    _generation[(placement.key, dev)] = gen + 1
-    key = (placement.key, gen)
+    if placement.call is not None:
+      key = (placement.key, ("call", placement.call))
+    else:
+      gen = _generation.get((placement.key, dev), 0)
+      _generation[(placement.key, dev)] = gen + 1
+      key = (placement.key, gen)
     session = _sessions.get(key)
     if session is None:
       session = _sessions[key] = Session(placement.num_devices)

@@ -158,6 +158,55 @@ def case_oracle():
         "all_gather vs TPU interpret mode")
 
 
+def case_threads():
+  """Two Python threads call the same compiled kernel on the same mesh at the
+  same time, each with its own data: every call must meet its own peers
+  (pairing by run count would mix the two calls' shards)."""
+  import threading
+  perm = [(i, (i + 1) % N) for i in range(N)]
+  # one kernel (one plan) in two programs: the second scales its input
+  fs = [shmap(right_permute), shmap(lambda v: right_permute(v * 2.0))]
+  ref = shmap(lambda v: jax.lax.ppermute(v, "x", perm))
+  inputs = [data() + 10000.0 * t for t in range(2)]
+  wants = [np.asarray(ref(v * (1.0 + t))) for t, v in enumerate(inputs)]
+  for f, v in zip(fs, inputs):
+    f(v).block_until_ready()  # compile outside the threads
+  from pallas_np import devices
+  entered, enter = [], devices.enter
+
+  def recording_enter(placement, targets):
+    entered.append((placement.call, placement.coords))
+    return enter(placement, targets)
+  devices.enter = recording_enter
+  errors, start = [], threading.Barrier(2)
+
+  def worker(t):
+    try:
+      start.wait(timeout=60)
+      for _ in range(ROUNDS):
+        got = np.asarray(fs[t](inputs[t]))
+        assert np.array_equal(got, wants[t]), f"thread {t}: a call met another call's devices"
+    except BaseException as e:  # noqa: BLE001 (reported below)
+      errors.append(e)
+  threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(timeout=120)
+  assert not any(th.is_alive() for th in threads), "a thread hung"
+  assert not errors, errors[0]
+  devices.enter = enter
+  by_call = {}
+  for call, coords in entered:
+    by_call.setdefault(call, []).append(coords)
+  assert None not in by_call and len(by_call) == 2 * ROUNDS, sorted(by_call, key=str)[:4]
+  assert all(sorted(c) == [(d,) for d in range(N)] for c in by_call.values())
+  print("ok two threads, one compiled kernel, paired by call")
+
+
+ROUNDS = 25
+
+
 def expect_error(fn, *needles):
   try:
     jax.block_until_ready(fn())

@@ -43,6 +43,12 @@ def test_correct_kernels_match_lax_collectives(devices):
   assert "ok pallas.ops.tpu.all_gather" in out
 
 
+@pytest.mark.parametrize("devices", [4])
+def test_concurrent_calls_from_two_threads_pair_by_call(devices):
+  out = run_case("threads", devices)
+  assert "ok two threads, one compiled kernel, paired by call" in out
+
+
 def test_matches_tpu_interpret_mode():
   out = run_case("oracle", 4)
   assert "ok all_gather vs TPU interpret mode" in out
@@ -124,3 +130,37 @@ def test_axis_index_without_a_device_raises_unsupported():
   f = jax.shard_map(_moe, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"), check_vma=False)
   with pytest.raises(pallas_np.UnsupportedError):
     pallas_np.jit(f)(jnp.ones((16, 128), jnp.float32))
+
+
+def test_instances_pair_by_call_not_by_arrival():
+  """A runtime that interleaves two calls of one kernel (call A's device 0,
+  then call B's devices 0 and 1, then A's device 1) must still pair A with
+  A: sessions are keyed by the call's ticket. Arrival-order pairing would put
+  A's device 0 with B's device 1 (the hole this guards)."""
+  import threading
+  import time
+
+  from pallas_np import devices
+  key = ("test_pairing", object())
+  joined, errors = {}, []
+
+  def run(call, dev):
+    try:
+      me = devices.enter(devices.Placement(key, ("x",), (2,), (dev,), call=call), [])
+      joined[(call, dev)] = me.session
+      devices.leave(me)
+    except BaseException as e:  # noqa: BLE001 (checked below)
+      errors.append(e)
+  order = [(101, 0), (202, 0), (202, 1), (101, 1)]
+  threads = []
+  for call, dev in order:
+    th = threading.Thread(target=run, args=(call, dev))
+    th.start()
+    threads.append(th)
+    time.sleep(0.05)  # arrive in this order
+  for th in threads:
+    th.join(timeout=30)
+  assert not any(th.is_alive() for th in threads) and not errors, errors
+  assert joined[(101, 0)] is joined[(101, 1)]
+  assert joined[(202, 0)] is joined[(202, 1)]
+  assert joined[(101, 0)] is not joined[(202, 0)]
