@@ -135,16 +135,18 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
       placement = devices.Placement(key, names, sizes, [int(c) for c in coords], call=call)
       return plan.run(*args, placement=placement)
 
-    def impl(*args):
-      coords = [jax.lax.axis_index(n) for n in names]
+    def placement_operands():
       # Pair the devices' instances by call, not by arrival order: one
       # ticket per device, the mesh-wide max is this call's id (devices.py).
       ticket = jax.experimental.io_callback(
           devices.new_ticket, jax.ShapeDtypeStruct((), np.int32), ordered=False)
-      call = jax.lax.pmax(ticket, names)
-      return jax.experimental.io_callback(host_run_on_device, result_shapes, call, *coords,
-                                          *args, ordered=False)
-    return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+      return [jax.lax.pmax(ticket, names), *(jax.lax.axis_index(n) for n in names)]
+    scalar = jax.core.ShapedArray((), np.int32)
+    extra_avals = [scalar] * (1 + len(names))
+    extra = jc.lower_fun(placement_operands, multiple_results=True)(
+        ctx.replace(avals_in=[], avals_out=extra_avals))
+    return jc.emit_host_callback(ctx, host_run_on_device, [*extra, *in_nodes],
+                                 [*extra_avals, *ctx.avals_in])
 
   def host_run(*args):
     return plan.run(*args)

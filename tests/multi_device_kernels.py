@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import pallas_np  # noqa: F401  (installs interpret="numpy")
+from tests import collective_kernels as ck
 
 DeviceIdType = getattr(pl, "DeviceIdType", None) or pltpu.DeviceIdType
 N = jax.device_count()
@@ -145,6 +146,7 @@ def case_correct():
     want = shmap(lambda v: jax.lax.ppermute(v, "b", [(i, (i + 1) % m) for i in range(m)]),
                  in_specs=P(("a", "b")), out_specs=P(("a", "b")), mesh=mesh2)(x)
     check(got, want, "2-D mesh permute along b vs ppermute")
+  case_collectives()
 
 
 def case_oracle():
@@ -156,6 +158,7 @@ def case_oracle():
   check(shmap(lambda v: all_gather(v)[None])(x),
         shmap(lambda v: all_gather(v, interpret=tpu)[None])(x),
         "all_gather vs TPU interpret mode")
+  case_collectives_oracle()
 
 
 def case_threads():
@@ -207,6 +210,62 @@ def case_threads():
 ROUNDS = 25
 
 
+def int_data(shape, seed):
+  """Small integers as float32: ring sums in any order are exact."""
+  return jnp.asarray(np.random.default_rng(seed).integers(-8, 8, shape), jnp.float32)
+
+
+def collectives(interpret="numpy", broken=None, cols=256, **kw):
+  """(name, f, args): the three ring collectives under shard_map."""
+  rows = 8
+  x = int_data((N * rows, 128), 0)           # shard (rows, 128) per device
+  xs = int_data((N * N * rows, 128), 1)      # shard (N * rows, 128) per device
+  y = int_data((128, cols), 2)               # replicated
+  ar = shmap(lambda v: ck.all_reduce(v, N, interpret, broken, **kw))
+  rs = shmap(lambda v: ck.reduce_scatter(v, N, interpret, broken, **kw))
+  agm = shmap(lambda v, w: ck.all_gather_matmul(v, w, N, interpret, broken, **kw),
+              in_specs=(P("x"), P(None)), out_specs=P("x"))
+  return [("all_reduce", ar, (x,)), ("reduce_scatter", rs, (xs,)),
+          ("all_gather_matmul", agm, (x, y))]
+
+
+def lax_collectives():
+  ar = shmap(lambda v: jax.lax.psum(v, "x"))
+  rs = shmap(lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True))
+  agm = shmap(lambda v, w: jax.lax.all_gather(v, "x", tiled=True) @ w,
+              in_specs=(P("x"), P(None)), out_specs=P("x"))
+  return {"all_reduce": (ar, "psum"), "reduce_scatter": (rs, "psum_scatter"),
+          "all_gather_matmul": (agm, "all_gather + matmul")}
+
+
+def case_collectives():
+  ref = lax_collectives()
+  for name, f, args in collectives():
+    lax_f, lax_name = ref[name]
+    want = lax_f(*args)
+    for _ in range(2):  # a second call: fresh sessions, same plan
+      check(f(*args), want, f"{name} vs lax.{lax_name}")
+
+
+def case_collectives_oracle():
+  tpu = pltpu.InterpretParams()
+  for (name, f, args), (_, g, _) in zip(collectives(cols=128), collectives(tpu, cols=128)):
+    check(f(*args), g(*args), f"{name} vs TPU interpret mode")
+
+
+def case_collectives_broken():
+  here = "collective_kernels.py"
+  for broken, needles in [("barrier", ("deadlock across devices", "semaphore_wait at", here,
+                                       "grid point (0,)")),
+                          ("count", ("deadlock across devices", "reach 2", here)),
+                          ("neighbour", ("deadlock across devices", here, "device 0 (x=0)"))]:
+    for name, f, args in collectives(broken=broken):
+      expect_error(lambda: f(*args), *needles)
+  ref = lax_collectives()
+  for name, f, args in collectives():
+    check(f(*args), ref[name][0](*args), f"{name} after errors")
+
+
 def expect_error(fn, *needles):
   try:
     jax.block_until_ready(fn())
@@ -237,6 +296,7 @@ def case_broken():
   # a device id outside the mesh on the last device: its peers must not hang
   expect_error(lambda: shmap(functools.partial(right_permute, to=lambda i: i + 1))(x),
                "outside the mesh")
+  case_collectives_broken()
   # after all of these, the shared state is clean: a correct kernel still runs
   perm = [(i, (i + 1) % N) for i in range(N)]
   check(shmap(right_permute)(x), shmap(lambda v: jax.lax.ppermute(v, "x", perm))(x),

@@ -41,6 +41,9 @@ def test_correct_kernels_match_lax_collectives(devices):
   out = run_case("correct", devices)
   assert "ok right_permute vs ppermute" in out
   assert "ok pallas.ops.tpu.all_gather" in out
+  for name in ("all_reduce vs lax.psum", "reduce_scatter vs lax.psum_scatter",
+               "all_gather_matmul vs lax.all_gather + matmul"):
+    assert out.count("ok " + name) == 2, name
 
 
 @pytest.mark.parametrize("devices", [4])
@@ -52,13 +55,16 @@ def test_concurrent_calls_from_two_threads_pair_by_call(devices):
 def test_matches_tpu_interpret_mode():
   out = run_case("oracle", 4)
   assert "ok all_gather vs TPU interpret mode" in out
+  for name in ("all_reduce", "reduce_scatter", "all_gather_matmul"):
+    assert f"ok {name} vs TPU interpret mode" in out
 
 
 @pytest.mark.parametrize("devices", [4, 8])
 def test_broken_kernels_raise_never_hang(devices):
   out = run_case("broken", devices)
-  assert out.count("raised") == 4
+  assert out.count("raised") == 4 + 9  # 3 broken variants x 3 collectives
   assert "ok right_permute after errors" in out
+  assert out.count("after errors") == 4
 
 
 # -- one device: in-process ---------------------------------------------------------
