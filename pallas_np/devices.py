@@ -45,6 +45,7 @@ import threading
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.device_races import DeviceRaces
 from pallas_np.errors import UnsupportedError
 
 _DEFAULT_TIMEOUT_S = 120.0
@@ -146,7 +147,7 @@ class Placement:
 
 class DeviceContext:
   """One kernel instance inside a session (``RunContext.device``)."""
-  __slots__ = ("placement", "session", "targets", "barrier", "logical_id")
+  __slots__ = ("placement", "session", "targets", "barrier", "logical_id", "target_names")
 
   def __init__(self, placement: Placement, targets):
     self.placement = placement
@@ -155,6 +156,7 @@ class DeviceContext:
     # The kernel's top-level refs (scalar prefetch, whole operands/outputs,
     # scratch) a peer's remote DMA or signal may name; None: not addressable.
     self.targets = list(targets)
+    self.target_names = None  # optional names of the targets, for messages
     self.barrier = np.zeros((), np.int64)
 
   def axis_index(self, name) -> np.int32:
@@ -204,6 +206,15 @@ class DeviceContext:
     return target
 
   # -- peers' memory -------------------------------------------------------------
+  def target_name(self, view) -> str:
+    if view is self.barrier:
+      return "the barrier semaphore"
+    for j, t in enumerate(self.targets):
+      if t is view:
+        names = self.target_names
+        return names[j] if names is not None and j < len(names) else f"kernel ref #{j}"
+    return "a kernel ref"
+
   def peer_ref(self, peer: "DeviceContext", view, what: str):
     """The array on ``peer`` that ``view`` (one of our top-level refs, or our
     barrier semaphore) is on this device."""
@@ -234,6 +245,7 @@ class Session:
     self.blocked: dict[int, tuple] = {}  # logical id -> (predicate, what, grid point)
     self.failed: BaseException | None = None
     self.failed_by = None
+    self.races = None  # device_races.DeviceRaces when detect_races is on
 
   def fail(self, err, by):
     if self.failed is None:
@@ -295,6 +307,21 @@ def enter(placement: Placement, targets) -> DeviceContext:
       _reset(placement.key)
       raise err
   return me
+
+
+def check_races(me: DeviceContext, kernel: str):
+  """Turn on the cross-device race check for this invocation
+  (``detect_races=True``; every device calls it before its grid runs)."""
+  session = me.session
+  with session.cond:
+    if session.races is None:
+      session.races = DeviceRaces(session.n, kernel)
+
+
+def races_of(ctx):
+  """The session's ``DeviceRaces`` (None: not a multi-device run, or off)."""
+  dev = getattr(ctx, "device", None)
+  return None if dev is None or dev.session is None else dev.session.races
 
 
 def _reset(key):

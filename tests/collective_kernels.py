@@ -9,8 +9,7 @@ Every builder takes the number of devices ``n`` on mesh axis ``"x"`` and an
 ``interpret`` value; ``broken`` selects a deliberately wrong variant:
 ``"barrier"`` (one barrier signal missing), ``"count"`` (a capacity wait for
 2 signals where 1 comes), ``"neighbour"`` (the last device sends to device 1
-instead of 0), ``"unsynced"`` (a ring that sends two hops away: every buffer
-is written without the receiver's capacity signal — a race, not a hang)."""
+instead of 0). ``send_to_device_zero`` is the race-detection case."""
 import functools
 
 import jax
@@ -29,8 +28,6 @@ def _neighbours(n, broken):
   right = jax.lax.rem(me + 1, n)
   if broken == "neighbour":
     right = jnp.where(me == n - 1, 1 % n, right)
-  elif broken == "unsynced":
-    right = jax.lax.rem(me + 2, n)
   left = jax.lax.rem(me - 1 + n, n)
   return me, left, right
 
@@ -47,9 +44,8 @@ def local_barrier(left, right, broken=None):
 def _ring_send(src, dst, send_sem, recv_sem, capacity_sem, left, right, broken):
   """Tell the left neighbour our receiving slot is free, wait until the right
   one says the same, then start the copy into its receiving slot."""
-  if broken != "unsynced":
-    pl.semaphore_signal(capacity_sem, 1, device_id=(left,), device_id_type=MESH)
-    pl.semaphore_wait(capacity_sem, 2 if broken == "count" else 1)
+  pl.semaphore_signal(capacity_sem, 1, device_id=(left,), device_id_type=MESH)
+  pl.semaphore_wait(capacity_sem, 2 if broken == "count" else 1)
   copy = pltpu.make_async_remote_copy(src_ref=src, dst_ref=dst, send_sem=send_sem,
                                       recv_sem=recv_sem, device_id=(right,),
                                       device_id_type=MESH)
@@ -216,6 +212,46 @@ def all_gather_matmul(x, y, n, interpret="numpy", broken=None, detect_races=Fals
       grid_spec=spec, interpret=_interpret(interpret, detect_races),
       compiler_params=pltpu.CompilerParams(collective_id=0))(x, y)
   return out
+
+
+# -- every device writes into device 0's output (race detection) ------------------------
+def send_to_device_zero_kernel(x_ref, o_ref, send_sem, recv_sem, token_sem, *, n, mode):
+  """``mode``: "same_slot" (all write rows [0, r) of device 0: a race),
+  "own_slot" (device d writes rows of slot d: disjoint), "ordered" (the
+  same slot, but device d waits for a token from device d - 1, which sends it
+  after its DMA left: the writes are ordered, the last one wins)."""
+  me = jax.lax.axis_index("x")
+  rows = x_ref.shape[0]
+  slot = me if mode == "own_slot" else 0
+  copy = pltpu.make_async_remote_copy(
+      src_ref=x_ref, dst_ref=o_ref.at[pl.ds(pl.multiple_of(slot * rows, rows), rows)],
+      send_sem=send_sem, recv_sem=recv_sem, device_id=(0,), device_id_type=MESH)
+  if mode == "ordered":
+    @pl.when(me > 0)
+    def _():
+      pl.semaphore_wait(token_sem, 1)
+  copy.start()
+  copy.wait_send()
+  if mode == "ordered":
+    @pl.when(me < n - 1)
+    def _():
+      pl.semaphore_signal(token_sem, 1, device_id=(me + 1,), device_id_type=MESH)
+
+  @pl.when(me == 0)
+  def _():
+    for _ in range(n):
+      copy.wait_recv()
+
+
+def send_to_device_zero(x, n, mode, interpret="numpy", detect_races=True):
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=0, in_specs=[pl.BlockSpec(memory_space=VMEM)],
+      out_specs=pl.BlockSpec(memory_space=ANY),
+      scratch_shapes=[pltpu.SemaphoreType.DMA] * 2 + [pltpu.SemaphoreType.REGULAR])
+  return pl.pallas_call(
+      functools.partial(send_to_device_zero_kernel, n=n, mode=mode),
+      out_shape=jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype),
+      grid_spec=spec, interpret=_interpret(interpret, detect_races))(x)
 
 
 def _interpret(interpret, detect_races):

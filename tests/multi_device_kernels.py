@@ -266,6 +266,25 @@ def case_collectives_broken():
     check(f(*args), ref[name][0](*args), f"{name} after errors")
 
 
+def case_races():
+  """detect_races=True across devices: unordered remote writes to the same
+  elements are reported; disjoint or semaphore-ordered ones are not."""
+  import warnings
+  warnings.simplefilter("ignore")  # "no parallel grid axis": the check here is across devices
+  x = int_data((N * 8, 128), 3)
+  f = {mode: shmap(functools.partial(lambda v, mode: ck.send_to_device_zero(v, N, mode),
+                                     mode=mode)) for mode in ("same_slot", "own_slot", "ordered")}
+  expect_error(lambda: f["same_slot"](x), "data race across devices",
+               "send_to_device_zero_kernel", "on device 0 (x=0)", "collective_kernels.py")
+  got = np.asarray(f["own_slot"](x))[:N * 8]  # device 0's output: every device's rows
+  check(got, x, "own_slot: disjoint remote writes, no race reported")
+  got = np.asarray(f["ordered"](x))[:8]
+  check(got, x[(N - 1) * 8:], "ordered: the writes are ordered by semaphores, no race reported")
+  ref = lax_collectives()
+  for name, g, args in collectives(detect_races=True):
+    check(g(*args), ref[name][0](*args), f"{name} with detect_races: no race reported")
+
+
 def expect_error(fn, *needles):
   try:
     jax.block_until_ready(fn())

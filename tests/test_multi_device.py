@@ -52,6 +52,14 @@ def test_concurrent_calls_from_two_threads_pair_by_call(devices):
   assert "ok two threads, one compiled kernel, paired by call" in out
 
 
+def test_detect_races_across_devices():
+  """Unordered remote writes to one element raise RaceError; disjoint writes,
+  semaphore-ordered writes and the ring collectives run clean."""
+  out = run_case("races", 4)
+  assert out.count("raised data race across devices") == 1
+  assert out.count("no race reported") == 5
+
+
 def test_matches_tpu_interpret_mode():
   out = run_case("oracle", 4)
   assert "ok all_gather vs TPU interpret mode" in out

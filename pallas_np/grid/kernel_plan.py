@@ -131,8 +131,13 @@ class KernelPlan:
                *(buf if geo.whole else None for geo, buf in zip(self.blocks, buffers)),
                *scratch]
     me = devices.enter(placement, targets)
+    me.target_names = [*(f"scalar prefetch {i}" for i in range(len(index_ops))),
+                       *(str(geo.origin) for geo in self.blocks),
+                       *(f"scratch_operands[{i}]" for i in range(len(scratch)))]
     error = None
     try:
+      if self.params.detect_races:
+        devices.check_races(me, self.name)
       detector = races.for_run(self, grid, buffers, scratch)
       if detector is None:
         self.run_grid(grid, index_ops, buffers, scratch, device=me)
