@@ -169,6 +169,18 @@ def register_pallas_call_lowering(rule):
 lower_fun = mlir.lower_fun
 
 
+def mesh_spans_processes(ctx) -> bool:
+  """Whether the mesh being lowered (shard_map's) has devices of other
+  processes (``jax.distributed``); without a mesh: whether there are
+  other processes at all."""
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  devices = getattr(mesh, "devices", None)
+  if devices is None:
+    return jax.process_count() > 1
+  me = jax.process_index()
+  return any(getattr(d, "process_index", me) != me for d in np.ravel(devices))
+
+
 def emit_host_callback(ctx, fn, operands, operand_avals):
   """Lower an unordered, side-effecting call of ``fn(*numpy arrays)`` (like
   ``io_callback``, per device inside a shard_map) returning ``ctx.avals_out``.

@@ -16,6 +16,10 @@ from jax.sharding import PartitionSpec as P
 import pallas_np  # noqa: F401  (installs interpret="numpy")
 from tests import collective_kernels as ck
 
+if __name__ == "__main__" and sys.argv[1:2] == ["distributed"]:  # before any JAX call
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[3]}", num_processes=2,
+                             process_id=int(sys.argv[2]), initialization_timeout=60)
+
 DeviceIdType = getattr(pl, "DeviceIdType", None) or pltpu.DeviceIdType
 N = jax.device_count()
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
@@ -283,6 +287,49 @@ def case_races():
   ref = lax_collectives()
   for name, g, args in collectives(detect_races=True):
     check(g(*args), ref[name][0](*args), f"{name} with detect_races: no race reported")
+
+
+def offset_kernel(x_ref, o_ref):
+  """axis_index alone (expert parallelism): no peers, no session."""
+  o_ref[...] = x_ref[...] + (jax.lax.axis_index("x") * 1000).astype(x_ref.dtype)
+
+
+def offset(v):
+  return pl.pallas_call(offset_kernel, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                        interpret="numpy")(v)
+
+
+def case_pmap():
+  """The same kernels under jax.pmap, and an axis_index-only kernel."""
+  x = data()
+  want = shmap(lambda v: v + (jax.lax.axis_index("x") * 1000).astype(v.dtype))(x)
+  check(shmap(offset)(x), want, "axis_index-only kernel vs shard_map of jnp")
+  xs = x.reshape(N, -1, 128)
+  perm = [(i, (i + 1) % N) for i in range(N)]
+  check(jax.pmap(right_permute, axis_name="x")(xs),
+        jax.pmap(lambda v: jax.lax.ppermute(v, "x", perm), axis_name="x")(xs),
+        "right_permute under pmap vs ppermute")
+  check(jax.pmap(offset, axis_name="x")(xs), want.reshape(N, -1, 128),
+        "axis_index-only kernel under pmap")
+
+
+def case_distributed():
+  """One of 2 processes under jax.distributed (argv: process id, port),
+  N local devices each: an axis_index-only kernel runs over the global
+  mesh; a remote-DMA kernel raises UnsupportedError at lowering."""
+  from jax.sharding import NamedSharding
+  n = jax.device_count()
+  assert n == 2 * jax.local_device_count(), (n, jax.local_device_count())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+  host = np.arange(n * 8 * 128, dtype=np.float32).reshape(n * 8, 128)
+  x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("x")), lambda i: host[i])
+  got = shmap(offset, mesh=mesh)(x)
+  for shard in got.addressable_shards:
+    rows = shard.index[0]
+    want = host[rows] + 1000.0 * (rows.start // 8)
+    check(shard.data, want, f"axis_index-only kernel across processes, rows {rows.start}")
+  expect_error(lambda: shmap(right_permute, mesh=mesh)(x), "spans several processes",
+               "jax.distributed")
 
 
 def expect_error(fn, *needles):

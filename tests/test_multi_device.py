@@ -60,6 +60,40 @@ def test_detect_races_across_devices():
   assert out.count("no race reported") == 5
 
 
+def test_pmap_and_axis_index_only_kernels():
+  out = run_case("pmap", 4)
+  assert out.count("ok ") == 3
+
+
+def test_jax_distributed_two_processes():
+  """Two processes on this machine (jax.distributed with a local
+  coordinator), 2 CPU devices each: axis_index kernels run over the global
+  mesh; remote-DMA kernels raise UnsupportedError (no hang)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu", PALLAS_NP_DEVICE_TIMEOUT="30")
+  procs = [subprocess.Popen([sys.executable, str(SCRIPT), "distributed", str(i), port],
+                            env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=180)
+      outs.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for rc, out, err in outs:
+    assert rc == 0 and out.rstrip().endswith("done"), out[-2000:] + err[-4000:]
+    assert out.count("ok axis_index-only kernel across processes") == 2
+    assert "raised spans several processes" in out
+
+
 def test_matches_tpu_interpret_mode():
   out = run_case("oracle", 4)
   assert "ok all_gather vs TPU interpret mode" in out
