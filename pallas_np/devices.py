@@ -147,7 +147,8 @@ class Placement:
 
 class DeviceContext:
   """One kernel instance inside a session (``RunContext.device``)."""
-  __slots__ = ("placement", "session", "targets", "barrier", "logical_id", "target_names")
+  __slots__ = ("placement", "session", "targets", "barrier", "logical_id", "target_names",
+               "scoped")
 
   def __init__(self, placement: Placement, targets):
     self.placement = placement
@@ -158,6 +159,9 @@ class DeviceContext:
     self.targets = list(targets)
     self.target_names = None  # optional names of the targets, for messages
     self.barrier = np.zeros((), np.int64)
+    # run_scoped semaphores, (site, index) -> array: one per invocation, so a
+    # peer can signal one before this device has entered its scope.
+    self.scoped: dict = {}
 
   def axis_index(self, name) -> np.int32:
     names = name if isinstance(name, tuple) else (name,)
@@ -206,6 +210,18 @@ class DeviceContext:
     return target
 
   # -- peers' memory -------------------------------------------------------------
+  def scoped_semaphore(self, key, fresh: np.ndarray) -> np.ndarray:
+    """This device's semaphore of a ``run_scoped`` site (``fresh`` if it is
+    the first to need it)."""
+    with self.session.cond:
+      return self.scoped.setdefault(key, fresh)
+
+  def _peer_scoped(self, peer: "DeviceContext", view):
+    for key, sem in self.scoped.items():
+      if sem is view:
+        return peer.scoped.setdefault(key, np.zeros(view.shape, view.dtype))
+    return None
+
   def target_name(self, view) -> str:
     if view is self.barrier:
       return "the barrier semaphore"
@@ -220,6 +236,9 @@ class DeviceContext:
     barrier semaphore) is on this device."""
     if view is self.barrier:
       return peer.barrier
+    scoped = self._peer_scoped(peer, view)
+    if scoped is not None:
+      return scoped
     for j, t in enumerate(self.targets):
       if t is view:
         other = peer.targets[j]
@@ -228,8 +247,9 @@ class DeviceContext:
         return other
     raise UnsupportedError(
         f"pallas_np: {what}: the remote ref must be a kernel operand or output in "
-        "pl.ANY/HBM memory (or a whole-array block), a scratch buffer or semaphore, or "
-        "the barrier semaphore; a blocked ref, a run_scoped buffer or a ref passed "
+        "pl.ANY/HBM memory (or a whole-array block), a scratch buffer or semaphore, a "
+        "run_scoped semaphore, or the barrier semaphore; a blocked ref, a run_scoped "
+        "buffer or a ref passed "
         "through a loop/cond is not addressable on another device here")
 
 

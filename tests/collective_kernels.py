@@ -32,13 +32,21 @@ def _neighbours(n, broken):
   return me, left, right
 
 
-def local_barrier(left, right, broken=None):
-  """The tutorial's handshake: both neighbours have entered the kernel."""
+def local_barrier(left, right, broken=None, double_barrier=True):
+  """The tutorial's handshake: both neighbours have entered the kernel. The
+  second barrier on a run_scoped semaphore keeps a neighbour that already
+  re-entered the kernel (next call, same collective_id) from counting twice."""
   barrier = pltpu.get_barrier_semaphore()
   pl.semaphore_signal(barrier, 1, device_id=(left,), device_id_type=MESH)
   if broken != "barrier":
     pl.semaphore_signal(barrier, 1, device_id=(right,), device_id_type=MESH)
   pl.semaphore_wait(barrier, 2)
+  if double_barrier:
+    @functools.partial(pl.run_scoped, second_barrier=pltpu.SemaphoreType.REGULAR)
+    def _(second_barrier):
+      for neighbour in (left, right):
+        pl.semaphore_signal(second_barrier, 1, device_id=(neighbour,), device_id_type=MESH)
+      pl.semaphore_wait(second_barrier, 2)
 
 
 def _ring_send(src, dst, send_sem, recv_sem, capacity_sem, left, right, broken):
@@ -171,7 +179,7 @@ def all_gather_matmul_kernel(x_ref, y_ref, o_ref, x_hbm, copy_sem, recv_sem, sen
 
   @pl.when(step == 0)
   def _():
-    local_barrier(left, right, broken)
+    local_barrier(left, right, broken, double_barrier=False)
     first = pltpu.make_async_copy(x_ref, x_hbm.at[working], copy_sem)
     first.start()
     first.wait()

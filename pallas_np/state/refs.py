@@ -260,6 +260,16 @@ def _run_scoped(e):
   scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
             for v in jaxpr.invars]
 
+  site = object()  # this run_scoped: its semaphores on every device of a shard_map
+  semaphores = [i for i, a in enumerate(scoped) if jc.is_semaphore_dtype(a.dtype)]
+
   def run_scoped(ctx, *consts):
-    return plan(ctx, *consts, *[allocate(a.shape, a.dtype, params) for a in scoped])
+    bufs = [allocate(a.shape, a.dtype, params) for a in scoped]
+    device = ctx.device
+    if semaphores and device is not None and device.session is not None:
+      # Peers may signal them (the tutorial's double barrier): one per
+      # device per invocation, like the stack slot it is on a TPU.
+      for i in semaphores:
+        bufs[i] = device.scoped_semaphore((site, i), bufs[i])
+    return plan(ctx, *consts, *bufs)
   return run_scoped
