@@ -45,7 +45,7 @@ import threading
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.device_races import DeviceRaces
+from pallas_np.device_races import DeviceRaces, elements_of_view
 from pallas_np.errors import UnsupportedError
 
 _DEFAULT_TIMEOUT_S = 120.0
@@ -221,6 +221,23 @@ class DeviceContext:
       if sem is view:
         return peer.scoped.setdefault(key, np.zeros(view.shape, view.dtype))
     return None
+
+  def note_local(self, view, index, kind: str, grid_point):
+    """This device reads/writes ``view[index]``: checked against remote
+    writes into it when the session checks races (``device_races``)."""
+    session = self.session
+    if session is None or session.races is None or not isinstance(view, np.ndarray):
+      return
+    for j, t in enumerate(self.targets):
+      if t is None or not isinstance(t, np.ndarray):
+        continue
+      elems = elements_of_view(t, view, index)
+      if elems is not None:
+        with session.cond:
+          name = self.target_names[j] if self.target_names else f"kernel ref #{j}"
+          session.races.local_access(self.logical_id, t, elems, kind, name=name,
+                                     grid_point=grid_point)
+        return
 
   def target_name(self, view) -> str:
     if view is self.barrier:

@@ -9,7 +9,10 @@ Every builder takes the number of devices ``n`` on mesh axis ``"x"`` and an
 ``interpret`` value; ``broken`` selects a deliberately wrong variant:
 ``"barrier"`` (one barrier signal missing), ``"count"`` (a capacity wait for
 2 signals where 1 comes), ``"neighbour"`` (the last device sends to device 1
-instead of 0). ``send_to_device_zero`` is the race-detection case."""
+instead of 0), ``"no_handshake"`` (no capacity semaphore: a device may
+overwrite its neighbour's buffer while the neighbour still reads it — a race
+that ``detect_races=True`` reports). ``send_to_device_zero`` is the simplest
+race-detection case."""
 import functools
 
 import jax
@@ -52,8 +55,9 @@ def local_barrier(left, right, broken=None, double_barrier=True):
 def _ring_send(src, dst, send_sem, recv_sem, capacity_sem, left, right, broken):
   """Tell the left neighbour our receiving slot is free, wait until the right
   one says the same, then start the copy into its receiving slot."""
-  pl.semaphore_signal(capacity_sem, 1, device_id=(left,), device_id_type=MESH)
-  pl.semaphore_wait(capacity_sem, 2 if broken == "count" else 1)
+  if broken != "no_handshake":
+    pl.semaphore_signal(capacity_sem, 1, device_id=(left,), device_id_type=MESH)
+    pl.semaphore_wait(capacity_sem, 2 if broken == "count" else 1)
   copy = pltpu.make_async_remote_copy(src_ref=src, dst_ref=dst, send_sem=send_sem,
                                       recv_sem=recv_sem, device_id=(right,),
                                       device_id_type=MESH)
@@ -224,30 +228,29 @@ def all_gather_matmul(x, y, n, interpret="numpy", broken=None, detect_races=Fals
 
 # -- every device writes into device 0's output (race detection) ------------------------
 def send_to_device_zero_kernel(x_ref, o_ref, send_sem, recv_sem, token_sem, *, n, mode):
-  """``mode``: "same_slot" (all write rows [0, r) of device 0: a race),
-  "own_slot" (device d writes rows of slot d: disjoint), "ordered" (the
-  same slot, but device d waits for a token from device d - 1, which sends it
-  after its DMA left: the writes are ordered, the last one wins)."""
+  """``mode``: "same_slot" (devices 1.. all write rows [0, r) of device 0: a
+  race), "own_slot" (device d writes the rows of slot d: disjoint),
+  "ordered" (the same slot, one device at a time: device 0 hands a token to
+  device k once device k - 1's rows have landed; the last one wins)."""
   me = jax.lax.axis_index("x")
   rows = x_ref.shape[0]
   slot = me if mode == "own_slot" else 0
   copy = pltpu.make_async_remote_copy(
       src_ref=x_ref, dst_ref=o_ref.at[pl.ds(pl.multiple_of(slot * rows, rows), rows)],
       send_sem=send_sem, recv_sem=recv_sem, device_id=(0,), device_id_type=MESH)
-  if mode == "ordered":
-    @pl.when(me > 0)
-    def _():
+
+  @pl.when(me > 0)
+  def _():
+    if mode == "ordered":
       pl.semaphore_wait(token_sem, 1)
-  copy.start()
-  copy.wait_send()
-  if mode == "ordered":
-    @pl.when(me < n - 1)
-    def _():
-      pl.semaphore_signal(token_sem, 1, device_id=(me + 1,), device_id_type=MESH)
+    copy.start()
+    copy.wait_send()
 
   @pl.when(me == 0)
   def _():
-    for _ in range(n):
+    for k in range(1, n):
+      if mode == "ordered":
+        pl.semaphore_signal(token_sem, 1, device_id=(k,), device_id_type=MESH)
       copy.wait_recv()
 
 

@@ -280,13 +280,15 @@ def case_races():
                                      mode=mode)) for mode in ("same_slot", "own_slot", "ordered")}
   expect_error(lambda: f["same_slot"](x), "data race across devices",
                "send_to_device_zero_kernel", "on device 0 (x=0)", "collective_kernels.py")
-  got = np.asarray(f["own_slot"](x))[:N * 8]  # device 0's output: every device's rows
-  check(got, x, "own_slot: disjoint remote writes, no race reported")
+  got = np.asarray(f["own_slot"](x))[8:N * 8]  # device 0's output: devices 1.. rows
+  check(got, x[8:], "own_slot: disjoint remote writes, no race reported")
   got = np.asarray(f["ordered"](x))[:8]
   check(got, x[(N - 1) * 8:], "ordered: the writes are ordered by semaphores, no race reported")
   ref = lax_collectives()
   for name, g, args in collectives(detect_races=True):
     check(g(*args), ref[name][0](*args), f"{name} with detect_races: no race reported")
+  for name, g, args in collectives(broken="no_handshake", detect_races=True):
+    expect_error(lambda: g(*args), "data race across devices", "collective_kernels.py")
 
 
 def offset_kernel(x_ref, o_ref):

@@ -141,6 +141,9 @@ class KernelPlan:
       if self.params.detect_races and me.session is not None:
         devices.check_races(me, self.name)
       detector = races.for_run(self, grid, buffers, scratch)
+      if detector is not None and me.session is not None and me.session.races is not None:
+        detector.device_hook = lambda view, index, kind: me.note_local(
+            view, index, kind, detector.point)
       if detector is None:
         self.run_grid(grid, index_ops, buffers, scratch, device=me)
       else:

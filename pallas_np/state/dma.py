@@ -178,9 +178,10 @@ def remote_start(ctx, target: int, src, dst, dst_sem, src_sem, *, add, source):
     data = np.array(s_view[s_idx])
     dev_races = me.session.races
     if dev_races is not None:
-      dev_races.remote_write(me.logical_id, peer_dst, d_idx, name=me.target_name(d_view),
-                             owner=peer.placement.describe(), source=source,
-                             grid_point=ctx.grid_point)
+      me.note_local(s_view, s_idx, "read", ctx.grid_point)
+      dev_races.remote_write(me.logical_id, target, peer_dst, d_idx,
+                             name=me.target_name(d_view), owner=peer.placement.describe(),
+                             source=source, grid_point=ctx.grid_point)
     if add:
       peer_dst[d_idx] += data
     else:
