@@ -341,7 +341,7 @@ def enter(placement: Placement, targets) -> DeviceContext:
           "one after another")
       session.fail(err, dev)
       _leave_locked(me)
-      _reset(placement.key)
+      _forget(placement.key, key)
       raise err
   return me
 
@@ -361,12 +361,16 @@ def races_of(ctx):
   return None if dev is None or dev.session is None else dev.session.races
 
 
-def _reset(key):
+def _forget(plan_key, session_key):
+  """Drop a failed session; without call ids, restart the run counts of its
+  plan (they can no longer line up)."""
   with _lock:
-    for k in [k for k in _generation if k[0] == key]:
-      del _generation[k]
-    for k in [k for k in _sessions if k[0] == key]:
-      del _sessions[k]
+    _sessions.pop(session_key, None)
+    if not isinstance(session_key[1], tuple):
+      for k in [k for k in _generation if k[0] == plan_key]:
+        del _generation[k]
+      for k in [k for k in _sessions if k[0] == plan_key and not isinstance(k[1], tuple)]:
+        del _sessions[k]
 
 
 def _leave_locked(me: DeviceContext):

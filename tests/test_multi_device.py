@@ -212,3 +212,29 @@ def test_instances_pair_by_call_not_by_arrival():
   assert joined[(101, 0)] is joined[(101, 1)]
   assert joined[(202, 0)] is joined[(202, 1)]
   assert joined[(101, 0)] is not joined[(202, 0)]
+
+
+def test_missing_device_times_out_and_forgets_the_session(monkeypatch):
+  """The backstop: a device whose instance never starts makes the others
+  raise after PALLAS_NP_DEVICE_TIMEOUT, and the failed session is dropped
+  (a later call with the same id meets afresh)."""
+  import threading
+
+  from pallas_np import devices
+  monkeypatch.setenv("PALLAS_NP_DEVICE_TIMEOUT", "0.3")
+  key = ("test_timeout", object())
+  with pytest.raises(devices.DeviceError, match=r"devices \[1\] did not start"):
+    devices.enter(devices.Placement(key, ("x",), (2,), (0,), call=7), [])
+  monkeypatch.setenv("PALLAS_NP_DEVICE_TIMEOUT", "30")
+  sessions = {}
+
+  def run(dev):
+    me = devices.enter(devices.Placement(key, ("x",), (2,), (dev,), call=7), [])
+    sessions[dev] = me.session
+    devices.leave(me)
+  threads = [threading.Thread(target=run, args=(d,)) for d in range(2)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(timeout=30)
+  assert sessions[0] is sessions[1] and sessions[0].failed is None
