@@ -115,6 +115,10 @@ def case_correct():
     check(shmap(functools.partial(right_permute, shift=N - 1))(x),
           shmap(lambda v: jax.lax.ppermute(v, "x", [(i, (i - 1) % N) for i in range(N)]))(x),
           "left_permute vs ppermute")
+  # one kernel twice in one program: two sessions, one call id each
+  check(shmap(lambda v: right_permute(right_permute(v)))(x),
+        shmap(lambda v: jax.lax.ppermute(v, "x", [(i, (i + 2) % N) for i in range(N)]))(x),
+        "right_permute twice in one program vs ppermute by 2")
   want_ag = shmap(lambda v: jax.lax.all_gather(v, "x"), out_specs=P(None))(x)
   got_ag = shmap(lambda v: all_gather(v)[None], out_specs=P("x"))(x)
   for d in range(N):

@@ -41,6 +41,7 @@ def test_correct_kernels_match_lax_collectives(devices):
   out = run_case("correct", devices)
   assert "ok right_permute vs ppermute" in out
   assert "ok pallas.ops.tpu.all_gather" in out
+  assert "ok right_permute twice in one program" in out
   for name in ("all_reduce vs lax.psum", "reduce_scatter vs lax.psum_scatter",
                "all_gather_matmul vs lax.all_gather + matmul"):
     assert out.count("ok " + name) == 2, name
