@@ -12,6 +12,7 @@ import inspect
 import jax
 import numpy as np
 from jax._src import api_util
+from jax._src import callback as jax_callback
 from jax._src import core as jax_core
 from jax._src import mesh as mesh_lib
 from jax._src import source_info_util
@@ -166,6 +167,37 @@ def register_pallas_call_lowering(rule):
 
 
 lower_fun = mlir.lower_fun
+
+
+def mesh_spans_processes(ctx) -> bool:
+  """Whether the mesh being lowered (shard_map's) has devices of other
+  processes (``jax.distributed``); without a mesh: whether there are
+  other processes at all."""
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  devices = getattr(mesh, "devices", None)
+  if devices is None:
+    return jax.process_count() > 1
+  me = jax.process_index()
+  return any(getattr(d, "process_index", me) != me for d in np.ravel(devices))
+
+
+def emit_host_callback(ctx, fn, operands, operand_avals):
+  """Lower an unordered, side-effecting call of ``fn(*numpy arrays)`` (like
+  ``io_callback``, per device inside a shard_map) returning ``ctx.avals_out``.
+  Unlike ``io_callback`` the operands reach ``fn`` as the NumPy arrays XLA
+  hands over: io_callback first ``device_put``s them onto CPU device 0, a
+  transfer that can wait for a thread held by a device blocked in a
+  multi-device kernel, so the devices never all arrive."""
+  sharding = jax_callback._callback_op_sharding(ctx.module_context.axis_context, None,
+                                                ctx.avals_out)
+
+  def host(*args):
+    return tuple(np.asarray(r) for r in fn(*args))
+  result, _, _ = jax_callback.emit_python_callback(
+      ctx.replace(avals_in=list(operand_avals)), host, None, list(operands),
+      list(operand_avals), list(ctx.avals_out), has_side_effect=True, returns_token=False,
+      sharding=sharding)
+  return result
 
 
 def get_block_shape(block_shape):

@@ -116,30 +116,11 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
   plan.kernel  # noqa: B018 (the lazily compiled sequential plan)
 
   # Multi-device kernels (axis_index, remote DMAs, the barrier semaphore):
-  # we are lowering one device's part of a shard_map (or pmap) body, whose
-  # bound axes are known here; each device's coordinates are computed in the
-  # lowered program and handed to its callback (pallas_np.devices).
+  # we are lowering one device's part of a shard_map (or pmap) body.
   axis_names, remote = plan.device_features
   axis_sizes = jc.axis_env_sizes()
   if (axis_names or remote) and axis_sizes:
-    missing = sorted(set(axis_names) - set(axis_sizes), key=str)
-    if missing:
-      raise UnsupportedError(
-          f"pallas_np: kernel '{plan.name}' reads jax.lax.axis_index of {missing}, not "
-          f"axes bound around the pallas_call (bound: {tuple(axis_sizes)})")
-    names, sizes = tuple(axis_sizes), tuple(axis_sizes.values())
-    key = (id(plan), names, sizes)
-
-    def host_run_on_device(*args):
-      coords, args = args[:len(names)], args[len(names):]
-      placement = devices.Placement(key, names, sizes, [int(c) for c in coords])
-      return plan.run(*args, placement=placement)
-
-    def impl(*args):
-      coords = [jax.lax.axis_index(n) for n in names]
-      return jax.experimental.io_callback(host_run_on_device, result_shapes, *coords,
-                                          *args, ordered=False)
-    return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+    return _lower_on_devices(ctx, in_nodes, plan, axis_names, remote, axis_sizes)
 
   def host_run(*args):
     return plan.run(*args)
@@ -148,6 +129,47 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
     return jax.experimental.io_callback(host_run, result_shapes, *args,
                                         ordered=False)
   return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+
+
+def _lower_on_devices(ctx, in_nodes, plan, axis_names, remote, axis_sizes):
+  """One device's part of a shard_map/pmap body: the bound axes are known
+  here; each device's coordinates (and, for a kernel that talks to other
+  devices, the call's id) are computed in the lowered program and handed to
+  its callback (pallas_np.devices)."""
+  missing = sorted(set(axis_names) - set(axis_sizes), key=str)
+  if missing:
+    raise UnsupportedError(
+        f"pallas_np: kernel '{plan.name}' reads jax.lax.axis_index of {missing}, not "
+        f"axes bound around the pallas_call (bound: {tuple(axis_sizes)})")
+  if remote and jc.mesh_spans_processes(ctx):
+    raise UnsupportedError(
+        f"pallas_np: kernel '{plan.name}' sends remote DMAs/semaphore signals between "
+        "devices of a mesh that spans several processes (jax.distributed): the devices' "
+        "kernel instances meet in one process's memory, so every device of the mesh must "
+        "be local (jax.local_devices()). axis_index alone works across processes.")
+  names, sizes = tuple(axis_sizes), tuple(axis_sizes.values())
+  key = (id(plan), names, sizes)
+
+  def host_run_on_device(*args):
+    call = args[0] if remote else None
+    coords, args = args[remote:remote + len(names)], args[remote + len(names):]
+    placement = devices.Placement(key, names, sizes, [int(c) for c in coords], call=call)
+    return plan.run(*args, placement=placement)
+
+  def placement_operands():
+    coords = [jax.lax.axis_index(n) for n in names]
+    if not remote:
+      return coords
+    # Pair the devices' instances by call, not by arrival order: one ticket
+    # per device, the mesh-wide max is this call's id (devices.py).
+    ticket = jax.experimental.io_callback(
+        devices.new_ticket, jax.ShapeDtypeStruct((), np.int32), ordered=False)
+    return [jax.lax.pmax(ticket, names), *coords]
+  extra_avals = [jax.core.ShapedArray((), np.int32)] * (int(remote) + len(names))
+  extra = jc.lower_fun(placement_operands, multiple_results=True)(
+      ctx.replace(avals_in=[], avals_out=extra_avals))
+  return jc.emit_host_callback(ctx, host_run_on_device, [*extra, *in_nodes],
+                               [*extra_avals, *ctx.avals_in])
 
 
 def install():

@@ -22,9 +22,14 @@ instances of one invocation meet here, in a ``Session``:
   naming its own kernel line, device and grid point, and listing the others;
 * an error on one device fails the session: the others raise at their next
   wait (or at once if blocked), so no device is left waiting;
-* a session is dropped when all N have left; instances are matched by the
-  count of runs of the same plan on the same mesh per device (the k-th run on
-  device d meets the k-th run on every other device).
+* a session is dropped when all N have left. Instances are matched *by call*:
+  the lowered program draws a ticket per device (``new_ticket``, a host
+  callback) and takes the maximum over the mesh with ``lax.pmax``; XLA pairs
+  that collective per execution, so the N instances of one call carry the same
+  ticket and two concurrent calls (two Python threads) carry different ones.
+  Callers without a ticket (``Placement.call`` None) are matched by the count
+  of runs of the same plan per device (the k-th run on device d meets the k-th
+  run on every other device).
 
 A backstop timeout (``PALLAS_NP_DEVICE_TIMEOUT`` seconds, default 120) bounds
 only what the deadlock check cannot see: a device whose kernel instance
@@ -32,6 +37,7 @@ never starts (a runtime that serialised the devices' callbacks).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -39,6 +45,7 @@ import threading
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.device_races import DeviceRaces, elements_of_view
 from pallas_np.errors import UnsupportedError
 
 _DEFAULT_TIMEOUT_S = 120.0
@@ -90,16 +97,29 @@ def device_features(jaxpr) -> tuple[frozenset, bool]:
 
 
 # -- one device's view ----------------------------------------------------------
+_tickets = itertools.count(1)
+_TICKET_RANGE = 2**31 - 1
+
+
+def new_ticket() -> np.int32:
+  """A per-device number for one call of a multi-device kernel; the lowered
+  program takes the maximum over the mesh (``lax.pmax``), which is one of
+  this call's tickets and so differs from every concurrent call's."""
+  return np.int32(next(_tickets) % _TICKET_RANGE)
+
+
 class Placement:
   """Where one kernel instance runs: the bound axes (mesh order), their
-  sizes and this device's coordinates. ``key`` names the kernel (plan)."""
-  __slots__ = ("key", "names", "sizes", "coords")
+  sizes and this device's coordinates. ``key`` names the kernel (plan);
+  ``call`` (optional) identifies the call, the same on every device of it."""
+  __slots__ = ("key", "names", "sizes", "coords", "call")
 
-  def __init__(self, key, names, sizes, coords):
+  def __init__(self, key, names, sizes, coords, call=None):
     self.key = key
     self.names = tuple(names)
     self.sizes = tuple(int(s) for s in sizes)
     self.coords = tuple(int(c) for c in coords)
+    self.call = None if call is None else int(call)
 
   @property
   def num_devices(self) -> int:
@@ -127,7 +147,8 @@ class Placement:
 
 class DeviceContext:
   """One kernel instance inside a session (``RunContext.device``)."""
-  __slots__ = ("placement", "session", "targets", "barrier", "logical_id")
+  __slots__ = ("placement", "session", "targets", "barrier", "logical_id", "target_names",
+               "scoped")
 
   def __init__(self, placement: Placement, targets):
     self.placement = placement
@@ -136,7 +157,11 @@ class DeviceContext:
     # The kernel's top-level refs (scalar prefetch, whole operands/outputs,
     # scratch) a peer's remote DMA or signal may name; None: not addressable.
     self.targets = list(targets)
+    self.target_names = None  # optional names of the targets, for messages
     self.barrier = np.zeros((), np.int64)
+    # run_scoped semaphores, (site, index) -> array: one per invocation, so a
+    # peer can signal one before this device has entered its scope.
+    self.scoped: dict = {}
 
   def axis_index(self, name) -> np.int32:
     names = name if isinstance(name, tuple) else (name,)
@@ -185,11 +210,52 @@ class DeviceContext:
     return target
 
   # -- peers' memory -------------------------------------------------------------
+  def scoped_semaphore(self, key, fresh: np.ndarray) -> np.ndarray:
+    """This device's semaphore of a ``run_scoped`` site (``fresh`` if it is
+    the first to need it)."""
+    with self.session.cond:
+      return self.scoped.setdefault(key, fresh)
+
+  def _peer_scoped(self, peer: "DeviceContext", view):
+    for key, sem in self.scoped.items():
+      if sem is view:
+        return peer.scoped.setdefault(key, np.zeros(view.shape, view.dtype))
+    return None
+
+  def note_local(self, view, index, kind: str, grid_point):
+    """This device reads/writes ``view[index]``: checked against remote
+    writes into it when the session checks races (``device_races``)."""
+    session = self.session
+    if session is None or session.races is None or not isinstance(view, np.ndarray):
+      return
+    for j, t in enumerate(self.targets):
+      if t is None or not isinstance(t, np.ndarray):
+        continue
+      elems = elements_of_view(t, view, index)
+      if elems is not None:
+        with session.cond:
+          name = self.target_names[j] if self.target_names else f"kernel ref #{j}"
+          session.races.local_access(self.logical_id, t, elems, kind, name=name,
+                                     grid_point=grid_point)
+        return
+
+  def target_name(self, view) -> str:
+    if view is self.barrier:
+      return "the barrier semaphore"
+    for j, t in enumerate(self.targets):
+      if t is view:
+        names = self.target_names
+        return names[j] if names is not None and j < len(names) else f"kernel ref #{j}"
+    return "a kernel ref"
+
   def peer_ref(self, peer: "DeviceContext", view, what: str):
     """The array on ``peer`` that ``view`` (one of our top-level refs, or our
     barrier semaphore) is on this device."""
     if view is self.barrier:
       return peer.barrier
+    scoped = self._peer_scoped(peer, view)
+    if scoped is not None:
+      return scoped
     for j, t in enumerate(self.targets):
       if t is view:
         other = peer.targets[j]
@@ -198,8 +264,9 @@ class DeviceContext:
         return other
     raise UnsupportedError(
         f"pallas_np: {what}: the remote ref must be a kernel operand or output in "
-        "pl.ANY/HBM memory (or a whole-array block), a scratch buffer or semaphore, or "
-        "the barrier semaphore; a blocked ref, a run_scoped buffer or a ref passed "
+        "pl.ANY/HBM memory (or a whole-array block), a scratch buffer or semaphore, a "
+        "run_scoped semaphore, or the barrier semaphore; a blocked ref, a run_scoped "
+        "buffer or a ref passed "
         "through a loop/cond is not addressable on another device here")
 
 
@@ -216,6 +283,7 @@ class Session:
     self.blocked: dict[int, tuple] = {}  # logical id -> (predicate, what, grid point)
     self.failed: BaseException | None = None
     self.failed_by = None
+    self.races = None  # device_races.DeviceRaces when detect_races is on
 
   def fail(self, err, by):
     if self.failed is None:
@@ -224,8 +292,8 @@ class Session:
 
 
 _lock = threading.Lock()
-_sessions: dict = {}  # (key, generation) -> Session
-_generation: dict = {}  # (key, logical id) -> runs entered
+_sessions: dict = {}  # (key, ("call", ticket) or generation) -> Session
+_generation: dict = {}  # (key, logical id) -> runs entered (calls without a ticket)
 
 
 def _peer_failed(session: Session, me: DeviceContext) -> DeviceError:
@@ -242,9 +310,12 @@ def enter(placement: Placement, targets) -> DeviceContext:
   me = DeviceContext(placement, targets)
   dev = me.logical_id
   with _lock:
-    gen = _generation.get((placement.key, dev), 0)
-    _generation[(placement.key, dev)] = gen + 1
-    key = (placement.key, gen)
+    if placement.call is not None:
+      key = (placement.key, ("call", placement.call))
+    else:
+      gen = _generation.get((placement.key, dev), 0)
+      _generation[(placement.key, dev)] = gen + 1
+      key = (placement.key, gen)
     session = _sessions.get(key)
     if session is None:
       session = _sessions[key] = Session(placement.num_devices)
@@ -271,17 +342,36 @@ def enter(placement: Placement, targets) -> DeviceContext:
           "one after another")
       session.fail(err, dev)
       _leave_locked(me)
-      _reset(placement.key)
+      _forget(placement.key, key)
       raise err
   return me
 
 
-def _reset(key):
+def check_races(me: DeviceContext, kernel: str):
+  """Turn on the cross-device race check for this invocation
+  (``detect_races=True``; every device calls it before its grid runs)."""
+  session = me.session
+  with session.cond:
+    if session.races is None:
+      session.races = DeviceRaces(session.n, kernel)
+
+
+def races_of(ctx):
+  """The session's ``DeviceRaces`` (None: not a multi-device run, or off)."""
+  dev = getattr(ctx, "device", None)
+  return None if dev is None or dev.session is None else dev.session.races
+
+
+def _forget(plan_key, session_key):
+  """Drop a failed session; without call ids, restart the run counts of its
+  plan (they can no longer line up)."""
   with _lock:
-    for k in [k for k in _generation if k[0] == key]:
-      del _generation[k]
-    for k in [k for k in _sessions if k[0] == key]:
-      del _sessions[k]
+    _sessions.pop(session_key, None)
+    if not isinstance(session_key[1], tuple):
+      for k in [k for k in _generation if k[0] == plan_key]:
+        del _generation[k]
+      for k in [k for k in _sessions if k[0] == plan_key and not isinstance(k[1], tuple)]:
+        del _sessions[k]
 
 
 def _leave_locked(me: DeviceContext):
@@ -345,6 +435,8 @@ def block_until(ctx, pred, what: str):
   a deadlock or when another device failed."""
   me = ctx.device
   session = me.session
+  if session is None:  # no peers (an axis_index-only kernel): the caller raises
+    return
   point = tuple(int(p) for p in ctx.grid_point)
   while not pred():
     if session.failed is not None:

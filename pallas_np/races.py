@@ -105,6 +105,9 @@ class RaceDetector:
     self.writeback: list[tuple[int, str, int, dict]] = []
     # (data pointer, shape, strides) of a view -> (region, ptr, shadows)
     self._views: dict = {}
+    # (view, index, kind) -> None: also told every unmasked access (the
+    # cross-device check of a multi-device run, pallas_np.device_races)
+    self.device_hook = None
 
   def track_writeback(self, block: int, name: str, ndim: int):
     self.writeback.append((block, name, ndim, {}))
@@ -161,6 +164,8 @@ class RaceDetector:
     """Check (and for writes record) the elements ``view[index]`` touches."""
     if not isinstance(view, np.ndarray) or view.size == 0:
       return
+    if self.device_hook is not None and mask is None:
+      self.device_hook(view, index, kind)
     ptr = view.__array_interface__["data"][0]
     key = (ptr, view.shape, view.strides, view.dtype)
     hit = self._views.get(key)

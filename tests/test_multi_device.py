@@ -41,18 +41,73 @@ def test_correct_kernels_match_lax_collectives(devices):
   out = run_case("correct", devices)
   assert "ok right_permute vs ppermute" in out
   assert "ok pallas.ops.tpu.all_gather" in out
+  assert "ok right_permute twice in one program" in out
+  for name in ("all_reduce vs lax.psum", "reduce_scatter vs lax.psum_scatter",
+               "all_gather_matmul vs lax.all_gather + matmul"):
+    assert out.count("ok " + name) == 2, name
+
+
+@pytest.mark.parametrize("devices", [4])
+def test_concurrent_calls_from_two_threads_pair_by_call(devices):
+  out = run_case("threads", devices)
+  assert "ok two threads, one compiled kernel, paired by call" in out
+
+
+def test_detect_races_across_devices():
+  """Unordered remote writes to one element raise RaceError; disjoint writes,
+  semaphore-ordered writes and the ring collectives run clean."""
+  out = run_case("races", 4)
+  assert out.count("raised data race across devices") == 1 + 3  # + 3 rings without handshake
+  assert out.count("no race reported") == 5
+
+
+def test_pmap_and_axis_index_only_kernels():
+  out = run_case("pmap", 4)
+  assert out.count("ok ") == 3
+
+
+def test_jax_distributed_two_processes():
+  """Two processes on this machine (jax.distributed with a local
+  coordinator), 2 CPU devices each: axis_index kernels run over the global
+  mesh; remote-DMA kernels raise UnsupportedError (no hang)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu", PALLAS_NP_DEVICE_TIMEOUT="30")
+  procs = [subprocess.Popen([sys.executable, str(SCRIPT), "distributed", str(i), port],
+                            env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=180)
+      outs.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for rc, out, err in outs:
+    assert rc == 0 and out.rstrip().endswith("done"), out[-2000:] + err[-4000:]
+    assert out.count("ok axis_index-only kernel across processes") == 2
+    assert "raised spans several processes" in out
 
 
 def test_matches_tpu_interpret_mode():
   out = run_case("oracle", 4)
   assert "ok all_gather vs TPU interpret mode" in out
+  for name in ("all_reduce", "reduce_scatter", "all_gather_matmul"):
+    assert f"ok {name} vs TPU interpret mode" in out
 
 
 @pytest.mark.parametrize("devices", [4, 8])
 def test_broken_kernels_raise_never_hang(devices):
   out = run_case("broken", devices)
-  assert out.count("raised") == 4
+  assert out.count("raised") == 4 + 9  # 3 broken variants x 3 collectives
   assert "ok right_permute after errors" in out
+  assert out.count("after errors") == 4
 
 
 # -- one device: in-process ---------------------------------------------------------
@@ -124,3 +179,63 @@ def test_axis_index_without_a_device_raises_unsupported():
   f = jax.shard_map(_moe, mesh=MESH1, in_specs=P("ep"), out_specs=P("ep"), check_vma=False)
   with pytest.raises(pallas_np.UnsupportedError):
     pallas_np.jit(f)(jnp.ones((16, 128), jnp.float32))
+
+
+def test_instances_pair_by_call_not_by_arrival():
+  """A runtime that interleaves two calls of one kernel (call A's device 0,
+  then call B's devices 0 and 1, then A's device 1) must still pair A with
+  A: sessions are keyed by the call's ticket. Arrival-order pairing would put
+  A's device 0 with B's device 1 (the hole this guards)."""
+  import threading
+  import time
+
+  from pallas_np import devices
+  key = ("test_pairing", object())
+  joined, errors = {}, []
+
+  def run(call, dev):
+    try:
+      me = devices.enter(devices.Placement(key, ("x",), (2,), (dev,), call=call), [])
+      joined[(call, dev)] = me.session
+      devices.leave(me)
+    except BaseException as e:  # noqa: BLE001 (checked below)
+      errors.append(e)
+  order = [(101, 0), (202, 0), (202, 1), (101, 1)]
+  threads = []
+  for call, dev in order:
+    th = threading.Thread(target=run, args=(call, dev))
+    th.start()
+    threads.append(th)
+    time.sleep(0.05)  # arrive in this order
+  for th in threads:
+    th.join(timeout=30)
+  assert not any(th.is_alive() for th in threads) and not errors, errors
+  assert joined[(101, 0)] is joined[(101, 1)]
+  assert joined[(202, 0)] is joined[(202, 1)]
+  assert joined[(101, 0)] is not joined[(202, 0)]
+
+
+def test_missing_device_times_out_and_forgets_the_session(monkeypatch):
+  """The backstop: a device whose instance never starts makes the others
+  raise after PALLAS_NP_DEVICE_TIMEOUT, and the failed session is dropped
+  (a later call with the same id meets afresh)."""
+  import threading
+
+  from pallas_np import devices
+  monkeypatch.setenv("PALLAS_NP_DEVICE_TIMEOUT", "0.3")
+  key = ("test_timeout", object())
+  with pytest.raises(devices.DeviceError, match=r"devices \[1\] did not start"):
+    devices.enter(devices.Placement(key, ("x",), (2,), (0,), call=7), [])
+  monkeypatch.setenv("PALLAS_NP_DEVICE_TIMEOUT", "30")
+  sessions = {}
+
+  def run(dev):
+    me = devices.enter(devices.Placement(key, ("x",), (2,), (dev,), call=7), [])
+    sessions[dev] = me.session
+    devices.leave(me)
+  threads = [threading.Thread(target=run, args=(d,)) for d in range(2)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(timeout=30)
+  assert sessions[0] is sessions[1] and sessions[0].failed is None

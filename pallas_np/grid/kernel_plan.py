@@ -130,10 +130,20 @@ class KernelPlan:
     targets = [*index_ops,
                *(buf if geo.whole else None for geo, buf in zip(self.blocks, buffers)),
                *scratch]
-    me = devices.enter(placement, targets)
+    # A kernel that only reads axis_index needs no peers: no session.
+    me = devices.enter(placement, targets) if self.device_features[1] else \
+        devices.DeviceContext(placement, targets)
+    me.target_names = [*(f"scalar prefetch {i}" for i in range(len(index_ops))),
+                       *(str(geo.origin) for geo in self.blocks),
+                       *(f"scratch_operands[{i}]" for i in range(len(scratch)))]
     error = None
     try:
+      if self.params.detect_races and me.session is not None:
+        devices.check_races(me, self.name)
       detector = races.for_run(self, grid, buffers, scratch)
+      if detector is not None and me.session is not None and me.session.races is not None:
+        detector.device_hook = lambda view, index, kind: me.note_local(
+            view, index, kind, detector.point)
       if detector is None:
         self.run_grid(grid, index_ops, buffers, scratch, device=me)
       else:

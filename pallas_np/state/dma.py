@@ -142,6 +142,9 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True
             "it: on a TPU this wait would hang forever. (Kernels that split a "
             "'parallel' grid dim across TensorCores, e.g. megacore modes, need "
             "InterpretParams(num_cores=2).)")
+    dev_races = devices.races_of(ctx)
+    if dev_races is not None:
+      dev_races.waited(ctx.device.logical_id, sem_key(cell))
     if decrement:
       cell[...] -= value
     acquire = getattr(races.current(), "acquire", None)  # a mesh kernel's race detector
@@ -183,16 +186,26 @@ def remote_start(ctx, target: int, src, dst, dst_sem, src_sem, *, add, source):
     peer_dst = me.peer_ref(peer, d_view, what)
     s_view, s_idx = src
     data = np.array(s_view[s_idx])
+    dev_races = me.session.races
+    if dev_races is not None:
+      me.note_local(s_view, s_idx, "read", ctx.grid_point)
+      dev_races.remote_write(me.logical_id, target, peer_dst, d_idx,
+                             name=me.target_name(d_view), owner=peer.placement.describe(),
+                             source=source, grid_point=ctx.grid_point)
     if add:
       peer_dst[d_idx] += data
     else:
       peer_dst[d_idx] = data
     sem_view, sem_idx = dst_sem
-    peer_sem = sem_cell(me.peer_ref(peer, sem_view, what), sem_idx)
-    _released(peer_sem)
-    peer_sem[...] += data.nbytes
+    recv = sem_cell(me.peer_ref(peer, sem_view, what), sem_idx)
+    _released(recv)
+    recv[...] += data.nbytes
     if src_sem is not None:
       sem_cell(*src_sem)[...] += data.nbytes
+    if dev_races is not None:
+      dev_races.signal(me.logical_id, sem_key(recv))
+      if src_sem is not None:
+        dev_races.signal(me.logical_id, sem_key(sem_cell(*src_sem)))
     lk.notify_all()
 
 
@@ -202,9 +215,11 @@ def remote_signal(ctx, target: int, sem, inc: int, *, source):
   with lk:
     me, peer = _peer(ctx, target)
     view, idx = sem
-    peer_sem = sem_cell(me.peer_ref(peer, view, f"remote semaphore_signal at {source}"), idx)
-    _released(peer_sem)
-    peer_sem[...] += inc
+    cell = sem_cell(me.peer_ref(peer, view, f"remote semaphore_signal at {source}"), idx)
+    _released(cell)
+    cell[...] += inc
+    if me.session.races is not None:
+      me.session.races.signal(me.logical_id, sem_key(cell))
     lk.notify_all()
 
 

@@ -265,9 +265,18 @@ def _run_scoped(e):
   collective = e.params.get("collective_axes") or ()
   if collective:
     return _collective_run_scoped(e, plan, scoped, collective)
+  site = object()  # this run_scoped: its semaphores on every device of a shard_map
+  semaphores = [i for i, a in enumerate(scoped) if jc.is_semaphore_dtype(a.dtype)]
 
   def run_scoped(ctx, *consts):
-    return plan(ctx, *consts, *[allocate(a.shape, a.dtype, params) for a in scoped])
+    bufs = [allocate(a.shape, a.dtype, params) for a in scoped]
+    device = ctx.device
+    if semaphores and device is not None and device.session is not None:
+      # Peers may signal them (the tutorial's double barrier): one per
+      # device per invocation, like the stack slot it is on a TPU.
+      for i in semaphores:
+        bufs[i] = device.scoped_semaphore((site, i), bufs[i])
+    return plan(ctx, *consts, *bufs)
   return run_scoped
 
 
