@@ -369,6 +369,10 @@ def register_tpu_device_kind(kind: str, make_info):
   """Let TPU-only tracing helpers (emit_pipeline's tiling inference) run on a
   non-TPU default device by naming the TpuInfo to assume for it."""
   mosaic_tpu_info.registry[kind] = make_info
+  # JAX >= 0.12 caches get_tpu_info(): a chip assumed earlier would stick.
+  clear = getattr(mosaic_tpu_info.get_tpu_info, "cache_clear", None)
+  if clear is not None:
+    clear()
 
 
 def is_pallas_tpu_key(dtype) -> bool:
