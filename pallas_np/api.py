@@ -29,6 +29,7 @@ from pallas_np import devices, lru, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
+from pallas_np.mosaic_gpu import entry as mgpu_entry
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
 
@@ -180,7 +181,11 @@ def mesh_kernel_error(prim_name, params, call_site="") -> UnsupportedError:
 
 def _mesh_kernel_lowering(jax_rule, prim):
   def rule(ctx, *in_nodes, **params):
-    if is_numpy_mode(jc.interpret_mode_config.value) or is_numpy_mode(params.get("interpret")):
+    forced = jc.interpret_mode_config.value
+    if is_numpy_mode(forced) or is_numpy_mode(params.get("interpret")):
+      if mgpu_entry.handles(params):  # Mosaic GPU meshes (pallas_np.mosaic_gpu)
+        interp = resolve(forced if is_numpy_mode(forced) else params.get("interpret"))
+        return mgpu_entry.lower(ctx, *in_nodes, interp=interp, **params)
       raise mesh_kernel_error(prim.name, params, jc.lowering_source(ctx))
     return jax_rule(ctx, *in_nodes, **params)
   rule.pallas_np_mesh = True
@@ -189,6 +194,11 @@ def _mesh_kernel_lowering(jax_rule, prim):
 
 def _mesh_kernel_rule(e: registry.EqnInfo):
   """The eager evaluator (pallas_np.jit, whole_program) meets one."""
+  if mgpu_entry.handles(e.params):  # Mosaic GPU meshes (pallas_np.mosaic_gpu)
+    interp = e.compiler.params
+    if e.compiler.kernel_params_from_eqns:
+      interp = resolve(e.params.get("interpret"))
+    return mgpu_entry.compile_eqn(e, interp)
   raise mesh_kernel_error(e.primitive.name, e.params, e.source)
 
 
@@ -202,7 +212,7 @@ def _reject_mesh_kernels(jaxpr):
   """Name a mesh kernel nested in a primitive the evaluator lacks (core_map
   inside pl.run_state) rather than that primitive."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive in _MESH_PRIMITIVES:
+    if eqn.primitive in _MESH_PRIMITIVES and not mgpu_entry.handles(eqn.params):
       raise mesh_kernel_error(eqn.primitive.name, eqn.params,
                               jc.source_summary(eqn.source_info))
   for sub in jc.subjaxprs(jaxpr):

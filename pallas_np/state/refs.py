@@ -257,9 +257,39 @@ def _run_scoped(e):
   jaxpr = e.params["jaxpr"]
   plan = e.compiler.compile(jaxpr, constvars_as_args=True).fn
   params = e.compiler.params
-  scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
-            for v in jaxpr.invars]
+  specs = scoped_specs(jaxpr, e.params)
+
+  def fresh():
+    return [np.zeros(s, d) if zeroed else allocate(s, d, params) for s, d, zeroed in specs]
+  if e.params.get("collective_axes"):
+    # Shared by the threads named (Mosaic GPU warpgroups): the kernel's
+    # executor hands every thread the same buffers (pallas_np.mosaic_gpu).
+    eqn = e.eqn
+
+    def run_collective(ctx, *consts):
+      allocate_shared = ctx.extra.get(SHARED_SCOPE_KEY)
+      bufs = fresh() if allocate_shared is None else allocate_shared(ctx, eqn, fresh)
+      return plan(ctx, *consts, *bufs)
+    return run_collective
 
   def run_scoped(ctx, *consts):
-    return plan(ctx, *consts, *[allocate(a.shape, a.dtype, params) for a in scoped])
+    return plan(ctx, *consts, *fresh())
   return run_scoped
+
+
+# RunContext.extra key of the allocator of collective run_scoped buffers.
+SHARED_SCOPE_KEY = "shared_scope"
+
+
+def scoped_specs(jaxpr, params) -> list[tuple]:
+  """(shape, dtype, zeroed) of each scoped buffer: Mosaic GPU layout
+  transforms (``ref_transforms``: tiling, swizzle) undone, so buffers are
+  logical; WGMMA accumulators (registers) start at zero, as on a GPU."""
+  avals = [v.aval for v in jaxpr.invars]
+  transforms = params.get("ref_transforms") or ((),) * len(avals)
+  specs = []
+  for outer, ts in zip(avals, transforms):
+    a = outer.inner_aval if isinstance(outer, jc.AbstractRef) else outer
+    shape = jc.logical_shape(a.shape, a.dtype, ts) if ts else a.shape
+    specs.append((shape, a.dtype, jc.is_wgmma_acc_aval(outer)))
+  return specs

@@ -1,0 +1,122 @@
+"""TMA copies: ``copy_gmem_to_smem`` (lands at the wait on its barrier),
+``copy_smem_to_gmem`` (lands at ``wait_smem_to_gmem`` or the block's end),
+and the fences around them.
+
+A copy reads its source when issued (what the GPU's TMA unit would read,
+the kernel not racing it) and writes its destination only when the
+synchronisation that completes it runs, so data is never visible before a
+GPU would guarantee it (see ``pallas_np.mosaic_gpu.threads``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.errors import UnsupportedError
+from pallas_np.mosaic_gpu import operands
+
+_UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
+
+
+def _writer(view, idx, data):
+  def land():
+    view[idx] = data
+  return land
+
+
+def _collective_size(ctx, axes) -> int:
+  sizes = ctx.extra.get("mesh_sizes", {})
+  n = 1
+  for a in axes or ():
+    n *= sizes.get(a, 1)
+  return n
+
+
+@registry.register(jc.mgpu_primitive("copy_gmem_to_smem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _copy_gmem_to_smem(e):
+  p = e.params
+  has_barrier = p.get("has_barrier", True)
+  if not has_barrier:
+    raise e.unsupported("copy_gmem_to_smem without a barrier")
+  pos = 3
+  get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], pos)
+  get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
+  get_bar, pos = operands.ref_accessor(e, 2, p["barrier_transforms_treedef"], pos)
+  pred_pos = pos if len(e.eqn.invars) > pos else None
+  axes = p.get("collective_axes")
+  partitioned = p.get("partitioned_axis")
+  source = e.source
+
+  def copy(ctx, *args):
+    if pred_pos is not None and not bool(args[pred_pos]):
+      return []
+    if axes and _collective_size(ctx, axes) > 1 or partitioned is not None:
+      raise UnsupportedError(
+          f"pallas_np: copy_gmem_to_smem multicast to a cluster (collective_axes={axes}) "
+          f"is not supported yet, at {source}")
+    data = operands.read(*get_src(args))
+    dst_view, dst_idx = get_dst(args)
+    if np.shape(dst_view[dst_idx]) != data.shape:
+      raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
+                       f"destination shape {np.shape(dst_view[dst_idx])}, at {source}")
+    operands.one_barrier(*get_bar(args)).arrive(_writer(dst_view, dst_idx, data))
+    return []
+  return copy
+
+
+_REDUCE = {"add": np.add, "min": np.minimum, "max": np.maximum,
+           "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
+
+
+@registry.register(jc.mgpu_primitive("copy_smem_to_gmem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _copy_smem_to_gmem(e):
+  p = e.params
+  get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], 2)
+  get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
+  pred_pos = pos if p.get("has_user_predicate") else None
+  op = p.get("reduction_op")
+  reduce = None
+  if op is not None:
+    reduce = _REDUCE.get(str(op))
+    if reduce is None:
+      raise e.unsupported(f"copy_smem_to_gmem with reduction_op={op!r}")
+
+  def copy(ctx, *args):
+    if pred_pos is not None and not bool(args[pred_pos]):
+      return []
+    data = operands.read(*get_src(args))
+    view, idx = get_dst(args)
+    if reduce is None:
+      land = _writer(view, idx, data)
+    else:
+      def land():
+        view[idx] = reduce(view[idx], data)
+    operands.block_of(ctx).store_to_gmem(operands.thread_of(ctx), land)
+    return []
+  return copy
+
+
+@registry.register(jc.mgpu_primitive("wait_smem_to_gmem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _wait_smem_to_gmem(e):
+  n = int(e.params["n"])
+
+  def wait(ctx, *args):
+    operands.block_of(ctx).flush_to_gmem(operands.thread_of(ctx), keep=n)
+    return []
+  return wait
+
+
+def _no_op(e):
+  return lambda *args: []
+
+
+# Fences and grouping: the copies above already read at issue and land in
+# order, so these change nothing in the values a kernel can observe.
+for _name in ("commit_smem_p", "commit_group_p", "commit_smem_to_gmem_group_p",
+              "griddepcontrol_wait_p", "griddepcontrol_launch_dependents_p"):
+  if jc.mgpu_primitive(_name) is not None:
+    registry.register(jc.mgpu_primitive(_name), foldable=False, batch=registry.unbatched(
+        "a fence: nothing to batch"))(_no_op)

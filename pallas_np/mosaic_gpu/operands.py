@@ -1,0 +1,60 @@
+"""Reading a Mosaic GPU eqn's operands: refs followed by their flattened
+transforms (``*_transforms_tree`` / ``*_treedef`` params), compiled once per
+eqn into accessors that return ``(view, index)`` of the NumPy buffer."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.state.indexing import RefAccess, static_atoms
+from pallas_np.mosaic_gpu import threads
+
+
+def num_leaves(tree) -> int:
+  return 0 if tree is None else tree.num_leaves
+
+
+def ref_accessor(e: registry.EqnInfo, ref_pos: int, tree, start: int):
+  """``(get, next_start)``: ``get(args)`` -> ``(view, index)`` of operand
+  ``ref_pos`` with the transforms whose leaves are operands ``start...``."""
+  n = num_leaves(tree)
+  atoms = e.eqn.invars[start:start + n]
+  aval = e.in_avals[ref_pos]
+  inner = aval.inner_aval if isinstance(aval, jc.AbstractRef) else aval
+  clamp = e.compiler.params.bounds_check == "clamp"
+  access = RefAccess.shared(tree, static_atoms(e.folded, atoms), inner.shape,
+                            ref_dtype=inner.dtype, clamp=clamp)
+  dyn = [start + p for p in access.dynamic_positions]
+  resolve = access.resolve
+
+  def get(args):
+    return resolve(args[ref_pos], [args[i] for i in dyn])
+  return get, start + n
+
+
+def read(view, idx) -> np.ndarray:
+  return np.array(view[idx])
+
+
+def one_barrier(view, idx) -> threads.Barrier:
+  """The single barrier a (transformed) barrier ref names."""
+  cell = view[idx]
+  if isinstance(cell, np.ndarray):
+    if cell.size != 1:
+      raise ValueError(f"expected a single barrier, got an array of {cell.size} barriers")
+    cell = cell.reshape(-1)[0]
+  return cell
+
+
+def block_of(ctx) -> threads.BlockState:
+  st = ctx.extra.get(threads.BLOCK_KEY)
+  if st is None:  # a pl.pallas_call with plgpu.CompilerParams: one thread per program
+    st = ctx.extra[threads.BLOCK_KEY] = threads.BlockState(
+        str(tuple(int(i) for i in ctx.program_ids)), 1, ctx.kernel_name)
+    st.defer_stores = False
+  return st
+
+
+def thread_of(ctx) -> int:
+  return ctx.extra.get(threads.THREAD_KEY, 0)
