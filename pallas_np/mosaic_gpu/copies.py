@@ -101,9 +101,10 @@ def _copy_smem_to_gmem(e):
 @registry.register(jc.mgpu_primitive("wait_smem_to_gmem_p"), needs_ctx=True, foldable=False,
                    batch=_UNBATCHED)
 def _wait_smem_to_gmem(e):
-  n = int(e.params["n"])
+  static_n = e.params.get("n")  # JAX 0.10: an operand
 
   def wait(ctx, *args):
+    n = int(args[0]) if static_n is None else int(static_n)
     operands.block_of(ctx).flush_to_gmem(operands.thread_of(ctx), keep=n)
     return []
   return wait
