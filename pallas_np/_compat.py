@@ -479,3 +479,8 @@ def logical_shape(shape, dtype, transforms) -> tuple:
 
 def is_wgmma_acc_aval(aval) -> bool:
   return mgpu_core is not None and isinstance(aval, mgpu_core.WGMMAAbstractAccumulatorRef)
+
+
+# pl.run_state's primitive (jax._src.state.discharge).
+from jax._src.state import discharge as state_discharge  # noqa: E402
+run_state_p = state_discharge.run_state_p

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.mosaic_gpu import operands
 
 if jc.mgpu_core is not None and hasattr(jc.mgpu_core, "layout_cast_p"):
   registry.register_numpy(jc.mgpu_core.layout_cast_p, lambda x: x, batch=registry.IDENTITY,
@@ -18,3 +19,24 @@ for _name in ("set_max_registers_p",):
   if jc.mgpu_primitive(_name) is not None:
     registry.register(jc.mgpu_primitive(_name), foldable=False, batch=registry.unbatched(
         "a register-allocation hint: nothing to batch"))(_no_op)
+
+
+# plgpu.load / plgpu.store: a ref read/write with an explicit register layout.
+@registry.register(jc.mgpu_primitive("load_p"), batch=registry.unbatched(
+    "plgpu.load: rare; runs lane by lane"), foldable=False)
+def _load(e):
+  get, _ = operands.ref_accessor(e, 0, e.params["tree"], 1)
+  return lambda *args: operands.read(*get(args))
+
+
+if jc.mgpu_primitive("store_p") is not None:
+  @registry.register(jc.mgpu_primitive("store_p"), batch=registry.unbatched(
+      "plgpu.store: rare; runs lane by lane"), foldable=False)
+  def _store(e):
+    get, _ = operands.ref_accessor(e, 0, e.params["tree"], 2)
+
+    def store(*args):
+      view, idx = get(args)
+      view[idx] = args[1]
+      return []
+    return store
