@@ -55,7 +55,7 @@ def _copy_gmem_to_smem(e):
       raise UnsupportedError(
           f"pallas_np: copy_gmem_to_smem multicast to a cluster (collective_axes={axes}) "
           f"is not supported yet, at {source}")
-    data = operands.read(*get_src(args))
+    data = operands.tma_read(get_src, args)
     dst_view, dst_idx = get_dst(args)
     if np.shape(dst_view[dst_idx]) != data.shape:
       raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
@@ -87,12 +87,7 @@ def _copy_smem_to_gmem(e):
     if pred_pos is not None and not bool(args[pred_pos]):
       return []
     data = operands.read(*get_src(args))
-    view, idx = get_dst(args)
-    if reduce is None:
-      land = _writer(view, idx, data)
-    else:
-      def land():
-        view[idx] = reduce(view[idx], data)
+    land = operands.tma_writer(get_dst, args, data, reduce)
     operands.block_of(ctx).store_to_gmem(operands.thread_of(ctx), land)
     return []
   return copy

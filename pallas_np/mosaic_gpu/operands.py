@@ -22,15 +22,62 @@ def ref_accessor(e: registry.EqnInfo, ref_pos: int, tree, start: int):
   atoms = e.eqn.invars[start:start + n]
   aval = e.in_avals[ref_pos]
   inner = aval.inner_aval if isinstance(aval, jc.AbstractRef) else aval
-  clamp = e.compiler.params.bounds_check == "clamp"
+  # Never clamped: TMA windows past a GMEM ref's end are clipped (tma_read,
+  # tma_writer), anything else out of bounds is an error, as on a GPU.
   access = RefAccess.shared(tree, static_atoms(e.folded, atoms), inner.shape,
-                            ref_dtype=inner.dtype, clamp=clamp)
+                            ref_dtype=inner.dtype, clamp=False)
   dyn = [start + p for p in access.dynamic_positions]
   resolve = access.resolve
 
   def get(args):
     return resolve(args[ref_pos], [args[i] for i in dyn])
+  get.access = access
+  get.leaves = lambda args: [args[i] for i in dyn]
+  get.ref_pos = ref_pos
   return get, start + n
+
+
+def _tma_window(get, args):
+  """(view, coords, in_bounds) of a GMEM window that runs past the ref's
+  end: the TMA unit clips such boxes (zero-filled reads, dropped writes)."""
+  res = get.access.unchecked_coords(args[get.ref_pos], get.leaves(args))
+  if res is None:
+    raise IndexError("out-of-bounds TMA window")
+  view, coords = res
+  coords = np.broadcast_arrays(*coords)
+  ok = np.ones(coords[0].shape, bool)
+  for c, n in zip(coords, view.shape):
+    ok &= (c >= 0) & (c < n)
+  return view, coords, ok
+
+
+def tma_read(get, args) -> np.ndarray:
+  """Read a GMEM window; elements out of bounds read 0 (TMA semantics)."""
+  try:
+    return read(*get(args))
+  except IndexError:
+    view, coords, ok = _tma_window(get, args)
+    clipped = tuple(np.clip(c, 0, max(n - 1, 0)) for c, n in zip(coords, view.shape))
+    out = view[clipped]
+    return np.where(ok, out, np.zeros((), out.dtype))
+
+
+def tma_writer(get, args, data, reduce=None):
+  """A callable writing ``data`` into a GMEM window; elements out of bounds
+  are dropped (TMA semantics)."""
+  try:
+    view, idx = get(args)
+  except IndexError:
+    view, coords, ok = _tma_window(get, args)
+    idx = tuple(c[ok] for c in coords)
+    data = np.broadcast_to(data, ok.shape)[ok]
+  if reduce is None:
+    def land():
+      view[idx] = data
+  else:
+    def land():
+      view[idx] = reduce(view[idx], data)
+  return land
 
 
 def read(view, idx) -> np.ndarray:
