@@ -29,6 +29,7 @@ from pallas_np import _compat as jc
 from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, eager_call, is_concrete,
                            force_numpy_interpret)
 from pallas_np.lru import LRU
+from pallas_np.mosaic_gpu import entry as mgpu_entry
 from pallas_np.errors import UnsupportedError
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 
@@ -144,9 +145,13 @@ def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
     return None
 
 
+_MESH_PRIMITIVES = jc.mesh_kernel_primitives()
+
+
 def _kernel_interprets(jaxpr) -> list:
   """The ``interpret=`` of every pallas_call in a program (nested ones too)."""
-  found = [eqn.params["interpret"] for eqn in jaxpr.eqns if eqn.primitive is jc.pallas_call_p]
+  found = [eqn.params["interpret"] for eqn in jaxpr.eqns if eqn.primitive is jc.pallas_call_p
+           or (eqn.primitive in _MESH_PRIMITIVES and mgpu_entry.handles(eqn.params))]
   for sub in jc.subjaxprs(jaxpr):
     found += _kernel_interprets(sub)
   return found

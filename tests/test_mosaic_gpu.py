@@ -1,0 +1,308 @@
+"""Mosaic GPU (plgpu) kernels in numpy mode: each construct against a NumPy
+reference written from the semantics and, where it runs, against JAX's GPU
+interpret mode (``InterpretGPUParams``, the oracle for ``plgpu.kernel``)."""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from tests.mgpu_helpers import assert_close, both, plgpu  # noqa: F401
+
+import pallas_np
+from pallas_np.errors import KernelError
+
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _x(shape, dtype=jnp.float16, seed=0):
+  return (jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+def _run_with_timeout(fn, seconds=60):
+  """Run fn() in a thread: a hang fails the test instead of blocking CI."""
+  box = {}
+
+  def target():
+    try:
+      box["out"] = fn()
+    except BaseException as e:  # noqa: BLE001
+      box["err"] = e
+  th = threading.Thread(target=target, daemon=True)
+  th.start()
+  th.join(seconds)
+  assert not th.is_alive(), "the kernel hung"
+  if "err" in box:
+    raise box["err"]
+  return box["out"]
+
+
+# -- TMA copies, barriers, layout transforms ------------------------------------
+def _roundtrip_kernel():
+  def body(x_ref, o_ref):
+    def scoped(smem, bar):
+      plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+      plgpu.barrier_wait(bar)
+      smem[...] = smem[...] * 2 + 1
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(smem, o_ref)
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(scoped, plgpu.SMEM((128, 64), jnp.float16, transforms=TILED),
+                  plgpu.Barrier(num_arrivals=1))
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 64), jnp.float16))
+
+
+def test_tma_roundtrip_tiled_swizzled_vs_gpu_interpret():
+  x = _x((128, 64))
+  ours, theirs = both(_roundtrip_kernel(), x)
+  want = np.asarray(x) * np.float16(2) + np.float16(1)  # f16 arithmetic, as the kernel
+  assert_close(ours, want, atol=0)
+  assert_close(ours, theirs, atol=0)
+
+
+def test_tma_roundtrip_under_jit_and_interpret_argument():
+  x = _x((128, 64))
+  want = np.asarray(x) * np.float16(2) + np.float16(1)
+  with pallas_np.force_numpy_interpret():
+    assert_close(jax.jit(_roundtrip_kernel())(x), want, atol=0)
+  # interpret="numpy" on the kernel itself, no force switch.
+  def body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2 + 1
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 64), jnp.float16),
+                   interpret="numpy")
+  assert_close(f(x), want, atol=0)
+  assert_close(jax.jit(f)(x), want, atol=0)
+
+
+def test_pl_kernel_with_plgpu_mesh():
+  x = _x((2, 64, 64))
+
+  def body(x_ref, o_ref):
+    b = jax.lax.axis_index("b")
+    o_ref[b] = x_ref[b] + b.astype(jnp.float16)
+  f = pl.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                mesh=plgpu.Mesh(grid=(2,), grid_names=("b",)))
+  with pallas_np.force_numpy_interpret():
+    out = f(x)
+  want = np.asarray(x) + np.arange(2, dtype=np.float16)[:, None, None]
+  assert_close(out, want, atol=0)
+
+
+def test_copies_not_visible_before_their_wait():
+  """TMA data lands at the barrier wait (gmem->smem) and at
+  wait_smem_to_gmem (smem->gmem); before that, reads see the old contents
+  (NaN, the uninitialised fill). Reference: the semantics."""
+  x = _x((64, 64), jnp.float32)
+
+  def body(x_ref, o_ref, early_ref, late_ref, gmem_early_ref):
+    def scoped(smem, bar):
+      plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+      early_ref[...] = smem[...]  # before the wait: not there yet
+      plgpu.barrier_wait(bar)
+      late_ref[...] = smem[...]
+      plgpu.copy_smem_to_gmem(smem, o_ref)
+      gmem_early_ref[...] = o_ref[...]  # before wait_smem_to_gmem
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(scoped, plgpu.SMEM((64, 64), jnp.float32), plgpu.Barrier(num_arrivals=1))
+  shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  f = plgpu.kernel(body, out_type=(shape,) * 4)
+  with pallas_np.force_numpy_interpret():
+    out, early, late, gmem_early = f(x)
+  assert np.isnan(np.asarray(early)).all()
+  assert np.isnan(np.asarray(gmem_early)).all()
+  np.testing.assert_array_equal(late, x)
+  np.testing.assert_array_equal(out, x)
+
+
+def test_barrier_wait_that_never_completes_raises():
+  def body(o_ref):
+    def scoped(bar):
+      o_ref[...] = jnp.zeros_like(o_ref)
+      plgpu.barrier_wait(bar)  # nobody arrives
+    pl.run_scoped(scoped, plgpu.Barrier(num_arrivals=1))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                   grid=(2,), grid_names=("x",))
+
+  def call():
+    with pallas_np.force_numpy_interpret():
+      return f()
+  with pytest.raises(KernelError) as info:
+    _run_with_timeout(call)
+  msg = str(info.value)
+  assert "deadlocked" in msg and "block (0,)" in msg
+  assert "test_mosaic_gpu.py" in msg and "barrier_wait" in msg
+
+
+def test_deadlock_between_warpgroups_names_each():
+  def body(o_ref):
+    def scoped(a, b):
+      wg = jax.lax.axis_index("wg")
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.barrier_wait(a)  # wg 1 waits on b first: neither ever arrives
+        plgpu.barrier_arrive(b)
+
+      @pl.when(wg == 1)
+      def _():
+        plgpu.barrier_wait(b)
+        plgpu.barrier_arrive(a)
+      o_ref[...] = jnp.zeros_like(o_ref)
+    pl.run_scoped(scoped, plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
+                  collective_axes="wg")
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                   num_threads=2, thread_name="wg")
+
+  def call():
+    with pallas_np.force_numpy_interpret():
+      return f()
+  with pytest.raises(KernelError) as info:
+    _run_with_timeout(call)
+  msg = str(info.value)
+  assert "deadlocked" in msg and "warpgroup 0" in msg and "warpgroup 1" in msg
+
+
+# -- warp specialisation: producer and consumer warpgroups ----------------------
+def _producer_consumer(steps=4, slots=2):
+  blk = 64
+
+  def body(x_ref, o_ref):
+    def scoped(smem, full, free):
+      wg = jax.lax.axis_index("wg")
+
+      @pl.when(wg == 0)
+      def _producer():
+        @pl.loop(0, steps)
+        def _(i):
+          slot = i % slots
+
+          @pl.when(i >= slots)
+          def _():
+            plgpu.barrier_wait(free.at[slot])
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * blk, blk)], smem.at[slot], full.at[slot])
+
+      @pl.when(wg == 1)
+      def _consumer():
+        @pl.loop(0, steps)
+        def _(i):
+          slot = i % slots
+          plgpu.barrier_wait(full.at[slot])
+          o_ref[pl.ds(i * blk, blk)] = smem[slot] * 3.0
+          plgpu.barrier_arrive(free.at[slot])
+    pl.run_scoped(scoped, plgpu.SMEM((slots, blk, 128), jnp.float32),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+                  collective_axes="wg")
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((steps * blk, 128), jnp.float32),
+                      num_threads=2, thread_name="wg")
+
+
+def test_warp_specialized_pipeline_vs_gpu_interpret():
+  x = _x((256, 128), jnp.float32)
+  ours, theirs = both(_producer_consumer(), x)
+  np.testing.assert_array_equal(ours, np.asarray(x) * 3.0)
+  np.testing.assert_array_equal(ours, theirs)
+
+
+# -- wgmma ----------------------------------------------------------------------
+def _wgmma_kernel(m=64, k=64, n=128):
+  def body(a_ref, b_ref, o_ref):
+    def scoped(a_smem, b_smem, bar):
+      plgpu.copy_gmem_to_smem(a_ref, a_smem, bar.at[0])
+      plgpu.copy_gmem_to_smem(b_ref, b_smem, bar.at[1])
+      plgpu.barrier_wait(bar.at[0])
+      plgpu.barrier_wait(bar.at[1])
+
+      def with_acc(acc):
+        plgpu.wgmma(acc, a_smem, b_smem)
+        plgpu.wgmma(acc, a_smem, b_smem)  # accumulates: 2 a @ b
+        plgpu.wgmma_wait(0)
+        o_ref[...] = acc[...]
+      pl.run_scoped(with_acc, plgpu.ACC((m, n), jnp.float32))
+    pl.run_scoped(scoped, plgpu.SMEM((m, k), jnp.float16, transforms=TILED),
+                  plgpu.SMEM((k, n), jnp.float16, transforms=TILED),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32))
+
+
+def test_wgmma_accumulator_vs_reference_and_gpu_interpret():
+  a, b = _x((64, 64), seed=1), _x((64, 128), seed=2)
+  ours, theirs = both(_wgmma_kernel(), a, b)
+  want = 2 * (np.asarray(a, np.float32) @ np.asarray(b, np.float32))
+  assert_close(ours, want, atol=1e-4, rtol=1e-5)
+  assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+
+
+# -- pl.pallas_call with plgpu.CompilerParams ------------------------------------
+def test_pallas_call_with_barrier_scratch():
+  x = _x((128, 64), jnp.float32)
+
+  def kernel(x_ref, o_ref, smem, bar):
+    plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+    plgpu.barrier_wait(bar)
+    o_ref[...] = smem[...] * 2 + 1
+  f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     in_specs=[pl.BlockSpec(memory_space=plgpu.GMEM)],
+                     scratch_shapes=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
+                     compiler_params=plgpu.CompilerParams(), interpret="numpy")
+  np.testing.assert_array_equal(f(x), np.asarray(x) * 2 + 1)
+  np.testing.assert_array_equal(jax.jit(f)(x), np.asarray(x) * 2 + 1)
+
+
+def test_pallas_call_tiled_block_specs_and_scratch():
+  """plgpu.BlockSpec / SMEM transforms are layout only (NumPy reference; GPU
+  interpret mode rejects transformed pallas_call blocks)."""
+  x, y = _x((128, 64), seed=3), _x((64, 128), seed=4)
+
+  def kernel(x_ref, y_ref, o_ref, tmp):
+    tmp[...] = x_ref[...] + y_ref[...].T
+    o_ref[...] = tmp[...] * 2
+  f = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+      in_specs=[plgpu.BlockSpec((64, 64), lambda i: (i, 0), transforms=TILED),
+                plgpu.BlockSpec((64, 64), lambda i: (0, i))],
+      out_specs=plgpu.BlockSpec((64, 64), lambda i: (i, 0), transforms=TILED),
+      scratch_shapes=[plgpu.SMEM((64, 64), jnp.float16, transforms=TILED)],
+      compiler_params=plgpu.CompilerParams(), interpret="numpy")
+  want = (np.asarray(x, np.float32) + np.asarray(y, np.float32).T) * 2
+  assert_close(f(x, y), want, atol=2e-2)
+
+
+# -- emit_pipeline, nd_loop -----------------------------------------------------
+def test_emit_pipeline():
+  """NumPy reference (GPU interpret mode does not run emit_pipeline's
+  predicated SMEM->GMEM copies: "predicate not supported")."""
+  x = _x((256, 128), jnp.float32)
+
+  def body(x_ref, o_ref):
+    def step(_, x_smem, o_smem):
+      o_smem[...] = x_smem[...] + 1.0
+    plgpu.emit_pipeline(
+        step, grid=(4,), max_concurrent_steps=2,
+        in_specs=[pl.BlockSpec((64, 128), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((64, 128), lambda i: (i, 0))])(x_ref, o_ref)
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))
+  with pallas_np.force_numpy_interpret():
+    out = f(x)
+  np.testing.assert_array_equal(out, np.asarray(x) + 1.0)
+
+
+def test_nd_loop_over_blocks():
+  """Each of 2 blocks takes every other step of a 6-step loop (NumPy
+  reference: row i holds i + 100 * the block that ran it)."""
+  def body(o_ref):
+    @plgpu.nd_loop((6,), collective_axes="x")
+    def _(info):
+      (i,) = info.index
+      blk = jax.lax.axis_index("x")
+      o_ref[i] = jnp.full((128,), i + 100 * blk, jnp.int32)
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((6, 128), jnp.int32),
+                   grid=(2,), grid_names=("x",))
+  with pallas_np.force_numpy_interpret():
+    out = f()
+  want = np.array([i + 100 * (i % 2) for i in range(6)], np.int32)[:, None]
+  np.testing.assert_array_equal(out, np.broadcast_to(want, (6, 128)))
