@@ -313,3 +313,26 @@ def test_nd_loop_over_blocks():
     out = f()
   want = np.array([i + 100 * (i % 2) for i in range(6)], np.int32)[:, None]
   np.testing.assert_array_equal(out, np.broadcast_to(want, (6, 128)))
+
+
+# -- atomics --------------------------------------------------------------------
+def test_atomic_add_from_every_block_and_warpgroup():
+  """4 blocks x 2 warpgroups update one GMEM ref (NumPy reference; the
+  outputs start at zero: uninitialized="zero")."""
+  x = _x((8, 128), jnp.float32)
+
+  def body(x_ref, sum_ref, max_ref):
+    blk, wg = jax.lax.axis_index("b"), jax.lax.axis_index("wg")
+    scaled = x_ref[...] * (blk * 2 + wg + 1).astype(jnp.float32)
+    plgpu.atomic_add(sum_ref, scaled)
+    plgpu.atomic_max(max_ref.at[2:6], scaled[2:6])
+  shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  f = plgpu.kernel(body, out_type=(shape, shape), grid=(4,), grid_names=("b",),
+                   num_threads=2, thread_name="wg")
+  with pallas_np.force_numpy_interpret(pallas_np.InterpretParams(uninitialized="zero")):
+    total, biggest = f(x)
+  xs = np.asarray(x)
+  np.testing.assert_allclose(total, xs * sum(range(1, 9)), rtol=1e-6)
+  want = np.zeros_like(xs)
+  want[2:6] = np.maximum(0, np.maximum(xs[2:6] * 8, xs[2:6]))
+  np.testing.assert_array_equal(biggest, want)
