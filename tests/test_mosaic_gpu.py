@@ -336,3 +336,28 @@ def test_atomic_add_from_every_block_and_warpgroup():
   want = np.zeros_like(xs)
   want[2:6] = np.maximum(0, np.maximum(xs[2:6] * 8, xs[2:6]))
   np.testing.assert_array_equal(biggest, want)
+
+
+def test_reading_a_slot_while_its_copy_is_in_flight_reads_nan():
+  """A second copy into an SMEM buffer that already holds data: until the
+  barrier wait the buffer holds garbage (NaN under uninitialized="nan"),
+  not the old data (semantics: the TMA unit may be midway through it)."""
+  x = _x((2, 64, 128), jnp.float32)
+
+  def body(x_ref, first_ref, racy_ref, second_ref):
+    def scoped(smem, bar):
+      plgpu.copy_gmem_to_smem(x_ref.at[0], smem, bar)
+      plgpu.barrier_wait(bar)
+      first_ref[...] = smem[...]
+      plgpu.copy_gmem_to_smem(x_ref.at[1], smem, bar)
+      racy_ref[...] = smem[...]  # the kernel forgot the wait
+      plgpu.barrier_wait(bar)
+      second_ref[...] = smem[...]
+    pl.run_scoped(scoped, plgpu.SMEM((64, 128), jnp.float32), plgpu.Barrier(num_arrivals=1))
+  shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  f = plgpu.kernel(body, out_type=(shape,) * 3)
+  with pallas_np.force_numpy_interpret():
+    first, racy, second = f(x)
+  np.testing.assert_array_equal(first, x[0])
+  assert np.isnan(np.asarray(racy)).all()
+  np.testing.assert_array_equal(second, x[1])

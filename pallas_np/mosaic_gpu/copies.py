@@ -5,7 +5,10 @@ and the fences around them.
 A copy reads its source when issued (what the GPU's TMA unit would read,
 the kernel not racing it) and writes its destination only when the
 synchronisation that completes it runs, so data is never visible before a
-GPU would guarantee it (see ``pallas_np.mosaic_gpu.threads``)."""
+GPU would guarantee it (see ``pallas_np.mosaic_gpu.threads``). Under
+``uninitialized="nan"`` (the default) the destination holds NaN (the
+uninitialised fill) while the copy is in flight: a kernel that reads it
+before the synchronisation reads NaN, even where old data was there."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +16,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.errors import UnsupportedError
+from pallas_np.memory import fill_value
 from pallas_np.mosaic_gpu import operands
 
 _UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
@@ -45,6 +49,8 @@ def _copy_gmem_to_smem(e):
   get_bar, pos = operands.ref_accessor(e, 2, p["barrier_transforms_treedef"], pos)
   pred_pos = pos if len(e.eqn.invars) > pos else None
   axes = p.get("collective_axes")
+  params = e.compiler.params
+  poison = params.uninitialized == "nan"
   partitioned = p.get("partitioned_axis")
   source = e.source
 
@@ -60,6 +66,8 @@ def _copy_gmem_to_smem(e):
     if np.shape(dst_view[dst_idx]) != data.shape:
       raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
                        f"destination shape {np.shape(dst_view[dst_idx])}, at {source}")
+    if poison:  # in flight: reading the destination now reads garbage (NaN)
+      dst_view[dst_idx] = fill_value(dst_view.dtype, params)
     operands.one_barrier(*get_bar(args)).arrive(_writer(dst_view, dst_idx, data))
     return []
   return copy
@@ -76,7 +84,11 @@ def _copy_smem_to_gmem(e):
   get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], 2)
   get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
   pred_pos = pos if p.get("has_user_predicate") else None
+  params = e.compiler.params
   op = p.get("reduction_op")
+  poison = None  # a reduction reads the destination: never poisoned
+  if params.uninitialized == "nan" and op is None:
+    poison = fill_value(e.in_avals[1].inner_aval.dtype, params)
   reduce = None
   if op is not None:
     reduce = _REDUCE.get(str(op))
@@ -87,7 +99,7 @@ def _copy_smem_to_gmem(e):
     if pred_pos is not None and not bool(args[pred_pos]):
       return []
     data = operands.read(*get_src(args))
-    land = operands.tma_writer(get_dst, args, data, reduce)
+    land = operands.tma_writer(get_dst, args, data, reduce, poison=poison)
     operands.block_of(ctx).store_to_gmem(operands.thread_of(ctx), land)
     return []
   return copy

@@ -62,11 +62,14 @@ def tma_read(get, args) -> np.ndarray:
     return np.where(ok, out, np.zeros((), out.dtype))
 
 
-def tma_writer(get, args, data, reduce=None):
+def tma_writer(get, args, data, reduce=None, poison=None):
   """A callable writing ``data`` into a GMEM window; elements out of bounds
-  are dropped (TMA semantics)."""
+  are dropped (TMA semantics). ``poison``: a value the window holds until
+  then (the uninitialised fill)."""
   try:
     view, idx = get(args)
+    if poison is not None:
+      view[idx] = poison
   except IndexError:
     view, coords, ok = _tma_window(get, args)
     idx = tuple(c[ok] for c in coords)
