@@ -56,7 +56,7 @@ CATEGORIES: list[tuple[str, list[str]]] = [
     ]),
     ("pallas TPU (Mosaic)", ["pallas.mosaic.primitives"]),
     ("pallas GPU (Triton)", ["pallas.triton.primitives"]),
-    ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives"]),
+    ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives", "pallas.mosaic_gpu.core"]),
 ]
 
 # Primitives that never reach a kernel body as such (tracing machinery,

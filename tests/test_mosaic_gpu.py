@@ -361,3 +361,21 @@ def test_reading_a_slot_while_its_copy_is_in_flight_reads_nan():
   np.testing.assert_array_equal(first, x[0])
   assert np.isnan(np.asarray(racy)).all()
   np.testing.assert_array_equal(second, x[1])
+
+
+def test_plgpu_reductions_and_layout_cast():
+  """NumPy reference (GPU interpret mode has no rule for plgpu.sum)."""
+  if not hasattr(plgpu, "sum"):
+    pytest.skip("plgpu.sum/max are JAX 0.12 API")  # the other tests cover 0.10
+  x = _x((64, 128), jnp.float32)
+
+  def body(x_ref, s_ref, m_ref):
+    v = plgpu.layout_cast(x_ref[...], plgpu.Layout.WGMMA)
+    s_ref[...] = plgpu.sum(v, axis=1)
+    m_ref[...] = plgpu.max(v, axis=0)
+  f = plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct((64,), jnp.float32),
+                                   jax.ShapeDtypeStruct((128,), jnp.float32)))
+  with pallas_np.force_numpy_interpret():
+    s, m = f(x)
+  np.testing.assert_allclose(s, np.asarray(x).sum(1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(m, np.asarray(x).max(0))

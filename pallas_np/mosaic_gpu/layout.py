@@ -2,6 +2,8 @@
 layout, so ``layout_cast`` is the identity and the rest do nothing."""
 from __future__ import annotations
 
+from jax import lax
+
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.mosaic_gpu import operands
@@ -40,3 +42,23 @@ if jc.mgpu_primitive("store_p") is not None:
       view[idx] = args[1]
       return []
     return store
+
+
+# plgpu.sum/max/min/prod: lax's reductions with a register-level hint
+# (accumulator_ilp) that does not change the value: lax's rules compute them.
+def _like_lax(lax_prim):
+  def compile_reduction(e):
+    return registry.lookup(lax_prim).compile(e)
+  return compile_reduction
+
+
+for _name, _lax_prim in (("reduce_sum_p", lax.reduce_sum_p), ("reduce_max_p", lax.reduce_max_p),
+                         ("reduce_min_p", lax.reduce_min_p), ("reduce_prod_p", lax.reduce_prod_p)):
+  if jc.mgpu_primitive(_name) is not None:
+    registry.register(jc.mgpu_primitive(_name), batch=registry.unbatched(
+        "plgpu reductions: rare; run lane by lane"))(_like_lax(_lax_prim))
+
+if jc.mgpu_primitive("print_layout_p") is not None:
+  # Prints the register layout of a value on a GPU; here there is none.
+  registry.register(jc.mgpu_primitive("print_layout_p"), foldable=False, batch=registry.unbatched(
+      "a debugging print of the layout: nothing to batch"))(_no_op)
