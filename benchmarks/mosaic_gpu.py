@@ -194,7 +194,9 @@ def main():
       proc = subprocess.run([sys.executable, __file__, "--one", kernel, mode, "--warm",
                              str(ns.warm)], capture_output=True, text=True, env=env)
       if proc.returncode:
-        print(f"{kernel:26} {mode:6} FAILED: {proc.stderr.strip().splitlines()[-1][:90]}")
+        errs = [ln for ln in proc.stderr.splitlines()
+                if "Error" in ln and not ln.startswith((" ", "For simplicity"))]
+        print(f"{kernel:26} {mode:6} FAILED: {(errs or ['?'])[-1][:110]}")
         continue
       r = rows[(kernel, mode)] = json.loads(proc.stdout.strip().splitlines()[-1])
       print(f"{kernel:26} {mode:6} {r['cold']:8.3f} {r['warm']:8.4f} {r['err']:9.2e}")

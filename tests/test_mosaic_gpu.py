@@ -379,3 +379,18 @@ def test_plgpu_reductions_and_layout_cast():
     s, m = f(x)
   np.testing.assert_allclose(s, np.asarray(x).sum(1), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(m, np.asarray(x).max(0))
+
+
+def test_waiting_after_a_missed_phase_raises():
+  """Two phases complete before the warpgroup's first wait: on a GPU its
+  parity wait would hang or pass on the wrong phase; here it raises."""
+  def body(o_ref):
+    def scoped(bar):
+      plgpu.barrier_arrive(bar)
+      plgpu.barrier_arrive(bar)
+      plgpu.barrier_wait(bar)
+      o_ref[...] = jnp.zeros_like(o_ref)
+    pl.run_scoped(scoped, plgpu.Barrier(num_arrivals=1))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+  with pallas_np.force_numpy_interpret(), pytest.raises(KernelError, match="observe every phase"):
+    f()

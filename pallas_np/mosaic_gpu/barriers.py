@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from pallas_np import _compat as jc
 from pallas_np import memory, registry
+from pallas_np.errors import UnsupportedError
 from pallas_np.mosaic_gpu import operands, threads
 
-for _cls in (getattr(jc.mgpu_core, "BarrierType", None),
-             getattr(jc.mgpu_core, "ClusterBarrierType", None)):
-  if _cls is not None:
-    memory.register_allocator(_cls, threads.new_barriers)
+memory.register_allocator(jc.mgpu_core.BarrierType, threads.new_barriers)
+
+
+def _cluster_barriers(shape, dtype):
+  raise UnsupportedError(
+      "pallas_np: plgpu.ClusterBarrier (barriers shared by the blocks of a cluster) is not "
+      "supported yet: blocks run one after another")
+
+
+if getattr(jc.mgpu_core, "ClusterBarrierType", None) is not None:
+  memory.register_allocator(jc.mgpu_core.ClusterBarrierType, _cluster_barriers)
 
 _UNBATCHED = registry.unbatched("barriers synchronise the warpgroups of one block")
 
