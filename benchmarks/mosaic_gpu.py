@@ -11,7 +11,9 @@ scope that routes every Mosaic GPU kernel to one interpreter:
 ``pallas_np.force_numpy_interpret()`` or JAX's GPU interpret mode. Their
 trace-time hardware queries (SM count, CUDA version) are stubbed (2 SMs).
 Each result is checked against the kernel's reference function (max abs
-difference). Target: warm numpy >= 10x faster than GPU interpret mode.
+difference). A run past ``--timeout`` seconds is reported as TIMEOUT (JAX
+0.10's GPU interpret mode hung on the mixed-type matmul). Target: warm numpy
+>= 10x faster than GPU interpret mode.
 """
 from __future__ import annotations
 
@@ -180,6 +182,7 @@ def main():
   ap.add_argument("--kernels", default=",".join(CASES))
   ap.add_argument("--modes", default=",".join(MODES))
   ap.add_argument("--warm", type=int, default=3)
+  ap.add_argument("--timeout", type=float, default=300, help="seconds per (kernel, mode) run")
   ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
   ns = ap.parse_args()
   if ns.one:
@@ -191,8 +194,13 @@ def main():
   rows = {}
   for kernel in ns.kernels.split(","):
     for mode in ns.modes.split(","):
-      proc = subprocess.run([sys.executable, __file__, "--one", kernel, mode, "--warm",
-                             str(ns.warm)], capture_output=True, text=True, env=env)
+      try:
+        proc = subprocess.run([sys.executable, __file__, "--one", kernel, mode, "--warm",
+                               str(ns.warm)], capture_output=True, text=True, env=env,
+                              timeout=ns.timeout)
+      except subprocess.TimeoutExpired:
+        print(f"{kernel:26} {mode:6} TIMEOUT after {ns.timeout} s")
+        continue
       if proc.returncode:
         errs = [ln for ln in proc.stderr.splitlines()
                 if "Error" in ln and not ln.startswith((" ", "For simplicity"))]
