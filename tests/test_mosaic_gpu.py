@@ -394,3 +394,14 @@ def test_waiting_after_a_missed_phase_raises():
   f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32))
   with pallas_np.force_numpy_interpret(), pytest.raises(KernelError, match="observe every phase"):
     f()
+
+
+def test_pallas_np_jit_and_vmap_of_a_plgpu_kernel():
+  """pallas_np.jit (the whole program in the NumPy evaluator) and jax.vmap
+  (plgpu.kernel's batching rule adds a grid axis); NumPy reference."""
+  x = _x((3, 128, 64))
+  f = _roundtrip_kernel()
+  want = np.asarray(x) * np.float16(2) + np.float16(1)
+  np.testing.assert_array_equal(pallas_np.jit(f)(x[0]), want[0])
+  with pallas_np.force_numpy_interpret():
+    np.testing.assert_array_equal(jax.vmap(f)(x), want)
