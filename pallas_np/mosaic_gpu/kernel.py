@@ -60,7 +60,9 @@ class MeshKernel:
 
   def run(self, *args) -> list[np.ndarray]:
     new_run()
-    ins = [np.array(a) for a in args]  # the kernel may write its GMEM operands
+    # Copied: TMA stores and atomics may write GMEM operands (their effects
+    # do not say which), and the caller's arrays must stay intact.
+    ins = [np.array(a) for a in args]
     outs = self._outputs(ins)
     plan = self.plan.fn
     sizes = dict(zip(self.block_names, self.block_shape))

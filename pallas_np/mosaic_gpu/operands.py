@@ -100,9 +100,10 @@ def one_barrier(view, idx) -> threads.Barrier:
 def block_of(ctx) -> threads.BlockState:
   st = ctx.extra.get(threads.BLOCK_KEY)
   if st is None:  # a pl.pallas_call with plgpu.CompilerParams: one thread per program
-    st = ctx.extra[threads.BLOCK_KEY] = threads.BlockState(
-        str(tuple(int(i) for i in ctx.program_ids)), 1, ctx.kernel_name)
+    st = ctx.extra[threads.BLOCK_KEY] = threads.BlockState("", 1, ctx.kernel_name)
     st.defer_stores = False
+  if not st.defer_stores:  # the grid point this pallas_call program runs
+    st.block = str(tuple(int(i) for i in ctx.program_ids))
   return st
 
 
