@@ -405,3 +405,19 @@ def test_pallas_np_jit_and_vmap_of_a_plgpu_kernel():
   np.testing.assert_array_equal(pallas_np.jit(f)(x[0]), want[0])
   with pallas_np.force_numpy_interpret():
     np.testing.assert_array_equal(jax.vmap(f)(x), want)
+
+
+def test_unsupported_construct_raises_naming_primitive_and_line():
+  """TMEM loads (Blackwell) are not interpreted yet: UnsupportedError naming
+  the primitive and the kernel line, never another interpreter."""
+  def body(o_ref):
+    def scoped(tmem):
+      o_ref[...] = plgpu.async_load_tmem(tmem)
+    pl.run_scoped(scoped, plgpu.TMEM((128, 128), jnp.float32))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 128), jnp.float32))
+  with pallas_np.force_numpy_interpret(), pytest.raises(
+      pallas_np.UnsupportedError, match=r"'async_load'.*test_mosaic_gpu\.py"):
+    f()
+  with pallas_np.force_numpy_interpret(), pytest.raises(
+      pallas_np.UnsupportedError, match=r"'async_load'"):
+    jax.jit(f)()
