@@ -421,3 +421,31 @@ def test_unsupported_construct_raises_naming_primitive_and_line():
   with pallas_np.force_numpy_interpret(), pytest.raises(
       pallas_np.UnsupportedError, match=r"'async_load'"):
     jax.jit(f)()
+
+
+def test_cp_async_copies_land_at_wait_gmem_to_smem():
+  """Pre-Hopper copies without a barrier land at wait_gmem_to_smem(n) (all
+  but the last n), in issue order (NumPy reference from the semantics)."""
+  if not hasattr(plgpu, "wait_gmem_to_smem"):
+    pytest.skip("copies without a barrier are JAX 0.12 API")  # 0.10: the other tests
+  x = _x((2, 64, 128), jnp.float32)
+
+  def body(x_ref, none_ref, one_ref, both_ref):
+    def scoped(smem):
+      plgpu.async_prefetch(x_ref)  # an L2 hint: no effect on values
+      plgpu.copy_gmem_to_smem(x_ref.at[0], smem.at[0], None)
+      plgpu.copy_gmem_to_smem(x_ref.at[1], smem.at[1], None)
+      none_ref[...] = smem[...]
+      plgpu.wait_gmem_to_smem(1)
+      one_ref[...] = smem[...]
+      plgpu.wait_gmem_to_smem(0)
+      both_ref[...] = smem[...]
+    pl.run_scoped(scoped, plgpu.SMEM((2, 64, 128), jnp.float32))
+  shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  f = plgpu.kernel(body, out_type=(shape,) * 3)
+  with pallas_np.force_numpy_interpret():
+    none, one, both_ = f(x)
+  assert np.isnan(np.asarray(none)).all()
+  np.testing.assert_array_equal(one[0], x[0])
+  assert np.isnan(np.asarray(one[1])).all()
+  np.testing.assert_array_equal(both_, x)

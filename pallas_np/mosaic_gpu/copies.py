@@ -40,13 +40,13 @@ def _collective_size(ctx, axes) -> int:
                    batch=_UNBATCHED)
 def _copy_gmem_to_smem(e):
   p = e.params
-  has_barrier = p.get("has_barrier", True)
-  if not has_barrier:
-    raise e.unsupported("copy_gmem_to_smem without a barrier")
-  pos = 3
+  has_barrier = p.get("has_barrier", True)  # False: a cp.async copy (wait_gmem_to_smem)
+  pos = 3 if has_barrier else 2
   get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], pos)
   get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
-  get_bar, pos = operands.ref_accessor(e, 2, p["barrier_transforms_treedef"], pos)
+  get_bar = None
+  if has_barrier:
+    get_bar, pos = operands.ref_accessor(e, 2, p["barrier_transforms_treedef"], pos)
   pred_pos = pos if len(e.eqn.invars) > pos else None
   axes = p.get("collective_axes")
   params = e.compiler.params
@@ -68,9 +68,27 @@ def _copy_gmem_to_smem(e):
                        f"destination shape {np.shape(dst_view[dst_idx])}, at {source}")
     if poison:  # in flight: reading the destination now reads garbage (NaN)
       dst_view[dst_idx] = fill_value(dst_view.dtype, params)
-    operands.one_barrier(*get_bar(args)).arrive(_writer(dst_view, dst_idx, data))
+    land = _writer(dst_view, dst_idx, data)
+    if get_bar is None:
+      operands.block_of(ctx).from_gmem[operands.thread_of(ctx)].append(land)
+    else:
+      operands.one_barrier(*get_bar(args)).arrive(land)
     return []
   return copy
+
+
+if jc.mgpu_primitive("wait_gmem_to_smem_p") is not None:
+  @registry.register(jc.mgpu_primitive("wait_gmem_to_smem_p"), needs_ctx=True,
+                     foldable=False, batch=_UNBATCHED)
+  def _wait_gmem_to_smem(e):
+    n = int(e.params["n"])
+
+    def wait(ctx, *args):
+      pending = operands.block_of(ctx).from_gmem[operands.thread_of(ctx)]
+      while len(pending) > n:
+        pending.pop(0)()
+      return []
+    return wait
 
 
 _REDUCE = {"add": np.add, "min": np.minimum, "max": np.maximum,
@@ -121,10 +139,11 @@ def _no_op(e):
   return lambda *args: []
 
 
-# Fences and grouping: the copies above already read at issue and land in
-# order, so these change nothing in the values a kernel can observe.
+# Fences, grouping and prefetch hints: the copies above already read at issue
+# and land in order, so these change nothing in the values a kernel can observe.
 for _name in ("commit_smem_p", "commit_group_p", "commit_smem_to_gmem_group_p",
-              "griddepcontrol_wait_p", "griddepcontrol_launch_dependents_p"):
+              "griddepcontrol_wait_p", "griddepcontrol_launch_dependents_p",
+              "async_prefetch_p"):  # an L2 prefetch hint
   if jc.mgpu_primitive(_name) is not None:
     registry.register(jc.mgpu_primitive(_name), foldable=False, batch=registry.unbatched(
         "a fence: nothing to batch"))(_no_op)

@@ -99,6 +99,7 @@ class BlockState:
     self.shared: dict = {}  # (eqn id, k-th entry) -> [buffers, threads left]
     self.entries: dict = {}  # (thread, eqn id) -> entries so far
     self.to_gmem: dict = {t: [] for t in range(num_threads)}  # pending stores
+    self.from_gmem: dict = {t: [] for t in range(num_threads)}  # pending cp.async loads
     # False in a pl.pallas_call (no block end to land them at): stores land
     # when issued.
     self.defer_stores = True
@@ -135,6 +136,8 @@ class BlockState:
     """Block end: every outstanding copy lands."""
     for t in range(self.num_threads):
       self.flush_to_gmem(t)
+      while self.from_gmem[t]:
+        self.from_gmem[t].pop(0)()
 
   # -- the baton -----------------------------------------------------------------
   def _can_run(self, t) -> bool:
