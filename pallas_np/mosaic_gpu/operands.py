@@ -56,7 +56,13 @@ def tma_read(get, args) -> np.ndarray:
   try:
     return read(*get(args))
   except IndexError:
-    view, coords, ok = _tma_window(get, args)
+    res = get.access.unchecked_coords(args[get.ref_pos], get.leaves(args))
+    if res is None:
+      raise
+    view, coords = res  # per-axis coordinates, broadcastable (not broadcast)
+    ok = True
+    for c, n in zip(coords, view.shape):
+      ok = ok & (c >= 0) & (c < n)
     clipped = tuple(np.clip(c, 0, max(n - 1, 0)) for c, n in zip(coords, view.shape))
     out = view[clipped]
     return np.where(ok, out, np.zeros((), out.dtype))
