@@ -524,3 +524,59 @@ def has_effects(eqn) -> bool:
     return True
   effectful = getattr(eqn.primitive, "is_effectful", None)
   return bool(effectful(eqn.params)) if callable(effectful) else False
+
+
+# -- Mosaic GPU (plgpu) ----------------------------------------------------------
+# plgpu needs absl-py to import; where it cannot be imported, Mosaic GPU
+# kernels simply never reach pallas_np (nothing refers to these as None).
+try:
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core  # noqa: E402
+  from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives  # noqa: E402
+except ImportError:  # pragma: no cover - absl-py missing
+  mgpu_core = mgpu_primitives = None
+
+
+def mgpu_primitive(name: str):
+  """plgpu primitive ``name`` (e.g. ``"barrier_wait_p"``); None where this
+  JAX version (or a missing plgpu) does not have it."""
+  return getattr(mgpu_primitives, name, None) if mgpu_primitives is not None else None
+
+
+def is_mgpu_mesh(mesh) -> bool:
+  return mgpu_core is not None and isinstance(mesh, mgpu_core.Mesh)
+
+
+def is_mgpu_compiler_params(cp) -> bool:
+  return mgpu_core is not None and isinstance(cp, mgpu_core.CompilerParams)
+
+
+def is_barrier_dtype(dtype) -> bool:
+  return mgpu_core is not None and isinstance(
+      dtype, (mgpu_core.BarrierType, getattr(mgpu_core, "ClusterBarrierType", ())))
+
+
+def barrier_arrivals(dtype) -> int:
+  return int(dtype.num_arrivals)
+
+
+def is_layout_only_transform(t) -> bool:
+  """Mosaic GPU's SMEM layout transforms (tiling, swizzle): they change how
+  a buffer lies in memory, never which element an index names. pallas_np
+  keeps such buffers in their logical shape."""
+  if mgpu_core is None:
+    return False
+  return isinstance(t, (mgpu_core.UntilingTransform, mgpu_core.UnswizzleRef,
+                        mgpu_core.TilingTransform, mgpu_core.SwizzleTransform))
+
+
+def logical_shape(shape, dtype, transforms) -> tuple:
+  """The shape after ``transforms`` (Mosaic GPU layout transforms undone)."""
+  aval = jax_core.ShapedArray(tuple(shape), dtype)
+  for t in transforms:
+    aval = t.transform_type(aval)
+  return tuple(aval.shape)
+
+
+def is_wgmma_acc_aval(aval) -> bool:
+  return mgpu_core is not None and isinstance(aval, mgpu_core.WGMMAAbstractAccumulatorRef)
+

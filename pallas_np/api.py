@@ -29,6 +29,7 @@ from pallas_np import devices, lru, meshes, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
+from pallas_np.mosaic_gpu import entry as mgpu_entry
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
 
@@ -196,6 +197,8 @@ def _mesh_kernel_lowering(jax_rule, prim):
     interpret = forced if is_numpy_mode(forced) else params.get("interpret")
     if not is_numpy_mode(interpret):
       return jax_rule(ctx, *in_nodes, **params)
+    if mgpu_entry.handles(params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
+      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret), **params)
     if prim is not jc.mpmd_map_p:  # a stateful core_map that was not discharged
       raise meshes.mesh_kernel_error(f"an undischarged {prim.name}", params,
                                      jc.lowering_source(ctx))
@@ -223,6 +226,8 @@ if jc.mpmd_map_p is not None:
     interp = e.compiler.params
     if e.compiler.kernel_params_from_eqns:
       interp = resolve(e.params["interpret"])
+    if mgpu_entry.handles(e.params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
+      return mgpu_entry.compile_eqn(e, interp)
     kernel = meshes.get_mesh_kernel(dict(e.params), len(e.in_avals), interp)
     if kernel.axis_names():
       raise e.unsupported(f"a mesh kernel reading axis_index of "
@@ -238,25 +243,6 @@ if jc.core_map_p is not None:
                                    e.source)
 
 
-@registry.register(jc.run_state_p, needs_ctx=True, context_free=True, foldable=False,
-                   batch=registry.unbatched(
-    "run_state: its discharged body runs as a call"))
-def _run_state_rule(e: registry.EqnInfo):
-  """``pl.run_state`` (how ``pl.core_map`` is used on values): its body with
-  the refs discharged, as JAX's own impl evaluates it (a core_map inside
-  becomes an mpmd_map, which the rule above runs)."""
-  closed = jc.discharge_run_state(e.params["jaxpr"])
-  plan = e.compiler.compile(closed).fn
-  is_init = tuple(e.params["is_initialized"])
-  if all(is_init):
-    return plan
-  avals = [v.aval for v in getattr(closed, "jaxpr", closed).invars]
-
-  def run_state(ctx, *args):
-    it = iter(args)
-    full = [next(it) if init else np.zeros(a.shape, a.dtype) for init, a in zip(is_init, avals)]
-    return plan(ctx, *full)
-  return run_state
 
 
 # -- the pallas_call primitive inside our own evaluator (eager path) ---------

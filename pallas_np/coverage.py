@@ -15,8 +15,9 @@ modules add, TPU DMA or semaphores say, show up without editing this file):
    small shapes (forward and, where it has one, backward), and every
    ``pallas_call`` kernel jaxpr and index map in the result is walked,
    sub-jaxprs included. Ops that cannot be traced here (Mosaic GPU kernels
-   need a GPU toolchain) fall back to a source scan for ``lax.*``/``jnp.*``
-   names that are primitives, marked as such.
+   query the GPU at trace time) fall back to a source scan for ``lax.*``/``jnp.*``
+   names that are primitives, marked as such. Mosaic GPU (``plgpu.kernel``)
+   kernel bodies are walked like ``pallas_call`` kernels.
 
 Exit status 1 if a lax/Pallas primitive used by an ops kernel is unsupported.
 """
@@ -58,7 +59,7 @@ CATEGORIES: list[tuple[str, list[str]]] = [
     ("pallas TPU SparseCore", ["pallas.mosaic.sc_primitives"]),
     ("mesh kernels", ["pallas.mpmd", "state.discharge"]),
     ("pallas GPU (Triton)", ["pallas.triton.primitives"]),
-    ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives"]),
+    ("pallas GPU (Mosaic GPU)", ["pallas.mosaic_gpu.primitives", "pallas.mosaic_gpu.core"]),
 ]
 
 # Primitives that never reach a kernel body as such (tracing machinery,
@@ -108,6 +109,9 @@ def _sub_jaxprs(params):
         yield x
 
 
+_MESH_PRIMITIVES = jc.mesh_kernel_primitives()
+
+
 def _walk(jaxpr, found: set, inside_kernel: bool):
   for eqn in jaxpr.eqns:
     if eqn.primitive is jc.pallas_call_p:
@@ -115,6 +119,10 @@ def _walk(jaxpr, found: set, inside_kernel: bool):
       gm = eqn.params["grid_mapping"]
       for bm in gm.block_mappings:
         _walk(bm.index_map_jaxpr.jaxpr, found, True)
+      continue
+    if eqn.primitive in _MESH_PRIMITIVES and "jaxprs" in eqn.params:  # plgpu.kernel & co.
+      for body in eqn.params["jaxprs"]:
+        _walk(getattr(body, "jaxpr", body), found, True)
       continue
     if inside_kernel:
       found.add(eqn.primitive)
@@ -135,6 +143,7 @@ def _sds(shape, dtype=jnp.float32):
 def _ops_entries() -> list[tuple[str, Callable[[], Any]]]:
   """(name, thunk returning a ClosedJaxpr) for each op under pallas.ops."""
   f32, bf16, i32, u32 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint32
+  f16 = jnp.float16
   mj = jax.make_jaxpr
 
   def gpu(name):
@@ -165,6 +174,12 @@ def _ops_entries() -> list[tuple[str, Callable[[], Any]]]:
           q, k, v, bt, ln, pages_per_compute_block=2, k_splits=2))(
           _sds((2, 16, 32)), _sds((2, 8, 16, 32)), _sds((2, 8, 16, 32)), _sds((2, 4), i32),
           _sds((2,), i32))),
+      # Mosaic GPU kernels that query no GPU at trace time (the others ask for
+      # the SM count or the CUDA version; tests/test_mosaic_gpu_kernels.py runs
+      # them all with those queries stubbed).
+      ("gpu.ragged_dot_mgpu", lambda: mj(lambda x, y, g: gpu("ragged_dot_mgpu").ragged_dot(
+          x, y, group_sizes=g, block_m=64, block_n=64, block_k=64, max_concurrent_steps=2,
+          grid_block_n=1))(_sds((256, 128), f16), _sds((4, 128, 128), f16), _sds((4,), i32))),
       ("tpu.flash_attention (forward, backward)", lambda: mj(grad_of(
           lambda q, k, v: tpu("flash_attention").flash_attention(q, k, v, causal=True), 3))(
           *[_sds((1, 2, 128, 128))] * 3)),
@@ -278,8 +293,8 @@ def format_markdown(report) -> str:
     for name, why in report["ops_failed"].items():
       lines.append(f"| {name} | not traceable here ({why}) | - |")
     scanned_unsup = report["ops_scanned_unsupported"]
-    lines += ["", f"Mosaic GPU kernels (`gpu/*_mgpu.py`, not importable without the GPU "
-              f"toolchain) by source scan: lax primitives named there that are unsupported: "
+    lines += ["", f"Mosaic GPU kernels (`gpu/*_mgpu.py`) also by source scan (most query the "
+              f"GPU at trace time): lax primitives named there that are unsupported: "
               f"{', '.join(f'`{u}`' for u in scanned_unsup) or 'none'}."]
   return "\n".join(lines)
 

@@ -85,9 +85,21 @@ def _fill_value(dtype, uninitialized):
   return jc.uninitialized_value_np(dtype)
 
 
+# Allocators of non-numeric scratch types (Mosaic GPU barriers), by the
+# extended dtype's class: ``fn(shape, dtype) -> np.ndarray`` (object arrays).
+_SPECIAL_ALLOCATORS: dict = {}
+
+
+def register_allocator(dtype_class, fn):
+  _SPECIAL_ALLOCATORS[dtype_class] = fn
+
+
 def allocate(shape, dtype, params) -> np.ndarray:
   """A fresh buffer (aligned, see ``aligned_empty``) filled with the
   uninitialised value; semaphores are zeroed int64 counters."""
+  special = _SPECIAL_ALLOCATORS.get(type(dtype))
+  if special is not None:
+    return special(shape, dtype)
   if jc.is_semaphore_dtype(dtype):
     # Semaphores count DMA bytes: int64 cells (see pallas_np.state.dma).
     return np.zeros(shape, np.int64)

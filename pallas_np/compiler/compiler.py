@@ -40,7 +40,8 @@ def _host_const(val, aval):
 INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                 "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
                 "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr",
-                "checkpoint": "jaxpr", "eval_jaxpr": "call_jaxpr"}
+                "checkpoint": "jaxpr", "eval_jaxpr": "call_jaxpr",
+                "custom_vmap_call": "call"}  # plgpu.kernel wraps its mpmd_map in one
 
 
 class Compiler:

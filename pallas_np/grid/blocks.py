@@ -18,7 +18,9 @@ class BlockGeometry:
                "padded_shape", "needs_padding", "whole", "trivial_index_map")
 
   def __init__(self, bm):
-    if bm.transforms:
+    # Mosaic GPU tiling/swizzling is layout only: blocks stay logical and the
+    # kernel's accesses undo the transforms as no-ops (state/indexing.py).
+    if bm.transforms and not all(jc.is_layout_only_transform(t) for t in bm.transforms):
       raise UnsupportedError(
           f"pallas_np: block transforms {bm.transforms} on {bm.origin} are not supported")
     self.origin = bm.origin

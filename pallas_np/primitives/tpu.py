@@ -350,6 +350,9 @@ def _axis_index(e):
   source = e.source
 
   def axis_index(ctx):
+    mesh_axes = ctx.extra.get("mesh_axes")  # a Mosaic GPU mesh kernel's block/warpgroup
+    if mesh_axes is not None and name in mesh_axes:
+      return mesh_axes[name]
     if ctx.device is None:
       raise UnsupportedError(
           f"pallas_np: jax.lax.axis_index({name!r}) at {source} needs the device the kernel "

@@ -1,2 +1,2 @@
 """Refs: compiled ref transforms (indexing) and the read/write primitives."""
-from pallas_np.state import indexing, refs, masked, atomics  # noqa: F401
+from pallas_np.state import indexing, refs, masked, atomics, run_state  # noqa: F401

@@ -257,6 +257,10 @@ class RefAccess:
       elif jc.TransposeTransform is not None and isinstance(t, jc.TransposeTransform):
         steps.append(("transpose", tuple(t.permutation), shape))
         shape = tuple(shape[p] for p in t.permutation)
+      elif jc.is_layout_only_transform(t):
+        # Mosaic GPU tiling/swizzling: layout only, the buffer is kept in
+        # its logical shape (pallas_np.mosaic_gpu), so no view changes.
+        shape = jc.logical_shape(shape, ref_dtype, (t,))
       else:
         raise UnsupportedError(f"pallas_np: ref transform {t!r} is not supported")
     self.result_shape = shape

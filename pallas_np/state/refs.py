@@ -11,6 +11,8 @@ every lane, or per-lane indices through ``state.lane_access``.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from pallas_np import _compat as jc
@@ -259,17 +261,18 @@ def _run_scoped(e):
   jaxpr = e.params["jaxpr"]
   plan = e.compiler.compile(jaxpr, constvars_as_args=True).fn
   params = e.compiler.params
-  scoped = [v.aval.inner_aval if isinstance(v.aval, jc.AbstractRef) else v.aval
-            for v in jaxpr.invars]
+  specs = scoped_specs(jaxpr, e.params)
 
+  def fresh():
+    return [np.zeros(s, d) if zeroed else allocate(s, d, params) for s, d, zeroed in specs]
   collective = e.params.get("collective_axes") or ()
   if collective:
-    return _collective_run_scoped(e, plan, scoped, collective)
+    return _collective_run_scoped(e, plan, specs, collective, fresh)
   site = object()  # this run_scoped: its semaphores on every device of a shard_map
-  semaphores = [i for i, a in enumerate(scoped) if jc.is_semaphore_dtype(a.dtype)]
+  semaphores = [i for i, (_, dtype, _) in enumerate(specs) if jc.is_semaphore_dtype(dtype)]
 
   def run_scoped(ctx, *consts):
-    bufs = [allocate(a.shape, a.dtype, params) for a in scoped]
+    bufs = fresh()
     device = ctx.device
     if semaphores and device is not None and device.session is not None:
       # Peers may signal them (the tutorial's double barrier): one per
@@ -280,20 +283,44 @@ def _run_scoped(e):
   return run_scoped
 
 
-def _collective_run_scoped(e, plan, scoped, collective):
-  """``pl.run_scoped(..., collective_axes=...)``: programs that differ only
-  along those mesh axes get the same buffers. Only a mesh kernel's program
-  instances (pallas_np.meshes) know their peers."""
+def _collective_run_scoped(e, plan, specs, collective, fresh):
+  """``pl.run_scoped(..., collective_axes=...)``: the instances that differ
+  only along those axes get the same buffers. Only a kernel's executor knows
+  its peers: a Mosaic GPU kernel's warpgroups (``SHARED_SCOPE_KEY``) or a mesh
+  kernel's programs (pallas_np.meshes)."""
   key = id(e.eqn)
+  eqn = e.eqn
   source = e.source
   params = e.compiler.params
+  avals = [SimpleNamespace(shape=shape, dtype=dtype) for shape, dtype, _ in specs]
 
   def run_scoped(ctx, *consts):
+    allocate_shared = ctx.extra.get(SHARED_SCOPE_KEY)
+    if allocate_shared is not None:
+      return plan(ctx, *consts, *allocate_shared(ctx, eqn, fresh))
     alloc = getattr(ctx.device, "collective_alloc", None)
     if alloc is None:
       raise UnsupportedError(
           f"pallas_np: pl.run_scoped(..., collective_axes={collective}) at {source} outside a "
           "mesh kernel (pl.kernel / pl.core_map): there are no programs to share the "
           "allocation with here")
-    return plan(ctx, *consts, *alloc(key, collective, scoped, params))
+    return plan(ctx, *consts, *alloc(key, collective, avals, params))
   return run_scoped
+
+
+# RunContext.extra key of the allocator of collective run_scoped buffers.
+SHARED_SCOPE_KEY = "shared_scope"
+
+
+def scoped_specs(jaxpr, params) -> list[tuple]:
+  """(shape, dtype, zeroed) of each scoped buffer: Mosaic GPU layout
+  transforms (``ref_transforms``: tiling, swizzle) undone, so buffers are
+  logical; WGMMA accumulators (registers) start at zero, as on a GPU."""
+  avals = [v.aval for v in jaxpr.invars]
+  transforms = params.get("ref_transforms") or ((),) * len(avals)
+  specs = []
+  for outer, ts in zip(avals, transforms):
+    a = outer.inner_aval if isinstance(outer, jc.AbstractRef) else outer
+    shape = jc.logical_shape(a.shape, a.dtype, ts) if ts else a.shape
+    specs.append((shape, a.dtype, jc.is_wgmma_acc_aval(outer)))
+  return specs

@@ -1,0 +1,85 @@
+"""``plgpu.Barrier`` scratch, ``barrier_arrive`` and ``barrier_wait``.
+
+A barrier ref is an object array of ``threads.Barrier``. A wait observes the
+next phase of its thread: it blocks (hands the baton to another warpgroup)
+until that phase completes, then writes the copies issued on that phase.
+A wait that can never complete raises (``threads.BarrierDeadlock``)."""
+from __future__ import annotations
+
+from pallas_np import _compat as jc
+from pallas_np import memory, registry
+from pallas_np.errors import UnsupportedError
+from pallas_np.mosaic_gpu import operands, threads
+
+memory.register_allocator(jc.mgpu_core.BarrierType, threads.new_barriers)
+
+
+def _cluster_barriers(shape, dtype):
+  raise UnsupportedError(
+      "pallas_np: plgpu.ClusterBarrier (barriers shared by the blocks of a cluster) is not "
+      "supported yet: blocks run one after another")
+
+
+if getattr(jc.mgpu_core, "ClusterBarrierType", None) is not None:
+  memory.register_allocator(jc.mgpu_core.ClusterBarrierType, _cluster_barriers)
+
+_UNBATCHED = registry.unbatched("barriers synchronise the warpgroups of one block")
+
+
+def _has_predicate(e) -> bool:
+  return bool(e.params.get("has_user_predicate"))
+
+
+def barrier_wait(ctx, bar: threads.Barrier, source: str):
+  st = operands.block_of(ctx)
+  t = operands.thread_of(ctx)
+  target = bar.observed.get(t, 0) + 1
+  if bar.phase > target:
+    raise ValueError(
+        f"pallas_np: warpgroup {t} waits for phase {target - 1} of a barrier that has "
+        f"already completed phase {bar.phase - 1} (block {st.block}, at {source}): "
+        "a thread that waits on a barrier must observe every phase")
+  st.wait_until(ctx, lambda: bar.phase >= target,
+                f"barrier_wait (phase {target - 1} of {bar!r})", source)
+  bar.observed[t] = target
+  bar.land(target - 1)
+
+
+@registry.register(jc.mgpu_primitive("barrier_wait_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _barrier_wait(e):
+  get, _ = operands.ref_accessor(e, 0, e.params["transforms_treedef"], 1)
+  source = e.source
+
+  def wait(ctx, *args):
+    barrier_wait(ctx, operands.one_barrier(*get(args)), source)
+    return []
+  return wait
+
+
+@registry.register(jc.mgpu_primitive("barrier_arrive_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _barrier_arrive(e):
+  get, end = operands.ref_accessor(e, 0, e.params["transforms_treedef"], 1)
+  pred_pos = end if _has_predicate(e) else None
+
+  def arrive(ctx, *args):
+    if pred_pos is None or bool(args[pred_pos]):
+      operands.one_barrier(*get(args)).arrive()
+    return []
+  return arrive
+
+
+if jc.mgpu_primitive("barrier_arrive_and_wait_p") is not None:
+  @registry.register(jc.mgpu_primitive("barrier_arrive_and_wait_p"), needs_ctx=True,
+                     foldable=False, batch=_UNBATCHED)
+  def _barrier_arrive_and_wait(e):
+    get, _ = operands.ref_accessor(e, 0, e.params["transforms_treedef"], 1)
+    source = e.source
+
+    def arrive_and_wait(ctx, *args):
+      bar = operands.one_barrier(*get(args))
+      bar.arrive()
+      barrier_wait(ctx, bar, source)
+      return []
+    return arrive_and_wait

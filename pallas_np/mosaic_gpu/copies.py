@@ -1,0 +1,149 @@
+"""TMA copies: ``copy_gmem_to_smem`` (lands at the wait on its barrier),
+``copy_smem_to_gmem`` (lands at ``wait_smem_to_gmem`` or the block's end),
+and the fences around them.
+
+A copy reads its source when issued (what the GPU's TMA unit would read,
+the kernel not racing it) and writes its destination only when the
+synchronisation that completes it runs, so data is never visible before a
+GPU would guarantee it (see ``pallas_np.mosaic_gpu.threads``). Under
+``uninitialized="nan"`` (the default) the destination holds NaN (the
+uninitialised fill) while the copy is in flight: a kernel that reads it
+before the synchronisation reads NaN, even where old data was there."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.errors import UnsupportedError
+from pallas_np.memory import fill_value
+from pallas_np.mosaic_gpu import operands
+
+_UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
+
+
+def _writer(view, idx, data):
+  def land():
+    view[idx] = data
+  return land
+
+
+def _collective_size(ctx, axes) -> int:
+  sizes = ctx.extra.get("mesh_sizes", {})
+  n = 1
+  for a in axes or ():
+    n *= sizes.get(a, 1)
+  return n
+
+
+@registry.register(jc.mgpu_primitive("copy_gmem_to_smem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _copy_gmem_to_smem(e):
+  p = e.params
+  has_barrier = p.get("has_barrier", True)  # False: a cp.async copy (wait_gmem_to_smem)
+  pos = 3 if has_barrier else 2
+  get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], pos)
+  get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
+  get_bar = None
+  if has_barrier:
+    get_bar, pos = operands.ref_accessor(e, 2, p["barrier_transforms_treedef"], pos)
+  pred_pos = pos if len(e.eqn.invars) > pos else None
+  axes = p.get("collective_axes")
+  params = e.compiler.params
+  poison = params.uninitialized == "nan"
+  partitioned = p.get("partitioned_axis")
+  source = e.source
+
+  def copy(ctx, *args):
+    if pred_pos is not None and not bool(args[pred_pos]):
+      return []
+    if axes and _collective_size(ctx, axes) > 1 or partitioned is not None:
+      raise UnsupportedError(
+          f"pallas_np: copy_gmem_to_smem multicast to a cluster (collective_axes={axes}) "
+          f"is not supported yet, at {source}")
+    data = operands.tma_read(get_src, args)
+    dst_view, dst_idx = get_dst(args)
+    if np.shape(dst_view[dst_idx]) != data.shape:
+      raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
+                       f"destination shape {np.shape(dst_view[dst_idx])}, at {source}")
+    if poison:  # in flight: reading the destination now reads garbage (NaN)
+      dst_view[dst_idx] = fill_value(dst_view.dtype, params)
+    land = _writer(dst_view, dst_idx, data)
+    if get_bar is None:
+      operands.block_of(ctx).from_gmem[operands.thread_of(ctx)].append(land)
+    else:
+      operands.one_barrier(*get_bar(args)).arrive(land)
+    return []
+  return copy
+
+
+if jc.mgpu_primitive("wait_gmem_to_smem_p") is not None:
+  @registry.register(jc.mgpu_primitive("wait_gmem_to_smem_p"), needs_ctx=True,
+                     foldable=False, batch=_UNBATCHED)
+  def _wait_gmem_to_smem(e):
+    n = int(e.params["n"])
+
+    def wait(ctx, *args):
+      pending = operands.block_of(ctx).from_gmem[operands.thread_of(ctx)]
+      while len(pending) > n:
+        pending.pop(0)()
+      return []
+    return wait
+
+
+_REDUCE = {"add": np.add, "min": np.minimum, "max": np.maximum,
+           "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
+
+
+@registry.register(jc.mgpu_primitive("copy_smem_to_gmem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _copy_smem_to_gmem(e):
+  p = e.params
+  get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], 2)
+  get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
+  pred_pos = pos if p.get("has_user_predicate") else None
+  params = e.compiler.params
+  op = p.get("reduction_op")
+  poison = None  # a reduction reads the destination: never poisoned
+  if params.uninitialized == "nan" and op is None:
+    poison = fill_value(e.in_avals[1].inner_aval.dtype, params)
+  reduce = None
+  if op is not None:
+    reduce = _REDUCE.get(str(op))
+    if reduce is None:
+      raise e.unsupported(f"copy_smem_to_gmem with reduction_op={op!r}")
+
+  def copy(ctx, *args):
+    if pred_pos is not None and not bool(args[pred_pos]):
+      return []
+    data = operands.read(*get_src(args))
+    land = operands.tma_writer(get_dst, args, data, reduce, poison=poison)
+    operands.block_of(ctx).store_to_gmem(operands.thread_of(ctx), land)
+    return []
+  return copy
+
+
+@registry.register(jc.mgpu_primitive("wait_smem_to_gmem_p"), needs_ctx=True, foldable=False,
+                   batch=_UNBATCHED)
+def _wait_smem_to_gmem(e):
+  static_n = e.params.get("n")  # JAX 0.10: an operand
+
+  def wait(ctx, *args):
+    n = int(args[0]) if static_n is None else int(static_n)
+    operands.block_of(ctx).flush_to_gmem(operands.thread_of(ctx), keep=n)
+    return []
+  return wait
+
+
+def _no_op(e):
+  return lambda *args: []
+
+
+# Fences, grouping and prefetch hints: the copies above already read at issue
+# and land in order, so these change nothing in the values a kernel can observe.
+for _name in ("commit_smem_p", "commit_group_p", "commit_smem_to_gmem_group_p",
+              "griddepcontrol_wait_p", "griddepcontrol_launch_dependents_p",
+              "async_prefetch_p"):  # an L2 prefetch hint
+  if jc.mgpu_primitive(_name) is not None:
+    registry.register(jc.mgpu_primitive(_name), foldable=False, batch=registry.unbatched(
+        "a fence: nothing to batch"))(_no_op)

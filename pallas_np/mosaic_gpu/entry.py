@@ -1,0 +1,58 @@
+"""The hook api.py calls for mesh kernels (``mpmd_map``/``core_map``): Mosaic
+GPU meshes (``plgpu.kernel``, ``pl.core_map(plgpu.Mesh(...))``) run here.
+
+* ``handles(params)``: is this mesh-kernel eqn a Mosaic GPU one?
+* ``lower(ctx, *in_nodes, interp, **params)``: the traced path (``jax.jit``):
+  an ``io_callback`` into ``MeshKernel.run``, compiled at lowering time so
+  an unsupported primitive raises from the ``jax.jit`` call.
+* ``compile_eqn(e, interp)``: the eager evaluator's rule (``pallas_np.jit``,
+  eager calls, the force switch).
+"""
+from __future__ import annotations
+
+import jax
+
+from pallas_np import _compat as jc
+from pallas_np import lru
+from pallas_np.errors import UnsupportedError
+from pallas_np.mosaic_gpu.kernel import MeshKernel
+
+_kernels = lru.LRU(256)
+
+
+def handles(params) -> bool:
+  meshes = params.get("meshes") or (params.get("mesh"),)
+  return bool(meshes) and all(jc.is_mgpu_mesh(m) for m in meshes)
+
+
+def get_kernel(params, interp) -> MeshKernel:
+  key = (id(params["jaxprs"][0]), interp)
+  hit = _kernels.get(key)
+  if hit is None:
+    hit = (params["jaxprs"][0], MeshKernel(dict(params), interp))
+    _kernels.put(key, hit)
+  return hit[1]
+
+
+def _check_supported(params):
+  if "jaxprs" not in params:
+    raise UnsupportedError("pallas_np: pl.core_map over a plgpu.Mesh inside pl.run_state "
+                           "is not supported in numpy mode yet; use plgpu.kernel")
+
+
+def lower(ctx, *in_nodes, interp, **params):
+  _check_supported(params)
+  kernel = get_kernel(params, interp)
+  kernel.plan  # noqa: B018 - compiled now: unsupported primitives raise here
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
+
+  def impl(*args):
+    return jax.experimental.io_callback(kernel.run, shapes, *args, ordered=False)
+  return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+
+
+def compile_eqn(e, interp):
+  _check_supported(e.params)
+  kernel = get_kernel(e.params, interp)
+  kernel.plan  # noqa: B018
+  return kernel.run

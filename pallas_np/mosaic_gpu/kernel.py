@@ -1,0 +1,111 @@
+"""The executor of a Mosaic GPU mesh kernel (``plgpu.kernel``,
+``pl.core_map(plgpu.Mesh(...))``): one ``mpmd_map`` eqn over a
+``plgpu.Mesh``.
+
+Blocks (every point of ``grid`` x ``cluster``) run one after another; each
+block runs its warpgroups (``num_threads``) as threads that take turns
+(``pallas_np.mosaic_gpu.threads``). The kernel body gets the GMEM refs:
+NumPy copies of the operands and the outputs (an aliased output starts as
+its input's copy, the others uninitialised). ``lax.axis_index`` of a mesh
+axis and ``pl.program_id`` read the block's and warpgroup's coordinates."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
+from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
+from pallas_np.memory import allocate
+from pallas_np.mosaic_gpu import threads
+from pallas_np.params import InterpretParams
+from pallas_np.state.refs import SHARED_SCOPE_KEY
+
+
+class MeshKernel:
+  """A compiled Mosaic GPU mesh kernel: ``run(*operands) -> outputs``."""
+
+  def __init__(self, params: dict, interp: InterpretParams):
+    jaxprs, meshes = params["jaxprs"], params["meshes"]
+    if len(jaxprs) != 1 or params.get("external_meshes"):
+      raise UnsupportedError("pallas_np: mpmd_map over several meshes is not supported")
+    self.jaxpr = jaxprs[0]
+    mesh = self.mesh = meshes[0]
+    self.name = str(params.get("name") or "mosaic_gpu_kernel")
+    self.params = interp
+    self.out_avals = tuple(params["out_avals"])
+    aliases = params.get("input_output_aliases") or {}
+    self.aliases = dict(aliases.items() if hasattr(aliases, "items") else aliases)
+    self.block_names = (*mesh.grid_names, *mesh.cluster_names)
+    self.block_shape = (*mesh.grid, *mesh.cluster)
+    self.num_threads = int(mesh.num_threads or 1)
+    self.thread_name = mesh.thread_name
+    self.compiler = Compiler(interp, self.name)
+    self._plan = None
+
+  @property
+  def plan(self):
+    if self._plan is None:
+      self._plan = self.compiler.compile(self.jaxpr, first_calls=True)
+    return self._plan
+
+  def _outputs(self, ins):
+    outs = []
+    for i, aval in enumerate(self.out_avals):
+      src = next((k for k, o in self.aliases.items() if o == i), None)
+      outs.append(np.array(ins[src]) if src is not None
+                  else allocate(aval.shape, aval.dtype, self.params))
+    return outs
+
+  def run(self, *args) -> list[np.ndarray]:
+    new_run()
+    # Copied: TMA stores and atomics may write GMEM operands (their effects
+    # do not say which), and the caller's arrays must stay intact.
+    ins = [np.array(a) for a in args]
+    outs = self._outputs(ins)
+    plan = self.plan.fn
+    sizes = dict(zip(self.block_names, self.block_shape))
+    if self.thread_name is not None:
+      sizes[self.thread_name] = self.num_threads
+    num_programs = tuple(np.int32(s) for s in sizes.values())
+    for block in itertools.product(*map(range, self.block_shape)):
+      state = threads.BlockState(str(block), self.num_threads, self.name)
+
+      def run_thread(t, block=block, state=state):
+        ctx = RunContext(self.name, self.params)
+        coords = (*block, t) if self.thread_name is not None else block
+        ctx.program_ids = tuple(np.int32(c) for c in coords)
+        ctx.num_programs = num_programs
+        ctx.grid_point = block
+        ctx.extra["mesh_axes"] = {n: np.int32(c) for n, c in zip(sizes, coords)}
+        ctx.extra["mesh_sizes"] = sizes
+        ctx.extra[threads.BLOCK_KEY] = state
+        ctx.extra[threads.THREAD_KEY] = t
+        ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
+        try:
+          plan(ctx, *ins, *outs)
+        except KernelError:
+          raise
+        except Exception as e:
+          raise self._error(e, block, t) from e
+      state.run_threads(run_thread)
+      state.finish()
+    return outs
+
+  def _error(self, e: Exception, block, thread) -> Exception:
+    eqns = failing_eqns(e.__traceback__)
+    prim = source = None
+    where = ""
+    if eqns:
+      prim = eqns[-1].primitive.name
+      lines = [jc.source_summary(q.source_info) for q in eqns]
+      lines = [ln for ln in lines if ln and ln != "<unknown source>"]
+      source = lines[-1] if lines else None
+      where = f" in primitive '{prim}'" + (f" at {source}" if source else "")
+    wg = f", warpgroup {thread}" if self.thread_name is not None else ""
+    msg = (f"{type(e).__name__} in Mosaic GPU kernel '{self.name}' at block "
+           f"{tuple(int(b) for b in block)}{wg}{where}: {e}")
+    err = kernel_error_class(type(e))(msg, kernel=self.name, program_ids=tuple(block),
+                                      primitive=prim, source=source, original=e)
+    return err

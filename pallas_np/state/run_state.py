@@ -1,0 +1,67 @@
+"""``pl.run_state`` (``run_state_p``): run a stateful body on fresh refs
+holding the operands' values; the results are the refs' final values.
+
+Two forms reach a kernel or an eager program:
+- an operand that is itself a ref (a kernel ref passed through, as Mosaic
+  GPU's ``emit_pipeline`` does) is handed to the body as is: writes land in it;
+- ``pl.core_map`` used on values (JAX 0.10's stateful core_map inside
+  ``run_state``): the body is discharged as JAX's own impl does, so the
+  core_map becomes the ``mpmd_map`` that pallas_np.meshes runs."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.memory import allocate
+
+
+def _has_core_map(jaxpr) -> bool:
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return jc.core_map_p is not None and any(e.primitive is jc.core_map_p for e in jaxpr.eqns)
+
+
+@registry.register(jc.run_state_p, needs_ctx=True, foldable=False, context_free=True,
+                   batch=registry.unbatched("rare in kernels; runs lane by lane"))
+def _run_state(e):
+  jaxpr = e.params["jaxpr"]
+  is_initialized = tuple(e.params.get("is_initialized") or (True,) * len(jaxpr.invars))
+  if _has_core_map(jaxpr):
+    return _discharged(e, jaxpr, is_initialized)
+  plan = e.compiler.compile(jaxpr).fn
+  params = e.compiler.params
+  is_ref = [isinstance(a, jc.AbstractRef) for a in e.in_avals]
+  avals = [v.aval.inner_aval for v in jaxpr.invars]
+
+  def run_state(ctx, *args):
+    it = iter(zip(args, is_ref))
+    bufs, refs = [], []
+    for aval, init in zip(avals, is_initialized):
+      buf = allocate(aval.shape, aval.dtype, params)
+      ref = False
+      if init:
+        x, ref = next(it)
+        if ref:
+          buf = x
+        else:
+          buf[...] = x
+      bufs.append(buf)
+      refs.append(ref)
+    plan(ctx, *bufs)
+    return [b if ref else np.array(b) for b, ref in zip(bufs, refs)]
+  return run_state
+
+
+def _discharged(e, jaxpr, is_initialized):
+  closed = jc.discharge_run_state(jaxpr)
+  plan = e.compiler.compile(closed).fn
+  if all(is_initialized):
+    return plan
+  avals = [v.aval for v in getattr(closed, "jaxpr", closed).invars]
+
+  def run_state(ctx, *args):
+    it = iter(args)
+    full = [next(it) if init else np.zeros(a.shape, a.dtype)
+            for init, a in zip(is_initialized, avals)]
+    return plan(ctx, *full)
+  return run_state

@@ -1,0 +1,86 @@
+"""Helpers of the Mosaic GPU (plgpu) tests: JAX's GPU interpret mode as the
+oracle, and stubs for the hardware queries JAX's kernels make at trace time
+(number of SMs, CUDA runtime version) that have no answer on a CPU."""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+from jax._src import config as jax_config  # noqa: E402
+from jax._src.pallas.mosaic_gpu.interpret import params as gpu_interpret_params  # noqa: E402
+
+import pallas_np  # noqa: E402
+
+
+@contextlib.contextmanager
+def gpu_interpret():
+  """JAX's GPU interpret mode (``InterpretGPUParams``), forced as
+  ``plgpu.force_gpu_interpret_mode`` does (JAX 0.10 does not export it)."""
+  cfg = jax_config.pallas_tpu_interpret_mode_context_manager
+  prev = cfg.swap_local(gpu_interpret_params.InterpretGPUParams())
+  try:
+    yield
+  finally:
+    cfg.set_local(prev)
+
+
+def both(fn, *args):
+  """(numpy-mode result, GPU-interpret-mode result) of ``fn(*args)``."""
+  with pallas_np.force_numpy_interpret():
+    ours = fn(*args)
+  with gpu_interpret():
+    theirs = fn(*args)
+  return ours, theirs
+
+
+class _Device:
+  core_count = 2  # SMs: the persistent kernels loop over 2 blocks
+
+
+class _Backend:
+  @staticmethod
+  def get_default_device():
+    return _Device()
+
+
+class _CudaVersions:
+  @staticmethod
+  def cuda_runtime_get_version():
+    return 12100  # past the ptxas bug the causal attention kernel checks for
+
+
+class _JaxWithDevice:
+  """``jax`` for a kernel module, but ``jax.devices()`` answers a GPU's SM
+  count (without changing ``jax.devices`` for anybody else)."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  @staticmethod
+  def devices():
+    return [_Device()]
+
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+  """JAX's Mosaic GPU kernels with their hardware queries stubbed."""
+  from jax.experimental.pallas.ops.gpu import (attention_mgpu, hopper_matmul_mgpu,
+                                               hopper_mixed_type_matmul_mgpu, ragged_dot_mgpu,
+                                               transposed_ragged_dot_mgpu)
+  monkeypatch.setattr(hopper_matmul_mgpu, "get_num_sms", lambda: 2)
+  monkeypatch.setattr(hopper_mixed_type_matmul_mgpu, "backend", _Backend)
+  monkeypatch.setattr(attention_mgpu, "cuda_versions", _CudaVersions)
+  monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", _JaxWithDevice())
+  return dict(attention=attention_mgpu, matmul=hopper_matmul_mgpu,
+              mixed=hopper_mixed_type_matmul_mgpu, ragged=ragged_dot_mgpu,
+              transposed_ragged=transposed_ragged_dot_mgpu)
+
+
+def assert_close(got, want, *, atol, rtol=0.0):
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=atol, rtol=rtol)
