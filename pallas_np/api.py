@@ -223,6 +223,10 @@ if jc.mpmd_map_p is not None:
       "a mesh kernel runs its own programs: the outer grid runs sequentially"))
   def _mesh_kernel_rule(e: registry.EqnInfo):
     """The eager evaluator (pallas_np.jit, whole_program) meets one."""
+    if any(isinstance(a, jc.AbstractRef) for a in e.in_avals):
+      # Its outputs would be values, the refs never written: never run it so.
+      raise meshes.mesh_kernel_error("a stateful mpmd_map on refs outside pl.run_state",
+                                     e.params, e.source)
     interp = e.compiler.params
     if e.compiler.kernel_params_from_eqns:
       interp = resolve(e.params["interpret"])

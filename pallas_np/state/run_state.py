@@ -4,9 +4,10 @@ holding the operands' values; the results are the refs' final values.
 Two forms reach a kernel or an eager program:
 - an operand that is itself a ref (a kernel ref passed through, as Mosaic
   GPU's ``emit_pipeline`` does) is handed to the body as is: writes land in it;
-- ``pl.core_map`` used on values (JAX 0.10's stateful core_map inside
-  ``run_state``): the body is discharged as JAX's own impl does, so the
-  core_map becomes the ``mpmd_map`` that pallas_np.meshes runs."""
+- ``pl.core_map`` used on values (a stateful core_map, or JAX 0.12's
+  stateful ``mpmd_map``, inside ``run_state``): the body is discharged as
+  JAX's own impl does, so it becomes the ``mpmd_map`` on values that
+  pallas_np.meshes runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,9 +17,14 @@ from pallas_np import registry
 from pallas_np.memory import allocate
 
 
+_MESH_KERNELS = jc.mesh_kernel_primitives()  # core_map (JAX 0.10), mpmd_map
+
+
 def _has_core_map(jaxpr) -> bool:
+  """A mesh kernel on the body's refs: only its discharged form (an
+  ``mpmd_map`` on values) runs, in pallas_np.meshes."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  return jc.core_map_p is not None and any(e.primitive is jc.core_map_p for e in jaxpr.eqns)
+  return any(e.primitive in _MESH_KERNELS for e in jaxpr.eqns)
 
 
 @registry.register(jc.run_state_p, needs_ctx=True, foldable=False, context_free=True,
