@@ -180,29 +180,51 @@ def _div(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
     minus_one = np.array(-1).astype(dt) if dt.kind == "i" else np.array(np.iinfo(dt).max, dt)
+    one = np.ones((), dt)
 
     def int_div(x, y):
       # XLA: truncate toward zero; x / 0 is -1 (all ones for unsigned).
+      if y.all():  # (one pass) no zero divisor: the exact truncation alone
+        return _trunc_div(x, y)
       zero = y == 0
-      y_safe = np.where(zero, np.ones((), dt), y)
-      q = np.floor_divide(x, y_safe)
-      if dt.kind == "i":
-        fix = (np.remainder(x, y_safe) != 0) & ((x < 0) != (y_safe < 0))
-        q = q + fix.astype(dt)
-      return np.where(zero, minus_one, q).astype(dt, copy=False)[()]
-    return int_div
+      y_safe = np.where(zero, one, y)
+      return np.where(zero, minus_one, _trunc_div(x, y_safe)).astype(dt, copy=False)[()]
+    return registry.const_specialised(int_div, lambda consts: _int_by_const(_trunc_div, consts))
   return _binary_float(np.true_divide)(e)
+
+
+def _trunc_div(x, y):
+  """XLA's integer division for nonzero ``y``: truncation toward zero.
+  ``x - fmod(x, y)`` is an exact multiple of ``y`` (it never overflows: the
+  remainder has the sign of ``x`` and a smaller magnitude), and flooring an
+  exact quotient truncates; INT_MIN / -1 wraps to INT_MIN, as in XLA."""
+  return np.floor_divide(np.subtract(x, np.fmod(x, y)), y)
+
+
+def _int_by_const(op, consts):
+  """``op`` alone when the divisor is a constant without zeros (asked at
+  compile time): no zero handling is needed (div and rem)."""
+  x, y = consts
+  if y is None or x is not None or not np.all(y):
+    return None
+  return op
 
 
 @registry.register(lax.rem_p, batch=registry.ELEMENTWISE)
 def _rem(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
+    one = np.ones((), dt)
+
     def int_rem(x, y):
+      # XLA: the remainder takes the dividend's sign (C's %, NumPy's fmod);
+      # x % 0 is x.
+      if y.all():  # (one pass) no zero divisor
+        return np.fmod(x, y)
       zero = y == 0
-      y_safe = np.where(zero, np.ones((), dt), y)
+      y_safe = np.where(zero, one, y)
       return np.where(zero, x, np.fmod(x, y_safe)).astype(dt, copy=False)[()]
-    return int_rem
+    return registry.const_specialised(int_rem, lambda consts: _int_by_const(np.fmod, consts))
   return _binary_float(np.fmod)(e)
 
 

@@ -1,0 +1,132 @@
+"""Warm-speed fast paths (issue 33), each against interpret=True bit for bit:
+integer div/rem by constants and by zero-free divisors, and the loops the
+small-kernel benchmark runs (0 iterations, trip counts per grid point)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+import pallas_np
+from tests.helpers import run_both
+from tests.kernel_fn import both
+
+rng = np.random.default_rng(33)
+INT_DTYPES = [np.int8, np.int16, np.int32, np.uint8, np.uint32]
+
+
+def _dividends(dtype, n=256):
+  info = np.iinfo(dtype)
+  x = rng.integers(info.min, info.max, n, endpoint=True, dtype=np.int64).astype(dtype)
+  specials = [0, 1, 2, 3, 7, info.max, info.min, info.max - 1]
+  if info.min < 0:
+    specials += [-1, -2, -3, -7, info.min + 1]
+  x[:len(specials)] = np.array(specials).astype(dtype)
+  return x
+
+
+def _constants(dtype):
+  info = np.iinfo(dtype)
+  cs = [1, 2, 3, 7, 64, info.max]
+  if info.min < 0:
+    cs += [-1, -2, -3, info.min]
+  return [dtype(c) for c in cs]
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+def test_div_rem_by_constants(dtype):
+  """Constant nonzero divisors take the bare fmod / truncating division
+  (compile time); INT_MIN / -1 wraps, negative dividends truncate."""
+  x = _dividends(dtype)
+  cs = _constants(dtype)
+
+  def fn(a):
+    outs = []
+    for c in cs:
+      outs += [lax.div(a, jnp.full_like(a, c)), lax.rem(a, jnp.full_like(a, c)),
+               a // c, a % c]
+    # a constant holding a zero keeps the exact rule
+    mixed = jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) % 2 == 0,
+                      jnp.asarray(0, a.dtype), jnp.asarray(3, a.dtype))
+    return outs + [lax.div(a, mixed), lax.rem(a, mixed)]
+
+  got, want = both(fn, x)
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert g.dtype == w.dtype, i
+    np.testing.assert_array_equal(g, w, err_msg=str(i))
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+@pytest.mark.parametrize("zeros", [False, True])
+def test_div_rem_by_runtime_divisor(dtype, zeros):
+  """Divisors read from a ref: zero-free ones take one check and the bare
+  operation, ones with a zero the full rule (x / 0 = -1, x % 0 = x)."""
+  x = _dividends(dtype)
+  y = np.roll(_dividends(dtype), 3)
+  y[y == 0] = 5
+  if zeros:
+    y[::17] = 0
+  got, want = both(lambda a, b: [lax.div(a, b), lax.rem(a, b), a // b, a % b,
+                                 lax.div(a[0], b[0]), lax.rem(a[1], b[1])], x, y)
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert g.dtype == w.dtype, i
+    np.testing.assert_array_equal(g, w, err_msg=str(i))
+
+
+def test_int_min_by_minus_one_runtime():
+  x = np.array([np.iinfo(np.int32).min, -7, 7, 0], np.int32)
+  y = np.array([-1, -1, -1, -1], np.int32)
+  got, want = both(lambda a, b: [lax.div(a, b), lax.rem(a, b)], x, y)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+def _collatz_kernel(x_ref, o_ref):
+  def cond(c):
+    return jnp.any(c[0] != 1)
+
+  def body(c):
+    x, steps = c
+    done = x == 1
+    nxt = jnp.where(x % 2 == 0, x // 2, 3 * x + 1)
+    return jnp.where(done, x, nxt), steps + jnp.where(done, 0, 1)
+  x = x_ref[...]
+  o_ref[...] = lax.while_loop(cond, body, (x, jnp.zeros_like(x)))[1]
+
+
+@pytest.mark.parametrize("vectorize", [None, False])
+def test_while_trip_counts_per_grid_point(vectorize):
+  """A data-dependent while loop per grid point: every row block runs a
+  different number of iterations, one (all ones) runs none."""
+  x = rng.integers(1, 60, (8, 128)).astype(np.int32)
+  x[0:2] = 1  # the first block's loop runs 0 iterations
+  x[2:4] = 27  # the longest chain below 60
+  spec = pl.BlockSpec((2, 128), lambda i: (i, 0))
+
+  def make(interpret):
+    if interpret == "numpy":
+      interpret = pallas_np.InterpretParams(vectorize=vectorize)
+    return pl.pallas_call(_collatz_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
+                          in_specs=[spec], out_specs=spec, interpret=interpret)
+  got = run_both(make, x)
+  assert np.asarray(got)[0:2].max() == 0 and np.asarray(got)[2:4].min() == 111
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_fori_zero_and_few_iterations(n):
+  """fori_loop over a ref with a static trip count, including 0."""
+  x = rng.standard_normal((8, 128)).astype(np.float32)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def body(r, acc):
+      acc = acc + x_ref[pl.ds(r, 1), :] * 2 - 1
+      o_ref[pl.ds(r, 1), :] = acc
+      return acc
+    lax.fori_loop(0, n, body, jnp.zeros((1, 128), jnp.float32))
+
+  def make(interpret):
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
+  run_both(make, x, rtol=0, atol=0)
