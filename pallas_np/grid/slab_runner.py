@@ -81,6 +81,9 @@ class SlabRunner:
     self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
     self.progress = None
     self.done = 0
+    # (slab lo, hi, sequential point) -> _block_positions: shared by the
+    # copies run_vectorized makes per call
+    self._positions = {}
 
   def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
     """Walks every slab through ``seq_points`` (default: all sequential grid
@@ -136,26 +139,31 @@ class SlabRunner:
       assert len(self.seq_points) == 1, "shared outputs batch every grid axis"
       return self._shared_slab(n, ctx, ids, lane_flat, index_ops, windows, pos_limits)
     for step, point in enumerate(seq_points):
-      flat = lane_flat
       for d, v in zip(self.seq_axes, point):
         ids[d] = np.int32(v)
-        flat = flat + v * self.grid_strides[d]
       ctx.program_ids = tuple(ids[d] for d in local)
+      positions = self._positions.get((lo, hi, point))
+      if positions is None:
+        positions = self._block_positions(lane_flat, point, pos_limits)
+        self._positions[lo, hi, point] = positions
       views = [None] * n_ops
       step_cols = [None] * n_ops
       writeback = []
       relaid = []  # (block view, its lanes-last copy the kernel writes)
       for b in range(n_ops):
-        cols = [c[flat] for c in self.block_idx[b]]
-        cols = step_cols[b] = check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
+        cols, index = positions[b]
+        step_cols[b] = cols
         if not operand_batched[b]:
-          key = tuple(int(c[0]) for c in cols)
+          key = index
           if key != shared_last[b]:
             shared_last[b] = key
             shared_view[b] = windows[b][key] if key else windows[b]
           views[b] = shared_view[b]
           continue
-        view, copied = gather(windows[b], cols)
+        if index is not None:  # the lanes' blocks are a view: one basic index
+          view, copied = windows[b][index], False
+        else:
+          view, copied = gather(windows[b], cols)
         views[b] = view
         if copied and b >= n_in:
           writeback.append((b, cols, view))
@@ -179,6 +187,25 @@ class SlabRunner:
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
 
+
+  def _block_positions(self, lane_flat, point, pos_limits):
+    """Per operand at sequential grid ``point``: the lanes' block positions
+    (checked) and the basic index that cuts their blocks as one view (the
+    shared block's position for unbatched operands; None where the lanes'
+    blocks need a gather or a layout-dependent view). Depends only on the
+    choice of lanes, so it is computed once per slab and step."""
+    flat = lane_flat
+    for d, v in zip(self.seq_axes, point):
+      flat = flat + v * self.grid_strides[d]
+    out = []
+    for b, geo in enumerate(self.kp.blocks):
+      cols = [c[flat] for c in self.block_idx[b]]
+      cols = check_positions(cols, pos_limits[b], self.kp.clamp, geo)
+      if not self.operand_batched[b]:
+        out.append((cols, tuple(int(c[0]) for c in cols)))
+      else:
+        out.append((cols, lane_view_index(cols)))
+    return out
 
   def _shared_slab(self, n, ctx, ids, flat, index_ops, windows, pos_limits):
     """One slab of a pass with shared outputs, written in place while a
@@ -268,6 +295,24 @@ def gather(window, cols):
   return window[tuple(cols)], True
 
 
+def lane_view_index(cols):
+  """The basic index of the lanes' blocks in a window when one block
+  coordinate steps by one from lane to lane and the others are fixed (the
+  first case of ``lane_view``); else None."""
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  if len(varying) > 1:
+    return None
+  d = varying[0] if varying else 0
+  c = cols[d]
+  start = int(c[0])
+  if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
+      n < 3 or (np.diff(c) == 1).all()):
+    return tuple(slice(start, start + n) if k == d else int(cols[k][0])
+                 for k in range(len(cols)))
+  return None
+
+
 def lane_view(window, cols):
   """The lanes' blocks as a view of ``window``, or None: when one block
   coordinate steps by one from lane to lane and the others are fixed, or
@@ -277,15 +322,8 @@ def lane_view(window, cols):
   n = len(cols[0])
   varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
   if len(varying) <= 1:
-    d = varying[0] if varying else 0
-    c = cols[d]
-    start = int(c[0])
-    if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
-        n < 3 or (np.diff(c) == 1).all()):
-      idx = tuple(slice(start, start + n) if k == d else int(cols[k][0])
-                  for k in range(len(cols)))
-      return window[idx]
-    return None
+    idx = lane_view_index(cols)
+    return None if idx is None else window[idx]
   lo, hi = varying[0], varying[-1] + 1
   extents = window.shape[lo:hi]
   flat = np.ravel_multi_index(tuple(cols[lo:hi]), extents)

@@ -56,6 +56,7 @@ sequentially from fresh buffers, so errors name the exact grid point.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -97,6 +98,8 @@ class GridVectorizer:
     self._kernels: dict[Any, Any] = {}
     self._maps: dict[Any, Any] = {}
     self._chosen: dict[Any, Any] = {}
+    # id(choice) -> (choice, SlabRunner or why not): see run_vectorized
+    self.runners: dict[Any, Any] = {}
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
@@ -223,6 +226,41 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
     return None
+  runner = gv.runners.get(id(chosen))
+  if runner is None or runner[0] is not chosen:
+    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers))
+    if gv._partly_read:  # the auto limit looked at the buffers' layout: not reusable
+      runner = (None, runner[1])
+    else:
+      if len(gv.runners) >= 16:  # as the choices per grid
+        gv.runners.clear()
+      gv.runners[id(chosen)] = runner
+  if isinstance(runner[1], str):
+    gv.last_failure = runner[1]
+    return None
+  runner = copy.copy(runner[1])  # per-call state (progress) on a copy; positions shared
+  shared = runner.shared
+  gv.last_layout = "lanes-last" if runner.lanes_last else "lanes-first"
+  gv.last_axes = runner.axes
+  checked = runner.n_lanes if kp.scratch_avals else 0  # the hand-over check's points
+  runner.progress = debugging.progress_bar(kp.name, math.prod(grid) + checked, kp.params)
+  try:
+    return _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs)
+  except NotBatchable:
+    if shared:  # lanes that communicate, or an access the pass cannot see
+      gv.shared_outputs_ok = False
+      gv._chosen.clear()
+      gv.runners.clear()
+    raise
+  finally:
+    if runner.progress is not None:
+      runner.progress.close()
+
+
+def _slab_runner(kp, gv, grid, chosen, buffers):
+  """The SlabRunner of a choice of lanes (reused while the choice is: the
+  block positions of every slab and step are then computed once), or why
+  auto mode does not batch (a string)."""
   axes, block_idx, shared = chosen
   n_in = kp.num_inputs
   maps = gv.index_maps(axes)
@@ -237,29 +275,12 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   if auto:
     weighed = _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched)
   if auto and bytes_per_lane(kp, weighed) >= limit:
-    gv.last_failure = _TOO_BIG
-    return None
+    return _TOO_BIG
   plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
-  gv.last_layout = "lanes-last" if lanes_last else "lanes-first"
-  gv.last_axes = axes
   if auto and bytes_per_lane(kp, weighed) + plan.lane_access_bytes >= limit:
-    gv.last_failure = _TOO_BIG
-    return None
-  kernel = plan.fn
-  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel, shared,
-                       plan.lane_access_bytes, lanes_last)
-  checked = runner.n_lanes if kp.scratch_avals else 0  # the hand-over check's points
-  runner.progress = debugging.progress_bar(kp.name, math.prod(grid) + checked, kp.params)
-  try:
-    return _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs)
-  except NotBatchable:
-    if shared:  # lanes that communicate, or an access the pass cannot see
-      gv.shared_outputs_ok = False
-      gv._chosen.clear()
-    raise
-  finally:
-    if runner.progress is not None:
-      runner.progress.close()
+    return _TOO_BIG
+  return SlabRunner(kp, grid, axes, block_idx, operand_batched, plan.fn, shared,
+                    plan.lane_access_bytes, lanes_last)
 
 
 def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
