@@ -30,6 +30,10 @@ from pallas_np.shared_outputs import SharedOutputs, tracking
 _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 _MAX_LANES = 1 << 14
 _LANES_LAST_MIN_LANES = 8
+# Slabs with fewer block bytes than this keep the plain layout too: the
+# copies into and out of the lanes-last layout cost more than the short
+# strided runs they save (a 12-lane pass of 32x32 blocks: 350 vs 450 us).
+_LANES_LAST_MIN_BYTES = 256 << 10
 
 
 def lane_points(grid, axes, lane_coords=None):
@@ -66,6 +70,8 @@ class SlabRunner:
     lane_shape = tuple(grid[d] for d in axes)
     self.n_lanes = math.prod(lane_shape)
     lane_bytes = bytes_per_lane(kp, operand_batched) + access_bytes
+    self.lane_bytes = lane_bytes
+    self.lanes_last_min_bytes = _LANES_LAST_MIN_BYTES  # (0 where a test forces the layout)
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
     # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
     self.threads = max(1, int(kp.params.num_threads or 1))
@@ -124,7 +130,8 @@ class SlabRunner:
     for k, d in enumerate(axes):
       ids[d] = self.lane_coords[k, lo:hi]
     lane_flat = self.lane_flat[lo:hi]
-    lanes_last = self.lanes_last and n >= _LANES_LAST_MIN_LANES
+    lanes_last = (self.lanes_last and n >= _LANES_LAST_MIN_LANES
+                  and n * self.lane_bytes >= self.lanes_last_min_bytes)
     if scratch_init is None:
       scratch = [lane_full(n, a.shape, fill_value(a.dtype, params),
                             np.dtype(jc.physical_dtype(a.dtype)), lanes_last)

@@ -227,10 +227,10 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   if chosen is None:
     return None
   runner = gv.runners.get(id(chosen))
-  if runner is None or runner[0] is not chosen:
-    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers))
+  if runner is None or runner[0] is not chosen or runner[2] is not LANES_LAST:
+    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers), LANES_LAST)
     if gv._partly_read:  # the auto limit looked at the buffers' layout: not reusable
-      runner = (None, runner[1])
+      runner = (None, *runner[1:])
     else:
       if len(gv.runners) >= 16:  # as the choices per grid
         gv.runners.clear()
@@ -279,8 +279,11 @@ def _slab_runner(kp, gv, grid, chosen, buffers):
   plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
   if auto and bytes_per_lane(kp, weighed) + plan.lane_access_bytes >= limit:
     return _TOO_BIG
-  return SlabRunner(kp, grid, axes, block_idx, operand_batched, plan.fn, shared,
-                    plan.lane_access_bytes, lanes_last)
+  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, plan.fn, shared,
+                      plan.lane_access_bytes, lanes_last)
+  if LANES_LAST is not None:  # a forced layout applies to every slab
+    runner.lanes_last_min_bytes = 0
+  return runner
 
 
 def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
