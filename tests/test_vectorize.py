@@ -480,14 +480,15 @@ def test_scratch_hand_over_check_reruns_only_the_first_sequential_step(modes, mo
 def test_auto_mode_batches_scratch_kernels_by_their_check_cost(modes, steps, expect):
   # 64 KiB per lane (16 KiB each for x, y, out, acc): over the limit for a
   # check that is a second whole pass (one sequential point), under it when
-  # the check re-runs one of four sequential points.
+  # the check re-runs one of four sequential points. (8 lanes: auto mode
+  # batches GEMM kernels only from _AUTO_MIN_GEMM_LANES lanes.)
   rng = np.random.default_rng(12)
-  x, y = _rng_normal(rng, (128, 64 * steps)), _rng_normal(rng, (64 * steps, 128))
+  x, y = _rng_normal(rng, (256, 64 * steps)), _rng_normal(rng, (64 * steps, 128))
 
   def make(interp):
     return pl.pallas_call(
-        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((128, 128), jnp.float32),
-        grid=(2, 2, steps),
+        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((256, 128), jnp.float32),
+        grid=(4, 2, steps),
         in_specs=[pl.BlockSpec((64, 64), lambda i, j, k: (i, k)),
                   pl.BlockSpec((64, 64), lambda i, j, k: (k, j))],
         out_specs=pl.BlockSpec((64, 64), lambda i, j, k: (i, j)),

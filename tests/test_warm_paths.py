@@ -9,10 +9,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import pallas_np
+from pallas_np.grid.kernel_plan import KernelPlan
 from tests.helpers import run_both
 from tests.kernel_fn import both
 
 rng = np.random.default_rng(33)
+
+
+@pytest.fixture
+def modes(monkeypatch):
+  """KernelPlan.last_mode of every numpy-mode run."""
+  seen = []
+  orig = KernelPlan.run
+
+  def run(self, *args, **kw):
+    try:
+      return orig(self, *args, **kw)
+    finally:
+      seen.append(self.last_mode)
+  monkeypatch.setattr(KernelPlan, "run", run)
+  return seen
 INT_DTYPES = [np.int8, np.int16, np.int32, np.uint8, np.uint32]
 
 
@@ -130,3 +146,58 @@ def test_fori_zero_and_few_iterations(n):
   def make(interpret):
     return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
   run_both(make, x, rtol=0, atol=0)
+
+
+def _gather_rows_call(n_rows, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+
+  def kernel(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + pl.program_id(0).astype(jnp.float32)
+
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((n_rows, 128), jnp.float32),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(n_rows,),
+          in_specs=[pl.BlockSpec((1, 128), lambda i, idx: (idx[i], 0))],
+          out_specs=pl.BlockSpec((1, 128), lambda i, idx: (i, 0))),
+      interpret=interpret)
+
+
+def test_warm_calls_follow_new_scalar_prefetch_values(modes):
+  """The vectorized pass's block positions are cached per grid and
+  scalar-prefetch values: every warm call with new values (and back to old
+  ones) gathers the rows those values name."""
+  x = rng.standard_normal((64, 128)).astype(np.float32)
+  fn = _gather_rows_call(16, "numpy")
+  want_fn = _gather_rows_call(16, True)
+  idxs = [rng.integers(0, 64, 16).astype(np.int32) for _ in range(3)]
+  for idx in [*idxs, idxs[0], np.arange(16, dtype=np.int32), idxs[1]]:
+    modes.clear()
+    got = fn(idx, x)
+    assert modes == ["vectorized"]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want_fn(idx, x)))
+
+
+@pytest.mark.parametrize("grid,expect", [((2,), "sequential"), ((4,), "vectorized")])
+def test_auto_mode_skips_passes_of_too_few_lanes(modes, grid, expect):
+  """Auto mode runs 2-lane grids as a loop (the pass costs more), and
+  GEMM kernels below 8 lanes; results as interpret=True's either way."""
+  x = rng.standard_normal((8 * grid[0], 64)).astype(np.float32)
+  w = rng.standard_normal((64, 64)).astype(np.float32)
+
+  def ew(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[:8, :] + 1.0
+
+  def mm(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+  for kernel, want_mode in [(ew, expect), (mm, "sequential")]:
+    def make(interpret, kernel=kernel):
+      return pl.pallas_call(
+          kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
+          in_specs=[pl.BlockSpec((8, 64), lambda i: (i, 0)),
+                    pl.BlockSpec((64, 64), lambda i: (0, 0))],
+          out_specs=pl.BlockSpec((8, 64), lambda i: (i, 0)), interpret=interpret)
+    modes.clear()
+    run_both(make, x, w, rtol=1e-5, atol=1e-5)
+    assert modes[0] == want_mode, (kernel.__name__, modes)

@@ -244,6 +244,11 @@ def partly_read_operands(kp) -> frozenset:
 _LANES_LAST_MAX_INNER = 64
 
 
+def has_gemm(kp) -> bool:
+  """Whether ``kp``'s kernel computes a matrix product (anywhere)."""
+  return any(registry.properties(eqn.primitive).gemm for eqn in all_eqns(kp.kernel_jaxpr))
+
+
 def prefers_lanes_last(kp) -> bool:
   """Whether ``kp``'s batched passes should store lanes last (see above)."""
   inner = []  # (last-axis length, elements) per eqn result

@@ -67,7 +67,7 @@ from pallas_np import debugging
 from pallas_np.batching import BatchCompiler, NotBatchable
 from pallas_np.compiler import RunContext
 from pallas_np.grid.lanes import (
-    MAX_GRID, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands, per_grid,
+    MAX_GRID, has_gemm, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands, per_grid,
     prefers_lanes_last)
 from pallas_np.grid.slab_runner import (
     SlabRunner, block_windows, bytes_per_lane, lane_points, lane_view)
@@ -84,6 +84,13 @@ _AUTO_LANE_BYTES = 128 << 10      # exclusive
 # (benchmarks/PERF_LOG.md, entry 70).
 _AUTO_LANE_BYTES_LANES_LAST = 512 << 10  # exclusive
 _AUTO_LANE_BYTES_SCRATCH = 16 << 10
+# Auto mode batches at least this many lanes (a 2-lane pass of a fori_loop
+# body over ref rows was slower than the loop), and kernels with a matrix
+# product at least _AUTO_MIN_GEMM_LANES: their BLAS calls are the same
+# batched or not, so a few lanes save only a few grid steps of Python and
+# lose the pass's copies and the scratch hand-over check (PERF_LOG).
+_AUTO_MIN_LANES = 3
+_AUTO_MIN_GEMM_LANES = 8
 
 
 class GridVectorizer:
@@ -105,6 +112,7 @@ class GridVectorizer:
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
     self._loop_axes = None  # loop_axes(kp), computed once
     self._partly_read = None  # partly_read_operands(kp), computed once
+    self._has_gemm = None  # has_gemm(kp), computed once
     self.last_layout = None  # the last pass's: "lanes-first" or "lanes-last"
     self.last_axes = None  # the grid axes the last pass batched
     params = kp.params
@@ -226,15 +234,15 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
     return None
+  # The auto limit may look at the layout of partly read inputs (lane views).
+  layout = tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None
   runner = gv.runners.get(id(chosen))
-  if runner is None or runner[0] is not chosen or runner[2] is not LANES_LAST:
-    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers), LANES_LAST)
-    if gv._partly_read:  # the auto limit looked at the buffers' layout: not reusable
-      runner = (None, *runner[1:])
-    else:
-      if len(gv.runners) >= 16:  # as the choices per grid
-        gv.runners.clear()
-      gv.runners[id(chosen)] = runner
+  if runner is None or runner[0] is not chosen or runner[2:] != (LANES_LAST, layout):
+    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers), LANES_LAST,
+              tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None)
+    if len(gv.runners) >= 16:  # as the choices per grid
+      gv.runners.clear()
+    gv.runners[id(chosen)] = runner
   if isinstance(runner[1], str):
     gv.last_failure = runner[1]
     return None
@@ -269,8 +277,16 @@ def _slab_runner(kp, gv, grid, chosen, buffers):
   operand_batched = tuple((i not in shared) if i >= n_in else any(m.out_batched)
                           for i, m in enumerate(maps))
   auto = kp.params.vectorize is None
+  n_lanes = math.prod(grid[d] for d in axes)
+  if auto and n_lanes < _AUTO_MIN_LANES:
+    return _TOO_FEW
+  if auto and n_lanes < _AUTO_MIN_GEMM_LANES:
+    if gv._has_gemm is None:
+      gv._has_gemm = has_gemm(kp)
+    if gv._has_gemm:
+      return _TOO_FEW
   lanes_last = gv.lanes_last and not shared
-  limit = _auto_lane_limit(kp, lanes_last, math.prod(grid) // math.prod(grid[d] for d in axes))
+  limit = _auto_lane_limit(kp, lanes_last, math.prod(grid) // n_lanes)
   weighed = operand_batched
   if auto:
     weighed = _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched)
@@ -337,6 +353,7 @@ class _FirstStates:
 
 
 _TOO_BIG = "blocks too big to gain from batching (auto mode)"
+_TOO_FEW = "too few lanes to gain from batching (auto mode)"
 
 
 def _auto_lane_limit(kp, lanes_last=False, n_seq=None):
