@@ -297,7 +297,10 @@ class EagerPlan:
     constant of the plan (folded, or a read-only view such as a JAX
     constant's buffer), so the caller may hand it out zero-copy."""
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
-    outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
+    # Silent inf/NaN and integer wrap-around, as in XLA and inside kernels
+    # (KernelPlan.run): 0-d eqns run NumPy's scalar math, which would warn.
+    with np.errstate(all="ignore"):
+      outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
     if own_outputs:
       consts = self.plan.const_outputs
       outs = [np.array(o) if i in consts or not o.flags.writeable

@@ -201,3 +201,40 @@ def test_auto_mode_skips_passes_of_too_few_lanes(modes, grid, expect):
     modes.clear()
     run_both(make, x, w, rtol=1e-5, atol=1e-5)
     assert modes[0] == want_mode, (kernel.__name__, modes)
+
+
+def test_scalar_ops_take_numpy_scalar_math():
+  """0-d eqns (loop counters, index arithmetic) run as Python operators on
+  NumPy scalars: same values and dtypes as the ufuncs, integer wrap-around
+  included, silently."""
+  import warnings
+  ops = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "and": jnp.bitwise_and,
+         "or": jnp.bitwise_or, "xor": jnp.bitwise_xor, "eq": jnp.equal, "ne": jnp.not_equal,
+         "lt": jnp.less, "le": jnp.less_equal, "gt": jnp.greater, "ge": jnp.greater_equal,
+         "max": jnp.maximum, "min": jnp.minimum,
+         "sel": lambda a, b: jnp.where(a < b, a, b), "neg": lambda a, b: -a,
+         "not": lambda a, b: ~a}
+  for dtype, vals in [(np.int32, [np.iinfo(np.int32).max, np.iinfo(np.int32).min, -7, 3, 0]),
+                      (np.uint8, [255, 0, 1, 128]), (np.float32, [np.inf, -0.0, 0.0, np.nan, 1.5, -3e38]),
+                      (np.bool_, [True, False])]:
+    x = np.array(vals, dtype)
+    names = [n for n in ops if not (dtype == np.float32 and n in ("and", "or", "xor", "not"))
+             and not (dtype == np.bool_ and n in ("sub", "neg", "add", "mul"))]
+
+    def fn(a, names=names):
+      outs = []
+      for i in range(len(vals)):
+        for j in range(len(vals)):
+          outs += [ops[n](a[i], a[j]) for n in names]
+      return outs
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      got, want = both(fn, x)
+    for k, (g, w) in enumerate(zip(got, want)):
+      assert g.dtype == w.dtype and g.shape == w.shape == (), k
+      if dtype == np.float32:
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        assert np.isnan(w) or (g == w and np.signbit(g) == np.signbit(w)), k
+      else:
+        np.testing.assert_array_equal(g, w, err_msg=str(k))

@@ -376,7 +376,12 @@ def _select_n(e):
   if n_cases == 1:
     return lambda p, c: c
   if n_cases == 2 and pred_dt == np.bool_:
-    return lambda p, c0, c1: np.where(p, c1, c0)
+    select = lambda p, c0, c1: np.where(p, c1, c0)
+    # 0-d operands, no lane axis (compiler._scalar_form): no np.where call
+    # (a reducer body of 0-d avals may run on arrays: then np.where)
+    select.scalar_form = lambda p, c0, c1: (
+        (c1 if p else c0) if p.__class__ is np.bool_ else np.where(p, c1, c0))
+    return select
   if n_cases == 2:
     return lambda p, c0, c1: np.where(p != 0, c1, c0)
 
