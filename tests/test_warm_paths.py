@@ -238,3 +238,25 @@ def test_scalar_ops_take_numpy_scalar_math():
         assert np.isnan(w) or (g == w and np.signbit(g) == np.signbit(w)), k
       else:
         np.testing.assert_array_equal(g, w, err_msg=str(k))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int8, np.uint8])
+def test_scalar_shifts(dtype):
+  """Shifts of 0-d values take NumPy's scalar operators when the amount is
+  in range; out-of-range and negative amounts keep XLA's rule."""
+  bits = np.iinfo(dtype).bits
+  info = np.iinfo(dtype)
+  x = np.array([1, info.max, info.min, 5, 0], dtype)
+  s = np.array([0, 1, bits - 1, bits, bits + 3] + ([-1] if info.min < 0 else []), dtype)
+
+  def fn(a, b):
+    outs = []
+    for i in range(len(x)):
+      for j in range(len(s)):
+        outs += [lax.shift_left(a[i], b[j]), lax.shift_right_logical(a[i], b[j]),
+                 lax.shift_right_arithmetic(a[i], b[j])]
+    return outs
+  got, want = both(fn, x, s)
+  for k, (g, w) in enumerate(zip(got, want)):
+    assert g.dtype == w.dtype and g.shape == (), k
+    np.testing.assert_array_equal(g, w, err_msg=str(k))

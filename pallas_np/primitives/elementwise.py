@@ -420,8 +420,25 @@ def _shift(kind):
         sx = np.asarray(x).view(sdt) if dt != sdt else x
         r = np.asarray(np.right_shift(sx, s_eff))
         return (r.view(dt) if dt != sdt else r)[()]
+    f.scalar_form = _scalar_shift(kind, dt, f)
     return f
   return compile_rule
+
+
+def _scalar_shift(kind, dt, exact):
+  """A shift of NumPy scalars by an in-range amount as NumPy's scalar
+  operator (a left shift, a logical right shift of an unsigned type, an
+  arithmetic one of a signed type: the bits XLA defines); anything else,
+  arrays included, takes the exact rule (compiler._scalar_form)."""
+  bits = dt.itemsize * 8
+  scalar = dt.type
+  if kind == "left":
+    return lambda x, s: (x << s if x.__class__ is scalar and s.__class__ is scalar
+                         and 0 <= s < bits else exact(x, s))
+  if (kind == "logical") != (dt.kind == "u"):
+    return None
+  return lambda x, s: (x >> s if x.__class__ is scalar and s.__class__ is scalar
+                       and 0 <= s < bits else exact(x, s))
 
 
 registry.register(lax.shift_left_p, batch=registry.ELEMENTWISE)(_shift("left"))
