@@ -262,6 +262,7 @@ class RefAccess:
     self.result_shape = shape
     self.steps = steps
     self._prefix_fns = None
+    self.index_only = None
     self.resolve = self._build()
 
   @classmethod
@@ -316,6 +317,9 @@ class RefAccess:
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
+    # One NDIndexer and nothing before it: ``ref[index_only(leaves)]``
+    # (the plain get/swap rules call it without ``resolve``).
+    self.index_only = final if final is not None and not fns else None
     if final is None:
       if len(fns) == 1:
         f0 = fns[0]
