@@ -260,3 +260,28 @@ def test_scalar_shifts(dtype):
   for k, (g, w) in enumerate(zip(got, want)):
     assert g.dtype == w.dtype and g.shape == (), k
     np.testing.assert_array_equal(g, w, err_msg=str(k))
+
+
+def test_single_kernel_program_runs_its_plan_directly_and_owns_outputs():
+  """An eager pallas_np.pallas_call is one pallas_call over its inputs: it
+  runs the kernel plan directly. Outputs must still never share memory with
+  the inputs (an aliased input is copied first): the caller's array is
+  unchanged and repeated calls give the same result."""
+  from pallas_np import api
+
+  def kernel(x_ref, o_ref):
+    o_ref[0:8, :] = x_ref[0:8, :] * 3.0
+
+  x = jnp.asarray(rng.standard_normal((16, 128)).astype(np.float32))
+  x_before = np.array(x)
+  fn = pallas_np.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             input_output_aliases={0: 0})
+  want = pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        input_output_aliases={0: 0}, interpret=True)(x)
+  for _ in range(3):
+    got = fn(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+    assert not np.shares_memory(np.asarray(got), np.asarray(x))
+  plans = [entry[0] for entry in api._eager_cache.values()]
+  assert any(p.kernel is not None for p in plans)
