@@ -111,10 +111,11 @@ def _collatz_kernel(x_ref, o_ref):
   o_ref[...] = lax.while_loop(cond, body, (x, jnp.zeros_like(x)))[1]
 
 
-@pytest.mark.parametrize("vectorize", [None, False])
-def test_while_trip_counts_per_grid_point(vectorize):
+@pytest.mark.parametrize("vectorize,mode", [(None, "vectorized"), (False, "sequential")])
+def test_while_trip_counts_per_grid_point(modes, vectorize, mode):
   """A data-dependent while loop per grid point: every row block runs a
-  different number of iterations, one (all ones) runs none."""
+  different number of iterations, one (all ones) runs none; batched, the
+  lanes still running iterate while the others wait."""
   x = rng.integers(1, 60, (8, 128)).astype(np.int32)
   x[0:2] = 1  # the first block's loop runs 0 iterations
   x[2:4] = 27  # the longest chain below 60
@@ -126,6 +127,7 @@ def test_while_trip_counts_per_grid_point(vectorize):
     return pl.pallas_call(_collatz_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
                           in_specs=[spec], out_specs=spec, interpret=interpret)
   got = run_both(make, x)
+  assert modes[0] == mode, modes
   assert np.asarray(got)[0:2].max() == 0 and np.asarray(got)[2:4].min() == 111
 
 

@@ -64,7 +64,7 @@ class SlabRunner:
     self.shared = shared  # operands whose one block every lane shares (SharedOutputs)
     self.block_idx = block_idx
     self.operand_batched = operand_batched
-    self.kernel = kernel
+    self.kernel = kernel  # the batched kernel's Plan (its ``fn`` is read per slab)
     blocks = kp.blocks
     self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
     lane_shape = tuple(grid[d] for d in axes)
@@ -141,7 +141,7 @@ class SlabRunner:
                  for s in scratch_init]
     shared_last = [None] * n_ops
     shared_view = [None] * n_ops
-    kernel = self.kernel
+    kernel = self.kernel.fn  # (read per slab: a Plan compiles itself after its first calls)
     if self.shared:
       assert len(self.seq_points) == 1, "shared outputs batch every grid axis"
       return self._shared_slab(n, ctx, ids, lane_flat, index_ops, windows, pos_limits)
@@ -240,7 +240,7 @@ class SlabRunner:
       views.append(view)
     tracking.shared = shared
     try:
-      self.kernel(ctx, *index_ops, *views)
+      self.kernel.fn(ctx, *index_ops, *views)
     finally:
       tracking.shared = None
     for b, cols, view in writeback:

@@ -67,8 +67,8 @@ from pallas_np import debugging
 from pallas_np.batching import BatchCompiler, NotBatchable
 from pallas_np.compiler import RunContext
 from pallas_np.grid.lanes import (
-    MAX_GRID, has_gemm, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands, per_grid,
-    prefers_lanes_last)
+    MAX_GRID, has_gemm, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands,
+    per_grid, prefers_lanes_last)
 from pallas_np.grid.slab_runner import (
     SlabRunner, block_windows, bytes_per_lane, lane_points, lane_view)
 from pallas_np.memory import fill_value
@@ -295,7 +295,7 @@ def _slab_runner(kp, gv, grid, chosen, buffers):
   plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
   if auto and bytes_per_lane(kp, weighed) + plan.lane_access_bytes >= limit:
     return _TOO_BIG
-  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, plan.fn, shared,
+  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, plan, shared,
                       plan.lane_access_bytes, lanes_last)
   if LANES_LAST is not None:  # a forced layout applies to every slab
     runner.lanes_last_min_bytes = 0
