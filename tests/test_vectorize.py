@@ -1036,9 +1036,12 @@ def test_layout_choice_lanes_last_for_short_rows_first_for_long_rows_and_gemms(m
     return auto
 
   report = {}
+  # (1024 lanes of 64-wide rows: slabs of >= 256 KiB of blocks, below which
+  # any pass stays lanes-first, slab_runner._LANES_LAST_MIN_BYTES)
+  got = rows_of(bitonic_kernel, "sort", _normal(50, (1024, 64)), 1)
   x = _normal(50, (64, 32))
-  got = rows_of(bitonic_kernel, "sort", x, 1)
-  np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.sort(np.asarray(_normal(50, (1024, 64))), axis=-1))
   rows_of(softmax_kernel, "softmax", _normal(51, (64, 256)), 2)
   rows_of(matmul_kernel, "matmul", x, 1, _normal(52, (32, 16)), out_cols=16)
   assert all(report[k]["mode"] == "vectorized" for k in ("sort", "softmax", "matmul")), report

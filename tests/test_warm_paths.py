@@ -287,3 +287,29 @@ def test_single_kernel_program_runs_its_plan_directly_and_owns_outputs():
     assert not np.shares_memory(np.asarray(got), np.asarray(x))
   plans = [entry[0] for entry in api._eager_cache.values()]
   assert any(p.kernel is not None for p in plans)
+
+
+@pytest.mark.parametrize("shape,block", [((100, 70), (32, 32)),
+                                         ((4, 3, 8, 128), (None, None, 8, 128))])
+def test_warm_calls_of_a_pass_over_two_grid_axes(modes, shape, block):
+  """Lanes over a (4, 3) grid: ragged 32x32 blocks (gathered) and (batch,
+  head) blocks whose windows merge into one view; how the lanes' blocks are
+  cut is decided on the first call. Warm calls with new inputs must match
+  interpret=True."""
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] * y_ref[...] + 1.0
+
+  if len(shape) == 2:
+    spec = pl.BlockSpec(block, lambda i, j: (i, j))
+  else:
+    spec = pl.BlockSpec(block, lambda i, j: (i, j, 0, 0))
+  kw = dict(grid=(4, 3), in_specs=[spec, spec], out_specs=spec)
+  out = jax.ShapeDtypeStruct(shape, jnp.float32)
+  fn = pallas_np.pallas_call(kernel, out, **kw)
+  want_fn = pl.pallas_call(kernel, out, interpret=True, **kw)
+  for _ in range(3):
+    x, y = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    modes.clear()
+    got = fn(x, y)
+    assert modes == ["vectorized"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want_fn(x, y)), rtol=1e-6, atol=1e-6)

@@ -90,6 +90,8 @@ class SlabRunner:
     # (slab lo, hi, sequential point) -> _block_positions: shared by the
     # copies run_vectorized makes per call
     self._positions = {}
+    # (slab, step, operand, window layout) -> _merged_view_recipe
+    self._recipes = {}
 
   def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
     """Walks every slab through ``seq_points`` (default: all sequential grid
@@ -130,8 +132,7 @@ class SlabRunner:
     for k, d in enumerate(axes):
       ids[d] = self.lane_coords[k, lo:hi]
     lane_flat = self.lane_flat[lo:hi]
-    lanes_last = (self.lanes_last and n >= _LANES_LAST_MIN_LANES
-                  and n * self.lane_bytes >= self.lanes_last_min_bytes)
+    lanes_last = self.slab_lanes_last(n)
     if scratch_init is None:
       scratch = [lane_full(n, a.shape, fill_value(a.dtype, params),
                             np.dtype(jc.physical_dtype(a.dtype)), lanes_last)
@@ -170,7 +171,7 @@ class SlabRunner:
         if index is not None:  # the lanes' blocks are a view: one basic index
           view, copied = windows[b][index], False
         else:
-          view, copied = gather(windows[b], cols)
+          view, copied = self._gather(lo, hi, point, b, windows[b], cols)
         views[b] = view
         if copied and b >= n_in:
           writeback.append((b, cols, view))
@@ -194,6 +195,24 @@ class SlabRunner:
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
 
+
+  def slab_lanes_last(self, n) -> bool:
+    """Whether a slab of ``n`` lanes is laid out lanes-last."""
+    return (self.lanes_last and n >= _LANES_LAST_MIN_LANES
+            and n * self.lane_bytes >= self.lanes_last_min_bytes)
+
+  def _gather(self, lo, hi, point, b, window, cols):
+    """``gather(window, cols)``, with how it cuts the lanes' blocks (a view
+    of merged block dims, or a copy) decided once per slab, step, operand
+    and window layout (``_merged_view_recipe``)."""
+    key = (lo, hi, point, b, window.shape, window.strides)
+    recipe = self._recipes.get(key)
+    if recipe is None:
+      recipe = self._recipes[key] = _merged_view_recipe(window, cols)
+    if recipe is False:
+      return window[tuple(cols)], True
+    run_index, shape, start, n = recipe
+    return window[run_index].reshape(shape)[start:start + n], False
 
   def _block_positions(self, lane_flat, point, pos_limits):
     """Per operand at sequential grid ``point``: the lanes' block positions
@@ -300,6 +319,31 @@ def gather(window, cols):
   if view is not None:
     return view, False
   return window[tuple(cols)], True
+
+
+def _merged_view_recipe(window, cols):
+  """How ``lane_view`` cuts the lanes' blocks when they walk several block
+  dims: ``(run_index, shape, start, n)`` such that
+  ``window[run_index].reshape(shape)[start:start + n]`` is its view (a
+  reshape that merges stride-compatible axes never copies; checked here
+  against ``lane_view``'s own result), or False where the blocks need a
+  gather."""
+  view = lane_view(window, cols)
+  if view is None:
+    return False
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  lo, hi = varying[0], varying[-1] + 1
+  extents = window.shape[lo:hi]
+  start = int(np.ravel_multi_index(tuple(int(c[0]) for c in cols[lo:hi]), extents))
+  run_index = tuple(slice(None) if lo <= k < hi else int(cols[k][0]) for k in range(len(cols)))
+  run = window[run_index]
+  shape = (math.prod(extents), *run.shape[hi - lo:])
+  mine = run.reshape(shape)[start:start + n]
+  same = (mine.shape == view.shape and mine.strides == view.strides
+          and mine.__array_interface__["data"][0] == view.__array_interface__["data"][0]
+          and mine.flags.writeable == view.flags.writeable)
+  return (run_index, shape, start, n) if same else False
 
 
 def lane_view_index(cols):

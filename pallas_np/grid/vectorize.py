@@ -248,7 +248,8 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
     return None
   runner = copy.copy(runner[1])  # per-call state (progress) on a copy; positions shared
   shared = runner.shared
-  gv.last_layout = "lanes-last" if runner.lanes_last else "lanes-first"
+  lanes_last = any(runner.slab_lanes_last(hi - lo) for lo, hi in runner.slabs)
+  gv.last_layout = "lanes-last" if lanes_last else "lanes-first"
   gv.last_axes = runner.axes
   checked = runner.n_lanes if kp.scratch_avals else 0  # the hand-over check's points
   runner.progress = debugging.progress_bar(kp.name, math.prod(grid) + checked, kp.params)
