@@ -316,8 +316,10 @@ def eager_call(jax_fn, interp, args):
 
 class EagerPlan:
   """A traced program (ClosedJaxpr) compiled for eager calls: the whole
-  jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels."""
-  __slots__ = ("plan", "in_dtypes", "interp", "name")
+  jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels.
+  A program that is one pallas_call over its own inputs (what
+  ``pallas_np.pallas_call`` traces) runs that kernel's plan directly."""
+  __slots__ = ("plan", "in_dtypes", "interp", "name", "kernel")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
@@ -328,6 +330,7 @@ class EagerPlan:
     self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
     self.interp = interp
     self.name = name
+    self.kernel = _only_kernel(closed, interp, kernel_params_from_eqns)
 
   def run(self, leaves, *, own_outputs=False) -> list:
     """NumPy outputs of the program on ``leaves`` (flat, concrete).
@@ -336,13 +339,36 @@ class EagerPlan:
     constant of the plan (folded, or a read-only view such as a JAX
     constant's buffer), so the caller may hand it out zero-copy."""
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
-    outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
+    if self.kernel is not None:  # its outputs are fresh buffers: owned
+      return self.kernel.run(*np_args)
+    # Silent inf/NaN and integer wrap-around, as in XLA and inside kernels
+    # (KernelPlan.run): 0-d eqns run NumPy's scalar math, which would warn.
+    with np.errstate(all="ignore"):
+      outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
     if own_outputs:
       consts = self.plan.const_outputs
       outs = [np.array(o) if i in consts or not o.flags.writeable
               or any(np.may_share_memory(o, a) for a in np_args) else o
               for i, o in enumerate(outs)]
     return outs
+
+
+def _only_kernel(closed, interp, kernel_params_from_eqns):
+  """The KernelPlan of a program that is exactly one pallas_call of its
+  inputs, in order, returning its outputs (the plan the program's
+  ``pallas_call`` rule runs); else None. Its run's outputs are always fresh
+  buffers (allocated, or copies for aliased inputs and padding)."""
+  jaxpr = closed.jaxpr
+  if closed.consts or len(jaxpr.eqns) != 1:
+    return None
+  eqn = jaxpr.eqns[0]
+  if (eqn.primitive is not jc.pallas_call_p or list(eqn.invars) != list(jaxpr.invars)
+      or list(eqn.outvars) != list(jaxpr.outvars)
+      or len(set(map(id, jaxpr.outvars))) != len(jaxpr.outvars)):
+    return None
+  if kernel_params_from_eqns:
+    interp = resolve(eqn.params["interpret"])
+  return get_kernel_plan(dict(eqn.params), interp)
 
 
 def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):

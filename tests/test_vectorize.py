@@ -480,14 +480,15 @@ def test_scratch_hand_over_check_reruns_only_the_first_sequential_step(modes, mo
 def test_auto_mode_batches_scratch_kernels_by_their_check_cost(modes, steps, expect):
   # 64 KiB per lane (16 KiB each for x, y, out, acc): over the limit for a
   # check that is a second whole pass (one sequential point), under it when
-  # the check re-runs one of four sequential points.
+  # the check re-runs one of four sequential points. (8 lanes: auto mode
+  # batches GEMM kernels only from _AUTO_MIN_GEMM_LANES lanes.)
   rng = np.random.default_rng(12)
-  x, y = _rng_normal(rng, (128, 64 * steps)), _rng_normal(rng, (64 * steps, 128))
+  x, y = _rng_normal(rng, (256, 64 * steps)), _rng_normal(rng, (64 * steps, 128))
 
   def make(interp):
     return pl.pallas_call(
-        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((128, 128), jnp.float32),
-        grid=(2, 2, steps),
+        acc_matmul_kernel, out_shape=jax.ShapeDtypeStruct((256, 128), jnp.float32),
+        grid=(4, 2, steps),
         in_specs=[pl.BlockSpec((64, 64), lambda i, j, k: (i, k)),
                   pl.BlockSpec((64, 64), lambda i, j, k: (k, j))],
         out_specs=pl.BlockSpec((64, 64), lambda i, j, k: (i, j)),
@@ -1035,9 +1036,12 @@ def test_layout_choice_lanes_last_for_short_rows_first_for_long_rows_and_gemms(m
     return auto
 
   report = {}
+  # (1024 lanes of 64-wide rows: slabs of >= 256 KiB of blocks, below which
+  # any pass stays lanes-first, slab_runner._LANES_LAST_MIN_BYTES)
+  got = rows_of(bitonic_kernel, "sort", _normal(50, (1024, 64)), 1)
   x = _normal(50, (64, 32))
-  got = rows_of(bitonic_kernel, "sort", x, 1)
-  np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(x), axis=-1))
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.sort(np.asarray(_normal(50, (1024, 64))), axis=-1))
   rows_of(softmax_kernel, "softmax", _normal(51, (64, 256)), 2)
   rows_of(matmul_kernel, "matmul", x, 1, _normal(52, (32, 16)), out_cols=16)
   assert all(report[k]["mode"] == "vectorized" for k in ("sort", "softmax", "matmul")), report

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import operator
+
 import jax
 import numpy as np
 
@@ -33,6 +35,44 @@ def _host_const(val, aval):
   if isinstance(val, jax.Array) and not jc.is_extended_dtype(val.dtype):
     return np_constant(np.asarray(val), aval)
   return val
+
+
+# Python's operators on NumPy scalars run NumPy's scalar math (~30 ns)
+# where a ufunc call costs ~0.9 us: the same result and dtype (wrapping
+# integers, IEEE floats), so an eqn on 0-d values takes the operator
+# (``_scalar_form``). Loop counters and index arithmetic are such eqns. A
+# form must also be right on arrays: a sub-jaxpr of 0-d avals may run on
+# arrays (a generic reduce's body), where an operator calls the ufunc.
+_SCALAR_FORMS = {
+    np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul,
+    np.bitwise_and: operator.and_, np.bitwise_or: operator.or_,
+    np.bitwise_xor: operator.xor, np.invert: operator.invert, np.negative: operator.neg,
+    np.equal: operator.eq, np.not_equal: operator.ne, np.less: operator.lt,
+    np.less_equal: operator.le, np.greater: operator.gt, np.greater_equal: operator.ge,
+}
+
+
+def _scalar_form(fn, info, in_atoms_e, out_batched):
+  """``fn``'s form for NumPy scalars (``_SCALAR_FORMS``, or a rule's
+  ``scalar_form`` attribute) when every operand and result is a 0-d value of
+  a bool, integer, float32 or float64 type and none carries a lane axis;
+  else ``fn``."""
+  if fn.__class__ is np.ufunc:
+    form = _SCALAR_FORMS.get(fn)
+  else:
+    form = getattr(fn, "scalar_form", None)
+  if form is None or any(out_batched):
+    return fn
+  for a in in_atoms_e:
+    if a.__class__ is not Const and a[1]:
+      return fn
+  for aval in (*info.in_avals, *info.out_avals):
+    if getattr(aval, "shape", None) != ():
+      return fn
+    dt = np.dtype(jc.physical_dtype(aval.dtype))
+    if not (dt.kind in "biu" or dt in (np.float32, np.float64)):
+      return fn
+  return form
 
 
 # Call-like primitives whose body is emitted inline into the caller's code
@@ -265,6 +305,8 @@ class Compiler:
       better = specialise([a.value if isinstance(a, Const) else None for a in in_atoms_e])
       if better is not None:
         fn = better
+    if not needs_ctx:
+      fn = _scalar_form(fn, info, in_atoms_e, out_batched)
     fast = getattr(fn, "if_no_zeros", None)
     zero_srcs = None
     if fast is not None and not needs_ctx:

@@ -15,7 +15,7 @@ from pallas_np.memory import allocate
 class BlockGeometry:
   """How one operand's blocks are cut out of its (padded) array."""
   __slots__ = ("origin", "array_shape", "dtype", "kinds", "sizes", "pad_low",
-               "padded_shape", "needs_padding", "whole", "trivial_index_map")
+               "padded_shape", "needs_padding", "whole", "trivial_index_map", "_zero_index")
 
   def __init__(self, bm):
     # Mosaic GPU tiling/swizzling is layout only: blocks stay logical and the
@@ -54,6 +54,7 @@ class BlockGeometry:
     outs = bm.index_map_jaxpr.jaxpr.outvars
     self.trivial_index_map = all(
         isinstance(a, jc.Literal) and int(a.val) == 0 for a in outs)
+    self._zero_index = {}  # clamp -> block_index of block (0, ...): cut every call
 
   def pad(self, arr: np.ndarray, params) -> np.ndarray:
     """A padded copy, garbage where the array has no data."""
@@ -63,6 +64,14 @@ class BlockGeometry:
 
   def unpadded_index(self):
     return tuple(slice(lo, lo + n) for lo, n in zip(self.pad_low, self.array_shape))
+
+  def zero_block_index(self, clamp: bool):
+    """``block_index`` of the first block, computed once (an error, e.g. a
+    block bigger than its padded array, raises every time)."""
+    idx = self._zero_index.get(clamp)
+    if idx is None:
+      idx = self._zero_index[clamp] = self.block_index((0,) * len(self.sizes), clamp)
+    return idx
 
   def block_index(self, block_indices, clamp: bool):
     """NumPy basic index of the block at ``block_indices`` (a view)."""

@@ -19,6 +19,7 @@ copies.
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -89,6 +90,9 @@ class KernelPlan:
         int(np.prod(self.grid, dtype=np.int64)) > 1
     # "vectorized", "threaded" or "sequential": how the last run() went.
     self.last_mode = None
+    # The grid when no dimension is dynamic (every _prepare would rebuild it).
+    self._static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
+    self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
 
   @property
   def kernel(self):
@@ -218,10 +222,12 @@ class KernelPlan:
 
   def _prepare(self, args):
     params = self.params
-    dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
-    dyn_iter = iter(dyn)
-    grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
-                 for g in self.grid)
+    grid = self._static_grid
+    if grid is None:
+      dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
+      dyn_iter = iter(dyn)
+      grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
+                   for g in self.grid)
     operands = args
     index_ops = [np.array(a) if i in self.written_inputs else np.asarray(a)
                  for i, a in enumerate(args[:self.num_index])]
@@ -288,22 +294,23 @@ class KernelPlan:
     ctx = RunContext(self.name, params)
     ctx.device = device
     local = self.local_dims
-    ctx.num_programs = tuple(np.int32(grid[d]) for d in local)
+    if self._num_programs[0] != grid:
+      self._num_programs = (grid, tuple(np.int32(grid[d]) for d in local))
+    ctx.num_programs = self._num_programs[1]
     kernel = self.kernel.fn
     blocks = self.blocks
-    index_maps = [m.fn for m in self.index_maps]
     clamp = self.clamp
     # Blocks whose index map is constant are cut once.
     static_views = [buf if geo.whole else
-                    (buf[geo.block_index((0,) * len(geo.sizes), clamp)]
-                     if geo.trivial_index_map else None)
+                    (buf[geo.zero_block_index(clamp)] if geo.trivial_index_map else None)
                     for geo, buf in zip(blocks, buffers)]
     dynamic = [i for i, v in enumerate(static_views) if v is None]
-    views = list(static_views)
+    index_maps = [m.fn for m in self.index_maps] if dynamic else None
+    views = static_views
     last_idx = [None] * len(blocks)
     trace = params.trace
     point = ()
-    total = int(np.prod(grid, dtype=np.int64)) if grid else 1
+    total = math.prod(grid)
     # progress: True = this loop's own bar; or a shared one (threads) it
     # ticks but does not close; or None.
     own_bar = progress is True

@@ -23,16 +23,26 @@ from pallas_np.compiler import INLINE_CALLS
 MAX_GRID = 1 << 20           # points evaluated up front for the analysis
 
 
+# Scalar-prefetch operands up to this many bytes key the per-grid caches by
+# value (a page table, a row index): the analysis depends on nothing else.
+_PREFETCH_KEY_BYTES = 1 << 12
+
+
 def per_grid(cache: dict, kp, grid, index_ops, compute):
   """``compute(grid, index_ops)``, cached per grid when the index maps
-  depend on nothing else (no scalar prefetch); bounded for dynamic grids."""
+  depend on nothing else (no scalar prefetch), or per grid and the values of
+  small scalar-prefetch operands; bounded for dynamic grids."""
+  key = grid
   if kp.num_index:
-    return compute(grid, index_ops)
-  if grid not in cache:
+    if sum(np.asarray(o).nbytes for o in index_ops) > _PREFETCH_KEY_BYTES:
+      return compute(grid, index_ops)
+    key = (grid, *[(o.shape, o.dtype.str, o.tobytes()) for o in map(np.asarray, index_ops)])
+  hit = cache.get(key)
+  if hit is None and key not in cache:
     if len(cache) >= 16:
       cache.clear()
-    cache[grid] = compute(grid, index_ops)
-  return cache[grid]
+    hit = cache[key] = compute(grid, index_ops)
+  return hit
 
 
 def order_free_reason(kp) -> str | None:
@@ -232,6 +242,11 @@ def partly_read_operands(kp) -> frozenset:
 # result has a short last axis, and never with GEMMs (BLAS wants contiguous
 # rows; the lanes fold into them).
 _LANES_LAST_MAX_INNER = 64
+
+
+def has_gemm(kp) -> bool:
+  """Whether ``kp``'s kernel computes a matrix product (anywhere)."""
+  return any(registry.properties(eqn.primitive).gemm for eqn in all_eqns(kp.kernel_jaxpr))
 
 
 def prefers_lanes_last(kp) -> bool:

@@ -30,6 +30,10 @@ from pallas_np.shared_outputs import SharedOutputs, tracking
 _SLAB_BYTES = 8 << 20        # block bytes per vectorized pass
 _MAX_LANES = 1 << 14
 _LANES_LAST_MIN_LANES = 8
+# Slabs with fewer block bytes than this keep the plain layout too: the
+# copies into and out of the lanes-last layout cost more than the short
+# strided runs they save (a 12-lane pass of 32x32 blocks: 350 vs 450 us).
+_LANES_LAST_MIN_BYTES = 256 << 10
 
 
 def lane_points(grid, axes, lane_coords=None):
@@ -60,12 +64,14 @@ class SlabRunner:
     self.shared = shared  # operands whose one block every lane shares (SharedOutputs)
     self.block_idx = block_idx
     self.operand_batched = operand_batched
-    self.kernel = kernel
+    self.kernel = kernel  # the batched kernel's Plan (its ``fn`` is read per slab)
     blocks = kp.blocks
     self.seq_axes = tuple(d for d in range(len(grid)) if d not in axes)
     lane_shape = tuple(grid[d] for d in axes)
     self.n_lanes = math.prod(lane_shape)
     lane_bytes = bytes_per_lane(kp, operand_batched) + access_bytes
+    self.lane_bytes = lane_bytes
+    self.lanes_last_min_bytes = _LANES_LAST_MIN_BYTES  # (0 where a test forces the layout)
     per_slab = max(1, min(_MAX_LANES, _SLAB_BYTES // max(lane_bytes, 1)))
     # Auto (None) keeps batched slabs on one thread: no reliable gain (GUIDE).
     self.threads = max(1, int(kp.params.num_threads or 1))
@@ -81,6 +87,11 @@ class SlabRunner:
     self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
     self.progress = None
     self.done = 0
+    # (slab lo, hi, sequential point) -> _block_positions: shared by the
+    # copies run_vectorized makes per call
+    self._positions = {}
+    # (slab, step, operand, window layout) -> _merged_view_recipe
+    self._recipes = {}
 
   def run(self, index_ops, buffers, scratch_init, first_states=None, seq_points=None):
     """Walks every slab through ``seq_points`` (default: all sequential grid
@@ -121,7 +132,7 @@ class SlabRunner:
     for k, d in enumerate(axes):
       ids[d] = self.lane_coords[k, lo:hi]
     lane_flat = self.lane_flat[lo:hi]
-    lanes_last = self.lanes_last and n >= _LANES_LAST_MIN_LANES
+    lanes_last = self.slab_lanes_last(n)
     if scratch_init is None:
       scratch = [lane_full(n, a.shape, fill_value(a.dtype, params),
                             np.dtype(jc.physical_dtype(a.dtype)), lanes_last)
@@ -131,31 +142,36 @@ class SlabRunner:
                  for s in scratch_init]
     shared_last = [None] * n_ops
     shared_view = [None] * n_ops
-    kernel = self.kernel
+    kernel = self.kernel.fn  # (read per slab: a Plan compiles itself after its first calls)
     if self.shared:
       assert len(self.seq_points) == 1, "shared outputs batch every grid axis"
       return self._shared_slab(n, ctx, ids, lane_flat, index_ops, windows, pos_limits)
     for step, point in enumerate(seq_points):
-      flat = lane_flat
       for d, v in zip(self.seq_axes, point):
         ids[d] = np.int32(v)
-        flat = flat + v * self.grid_strides[d]
       ctx.program_ids = tuple(ids[d] for d in local)
+      positions = self._positions.get((lo, hi, point))
+      if positions is None:
+        positions = self._block_positions(lane_flat, point, pos_limits)
+        self._positions[lo, hi, point] = positions
       views = [None] * n_ops
       step_cols = [None] * n_ops
       writeback = []
       relaid = []  # (block view, its lanes-last copy the kernel writes)
       for b in range(n_ops):
-        cols = [c[flat] for c in self.block_idx[b]]
-        cols = step_cols[b] = check_positions(cols, pos_limits[b], kp.clamp, blocks[b])
+        cols, index = positions[b]
+        step_cols[b] = cols
         if not operand_batched[b]:
-          key = tuple(int(c[0]) for c in cols)
+          key = index
           if key != shared_last[b]:
             shared_last[b] = key
             shared_view[b] = windows[b][key] if key else windows[b]
           views[b] = shared_view[b]
           continue
-        view, copied = gather(windows[b], cols)
+        if index is not None:  # the lanes' blocks are a view: one basic index
+          view, copied = windows[b][index], False
+        else:
+          view, copied = self._gather(lo, hi, point, b, windows[b], cols)
         views[b] = view
         if copied and b >= n_in:
           writeback.append((b, cols, view))
@@ -179,6 +195,43 @@ class SlabRunner:
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
 
+
+  def slab_lanes_last(self, n) -> bool:
+    """Whether a slab of ``n`` lanes is laid out lanes-last."""
+    return (self.lanes_last and n >= _LANES_LAST_MIN_LANES
+            and n * self.lane_bytes >= self.lanes_last_min_bytes)
+
+  def _gather(self, lo, hi, point, b, window, cols):
+    """``gather(window, cols)``, with how it cuts the lanes' blocks (a view
+    of merged block dims, or a copy) decided once per slab, step, operand
+    and window layout (``_merged_view_recipe``)."""
+    key = (lo, hi, point, b, window.shape, window.strides)
+    recipe = self._recipes.get(key)
+    if recipe is None:
+      recipe = self._recipes[key] = _merged_view_recipe(window, cols)
+    if recipe is False:
+      return window[tuple(cols)], True
+    run_index, shape, start, n = recipe
+    return window[run_index].reshape(shape)[start:start + n], False
+
+  def _block_positions(self, lane_flat, point, pos_limits):
+    """Per operand at sequential grid ``point``: the lanes' block positions
+    (checked) and the basic index that cuts their blocks as one view (the
+    shared block's position for unbatched operands; None where the lanes'
+    blocks need a gather or a layout-dependent view). Depends only on the
+    choice of lanes, so it is computed once per slab and step."""
+    flat = lane_flat
+    for d, v in zip(self.seq_axes, point):
+      flat = flat + v * self.grid_strides[d]
+    out = []
+    for b, geo in enumerate(self.kp.blocks):
+      cols = [c[flat] for c in self.block_idx[b]]
+      cols = check_positions(cols, pos_limits[b], self.kp.clamp, geo)
+      if not self.operand_batched[b]:
+        out.append((cols, tuple(int(c[0]) for c in cols)))
+      else:
+        out.append((cols, lane_view_index(cols)))
+    return out
 
   def _shared_slab(self, n, ctx, ids, flat, index_ops, windows, pos_limits):
     """One slab of a pass with shared outputs, written in place while a
@@ -206,7 +259,7 @@ class SlabRunner:
       views.append(view)
     tracking.shared = shared
     try:
-      self.kernel(ctx, *index_ops, *views)
+      self.kernel.fn(ctx, *index_ops, *views)
     finally:
       tracking.shared = None
     for b, cols, view in writeback:
@@ -268,6 +321,49 @@ def gather(window, cols):
   return window[tuple(cols)], True
 
 
+def _merged_view_recipe(window, cols):
+  """How ``lane_view`` cuts the lanes' blocks when they walk several block
+  dims: ``(run_index, shape, start, n)`` such that
+  ``window[run_index].reshape(shape)[start:start + n]`` is its view (a
+  reshape that merges stride-compatible axes never copies; checked here
+  against ``lane_view``'s own result), or False where the blocks need a
+  gather."""
+  view = lane_view(window, cols)
+  if view is None:
+    return False
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  lo, hi = varying[0], varying[-1] + 1
+  extents = window.shape[lo:hi]
+  start = int(np.ravel_multi_index(tuple(int(c[0]) for c in cols[lo:hi]), extents))
+  run_index = tuple(slice(None) if lo <= k < hi else int(cols[k][0]) for k in range(len(cols)))
+  run = window[run_index]
+  shape = (math.prod(extents), *run.shape[hi - lo:])
+  mine = run.reshape(shape)[start:start + n]
+  same = (mine.shape == view.shape and mine.strides == view.strides
+          and mine.__array_interface__["data"][0] == view.__array_interface__["data"][0]
+          and mine.flags.writeable == view.flags.writeable)
+  return (run_index, shape, start, n) if same else False
+
+
+def lane_view_index(cols):
+  """The basic index of the lanes' blocks in a window when one block
+  coordinate steps by one from lane to lane and the others are fixed (the
+  first case of ``lane_view``); else None."""
+  n = len(cols[0])
+  varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
+  if len(varying) > 1:
+    return None
+  d = varying[0] if varying else 0
+  c = cols[d]
+  start = int(c[0])
+  if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
+      n < 3 or (np.diff(c) == 1).all()):
+    return tuple(slice(start, start + n) if k == d else int(cols[k][0])
+                 for k in range(len(cols)))
+  return None
+
+
 def lane_view(window, cols):
   """The lanes' blocks as a view of ``window``, or None: when one block
   coordinate steps by one from lane to lane and the others are fixed, or
@@ -277,15 +373,8 @@ def lane_view(window, cols):
   n = len(cols[0])
   varying = [d for d, c in enumerate(cols) if not (c == c[0]).all()]
   if len(varying) <= 1:
-    d = varying[0] if varying else 0
-    c = cols[d]
-    start = int(c[0])
-    if not varying and n == 1 or varying and int(c[-1]) - start == n - 1 and (
-        n < 3 or (np.diff(c) == 1).all()):
-      idx = tuple(slice(start, start + n) if k == d else int(cols[k][0])
-                  for k in range(len(cols)))
-      return window[idx]
-    return None
+    idx = lane_view_index(cols)
+    return None if idx is None else window[idx]
   lo, hi = varying[0], varying[-1] + 1
   extents = window.shape[lo:hi]
   flat = np.ravel_multi_index(tuple(cols[lo:hi]), extents)

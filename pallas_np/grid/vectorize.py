@@ -56,6 +56,7 @@ sequentially from fresh buffers, so errors name the exact grid point.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -66,8 +67,8 @@ from pallas_np import debugging
 from pallas_np.batching import BatchCompiler, NotBatchable
 from pallas_np.compiler import RunContext
 from pallas_np.grid.lanes import (
-    MAX_GRID, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands, per_grid,
-    prefers_lanes_last)
+    MAX_GRID, has_gemm, lane_axes, loop_axes, order_free_reason, owned, partly_read_operands,
+    per_grid, prefers_lanes_last)
 from pallas_np.grid.slab_runner import (
     SlabRunner, block_windows, bytes_per_lane, lane_points, lane_view)
 from pallas_np.memory import fill_value
@@ -83,6 +84,13 @@ _AUTO_LANE_BYTES = 128 << 10      # exclusive
 # (benchmarks/PERF_LOG.md, entry 70).
 _AUTO_LANE_BYTES_LANES_LAST = 512 << 10  # exclusive
 _AUTO_LANE_BYTES_SCRATCH = 16 << 10
+# Auto mode batches at least this many lanes (a 2-lane pass of a fori_loop
+# body over ref rows was slower than the loop), and kernels with a matrix
+# product at least _AUTO_MIN_GEMM_LANES: their BLAS calls are the same
+# batched or not, so a few lanes save only a few grid steps of Python and
+# lose the pass's copies and the scratch hand-over check (PERF_LOG).
+_AUTO_MIN_LANES = 3
+_AUTO_MIN_GEMM_LANES = 8
 
 
 class GridVectorizer:
@@ -97,11 +105,14 @@ class GridVectorizer:
     self._kernels: dict[Any, Any] = {}
     self._maps: dict[Any, Any] = {}
     self._chosen: dict[Any, Any] = {}
+    # id(choice) -> (choice, SlabRunner or why not): see run_vectorized
+    self.runners: dict[Any, Any] = {}
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
     self._loop_axes = None  # loop_axes(kp), computed once
     self._partly_read = None  # partly_read_operands(kp), computed once
+    self._has_gemm = None  # has_gemm(kp), computed once
     self.last_layout = None  # the last pass's: "lanes-first" or "lanes-last"
     self.last_axes = None  # the grid axes the last pass batched
     params = kp.params
@@ -223,31 +234,23 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
     return None
-  axes, block_idx, shared = chosen
-  n_in = kp.num_inputs
-  maps = gv.index_maps(axes)
-  # Operands whose block does not depend on a batched axis are shared; so
-  # are outputs every lane sees whole (written in place, SharedOutputs).
-  operand_batched = tuple((i not in shared) if i >= n_in else any(m.out_batched)
-                          for i, m in enumerate(maps))
-  auto = kp.params.vectorize is None
-  lanes_last = gv.lanes_last and not shared
-  limit = _auto_lane_limit(kp, lanes_last, math.prod(grid) // math.prod(grid[d] for d in axes))
-  weighed = operand_batched
-  if auto:
-    weighed = _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched)
-  if auto and bytes_per_lane(kp, weighed) >= limit:
-    gv.last_failure = _TOO_BIG
+  # The auto limit may look at the layout of partly read inputs (lane views).
+  layout = tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None
+  runner = gv.runners.get(id(chosen))
+  if runner is None or runner[0] is not chosen or runner[2:] != (LANES_LAST, layout):
+    runner = (chosen, _slab_runner(kp, gv, grid, chosen, buffers), LANES_LAST,
+              tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None)
+    if len(gv.runners) >= 16:  # as the choices per grid
+      gv.runners.clear()
+    gv.runners[id(chosen)] = runner
+  if isinstance(runner[1], str):
+    gv.last_failure = runner[1]
     return None
-  plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
+  runner = copy.copy(runner[1])  # per-call state (progress) on a copy; positions shared
+  shared = runner.shared
+  lanes_last = any(runner.slab_lanes_last(hi - lo) for lo, hi in runner.slabs)
   gv.last_layout = "lanes-last" if lanes_last else "lanes-first"
-  gv.last_axes = axes
-  if auto and bytes_per_lane(kp, weighed) + plan.lane_access_bytes >= limit:
-    gv.last_failure = _TOO_BIG
-    return None
-  kernel = plan.fn
-  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, kernel, shared,
-                       plan.lane_access_bytes, lanes_last)
+  gv.last_axes = runner.axes
   checked = runner.n_lanes if kp.scratch_avals else 0  # the hand-over check's points
   runner.progress = debugging.progress_bar(kp.name, math.prod(grid) + checked, kp.params)
   try:
@@ -256,10 +259,48 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
     if shared:  # lanes that communicate, or an access the pass cannot see
       gv.shared_outputs_ok = False
       gv._chosen.clear()
+      gv.runners.clear()
     raise
   finally:
     if runner.progress is not None:
       runner.progress.close()
+
+
+def _slab_runner(kp, gv, grid, chosen, buffers):
+  """The SlabRunner of a choice of lanes (reused while the choice is: the
+  block positions of every slab and step are then computed once), or why
+  auto mode does not batch (a string)."""
+  axes, block_idx, shared = chosen
+  n_in = kp.num_inputs
+  maps = gv.index_maps(axes)
+  # Operands whose block does not depend on a batched axis are shared; so
+  # are outputs every lane sees whole (written in place, SharedOutputs).
+  operand_batched = tuple((i not in shared) if i >= n_in else any(m.out_batched)
+                          for i, m in enumerate(maps))
+  auto = kp.params.vectorize is None
+  n_lanes = math.prod(grid[d] for d in axes)
+  if auto and n_lanes < _AUTO_MIN_LANES:
+    return _TOO_FEW
+  if auto and n_lanes < _AUTO_MIN_GEMM_LANES:
+    if gv._has_gemm is None:
+      gv._has_gemm = has_gemm(kp)
+    if gv._has_gemm:
+      return _TOO_FEW
+  lanes_last = gv.lanes_last and not shared
+  limit = _auto_lane_limit(kp, lanes_last, math.prod(grid) // n_lanes)
+  weighed = operand_batched
+  if auto:
+    weighed = _weighed_operands(kp, gv, grid, axes, block_idx, buffers, operand_batched)
+  if auto and bytes_per_lane(kp, weighed) >= limit:
+    return _TOO_BIG
+  plan = gv.kernel(axes, operand_batched, lanes_last)  # may raise NotBatchable
+  if auto and bytes_per_lane(kp, weighed) + plan.lane_access_bytes >= limit:
+    return _TOO_BIG
+  runner = SlabRunner(kp, grid, axes, block_idx, operand_batched, plan, shared,
+                      plan.lane_access_bytes, lanes_last)
+  if LANES_LAST is not None:  # a forced layout applies to every slab
+    runner.lanes_last_min_bytes = 0
+  return runner
 
 
 def _run_checked(kp, gv, runner, prepare, index_ops, buffers, out_bufs):
@@ -313,6 +354,7 @@ class _FirstStates:
 
 
 _TOO_BIG = "blocks too big to gain from batching (auto mode)"
+_TOO_FEW = "too few lanes to gain from batching (auto mode)"
 
 
 def _auto_lane_limit(kp, lanes_last=False, n_seq=None):

@@ -180,29 +180,51 @@ def _div(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
     minus_one = np.array(-1).astype(dt) if dt.kind == "i" else np.array(np.iinfo(dt).max, dt)
+    one = np.ones((), dt)
 
     def int_div(x, y):
       # XLA: truncate toward zero; x / 0 is -1 (all ones for unsigned).
+      if y.all():  # (one pass) no zero divisor: the exact truncation alone
+        return _trunc_div(x, y)
       zero = y == 0
-      y_safe = np.where(zero, np.ones((), dt), y)
-      q = np.floor_divide(x, y_safe)
-      if dt.kind == "i":
-        fix = (np.remainder(x, y_safe) != 0) & ((x < 0) != (y_safe < 0))
-        q = q + fix.astype(dt)
-      return np.where(zero, minus_one, q).astype(dt, copy=False)[()]
-    return int_div
+      y_safe = np.where(zero, one, y)
+      return np.where(zero, minus_one, _trunc_div(x, y_safe)).astype(dt, copy=False)[()]
+    return registry.const_specialised(int_div, lambda consts: _int_by_const(_trunc_div, consts))
   return _binary_float(np.true_divide)(e)
+
+
+def _trunc_div(x, y):
+  """XLA's integer division for nonzero ``y``: truncation toward zero.
+  ``x - fmod(x, y)`` is an exact multiple of ``y`` (it never overflows: the
+  remainder has the sign of ``x`` and a smaller magnitude), and flooring an
+  exact quotient truncates; INT_MIN / -1 wraps to INT_MIN, as in XLA."""
+  return np.floor_divide(np.subtract(x, np.fmod(x, y)), y)
+
+
+def _int_by_const(op, consts):
+  """``op`` alone when the divisor is a constant without zeros (asked at
+  compile time): no zero handling is needed (div and rem)."""
+  x, y = consts
+  if y is None or x is not None or not np.all(y):
+    return None
+  return op
 
 
 @registry.register(lax.rem_p, batch=registry.ELEMENTWISE)
 def _rem(e):
   dt = _in_dtype(e)
   if dt.kind in "iu":
+    one = np.ones((), dt)
+
     def int_rem(x, y):
+      # XLA: the remainder takes the dividend's sign (C's %, NumPy's fmod);
+      # x % 0 is x.
+      if y.all():  # (one pass) no zero divisor
+        return np.fmod(x, y)
       zero = y == 0
-      y_safe = np.where(zero, np.ones((), dt), y)
+      y_safe = np.where(zero, one, y)
       return np.where(zero, x, np.fmod(x, y_safe)).astype(dt, copy=False)[()]
-    return int_rem
+    return registry.const_specialised(int_rem, lambda consts: _int_by_const(np.fmod, consts))
   return _binary_float(np.fmod)(e)
 
 
@@ -354,7 +376,12 @@ def _select_n(e):
   if n_cases == 1:
     return lambda p, c: c
   if n_cases == 2 and pred_dt == np.bool_:
-    return lambda p, c0, c1: np.where(p, c1, c0)
+    select = lambda p, c0, c1: np.where(p, c1, c0)
+    # 0-d operands, no lane axis (compiler._scalar_form): no np.where call
+    # (a reducer body of 0-d avals may run on arrays: then np.where)
+    select.scalar_form = lambda p, c0, c1: (
+        (c1 if p else c0) if p.__class__ is np.bool_ else np.where(p, c1, c0))
+    return select
   if n_cases == 2:
     return lambda p, c0, c1: np.where(p != 0, c1, c0)
 
@@ -393,8 +420,25 @@ def _shift(kind):
         sx = np.asarray(x).view(sdt) if dt != sdt else x
         r = np.asarray(np.right_shift(sx, s_eff))
         return (r.view(dt) if dt != sdt else r)[()]
+    f.scalar_form = _scalar_shift(kind, dt, f)
     return f
   return compile_rule
+
+
+def _scalar_shift(kind, dt, exact):
+  """A shift of NumPy scalars by an in-range amount as NumPy's scalar
+  operator (a left shift, a logical right shift of an unsigned type, an
+  arithmetic one of a signed type: the bits XLA defines); anything else,
+  arrays included, takes the exact rule (compiler._scalar_form)."""
+  bits = dt.itemsize * 8
+  scalar = dt.type
+  if kind == "left":
+    return lambda x, s: (x << s if x.__class__ is scalar and s.__class__ is scalar
+                         and 0 <= s < bits else exact(x, s))
+  if (kind == "logical") != (dt.kind == "u"):
+    return None
+  return lambda x, s: (x >> s if x.__class__ is scalar and s.__class__ is scalar
+                       and 0 <= s < bits else exact(x, s))
 
 
 registry.register(lax.shift_left_p, batch=registry.ELEMENTWISE)(_shift("left"))

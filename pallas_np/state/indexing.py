@@ -266,6 +266,7 @@ class RefAccess:
     self.result_shape = shape
     self.steps = steps
     self._prefix_fns = None
+    self.index_only = None
     self.resolve = self._build()
 
   @classmethod
@@ -320,6 +321,9 @@ class RefAccess:
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
+    # One NDIndexer and nothing before it: ``ref[index_only(leaves)]``
+    # (the plain get/swap rules call it without ``resolve``).
+    self.index_only = final if final is not None and not fns else None
     if final is None:
       if len(fns) == 1:
         f0 = fns[0]
@@ -383,6 +387,17 @@ class RefAccess:
       return lambda leaves: _check_int(leaves[k], n, axis, shape, clamp)
     if isinstance(d, DimSlice) and isinstance(d.start, _Dyn) and is_static(d.size):
       k, size, stride, n = d.start.k, d.size, d.stride, d.dim
+      size = int(size)
+      extent = (size - 1) * stride + 1 if size > 0 else 0
+      if size > 0 and extent <= n:  # in bounds exactly when 0 <= start <= last
+        last = n - extent
+
+        def dim_slice(leaves):
+          start = int(leaves[k])
+          if 0 <= start <= last:
+            return slice(start, start + extent, stride)
+          return _check_slice(start, size, stride, n, axis, shape, clamp)
+        return dim_slice
       return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
     build = self._build_dim
     return lambda leaves: build(d, axis, shape, leaves)
