@@ -40,6 +40,16 @@ def _root(view: np.ndarray) -> np.ndarray:
   return view
 
 
+def _coordinates(region, view, elem) -> tuple:
+  """The index of shadow element ``elem`` in ``view`` (a buffer may be a
+  typed view of raw bytes: report in the kernel's terms)."""
+  offset = elem * region.itemsize + region.start - view.__array_interface__["data"][0]
+  hits = np.argwhere(races.byte_offsets(view) == offset)
+  if len(hits):
+    return tuple(int(i) for i in hits[0])
+  return tuple(int(i) for i in np.unravel_index(elem, region.shape))
+
+
 class KernelRaces:
   """The shadow memory of one run of a Mosaic GPU kernel."""
 
@@ -138,7 +148,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
         other_block | (when > known[np.maximum(writer, 0) % n]))
     if unordered.any():
       k = int(np.argmax(unordered))
-      self._report(region, int(elems[k]), int(writer[k]), kind, "wrote", local)
+      self._report(region, view, int(elems[k]), int(writer[k]), kind, "wrote", local)
     if kind != "read":
       rb, rc = read_block[:, elems], read_clock[:, elems]
       mine = np.arange(n)[:, None] == local
@@ -146,16 +156,18 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
       if bad.any():
         j, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
         other = int(rb[j, k]) * n + int(j)
-        self._report(region, int(elems[k]), other, kind, "read", local)
+        self._report(region, view, int(elems[k]), other, kind, "read", local)
       region.group[elems] = me
       region.step[elems] = clock
     if kind != "write":
       read_block[local, elems] = self.block_id
       read_clock[local, elems] = clock
 
-  def _report(self, region, elem, other: int, kind, other_did: str, local):
+  def _report(self, region, view, elem, other: int, kind, other_did: str, local):
     n = self.run.agents
-    where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
+    where = _coordinates(region, view, elem)
+    name = region.name if region.name.startswith(("operand", "output")) else \
+        f"SMEM buffer {view.dtype}{list(view.shape)}"
     verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
     other_block, other_local = divmod(other, n)
     other_desc = (self.block_desc if other_block == self.block_id
@@ -164,11 +176,11 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
            if other_block != self.block_id else
            "no barrier arrive/wait (or copy/wgmma completion wait) orders the two")
     raise RaceError(
-        f"data race on {region.name} in Mosaic GPU kernel '{self.kernel}': "
+        f"data race on {name} in Mosaic GPU kernel '{self.kernel}': "
         f"{self.run.describe(self.block_desc, local)} {verb} element {where} that "
         f"{self.run.describe(other_desc, other_local)} {other_did}; {why}, so on a GPU "
         "they run concurrently.",
-        buffer=region.name, grid_points=(other, self.block_id * n + local), element=where)
+        buffer=name, grid_points=(other, self.block_id * n + local), element=where)
 
   # -- asynchronous agents -------------------------------------------------------------
   def issue(self, agent: str, reads=(), writes=(), key=None):
