@@ -242,7 +242,7 @@ def test_overwriting_a_wgmma_operand_before_wgmma_wait_is_a_race():
   want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
   np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-5)
   msg = _race(_wgmma_then_overwrite(wait=False), a, b)
-  assert "a wgmma issued by the block" in msg
+  assert "an MMA (wgmma/tcgen05) issued by the block" in msg
 
 
 # -- blocks ------------------------------------------------------------------------

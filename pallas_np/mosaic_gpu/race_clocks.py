@@ -31,7 +31,9 @@ from pallas_np import races
 from pallas_np.errors import RaceError
 from pallas_np.meshes.programs import ProgramRaceDetector, VectorClocks
 
-AGENTS = ("warpgroup", "TMA", "wgmma")  # agent kinds; local id = kind * T + t
+# Agent kinds; local id = kind * T + t. "MMA": wgmma, tcgen05_mma and
+# async_copy_smem_to_tmem (the tensor core); "TMEM load": async_load_tmem.
+AGENTS = ("warpgroup", "TMA", "MMA", "TMEM load")
 
 
 def _root(view: np.ndarray) -> np.ndarray:
@@ -100,8 +102,8 @@ class KernelRaces:
     who = f"warpgroup {t}" if self.named else "the block"
     if kind == 0:
       return f"{who} of block {block_desc}"
-    what = "TMA copy" if kind == 1 else "wgmma"
-    return f"a {what} issued by {who} of block {block_desc}"
+    what = ("a TMA copy", "an MMA (wgmma/tcgen05)", "an async_load_tmem")[kind - 1]
+    return f"{what} issued by {who} of block {block_desc}"
 
 
 class WarpgroupRaceDetector(ProgramRaceDetector):
@@ -115,6 +117,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     self.thread = t
     self.block_names: dict = {}  # other blocks' ids -> descriptions (for reports)
     self.wgmma_tokens: list = []
+    self.tmem_load_tokens: list = []
 
   # -- accesses ----------------------------------------------------------------------
   def access(self, view, index, kind: str, mask=None):
@@ -197,16 +200,29 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     for view, idx in writes:
       self._check(view, idx, "write", local)
     key = object() if key is None else key
+    self.release_agent(agent, key)
+    return key
+
+  def release_agent(self, agent: str, key):
+    """Release ``agent``'s clock onto ``key`` (``tcgen05_commit_arrive``:
+    the tensor core arrives on a barrier once every MMA issued so far is done)."""
+    local = AGENTS.index(agent) * self.run.num_threads + self.thread
     saved, self.me = self.me, local
     try:
       self.release(key)
     finally:
       self.me = saved
-      self.step = int(c.program[self.thread, self.thread])
-    return key
+      self.step = int(self.clocks.program[self.thread, self.thread])
 
   def wgmma(self, reads):
-    self.wgmma_tokens.append(self.issue("wgmma", reads=reads))
+    self.wgmma_tokens.append(self.issue("MMA", reads=reads))
+
+  def tmem_load(self, view, idx):
+    self.tmem_load_tokens.append(self.issue("TMEM load", reads=[(view, idx)]))
+
+  def wait_tmem_loads(self):
+    while self.tmem_load_tokens:
+      self.acquire(self.tmem_load_tokens.pop(0))
 
   def wgmma_wait(self, keep: int):
     while len(self.wgmma_tokens) > keep:
