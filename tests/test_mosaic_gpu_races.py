@@ -296,3 +296,21 @@ def test_jax_kernels_have_no_race(gpu_kernels):  # noqa: F811
   want = am.attention_reference(q, k, v, causal=True)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                              atol=3e-3)
+
+
+def test_jax_attention_backward_has_no_race(gpu_kernels):  # noqa: F811
+  """The backward kernels read wgmma results through ``pl.run_state`` over an
+  accumulator, which waits for the wgmmas (an edge the detector needs)."""
+  am = gpu_kernels["attention"]
+  q, k, v = (_normal(i, (1, 128, 2, 64)) for i in range(3))
+  cfg = am.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, block_q_dkv=64,
+                        block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+  def grads(attn):
+    loss = lambda q, k, v: (attn(q, k, v).astype(F32) ** 2).sum()  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  ours = _run(lambda: grads(lambda q, k, v: am.attention(q, k, v, cfg)))
+  for got, ref in zip(ours, grads(am.attention_reference)):
+    scale = float(np.abs(np.asarray(ref, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2 * scale)
