@@ -137,7 +137,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     if mask is not None:
       offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
     ptr = view.__array_interface__["data"][0]
-    elems = np.unique(((ptr - region.start) + offsets.ravel()) // region.itemsize)
+    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
     if elems.size == 0:
       return
     n = self.run.agents

@@ -57,7 +57,8 @@ def _tcgen05_mma(e):
       reads = [a_win, b_win] + ([(acc_view, acc_idx)] if accumulate else [])
       det.issue("MMA", reads=reads, writes=[(acc_view, acc_idx)],
                 key=None if bar is None else (bar, bar.phase))
-    product = np.matmul(operands.read(*a_win), operands.read(*b_win), dtype=acc_dt)
+    a = operands.read(*a_win).astype(acc_dt, copy=False)
+    product = np.matmul(a, operands.read(*b_win).astype(acc_dt, copy=False))
     acc_view[acc_idx] = acc_view[acc_idx] + product if accumulate else product
     if bar is not None:
       bar.arrive()
