@@ -25,6 +25,8 @@ not. GMEM buffers keep their shadows across blocks; SMEM buffers are dropped
 at the block's end."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from pallas_np import races
@@ -60,13 +62,14 @@ class KernelRaces:
     self.num_threads = num_threads
     self.named = named  # the kernel has a warpgroup axis (thread_name)
     self.agents = len(AGENTS) * num_threads
-    self.regions: dict = {}  # id(root buffer) -> (root, region, readers)
+    # id(root buffer) -> (root or a weak reference to it, region, readers)
+    self.regions: dict = {}
     self.gmem = set()
     for name, buf in gmem:
       if np.size(buf) == 0:
         continue
-      self._add(_root(buf), name)
       self.gmem.add(id(_root(buf)))
+      self._add(_root(buf), name)
 
   def _add(self, root, name):
     shadow = races.RaceDetector(self.kernel, (), ())
@@ -75,7 +78,11 @@ class KernelRaces:
     region.ensure()
     readers = (np.full((self.agents, root.size), -1, np.int32),  # block of the last read
                np.zeros((self.agents, root.size), np.int32))  # clock of the last read
-    hit = self.regions[id(root)] = (root, region, readers)
+    key = id(root)
+    # Scoped buffers (SMEM, TMEM) are forgotten when freed: their shadows go
+    # with them, and a later buffer at the same address starts clean.
+    keep = root if key in self.gmem else weakref.ref(root, lambda _: self.regions.pop(key, None))
+    hit = self.regions[key] = (keep, region, readers)
     return hit
 
   def region_of(self, view):
