@@ -188,7 +188,7 @@ def test_reading_smem_a_copy_still_writes_is_reported():
   x = _x((64, 128))
   np.testing.assert_array_equal(_run(_self_read(wait_first=True), x), x)
   msg = _race(_self_read(wait_first=False), x)
-  assert "the block of block ()" in msg and "a TMA copy issued by the block" in msg
+  assert "block () reads element" in msg and "a TMA copy issued by block ()" in msg
 
 
 def _store_then_reuse(wait: bool):
@@ -214,7 +214,7 @@ def test_reusing_a_store_source_before_its_wait_is_a_race():
   out = _run(_store_then_reuse(wait=True), x)
   np.testing.assert_array_equal(out, np.stack([x, x * 2]))
   msg = _race(_store_then_reuse(wait=False), x)
-  assert "a TMA copy issued by the block" in msg and " read;" in msg
+  assert "a TMA copy issued by block ()" in msg and " read;" in msg
 
 
 # -- wgmma -----------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_overwriting_a_wgmma_operand_before_wgmma_wait_is_a_race():
   want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
   np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-5)
   msg = _race(_wgmma_then_overwrite(wait=False), a, b)
-  assert "an MMA (wgmma/tcgen05) issued by the block" in msg
+  assert "an MMA (wgmma/tcgen05) issued by block ()" in msg
 
 
 # -- blocks ------------------------------------------------------------------------

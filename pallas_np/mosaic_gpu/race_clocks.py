@@ -106,11 +106,11 @@ class KernelRaces:
 
   def describe(self, block_desc: str, local: int) -> str:
     kind, t = divmod(local, self.num_threads)
-    who = f"warpgroup {t}" if self.named else "the block"
+    who = f"warpgroup {t} of block {block_desc}" if self.named else f"block {block_desc}"
     if kind == 0:
-      return f"{who} of block {block_desc}"
+      return who
     what = ("a TMA copy", "an MMA (wgmma/tcgen05)", "an async_load_tmem")[kind - 1]
-    return f"{what} issued by {who} of block {block_desc}"
+    return f"{what} issued by {who}"
 
 
 class WarpgroupRaceDetector(ProgramRaceDetector):
