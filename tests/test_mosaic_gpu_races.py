@@ -217,6 +217,28 @@ def test_reusing_a_store_source_before_its_wait_is_a_race():
   assert "a TMA copy issued by block ()" in msg and " read;" in msg
 
 
+
+def _cp_async(keep: int):
+  """Two copies without a barrier (cp.async), ``wait_gmem_to_smem(keep)``,
+  then a read of both slots: both copies are complete only with keep=0."""
+  def body(x_ref, o_ref):
+    def scoped(smem):
+      plgpu.copy_gmem_to_smem(x_ref.at[0], smem.at[0], None)
+      plgpu.copy_gmem_to_smem(x_ref.at[1], smem.at[1], None)
+      plgpu.wait_gmem_to_smem(keep)
+      o_ref[...] = smem[...]
+    pl.run_scoped(scoped, plgpu.SMEM((2, 64, 128), F32))
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((2, 64, 128), F32))
+
+
+def test_cp_async_read_before_its_wait_is_a_race():
+  if not hasattr(plgpu, "wait_gmem_to_smem"):
+    pytest.skip("copies without a barrier are JAX 0.12 API")  # 0.10: the barrier tests
+  x = _x((2, 64, 128))
+  np.testing.assert_array_equal(_run(_cp_async(keep=0), x), x)
+  msg = _race(_cp_async(keep=1), x)  # the second copy may still be in flight
+  assert "a TMA copy issued by block ()" in msg and "element (1, 0, 0)" in msg
+
 # -- wgmma -----------------------------------------------------------------------
 def _wgmma_then_overwrite(wait: bool):
   """An SMEM operand overwritten while a wgmma may still read it."""
