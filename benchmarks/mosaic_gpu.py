@@ -3,6 +3,7 @@ numpy mode vs JAX's GPU interpret mode (``InterpretGPUParams``), cold and warm.
 
     python benchmarks/mosaic_gpu.py                      # every kernel, both modes
     python benchmarks/mosaic_gpu.py --kernels matmul,attention --warm 5
+    python benchmarks/mosaic_gpu.py --modes numpy,races   # detect_races's cost
 
 Every (kernel, mode) runs in a fresh process. *cold* is the first call
 (tracing, compiling, running; imports excluded), *warm* the median of the
@@ -27,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MODES = ("numpy", "gpu")
+MODES = ("numpy", "gpu")  # also "races": numpy mode with detect_races=True
 
 
 def _normal(seed, shape, dtype):
@@ -136,6 +137,60 @@ def case_transposed_ragged_dot():
   return fn, (lhs, rhs), trd.ref_transposed_ragged_dot(lhs, rhs, gs)
 
 
+def case_tcgen05_matmul():
+  """A Blackwell-style matmul written for this benchmark (JAX's own
+  blackwell_matmul_mgpu needs warp_map and cluster cancellation): per
+  128x128 output tile, a K loop of TMA copies into 2 SMEM slots and
+  tcgen05_mma into TMEM, completion through tcgen05_commit_arrive."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  m, k, n, tile, tk, slots = 512, 256, 512, 128, 64, 2
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(a_ref, b_ref, o_ref):
+    mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+
+    def scoped(a_smem, b_smem, acc, loaded, consumed, done):
+      def load(ki):
+        slot = ki % slots
+        plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(mi * tile, tile), pl.ds(ki * tk, tk)],
+                                a_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(ki * tk, tk), pl.ds(ni * tile, tile)],
+                                b_smem.at[slot], loaded.at[slot])
+      for ki in range(slots):
+        load(ki)
+
+      @pl.loop(0, k // tk)
+      def _(ki):
+        slot = ki % slots
+        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.tcgen05_mma(acc, a_smem.at[slot], b_smem.at[slot], consumed.at[slot],
+                          accumulate=ki > 0)
+
+        @pl.when(ki + slots < k // tk)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+          load(ki + slots)
+      plgpu.tcgen05_commit_arrive(done)
+      plgpu.barrier_wait(done)
+      o_ref[pl.ds(mi * tile, tile), pl.ds(ni * tile, tile)] = (
+          plgpu.async_load_tmem(acc).astype(o_ref.dtype))
+      plgpu.wait_load_tmem()
+    pl.run_scoped(scoped, plgpu.SMEM((slots, tile, tk), jnp.float16, transforms=tiled),
+                  plgpu.SMEM((slots, tk, tile), jnp.float16, transforms=tiled),
+                  plgpu.TMEM((tile, tile), jnp.float32),
+                  plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=slots, orders_tensor_core=True),
+                  plgpu.Barrier(num_arrivals=1, orders_tensor_core=True))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
+                   grid=(m // tile, n // tile), grid_names=("m", "n"))
+  a, b = _normal(0, (m, k), jnp.float16), _normal(1, (k, n), jnp.float16)
+  return f, (a, b), np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -144,6 +199,8 @@ def _scope(mode):
   import pallas_np
   if mode == "numpy":
     return pallas_np.force_numpy_interpret()
+  if mode == "races":
+    return pallas_np.force_numpy_interpret(pallas_np.InterpretParams(detect_races=True))
   from jax._src import config
   from jax._src.pallas.mosaic_gpu.interpret import params
 

@@ -408,18 +408,20 @@ def test_pallas_np_jit_and_vmap_of_a_plgpu_kernel():
 
 
 def test_unsupported_construct_raises_naming_primitive_and_line():
-  """TMEM loads (Blackwell) are not interpreted yet: UnsupportedError naming
-  the primitive and the kernel line, never another interpreter."""
+  """``barrier_test`` (a non-blocking barrier poll) is not interpreted yet:
+  UnsupportedError naming the primitive and the kernel line, never another
+  interpreter."""
   def body(o_ref):
-    def scoped(tmem):
-      o_ref[...] = plgpu.async_load_tmem(tmem)
-    pl.run_scoped(scoped, plgpu.TMEM((128, 128), jnp.float32))
-  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    def scoped(bar):
+      done = plgpu.barrier_test(bar)
+      o_ref[...] = jnp.full(o_ref.shape, done.astype(jnp.float32))
+    pl.run_scoped(scoped, plgpu.Barrier(num_arrivals=1))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32))
   with pallas_np.force_numpy_interpret(), pytest.raises(
-      pallas_np.UnsupportedError, match=r"'async_load'.*test_mosaic_gpu\.py"):
+      pallas_np.UnsupportedError, match=r"'barrier_test'.*test_mosaic_gpu\.py"):
     f()
   with pallas_np.force_numpy_interpret(), pytest.raises(
-      pallas_np.UnsupportedError, match=r"'async_load'"):
+      pallas_np.UnsupportedError, match=r"'barrier_test'"):
     jax.jit(f)()
 
 

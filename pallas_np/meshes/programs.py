@@ -176,7 +176,7 @@ def _unsupported(msg):
 
 
 # -- races ---------------------------------------------------------------------------
-class _Clocks:
+class VectorClocks:
   """Vector clocks of the programs and of the semaphores (shared)."""
 
   def __init__(self, n):
@@ -210,7 +210,7 @@ class ProgramRaceDetector(races.RaceDetector):
   program, ``step`` its own clock; a foreign write is a race unless this
   program has acquired (through a semaphore) the writer's clock at the write."""
 
-  def __init__(self, kernel, me: int, describe, clocks: _Clocks, regions):
+  def __init__(self, kernel, me: int, describe, clocks: VectorClocks, regions):
     super().__init__(kernel, (), ())
     self.me = me
     self.describe = describe
@@ -277,7 +277,7 @@ class ProgramRaceDetector(races.RaceDetector):
 def _detectors(kernel, programs, placements):
   if not kernel.params.detect_races:
     return [None] * len(programs)
-  clocks = _Clocks(len(programs))
+  clocks = VectorClocks(len(programs))
   first = ProgramRaceDetector(kernel.name, 0, placements[0].describe, clocks, None)
   seen = set()
   for p in programs:

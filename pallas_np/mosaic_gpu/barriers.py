@@ -9,7 +9,7 @@ from __future__ import annotations
 from pallas_np import _compat as jc
 from pallas_np import memory, registry
 from pallas_np.errors import UnsupportedError
-from pallas_np.mosaic_gpu import operands, threads
+from pallas_np.mosaic_gpu import operands, race_clocks, threads
 
 memory.register_allocator(jc.mgpu_core.BarrierType, threads.new_barriers)
 
@@ -42,6 +42,7 @@ def barrier_wait(ctx, bar: threads.Barrier, source: str):
   st.wait_until(ctx, lambda: bar.phase >= target,
                 f"barrier_wait (phase {target - 1} of {bar!r})", source)
   bar.observed[t] = target
+  race_clocks.acquire((bar, target - 1))
   bar.land(target - 1)
 
 
@@ -65,7 +66,9 @@ def _barrier_arrive(e):
 
   def arrive(ctx, *args):
     if pred_pos is None or bool(args[pred_pos]):
-      operands.one_barrier(*get(args)).arrive()
+      bar = operands.one_barrier(*get(args))
+      race_clocks.release((bar, bar.phase))
+      bar.arrive()
     return []
   return arrive
 
@@ -79,6 +82,7 @@ if jc.mgpu_primitive("barrier_arrive_and_wait_p") is not None:
 
     def arrive_and_wait(ctx, *args):
       bar = operands.one_barrier(*get(args))
+      race_clocks.release((bar, bar.phase))
       bar.arrive()
       barrier_wait(ctx, bar, source)
       return []

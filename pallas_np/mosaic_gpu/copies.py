@@ -17,7 +17,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.errors import UnsupportedError
 from pallas_np.memory import fill_value
-from pallas_np.mosaic_gpu import operands
+from pallas_np.mosaic_gpu import operands, race_clocks
 
 _UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
 
@@ -26,6 +26,14 @@ def _writer(view, idx, data):
   def land():
     view[idx] = data
   return land
+
+
+def _completed(land, det, key):
+  """``land``, also ordering the warpgroup completing the copy after it."""
+  def complete():
+    det.acquire(key)
+    land()
+  return complete
 
 
 def _collective_size(ctx, axes) -> int:
@@ -69,10 +77,17 @@ def _copy_gmem_to_smem(e):
     if poison:  # in flight: reading the destination now reads garbage (NaN)
       dst_view[dst_idx] = fill_value(dst_view.dtype, params)
     land = _writer(dst_view, dst_idx, data)
-    if get_bar is None:
+    bar = None if get_bar is None else operands.one_barrier(*get_bar(args))
+    det = race_clocks.current()
+    if det is not None:  # the barrier's waiter (or wait_gmem_to_smem) acquires its clock
+      key = det.issue("TMA", reads=[operands.window(get_src, args)],
+                      writes=[(dst_view, dst_idx)],
+                      key=None if bar is None else (bar, bar.phase))
+      land = _completed(land, det, key) if bar is None else land
+    if bar is None:
       operands.block_of(ctx).from_gmem[operands.thread_of(ctx)].append(land)
     else:
-      operands.one_barrier(*get_bar(args)).arrive(land)
+      bar.arrive(land)
     return []
   return copy
 
@@ -116,8 +131,12 @@ def _copy_smem_to_gmem(e):
   def copy(ctx, *args):
     if pred_pos is not None and not bool(args[pred_pos]):
       return []
-    data = operands.read(*get_src(args))
+    src = get_src(args)
+    data = operands.read(*src)
     land = operands.tma_writer(get_dst, args, data, reduce, poison=poison)
+    det = race_clocks.current()
+    if det is not None:  # the source is read until the copy completes
+      land = _completed(land, det, det.issue("TMA", reads=[src], writes=[land.window]))
     operands.block_of(ctx).store_to_gmem(operands.thread_of(ctx), land)
     return []
   return copy

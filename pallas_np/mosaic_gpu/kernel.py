@@ -15,10 +15,11 @@ import itertools
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import races
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
-from pallas_np.mosaic_gpu import threads
+from pallas_np.mosaic_gpu import race_clocks, threads
 from pallas_np.params import InterpretParams
 from pallas_np.state.refs import SHARED_SCOPE_KEY
 
@@ -69,10 +70,23 @@ class MeshKernel:
     if self.thread_name is not None:
       sizes[self.thread_name] = self.num_threads
     num_programs = tuple(np.int32(s) for s in sizes.values())
-    for block in itertools.product(*map(range, self.block_shape)):
+    detection = None
+    if self.params.detect_races:
+      gmem = [(f"operand {i}", a) for i, a in enumerate(ins)]
+      gmem += [(f"output {i}", o) for i, o in enumerate(outs)]
+      detection = race_clocks.KernelRaces(self.name, self.num_threads,
+                                          self.thread_name is not None, gmem)
+    names: dict = {}
+    for number, block in enumerate(itertools.product(*map(range, self.block_shape))):
       state = threads.BlockState(str(block), self.num_threads, self.name)
+      detectors = None
+      if detection is not None:
+        names[number] = str(block)
+        detectors = detection.block(number, str(block))
+        for det in detectors:
+          det.block_names = names
 
-      def run_thread(t, block=block, state=state):
+      def run_thread(t, block=block, state=state, detectors=detectors):
         ctx = RunContext(self.name, self.params)
         coords = (*block, t) if self.thread_name is not None else block
         ctx.program_ids = tuple(np.int32(c) for c in coords)
@@ -84,13 +98,19 @@ class MeshKernel:
         ctx.extra[threads.THREAD_KEY] = t
         ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
         try:
-          plan(ctx, *ins, *outs)
+          if detectors is None:
+            plan(ctx, *ins, *outs)
+          else:
+            with races.activate(detectors[t]):
+              plan(ctx, *ins, *outs)
         except KernelError:
           raise
         except Exception as e:
           raise self._error(e, block, t) from e
       state.run_threads(run_thread)
       state.finish()
+      if detection is not None:
+        detection.end_block()
     return outs
 
   def _error(self, e: Exception, block, thread) -> Exception:

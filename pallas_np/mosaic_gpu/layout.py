@@ -5,7 +5,7 @@ from __future__ import annotations
 from jax import lax
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.mosaic_gpu import operands
 
 if jc.mgpu_core is not None and hasattr(jc.mgpu_core, "layout_cast_p"):
@@ -28,7 +28,12 @@ for _name in ("set_max_registers_p",):
     "plgpu.load: rare; runs lane by lane"), foldable=False)
 def _load(e):
   get, _ = operands.ref_accessor(e, 0, e.params["tree"], 1)
-  return lambda *args: operands.read(*get(args))
+
+  def load(*args):
+    view, idx = get(args)
+    races.note(view, idx, "read")
+    return operands.read(view, idx)
+  return load
 
 
 if jc.mgpu_primitive("store_p") is not None:
@@ -39,6 +44,7 @@ if jc.mgpu_primitive("store_p") is not None:
 
     def store(*args):
       view, idx = get(args)
+      races.note(view, idx, "write")
       view[idx] = args[1]
       return []
     return store

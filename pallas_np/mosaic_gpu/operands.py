@@ -51,6 +51,15 @@ def _tma_window(get, args):
   return view, coords, ok
 
 
+def window(get, args):
+  """(view, index) of the in-bounds part of a TMA window (race detection)."""
+  try:
+    return get(args)
+  except IndexError:
+    view, coords, ok = _tma_window(get, args)
+    return view, tuple(c[ok] for c in coords)
+
+
 def tma_read(get, args) -> np.ndarray:
   """Read a GMEM window; elements out of bounds read 0 (TMA semantics)."""
   try:
@@ -86,6 +95,7 @@ def tma_writer(get, args, data, reduce=None, poison=None):
   else:
     def land():
       view[idx] = reduce(view[idx], data)
+  land.window = (view, idx)
   return land
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
-from pallas_np.mosaic_gpu import operands
+from pallas_np.mosaic_gpu import operands, race_clocks
 
 _UNBATCHED = registry.unbatched("wgmma updates an accumulator of one warpgroup")
 
@@ -20,7 +20,9 @@ _UNBATCHED = registry.unbatched("wgmma updates an accumulator of one warpgroup")
 def _operand(e, pos, tree, start):
   if isinstance(e.in_avals[pos], jc.AbstractRef):
     get, nxt = operands.ref_accessor(e, pos, tree, start)
-    return (lambda args: operands.read(*get(args))), nxt
+    read = lambda args: operands.read(*get(args))  # noqa: E731
+    read.window = get
+    return read, nxt
   return (lambda args: np.asarray(args[pos])), start + operands.num_leaves(tree)
 
 
@@ -32,7 +34,12 @@ def _wgmma_ref(e):
   get_b, pos = _operand(e, 2, p.get("b_transforms_tree"), pos)
   acc_dt = np.dtype(e.in_avals[0].inner_aval.dtype)
 
+  smem = [g.window for g in (get_a, get_b) if hasattr(g, "window")]
+
   def wgmma(*args):
+    det = race_clocks.current()
+    if det is not None:  # the tensor core reads the SMEM operands until wgmma_wait
+      det.wgmma(reads=[get(args) for get in smem])
     view, idx = get_acc(args)
     a = get_a(args).astype(acc_dt, copy=False)
     b = get_b(args).astype(acc_dt, copy=False)
@@ -44,7 +51,14 @@ def _wgmma_ref(e):
 @registry.register(jc.mgpu_primitive("wgmma_accumulator_deref_p"), batch=_UNBATCHED,
                    foldable=False)
 def _wgmma_accumulator_deref(e):
-  return lambda acc: np.array(acc)
+  wait_n = e.params.get("wait_n", 0)  # it waits for all but wait_n wgmmas first
+
+  def deref(acc):
+    det = race_clocks.current()
+    if det is not None and wait_n is not None:
+      det.wgmma_wait(int(wait_n))
+    return np.array(acc)
+  return deref
 
 
 @registry.register(jc.mgpu_primitive("wgmma_accumulator_store_p"), batch=_UNBATCHED,
@@ -59,4 +73,11 @@ def _wgmma_accumulator_store(e):
 @registry.register(jc.mgpu_primitive("wgmma_wait_p"), foldable=False, batch=registry.unbatched(
     "a fence: nothing to batch"))
 def _wgmma_wait(e):
-  return lambda *args: []
+  keep = e.params.get("n")
+
+  def wait(*args):
+    det = race_clocks.current()
+    if det is not None:
+      det.wgmma_wait(int(args[0]) if keep is None else int(keep))
+    return []
+  return wait

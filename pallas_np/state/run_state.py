@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.memory import allocate
 
 
@@ -38,6 +38,10 @@ def _run_state(e):
   params = e.compiler.params
   is_ref = [isinstance(a, jc.AbstractRef) for a in e.in_avals]
   avals = [v.aval.inner_aval for v in jaxpr.invars]
+  # A Mosaic GPU run_state over wgmma accumulators waits for every wgmma
+  # (wgmma_wait(0)) before it returns their values; the race detector of a
+  # warpgroup (pallas_np.mosaic_gpu.race_clocks) orders that.
+  waits_wgmma = params.detect_races and any(jc.is_wgmma_acc_aval(v.aval) for v in jaxpr.invars)
 
   def run_state(ctx, *args):
     it = iter(zip(args, is_ref))
@@ -54,6 +58,10 @@ def _run_state(e):
       bufs.append(buf)
       refs.append(ref)
     plan(ctx, *bufs)
+    if waits_wgmma:
+      wait = getattr(races.current(), "wgmma_wait", None)
+      if wait is not None:
+        wait(0)
     return [b if ref else np.array(b) for b, ref in zip(bufs, refs)]
   return run_state
 

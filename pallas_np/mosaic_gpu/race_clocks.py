@@ -1,0 +1,255 @@
+"""Races in Mosaic GPU kernels: ``InterpretParams(detect_races=True)``.
+
+The vector clocks of mesh kernels (``pallas_np.meshes.programs``) order the
+accesses of one block; blocks are never ordered with each other (only
+atomics share GMEM between blocks safely). Each block has ``3 x num_threads``
+*agents*, each with a clock: warpgroup ``t`` itself, its TMA unit (the
+copies it issues) and its tensor core (its ``wgmma``s). Happens-before
+edges:
+
+* ``barrier_arrive`` (and a copy's arrival) releases its clock onto the
+  barrier's phase; the ``barrier_wait`` that observes the phase acquires it;
+* issuing an asynchronous copy or ``wgmma`` orders the agent after the
+  issuing warpgroup; its completion (the barrier wait, ``wait_smem_to_gmem``,
+  ``wait_gmem_to_smem``, ``wgmma_wait``) orders the waiter after the agent.
+
+An asynchronous copy's destination counts as written by its agent when the
+copy is *issued* (and its source read then), so touching it before the
+completion - by any warpgroup, the issuer included - is reported.
+
+Every buffer an access reaches gets shadow arrays (a ``races`` region): the
+last writer (agent and block) and its clock per element, and per agent the
+block and clock of its last read. A write is a race if an earlier write or
+read of another agent is not ordered before it; a read, if the last write is
+not. GMEM buffers keep their shadows across blocks; SMEM buffers are dropped
+at the block's end."""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from pallas_np import races
+from pallas_np.errors import RaceError
+from pallas_np.meshes.programs import ProgramRaceDetector, VectorClocks
+
+# Agent kinds; local id = kind * T + t. "MMA": wgmma, tcgen05_mma and
+# async_copy_smem_to_tmem (the tensor core); "TMEM load": async_load_tmem.
+AGENTS = ("warpgroup", "TMA", "MMA", "TMEM load")
+
+
+def _root(view: np.ndarray) -> np.ndarray:
+  while isinstance(view.base, np.ndarray):
+    view = view.base
+  return view
+
+
+def _coordinates(region, view, elem) -> tuple:
+  """The index of shadow element ``elem`` in ``view`` (a buffer may be a
+  typed view of raw bytes: report in the kernel's terms)."""
+  offset = elem * region.itemsize + region.start - view.__array_interface__["data"][0]
+  hits = np.argwhere(races.byte_offsets(view) == offset)
+  if len(hits):
+    return tuple(int(i) for i in hits[0])
+  return tuple(int(i) for i in np.unravel_index(elem, region.shape))
+
+
+class KernelRaces:
+  """The shadow memory of one run of a Mosaic GPU kernel."""
+
+  def __init__(self, kernel: str, num_threads: int, named: bool, gmem):
+    self.kernel = kernel
+    self.num_threads = num_threads
+    self.named = named  # the kernel has a warpgroup axis (thread_name)
+    self.agents = len(AGENTS) * num_threads
+    # id(root buffer) -> (root or a weak reference to it, region, readers)
+    self.regions: dict = {}
+    self.gmem = set()
+    for name, buf in gmem:
+      if np.size(buf) == 0:
+        continue
+      self.gmem.add(id(_root(buf)))
+      self._add(_root(buf), name)
+
+  def _add(self, root, name):
+    shadow = races.RaceDetector(self.kernel, (), ())
+    shadow.track(name, root)
+    region = shadow.regions[0]
+    region.ensure()
+    readers = (np.full((self.agents, root.size), -1, np.int32),  # block of the last read
+               np.zeros((self.agents, root.size), np.int32))  # clock of the last read
+    key = id(root)
+    # Scoped buffers (SMEM, TMEM) are forgotten when freed: their shadows go
+    # with them, and a later buffer at the same address starts clean.
+    keep = root if key in self.gmem else weakref.ref(root, lambda _: self.regions.pop(key, None))
+    hit = self.regions[key] = (keep, region, readers)
+    return hit
+
+  def region_of(self, view):
+    root = _root(view)
+    hit = self.regions.get(id(root))
+    if hit is None:
+      if root.dtype == object:  # barriers
+        return None
+      hit = self._add(root, f"SMEM buffer {root.dtype}{list(root.shape)}")
+    return hit
+
+  def block(self, block: int, describe: str) -> list:
+    """The detectors of block ``block``'s warpgroups."""
+    clocks = VectorClocks(self.agents)
+    return [WarpgroupRaceDetector(self, block, describe, t, clocks)
+            for t in range(self.num_threads)]
+
+  def end_block(self):
+    """SMEM and registers die with the block."""
+    self.regions = {k: v for k, v in self.regions.items() if k in self.gmem}
+
+  def describe(self, block_desc: str, local: int) -> str:
+    kind, t = divmod(local, self.num_threads)
+    who = f"warpgroup {t} of block {block_desc}" if self.named else f"block {block_desc}"
+    if kind == 0:
+      return who
+    what = ("a TMA copy", "an MMA (wgmma/tcgen05)", "an async_load_tmem")[kind - 1]
+    return f"{what} issued by {who}"
+
+
+class WarpgroupRaceDetector(ProgramRaceDetector):
+  """One warpgroup's detector (``races.current()`` on its thread)."""
+
+  def __init__(self, run: KernelRaces, block: int, block_desc: str, t: int, clocks):
+    super().__init__(run.kernel, t, None, clocks, [])
+    self.run = run
+    self.block_id = block
+    self.block_desc = block_desc
+    self.thread = t
+    self.block_names: dict = {}  # other blocks' ids -> descriptions (for reports)
+    self.wgmma_tokens: list = []
+    self.tmem_load_tokens: list = []
+
+  # -- accesses ----------------------------------------------------------------------
+  def access(self, view, index, kind: str, mask=None):
+    self._check(view, index, kind, self.thread, mask)
+
+  def _check(self, view, index, kind, local, mask=None):
+    if not isinstance(view, np.ndarray) or view.size == 0:
+      return
+    hit = self.run.region_of(view)
+    if hit is None:
+      return
+    root, region, (read_block, read_clock) = hit
+    offsets = races.byte_offsets(view)
+    if index is not Ellipsis:
+      offsets = offsets[index]
+    offsets = np.asarray(offsets)
+    if mask is not None:
+      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
+    ptr = view.__array_interface__["data"][0]
+    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    if elems.size == 0:
+      return
+    n = self.run.agents
+    me = self.block_id * n + local
+    known = self.clocks.program[local]
+    clock = int(known[local])
+    writer = region.group[elems]
+    when = region.step[elems]
+    other_block = writer // n != self.block_id
+    unordered = (writer >= 0) & (writer != me) & (
+        other_block | (when > known[np.maximum(writer, 0) % n]))
+    if unordered.any():
+      k = int(np.argmax(unordered))
+      self._report(region, view, int(elems[k]), int(writer[k]), kind, "wrote", local)
+    if kind != "read":
+      rb, rc = read_block[:, elems], read_clock[:, elems]
+      mine = np.arange(n)[:, None] == local
+      bad = (rb >= 0) & ((rb != self.block_id) | (~mine & (rc > known[:, None])))
+      if bad.any():
+        j, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        other = int(rb[j, k]) * n + int(j)
+        self._report(region, view, int(elems[k]), other, kind, "read", local)
+      region.group[elems] = me
+      region.step[elems] = clock
+    if kind != "write":
+      read_block[local, elems] = self.block_id
+      read_clock[local, elems] = clock
+
+  def _report(self, region, view, elem, other: int, kind, other_did: str, local):
+    n = self.run.agents
+    where = _coordinates(region, view, elem)
+    name = region.name if region.name.startswith(("operand", "output")) else \
+        f"SMEM buffer {view.dtype}{list(view.shape)}"
+    verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
+    other_block, other_local = divmod(other, n)
+    other_desc = (self.block_desc if other_block == self.block_id
+                  else self.block_names.get(other_block, f"#{other_block}"))
+    why = ("blocks are never ordered with each other (only atomics may share GMEM)"
+           if other_block != self.block_id else
+           "no barrier arrive/wait (or copy/wgmma completion wait) orders the two")
+    raise RaceError(
+        f"data race on {name} in Mosaic GPU kernel '{self.kernel}': "
+        f"{self.run.describe(self.block_desc, local)} {verb} element {where} that "
+        f"{self.run.describe(other_desc, other_local)} {other_did}; {why}, so on a GPU "
+        "they run concurrently.",
+        buffer=name, grid_points=(other, self.block_id * n + local), element=where)
+
+  # -- asynchronous agents -------------------------------------------------------------
+  def issue(self, agent: str, reads=(), writes=(), key=None):
+    """An asynchronous operation of this warpgroup's ``agent`` ("TMA",
+    "wgmma"): ordered after everything the warpgroup did so far; it reads
+    and writes now (as far as races go); its clock is released onto
+    ``key`` (a barrier phase, or a token the completion acquires)."""
+    local = AGENTS.index(agent) * self.run.num_threads + self.thread
+    c = self.clocks
+    with c.lock:
+      np.maximum(c.program[local], c.program[self.thread], out=c.program[local])
+    for view, idx in reads:
+      self._check(view, idx, "read", local)
+    for view, idx in writes:
+      self._check(view, idx, "write", local)
+    key = object() if key is None else key
+    self.release_agent(agent, key)
+    return key
+
+  def release_agent(self, agent: str, key):
+    """Release ``agent``'s clock onto ``key`` (``tcgen05_commit_arrive``:
+    the tensor core arrives on a barrier once every MMA issued so far is done)."""
+    local = AGENTS.index(agent) * self.run.num_threads + self.thread
+    saved, self.me = self.me, local
+    try:
+      self.release(key)
+    finally:
+      self.me = saved
+      self.step = int(self.clocks.program[self.thread, self.thread])
+
+  def wgmma(self, reads):
+    self.wgmma_tokens.append(self.issue("MMA", reads=reads))
+
+  def tmem_load(self, view, idx):
+    self.tmem_load_tokens.append(self.issue("TMEM load", reads=[(view, idx)]))
+
+  def wait_tmem_loads(self):
+    while self.tmem_load_tokens:
+      self.acquire(self.tmem_load_tokens.pop(0))
+
+  def wgmma_wait(self, keep: int):
+    while len(self.wgmma_tokens) > keep:
+      self.acquire(self.wgmma_tokens.pop(0))
+
+
+def current() -> WarpgroupRaceDetector | None:
+  """This warpgroup's detector, None when detection is off (or in a
+  ``pl.pallas_call``, whose grid detector treats every program as parallel)."""
+  det = races.current()
+  return det if isinstance(det, WarpgroupRaceDetector) else None
+
+
+def release(key):
+  det = current()
+  if det is not None:
+    det.release(key)
+
+
+def acquire(key):
+  det = current()
+  if det is not None:
+    det.acquire(key)
