@@ -204,13 +204,7 @@ class RaceDetector:
 
   def _access_general(self, region, ptr, view, index, kind, mask):
     """Element-offset version: any view (bitcast ones too) and index."""
-    offsets = byte_offsets(view)
-    if index is not Ellipsis:
-      offsets = offsets[index]
-    offsets = np.asarray(offsets)
-    if mask is not None:
-      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
-    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    elems = accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
     if elems.size == 0:
       return
     writer_group = region.group[elems]
@@ -265,6 +259,19 @@ def byte_offsets(view: np.ndarray) -> np.ndarray:
     shape[d] = n
     off = off + (np.arange(n, dtype=np.int64) * s).reshape(shape)
   return np.broadcast_to(off, view.shape)
+
+
+def accessed_elements(view, index, mask, ptr: int, start: int, itemsize: int) -> np.ndarray:
+  """Element numbers (``itemsize`` units from ``start``) of the elements an
+  access ``view[index]`` (where ``mask``) touches; ``ptr`` is ``view``'s
+  address. Works for any view: strided, bitcast, broadcast."""
+  offsets = byte_offsets(view)
+  if index is not Ellipsis:
+    offsets = offsets[index]
+  offsets = np.asarray(offsets)
+  if mask is not None:
+    offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
+  return ((ptr - start) + offsets.ravel()) // itemsize
 
 
 def note(view, index, kind: str, mask=None):

@@ -244,13 +244,7 @@ class ProgramRaceDetector(races.RaceDetector):
         np.maximum(c.program[self.me], sem, out=c.program[self.me])
 
   def _access_general(self, region, ptr, view, index, kind, mask):
-    offsets = races.byte_offsets(view)
-    if index is not Ellipsis:
-      offsets = offsets[index]
-    offsets = np.asarray(offsets)
-    if mask is not None:
-      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
-    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    elems = races.accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
     if elems.size == 0:
       return
     writer = region.group[elems]

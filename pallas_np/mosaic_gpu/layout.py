@@ -40,14 +40,7 @@ if jc.mgpu_primitive("store_p") is not None:
   @registry.register(jc.mgpu_primitive("store_p"), batch=registry.unbatched(
       "plgpu.store: rare; runs lane by lane"), foldable=False)
   def _store(e):
-    get, _ = operands.ref_accessor(e, 0, e.params["tree"], 2)
-
-    def store(*args):
-      view, idx = get(args)
-      races.note(view, idx, "write")
-      view[idx] = args[1]
-      return []
-    return store
+    return operands.store_rule(e)
 
 
 # plgpu.sum/max/min/prod: lax's reductions with a register-level hint

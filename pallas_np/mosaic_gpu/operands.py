@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.state.indexing import RefAccess, static_atoms
 from pallas_np.mosaic_gpu import threads
 
@@ -97,6 +97,19 @@ def tma_writer(get, args, data, reduce=None, poison=None):
       view[idx] = reduce(view[idx], data)
   land.window = (view, idx)
   return land
+
+
+def store_rule(e: registry.EqnInfo):
+  """A ref write at ``operands[0][transforms]`` of ``operands[-1]``'s value
+  (``plgpu.store``, ``async_store_tmem``: explicit-layout stores)."""
+  get, _ = ref_accessor(e, 0, e.params["tree"], 2)
+
+  def store(*args):
+    view, idx = get(args)
+    races.note(view, idx, "write")
+    view[idx] = args[1]
+    return []
+  return store
 
 
 def read(view, idx) -> np.ndarray:

@@ -137,14 +137,8 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     if hit is None:
       return
     root, region, (read_block, read_clock) = hit
-    offsets = races.byte_offsets(view)
-    if index is not Ellipsis:
-      offsets = offsets[index]
-    offsets = np.asarray(offsets)
-    if mask is not None:
-      offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
     ptr = view.__array_interface__["data"][0]
-    elems = ((ptr - region.start) + offsets.ravel()) // region.itemsize
+    elems = races.accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
     if elems.size == 0:
       return
     n = self.run.agents

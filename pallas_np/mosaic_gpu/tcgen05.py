@@ -122,14 +122,7 @@ def _wait_load_tmem(e):
 
 @registry.register(jc.mgpu_primitive("async_store_tmem_p"), foldable=False, batch=_UNBATCHED)
 def _async_store_tmem(e):
-  get, _ = operands.ref_accessor(e, 0, e.params["tree"], 2)
-
-  def store(*args):
-    view, idx = get(args)
-    races.note(view, idx, "write")
-    view[idx] = args[1]
-    return []
-  return store
+  return operands.store_rule(e)
 
 
 @registry.register(jc.mgpu_primitive("async_copy_smem_to_tmem_p"), foldable=False,
