@@ -43,27 +43,21 @@ def _roll(e):
 
 @registry.register(mp.bitcast_p, batch=registry.unbatched("rare: run lane by lane"))
 def _bitcast(e):
-  """TPU bitcast packs/unpacks along the second-minor dim (see the Mosaic
-  lowering of ``bitcast_p``)."""
-  src = np_dtype(e.in_avals[0].dtype)
+  """TPU bitcast packs/unpacks consecutive elements along one dim: the second
+  minor (JAX 0.10, and 0.12's default) or ``dim`` (JAX 0.12's ``dim=``;
+  ``plsc.bitcast`` is ``dim=-1``). With that dim moved minormost it is
+  ``ndarray.view`` (see JAX 0.12's lowering of ``bitcast_p``)."""
   dst = np_dtype(e.params["ty"])
-  if src.itemsize == dst.itemsize:
-    return lambda x: np.ascontiguousarray(x).view(dst)
-  if src.itemsize < dst.itemsize:
-    packing = dst.itemsize // src.itemsize
+  dim = e.params.get("dim")
+  dim = len(e.in_avals[0].shape) - 2 if dim is None else int(dim)
+  return lambda x: minor_view(x, dim, dst)
 
-    def pack(x):
-      *lead, m, n = x.shape
-      y = np.swapaxes(x.reshape(*lead, m // packing, packing, n), -1, -2)
-      return np.ascontiguousarray(y).view(dst).reshape(*lead, m // packing, n)
-    return pack
-  packing = src.itemsize // dst.itemsize
 
-  def unpack(x):
-    *lead, m, n = x.shape
-    y = np.ascontiguousarray(x).view(dst).reshape(*lead, m, n, packing)
-    return np.ascontiguousarray(np.swapaxes(y, -1, -2)).reshape(*lead, m * packing, n)
-  return unpack
+def minor_view(x, dim: int, dst) -> np.ndarray:
+  """``x`` viewed as ``dst``, the ratio of the widths scaling dim ``dim``:
+  consecutive elements along it are packed into (or unpacked from) one."""
+  y = np.ascontiguousarray(np.moveaxis(np.asarray(x), dim, -1)).view(dst)
+  return np.moveaxis(y, -1, dim)
 
 
 # -- PRNG -----------------------------------------------------------------------
