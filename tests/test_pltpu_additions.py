@@ -127,3 +127,26 @@ def test_popping_an_empty_mxu_fifo_raises(chip_with_accumulators):
   with pytest.raises(RuntimeError, match="FIFO of MXU 0 is empty"):
     pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, k), jnp.float32),
                    interpret="numpy")()
+
+
+needs_bitcast_dim = pytest.mark.skipif(
+    "dim" not in __import__("inspect").signature(pltpu.bitcast).parameters,
+    reason="pltpu.bitcast(dim=) is JAX >= 0.12")
+
+
+@needs_bitcast_dim
+@pytest.mark.parametrize("dim,src,dst", [(-1, jnp.int32, jnp.int16), (-1, jnp.int8, jnp.int32),
+                                         (-2, jnp.int32, jnp.int8), (1, jnp.int16, jnp.int32)])
+def test_bitcast_along_dim_matches_interpret_mode(dim, src, dst):
+  """pltpu.bitcast(x, ty, dim=): dim -1 is ndarray.view, -2 packs
+  consecutive rows; oracle: interpret=True (JAX's lowering runs on CPU)."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = pltpu.bitcast(x_ref[...], dst, dim=dim)
+  x = jnp.asarray(np.random.RandomState(5).randint(-100, 100, size=(4, 8, 16)).astype(src))
+  shape = list(x.shape)
+  shape[dim] = shape[dim] * np.dtype(src).itemsize // np.dtype(dst).itemsize
+
+  def run(interpret):
+    return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(tuple(shape), dst),
+                                     interpret=interpret)(x))
+  np.testing.assert_array_equal(run("numpy"), run(True))

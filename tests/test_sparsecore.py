@@ -319,3 +319,197 @@ def test_mask_all_reductions(bits):
   bits = np.array(bits, bool)
   np.testing.assert_array_equal(got[0], np.full(L, bits.sum()))
   np.testing.assert_array_equal(got[1], np.full(L, np.argmax(bits) if bits.any() else L))
+
+
+# -- vector-lane ops: masked scans, sort_key_val, scan_count, pack/unpack, bitcast ---------
+# No JAX oracle runs these (interpret=True cannot run a SparseCore mesh, TPU
+# interpret mode has no rule for them): every expected value below is a plain
+# Python loop written from the Mosaic op docs their lowerings emit (tpu.scan,
+# tpu.sort, tpu.scan_count, tpu.pack_subelements; see docs/tpu.md).
+def on_one_subcore(fn, *arrays, out):
+  """A SparseCore kernel on one vector subcore: DMA the inputs to VMEM, apply
+  ``fn`` to their values, store its results in VMEM and DMA them out."""
+  n_in, n_out = len(arrays), len(out)
+
+  def body(*refs):
+    ins_hbm, outs_hbm = refs[:n_in], refs[n_in:n_in + n_out]
+    ins, outs = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:]
+    for src, dst in zip(ins_hbm, ins):
+      pltpu.sync_copy(src, dst)
+    for res, buf, dst in zip(fn(*[r[...] for r in ins]), outs, outs_hbm):
+      buf[...] = res
+      pltpu.sync_copy(buf, dst)
+  k = pl.kernel(body, out_type=tuple(out), mesh=vector_mesh(1, 1), interpret="numpy",
+                scratch_types=[pltpu.VMEM(a.shape, a.dtype) for a in arrays]
+                + [pltpu.VMEM(o.shape, o.dtype) for o in out])
+  return [np.asarray(r) for r in k(*arrays)]
+
+
+def scan_reference(op, x, mask):
+  """Lanes before the first valid one pass x through; then the running op
+  of the valid lanes (an invalid lane holds the value so far)."""
+  out, acc = x.copy(), None
+  for i in range(x.size):
+    if mask[i]:
+      acc = x[i] if acc is None else op(acc, x[i])
+    if acc is not None:
+      out[i] = acc
+  return out
+
+
+MASKS = {"some": [0, 1, 1, 0, 1, 0, 0, 1], "none": [0] * L, "all": [1] * L,
+         "last": [0] * (L - 1) + [1]}
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.float32])
+def test_masked_cumsum_cummax_cummin(dtype, mask_name):
+  from jax._src.pallas.mosaic import sc_primitives  # cummin is not exported by tpu_sc
+  rng = np.random.RandomState(3)
+  x = rng.randint(0 if dtype == jnp.uint32 else -50, 50, size=L).astype(dtype)
+  if dtype == jnp.float32:
+    x = x + np.float32(0.25)
+  mask = np.array(MASKS[mask_name], np.int32)
+
+  def fn(xv, mv):
+    m = mv != 0
+    return plsc.cumsum(xv, mask=m), plsc.cummax(xv, mask=m), sc_primitives.cummin(xv, mask=m)
+  spec = jax.ShapeDtypeStruct((L,), dtype)
+  got = on_one_subcore(fn, jnp.asarray(x), jnp.asarray(mask), out=[spec] * 3)
+  m = mask.astype(bool)
+  np.testing.assert_array_equal(got[0], scan_reference(lambda a, b: a + b, x, m))
+  np.testing.assert_array_equal(got[1], scan_reference(max, x, m))
+  np.testing.assert_array_equal(got[2], scan_reference(min, x, m))
+
+
+def test_cumsum_without_mask_is_a_prefix_sum():
+  x = jnp.arange(1, L + 1, dtype=f32) * 0.5
+  [got] = on_one_subcore(lambda v: [plsc.cumsum(v)], x, out=[jax.ShapeDtypeStruct((L,), f32)])
+  want, acc = [], np.float32(0)
+  for v in np.asarray(x):
+    acc = np.float32(acc + v)
+    want.append(acc)
+  np.testing.assert_array_equal(got, np.array(want, np.float32))
+
+
+def sort_reference(keys, values, mask, descending):
+  """Stable by key (ties keep their input order both ways), the masked-out
+  pairs after, in input order; the mask marks the valid outputs."""
+  valid = [(k, v) for k, v, m in zip(keys, values, mask) if m]
+  valid = sorted(valid, key=lambda kv: kv[0], reverse=descending)  # stable both ways
+  rest = [(k, v) for k, v, m in zip(keys, values, mask) if not m]
+  pairs = valid + rest
+  return (np.array([k for k, _ in pairs], keys.dtype), np.array([v for _, v in pairs], values.dtype),
+          np.arange(L) < len(valid))
+
+
+SORT_KEYS = {
+    jnp.int32: [5, -3, 5, 0, -3, 7, 5, -2**31],
+    jnp.uint32: [2**32 - 1, 3, 3, 0, 2**31, 3, 1, 2**31],
+    jnp.float32: [1.5, -0.5, 1.5, np.inf, -np.inf, 0.0, 1.5, -7.0],
+}
+
+
+@pytest.mark.parametrize("mask_name", ["some", "none", "all", None])
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("dtype", sorted(SORT_KEYS, key=str))
+def test_sort_key_val_is_stable_with_ties_and_masks(dtype, descending, mask_name):
+  keys = np.array(SORT_KEYS[dtype], dtype)
+  values = np.arange(L, dtype=np.int32) * 10  # which input each output came from
+  mask = np.array(MASKS[mask_name] if mask_name else [1] * L, np.int32)
+
+  def fn(k, v, mv):
+    if mask_name is None:
+      sk, sv = plsc.sort_key_val(k, v, descending=descending)
+      return sk, sv, jnp.ones((L,), i32)
+    sk, sv, sm = plsc.sort_key_val(k, v, mask=mv != 0, descending=descending)
+    return sk, sv, sm.astype(i32)
+  got = on_one_subcore(fn, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(mask),
+                       out=[jax.ShapeDtypeStruct((L,), dtype), jax.ShapeDtypeStruct((L,), i32),
+                            jax.ShapeDtypeStruct((L,), i32)])
+  want = sort_reference(keys, values, mask.astype(bool), descending)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[2], want[2].astype(np.int32))
+
+
+def scan_count_reference(x, mask):
+  """Count of valid lanes j <= i equal to x[i] (1 on an invalid lane); the
+  last valid occurrence of each value is marked."""
+  counts = [1 + sum(1 for j in range(i) if mask[j] and x[j] == x[i]) if mask[i] else 1
+            for i in range(x.size)]
+  last = [bool(mask[i]) and not any(mask[j] and x[j] == x[i] for j in range(i + 1, x.size))
+          for i in range(x.size)]
+  return np.array(counts, np.int32), np.array(last)
+
+
+@pytest.mark.parametrize("mask_name", ["some", "none", "all", None])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32])
+def test_scan_count_counts_duplicates(dtype, mask_name):
+  x = np.array([4, 7, 4, 4, 7, 1, 4, 7], dtype)
+  mask = np.array(MASKS[mask_name] if mask_name else [1] * L, np.int32)
+
+  def fn(xv, mv):
+    counts, last = plsc.scan_count(xv) if mask_name is None else plsc.scan_count(xv, mv != 0)
+    return counts, last.astype(i32)
+  got = on_one_subcore(fn, jnp.asarray(x), jnp.asarray(mask),
+                       out=[jax.ShapeDtypeStruct((L,), i32)] * 2)
+  counts, last = scan_count_reference(x, mask.astype(bool))
+  np.testing.assert_array_equal(got[0], counts)
+  np.testing.assert_array_equal(got[1], last.astype(np.int32))
+
+
+def pack_reference(a, b, fmt, dtype):
+  """Each element converted (round to nearest even / wrap), then a0 b0 a1 b1
+  ... (interleaved) or a then b shaped (n, 2) (compressed)."""
+  a = [np.asarray(v).astype(dtype) for v in a]
+  b = [np.asarray(v).astype(dtype) for v in b]
+  if fmt == plsc.PackFormat.INTERLEAVED:
+    return np.array([v for pair in zip(a, b) for v in pair], dtype)
+  return np.array(a + b, dtype).reshape(len(a), 2)
+
+
+@pytest.mark.parametrize("n", [L, 5])  # 5: an odd size
+@pytest.mark.parametrize("fmt", ["INTERLEAVED", "COMPRESSED"])
+@pytest.mark.parametrize("src,dst", [(jnp.float32, None), (jnp.int32, None),
+                                     (jnp.float32, jnp.float16), (jnp.uint32, jnp.uint16)])
+def test_pack_and_unpack(src, dst, fmt, n):
+  fmt = getattr(plsc.PackFormat, fmt)
+  rng = np.random.RandomState(4)
+  if np.dtype(src).kind == "f":
+    ab = rng.randn(2, n).astype(np.float32) * 100  # not representable in 16 bits: rounds
+  else:
+    ab = rng.randint(-2**31, 2**31 - 1, size=(2, n)).astype(src)  # wraps to 16 bits
+  packed_dtype = dst or {jnp.float32: jnp.bfloat16, jnp.int32: jnp.int16}[src]
+  packed_shape = (2 * n,) if fmt == plsc.PackFormat.INTERLEAVED else (n, 2)
+
+  def fn(v):
+    packed = plsc.pack(v[0], v[1], format=fmt, preferred_element_type=dst)
+    a, b = plsc.unpack(packed, format=fmt, preferred_element_type=dst and src)
+    return packed, jnp.stack([a, b])
+  got_packed, got_unpacked = on_one_subcore(
+      fn, jnp.asarray(ab), out=[jax.ShapeDtypeStruct(packed_shape, packed_dtype),
+                                jax.ShapeDtypeStruct((2, n), src)])
+  want = pack_reference(list(ab[0]), list(ab[1]), fmt, np.dtype(packed_dtype))
+  np.testing.assert_array_equal(got_packed, want)
+  np.testing.assert_array_equal(got_unpacked, ab.astype(np.dtype(packed_dtype)).astype(src))
+
+
+def test_plsc_bitcast_splits_words_like_ndarray_view():
+  """Along the minormost dim: word k becomes halves 2k (low) and 2k+1 (high)
+  (little-endian, as numpy's view)."""
+  import warnings
+  x = jnp.array([0x00010002, -1, 0x7FFF8000, 5, 0, 1 << 16, 3, 0x12345678], i32)
+
+  def fn(v):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)  # JAX 0.12: use pltpu.bitcast(dim=-1)
+      halves = plsc.bitcast(v, jnp.int16)
+      return halves, plsc.bitcast(halves, jnp.int32)
+  halves, back = on_one_subcore(fn, x, out=[jax.ShapeDtypeStruct((2 * L,), jnp.int16),
+                                            jax.ShapeDtypeStruct((L,), i32)])
+  want = []
+  for word in np.asarray(x).astype(np.int64) & 0xFFFFFFFF:
+    want += [word & 0xFFFF, word >> 16]
+  np.testing.assert_array_equal(halves, np.array(want, np.uint16).view(np.int16))
+  np.testing.assert_array_equal(back, np.asarray(x))
