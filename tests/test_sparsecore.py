@@ -340,6 +340,7 @@ def on_one_subcore(fn, *arrays, out):
       buf[...] = res
       pltpu.sync_copy(buf, dst)
   k = pl.kernel(body, out_type=tuple(out), mesh=vector_mesh(1, 1), interpret="numpy",
+                compiler_params=pltpu.CompilerParams(needs_layout_passes=False),  # as pack needs
                 scratch_types=[pltpu.VMEM(a.shape, a.dtype) for a in arrays]
                 + [pltpu.VMEM(o.shape, o.dtype) for o in out])
   return [np.asarray(r) for r in k(*arrays)]
@@ -513,3 +514,44 @@ def test_plsc_bitcast_splits_words_like_ndarray_view():
     want += [word & 0xFFFF, word >> 16]
   np.testing.assert_array_equal(halves, np.array(want, np.uint16).view(np.int16))
   np.testing.assert_array_equal(back, np.asarray(x))
+
+
+def test_scan_count_float_equality():
+  """pallas_np's reading for floats (docs/tpu.md): -0.0 == 0.0, NaN never a
+  duplicate (it counts 1 and is its own last occurrence)."""
+  x = jnp.array([0.0, -0.0, np.nan, np.nan, 1.0, 0.0, 1.0, np.nan], f32)
+  counts, last = on_one_subcore(lambda v: [c.astype(i32) if c.dtype == bool else c
+                                           for c in plsc.scan_count(v)], x,
+                                out=[jax.ShapeDtypeStruct((L,), i32)] * 2)
+  np.testing.assert_array_equal(counts, [1, 2, 1, 1, 1, 3, 2, 1])
+  np.testing.assert_array_equal(last, [0, 0, 1, 1, 0, 1, 1, 1])
+
+
+def test_per_subcore_dedup_with_sort_scan_count_and_compressed_store():
+  """Each vector subcore sorts its L keys, marks the last of each run of
+  equal keys with scan_count, stores the unique keys compressed to the front
+  of its output row (the rest -1) and counts them with
+  all_reduce_population_count. Reference: np.unique per row."""
+  keys = jnp.array(np.random.RandomState(7).randint(0, 5, size=(NC * NS, L)), i32)
+
+  def body(k_hbm, u_hbm, n_hbm, k, u, n):
+    w = worker_id()
+    pltpu.sync_copy(k_hbm.at[w], k)
+    sorted_keys, _ = plsc.sort_key_val(k[...], jnp.arange(L, dtype=i32))
+    _, last = plsc.scan_count(sorted_keys)
+    u[...] = jnp.full((L,), -1, i32)
+    plsc.store_compressed(u.at[...], sorted_keys, mask=last)
+    n[...] = plsc.all_reduce_population_count(last)
+    pltpu.sync_copy(u, u_hbm.at[w])
+    pltpu.sync_copy(n, n_hbm.at[w])
+  k = pl.kernel(body, out_type=(jax.ShapeDtypeStruct((NC * NS, L), i32),
+                                jax.ShapeDtypeStruct((NC * NS, L), i32)),
+                mesh=vector_mesh(), interpret="numpy",
+                compiler_params=pltpu.CompilerParams(needs_layout_passes=False),
+                scratch_types=[pltpu.VMEM((L,), i32)] * 3)
+  uniques, counts = [np.asarray(a) for a in k(keys)]
+  for row, u, n in zip(np.asarray(keys), uniques, counts):
+    want = np.unique(row)
+    np.testing.assert_array_equal(u[:want.size], want)
+    assert (u[want.size:] == -1).all()
+    assert (n == want.size).all()
