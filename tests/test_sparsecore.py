@@ -555,3 +555,39 @@ def test_per_subcore_dedup_with_sort_scan_count_and_compressed_store():
     np.testing.assert_array_equal(u[:want.size], want)
     assert (u[want.size:] == -1).all()
     assert (n == want.size).all()
+
+
+needs_indices = pytest.mark.skipif(not hasattr(plsc, "Indices"), reason="plsc.Indices is JAX >= 0.12")
+
+
+@needs_indices
+@pytest.mark.parametrize("index_values", [[3, -1, 5, -1, 0, 1, 2, -1], [-1] * 8, list(range(8))])
+def test_indexed_dmas_skip_ignored_indices(index_values):
+  """plsc.Indices(idx, ignored_value=-1): a gather leaves the rows of
+  ignored indices untouched in the destination, a scatter does not write
+  them (tpu.enqueue_indirect_dma's offset_filter). The wait still waits for
+  the whole copy. NumPy reference from that reading (no JAX oracle)."""
+  table = jnp.arange(16 * 128, dtype=f32).reshape(16, 128)
+  idx = jnp.array(index_values, i32)
+
+  def body(t_hbm, i_hbm, g_hbm, s_hbm, iv, rows):
+    pltpu.sync_copy(i_hbm, iv)
+    rows[...] = jnp.full(rows.shape, -7.0, f32)
+    pltpu.sync_copy(t_hbm.at[plsc.Indices(iv, ignored_value=-1)], rows)
+    pltpu.sync_copy(rows, g_hbm)
+    pltpu.sync_copy(t_hbm.at[pl.ds(0, 8)], rows)
+    pltpu.sync_copy(rows, s_hbm.at[plsc.Indices(iv, ignored_value=-1)])
+  k = pl.kernel(body, out_type=(jax.ShapeDtypeStruct((8, 128), f32),
+                                jax.ShapeDtypeStruct((16, 128), f32)),
+                mesh=vector_mesh(1, 1), interpret="numpy",
+                scratch_types=[pltpu.VMEM((8,), i32), pltpu.VMEM((8, 128), f32)])
+  gathered, scattered = [np.asarray(a) for a in k(table, idx)]
+  t = np.asarray(table)
+  want_g = np.full((8, 128), -7.0, np.float32)
+  for row, i in enumerate(index_values):
+    if i != -1:
+      want_g[row] = t[i]
+  np.testing.assert_array_equal(gathered, want_g)
+  for row, i in enumerate(index_values):  # the other rows of the output are never written
+    if i != -1:
+      np.testing.assert_array_equal(scattered[i], t[row])

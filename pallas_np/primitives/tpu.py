@@ -2,6 +2,8 @@
 semaphores and DMAs (data movement lives in ``pallas_np.state.dma``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -203,9 +205,58 @@ def _device_target(e, device_id_node):
   return target
 
 
+def _split_indices(node, what):
+  """``node`` with every ``plsc.Indices(values, ignored_value=)`` indexer
+  replaced by its values, and the (values position, ignored value) of the
+  one with an ignored value (None if none). Its indexed axis must be the
+  first of the operand (the index ref first, as indexed DMAs take it)."""
+  if jc.SCIndices is None or not isinstance(node, jc.TransformedRef):
+    return node, None
+  ignored, transforms = None, []
+  for n, t in enumerate(node.transforms):
+    if isinstance(t, jc.NDIndexer) and any(isinstance(i, jc.SCIndices) for i in t.indices):
+      indices = []
+      for axis, ix in enumerate(t.indices):
+        if isinstance(ix, jc.SCIndices):
+          if ix.ignored_value is not None:
+            if ignored is not None or n or axis or not isinstance(ix.values, _Pos):
+              raise UnsupportedError(
+                  f"pallas_np: {what}: plsc.Indices(..., ignored_value=) other than as the "
+                  "first indexer of the first transform")
+            ignored = (ix.values.k, ix.ignored_value)
+          ix = ix.values
+        indices.append(ix)
+      t = dataclasses.replace(t, indices=tuple(indices))
+    transforms.append(t)
+  return jc.TransformedRef(node.ref, tuple(transforms)), ignored
+
+
+def _skip_ignored(args, ignored, get_indexed, get_other, what):
+  """(indexed side, other side) of a DMA whose indices may hold the
+  ignored value: those rows are neither read nor written (the other side's
+  rows at those positions are left alone)."""
+  k, value = ignored
+  indices = np.asarray(args[k])
+  keep = indices != value
+  if keep.all():
+    return get_indexed(args), get_other(args)
+  filtered = list(args)
+  filtered[k] = indices[keep]
+  o_view, o_idx = get_other(args)
+  rows = o_view[o_idx]
+  if rows.size and not np.shares_memory(rows, o_view):
+    raise UnsupportedError(f"pallas_np: {what}: ignored indices with an indexed other side")
+  return get_indexed(filtered), (rows, (np.flatnonzero(keep),))
+
+
 @registry.register(mp.dma_start_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_start(e):
   src, dst, dst_sem, src_sem, device_id = _positions(e, e.params["tree"])
+  what = f"DMA at {e.source}"
+  src, src_ignored = _split_indices(src, what)
+  dst, dst_ignored = _split_indices(dst, what)
+  if src_ignored and dst_ignored:
+    raise UnsupportedError(f"pallas_np: {what}: ignored indices on both sides")
   get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
   get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
   target = _device_target(e, device_id)
@@ -219,24 +270,39 @@ def _dma_start(e):
   dynamic = src_shape is None or dst_shape is None
   if dynamic:
     mismatch = None
+  # Skipped rows still count: the semaphore gets the whole copy's bytes,
+  # which is what the matching wait (sized by the source) waits for.
+  full_nbytes = None if src_shape is None else (
+      int(np.prod(src_shape, dtype=np.int64)) * np_dtype(e.in_avals[src.ref.k if isinstance(
+          src, jc.TransformedRef) else src.k].dtype).itemsize)
 
   def dma_start(ctx, *args):
     peer = target(ctx, args) if target is not None else None
     if mismatch is not None:
       raise ValueError(mismatch)
     if peer is not None:
+      if src_ignored or dst_ignored:
+        raise UnsupportedError(f"pallas_np: {what}: a remote DMA with ignored indices")
       dma_mod.remote_start(ctx, peer, get_src(args), get_dst(args), get_dst_sem(args),
                            get_src_sem(args) if get_src_sem is not None else None,
                            add=add, source=source)
       return []
-    s_view, s_idx = get_src(args)
-    d_view, d_idx = get_dst(args)
+    nbytes = None
+    if src_ignored:
+      (s_view, s_idx), (d_view, d_idx) = _skip_ignored(args, src_ignored, get_src, get_dst, what)
+      nbytes = full_nbytes
+    elif dst_ignored:
+      (d_view, d_idx), (s_view, s_idx) = _skip_ignored(args, dst_ignored, get_dst, get_src, what)
+      nbytes = full_nbytes
+    else:
+      s_view, s_idx = get_src(args)
+      d_view, d_idx = get_dst(args)
     if dynamic:
       dma_mod.check_shapes(s_view[s_idx], d_view[d_idx])
     dsem = dma_mod.sem_cell(*get_dst_sem(args))
     ssem = dma_mod.sem_cell(*get_src_sem(args)) if get_src_sem is not None else None
     dma_mod.start(ctx, (s_view, s_idx), (d_view, d_idx), dsem, ssem, add=add,
-                  source=source)
+                  source=source, nbytes=nbytes)
     return []
   return dma_start
 
@@ -250,6 +316,7 @@ def _dma_wait(e):
     aval = e.in_avals[src.k]
     shape, dtype = aval.shape, aval.dtype
   else:
+    src, _ = _split_indices(src, f"DMA wait at {e.source}")
     leaves, tree = jax.tree_util.tree_flatten(src.transforms)
     aval = e.in_avals[src.ref.k]
     acc = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,
