@@ -591,3 +591,33 @@ def test_indexed_dmas_skip_ignored_indices(index_values):
   for row, i in enumerate(index_values):  # the other rows of the output are never written
     if i != -1:
       np.testing.assert_array_equal(scattered[i], t[row])
+
+
+@pytest.mark.skipif(not hasattr(plsc, "slice_subcore_vmem_from_shared"),
+                    reason="plsc.slice_subcore_vmem_from_shared is JAX >= 0.12")
+def test_slice_subcore_vmem_from_shared_gives_each_subcore_its_stripe():
+  """Each vector subcore writes its stripe of the core's VMEM_SHARED: the
+  minor dim divided across the physical subcores (get_sparse_core_info(),
+  inactive ones included), stripe s = columns [s*w, (s+1)*w)
+  (tpu.shared_memref_slice). Race-checked: the stripes are disjoint.
+  NumPy reference from that reading (no JAX oracle)."""
+  physical = plsc.get_sparse_core_info().num_subcores
+  width = 8
+  cols = physical * width
+
+  def body(o_hbm, shared):
+    s = jax.lax.axis_index("subcore")
+    mine = plsc.slice_subcore_vmem_from_shared(shared)
+    mine[...] = jnp.full(mine.shape, 10, i32) * jax.lax.axis_index("core") + s
+    plsc.subcore_barrier()
+
+    @pl.when(s == 0)
+    def _():
+      pltpu.sync_copy(shared, o_hbm.at[jax.lax.axis_index("core")])
+  k = pl.kernel(body, out_type=jax.ShapeDtypeStruct((NC, 2, cols), i32), mesh=vector_mesh(),
+                interpret=pallas_np.InterpretParams(detect_races=True),
+                scratch_types=[pltpu.VMEM_SHARED((2, cols), i32)])
+  got = np.asarray(k())
+  for c in range(NC):
+    for s in range(NS):  # the stripes of the physical subcores past NS are never written
+      np.testing.assert_array_equal(got[c, :, s * width:(s + 1) * width], 10 * c + s)
