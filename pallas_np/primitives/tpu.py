@@ -231,6 +231,17 @@ def _split_indices(node, what):
   return jc.TransformedRef(node.ref, tuple(transforms)), ignored
 
 
+def _operand_dtype(e, node) -> np.dtype:
+  """The element type of a DMA operand, after its bitcasts."""
+  if not isinstance(node, jc.TransformedRef):
+    return np_dtype(e.in_avals[node.k].dtype)
+  dtype = e.in_avals[node.ref.k].dtype
+  for t in node.transforms:
+    if jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
+      dtype = t.dtype
+  return np_dtype(dtype)
+
+
 def _skip_ignored(args, ignored, get_indexed, get_other, what):
   """(indexed side, other side) of a DMA whose indices may hold the
   ignored value: those rows are neither read nor written (the other side's
@@ -272,9 +283,9 @@ def _dma_start(e):
     mismatch = None
   # Skipped rows still count: the semaphore gets the whole copy's bytes,
   # which is what the matching wait (sized by the source) waits for.
-  full_nbytes = None if src_shape is None else (
-      int(np.prod(src_shape, dtype=np.int64)) * np_dtype(e.in_avals[src.ref.k if isinstance(
-          src, jc.TransformedRef) else src.k].dtype).itemsize)
+  full_nbytes = None
+  if (src_ignored or dst_ignored) and src_shape is not None:
+    full_nbytes = int(np.prod(src_shape, dtype=np.int64)) * _operand_dtype(e, src).itemsize
 
   def dma_start(ctx, *args):
     peer = target(ctx, args) if target is not None else None
