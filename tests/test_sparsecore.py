@@ -557,7 +557,7 @@ def test_per_subcore_dedup_with_sort_scan_count_and_compressed_store():
     assert (n == want.size).all()
 
 
-needs_indices = pytest.mark.skipif(not hasattr(plsc, "Indices"), reason="plsc.Indices is JAX >= 0.12")
+needs_indices = pytest.mark.skipif(not hasattr(plsc, "Indices"), reason="this JAX has no plsc.Indices")
 
 
 @needs_indices
