@@ -13,7 +13,10 @@ Cases:
                 core barrier;
 * ``sc_gather`` a SparseCore kernel over 2x4 vector subcores: indexed-DMA row
                 gather (table.at[idx_vmem]), a scale in VMEM, an indexed-DMA
-                scatter back (out.at[idx_vmem]).
+                scatter back (out.at[idx_vmem]);
+* ``sc_sort``   SparseCore vector ops over 2x4 vector subcores: each subcore
+                runs a parallel_loop over 8 vectors of 8 lanes: sort_key_val,
+                scan_count, a masked cumsum and a compressed store.
 
 Every (case, mode) runs in a fresh process. *cold* is the first call (trace,
 compile, run; imports excluded), *warm* the median of the following calls,
@@ -116,7 +119,41 @@ def case_sc_gather(mode):
   return jax.jit(lambda t, i: k(t, i)[i]), (table, idx)
 
 
-CASES = {"gmm": case_gmm, "megacore": case_megacore, "sc_gather": case_sc_gather}
+def case_sc_sort(mode):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_np
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas import tpu_sc as plsc
+  pallas_np.assume_tpu_chip("v5p")
+  nc, ns, lanes, vectors = 2, 4, 8, 8
+  mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                num_cores=nc, num_subcores=ns)
+  n = lanes * vectors
+  keys = jnp.array(np.random.RandomState(0).randint(0, 6, size=(nc * ns, n)), jnp.int32)
+
+  def body(k_hbm, o_hbm, k_v, o_v):
+    w = jax.lax.axis_index("core") * ns + jax.lax.axis_index("subcore")
+    pltpu.sync_copy(k_hbm.at[w], k_v)
+    o_v[...] = jnp.zeros_like(o_v)
+
+    @plsc.parallel_loop(0, n, lanes)
+    def _(i):
+      sk, sv = plsc.sort_key_val(k_v[pl.ds(i, lanes)], jnp.arange(lanes, dtype=jnp.int32))
+      counts, last = plsc.scan_count(sk)
+      sums = plsc.cumsum(counts, mask=last)
+      plsc.store_compressed(o_v.at[pl.ds(i, lanes)], sums + sv, mask=last)
+    pltpu.sync_copy(o_v, o_hbm.at[w])
+  k = pl.kernel(body, out_type=jax.ShapeDtypeStruct(keys.shape, jnp.int32), mesh=mesh,
+                scratch_types=[pltpu.VMEM((n,), jnp.int32), pltpu.VMEM((n,), jnp.int32)],
+                interpret=_interp(mode))
+  return jax.jit(k), (keys,)
+
+
+CASES = {"gmm": case_gmm, "megacore": case_megacore, "sc_gather": case_sc_gather,
+         "sc_sort": case_sc_sort}
 
 
 def run_one(case, mode, warm):

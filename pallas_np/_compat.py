@@ -472,6 +472,10 @@ TensorCoreMesh = mosaic_core.TensorCoreMesh
 _sc_core = internal_module("pallas.mosaic.sc_core")
 VectorSubcoreMesh = getattr(_sc_core, "VectorSubcoreMesh", None)
 ScalarSubcoreMesh = getattr(_sc_core, "ScalarSubcoreMesh", None)
+# plsc.Indices(values, ignored_value=) (JAX 0.12): an indexed DMA's indices.
+SCIndices = getattr(_sc_core, "Indices", None)
+# plsc.slice_subcore_vmem_from_shared's ref transform (JAX 0.12).
+SharedMemRefSliceTransform = getattr(_sc_core, "SharedMemRefSliceTransform", None)
 
 
 def discharge_run_state(jaxpr):

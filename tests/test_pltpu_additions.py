@@ -127,3 +127,96 @@ def test_popping_an_empty_mxu_fifo_raises(chip_with_accumulators):
   with pytest.raises(RuntimeError, match="FIFO of MXU 0 is empty"):
     pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, k), jnp.float32),
                    interpret="numpy")()
+
+
+needs_bitcast_dim = pytest.mark.skipif(
+    "dim" not in __import__("inspect").signature(pltpu.bitcast).parameters,
+    reason="pltpu.bitcast(dim=) is JAX >= 0.12")
+
+
+@needs_bitcast_dim
+@pytest.mark.parametrize("dim,src,dst", [(-1, jnp.int32, jnp.int16), (-1, jnp.int8, jnp.int32),
+                                         (-2, jnp.int32, jnp.int8), (1, jnp.int16, jnp.int32)])
+def test_bitcast_along_dim_matches_interpret_mode(dim, src, dst):
+  """pltpu.bitcast(x, ty, dim=): dim -1 is ndarray.view, -2 packs
+  consecutive rows; oracle: interpret=True (JAX's lowering runs on CPU)."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = pltpu.bitcast(x_ref[...], dst, dim=dim)
+  x = jnp.asarray(np.random.RandomState(5).randint(-100, 100, size=(4, 8, 16)).astype(src))
+  shape = list(x.shape)
+  shape[dim] = shape[dim] * np.dtype(src).itemsize // np.dtype(dst).itemsize
+
+  def run(interpret):
+    return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(tuple(shape), dst),
+                                     interpret=interpret)(x))
+  np.testing.assert_array_equal(run("numpy"), run(True))
+
+
+needs_pack_elementwise = pytest.mark.skipif(not hasattr(pltpu, "pack_elementwise"),
+                                            reason="pltpu.pack_elementwise is JAX >= 0.12")
+
+
+def pack_reference(xs, bits, to_bits):
+  """Python ints: xs[k]'s low ``bits`` bits (``to_bits`` converts) at bit k*bits."""
+  out = np.zeros(np.shape(xs[0]), np.int64)
+  for idx in np.ndindex(out.shape):
+    word = 0
+    for k, x in enumerate(xs):
+      word |= (to_bits(x[idx]) & ((1 << bits) - 1)) << (k * bits)
+    out[idx] = word
+  return out
+
+
+def sign_extend(v, bits):
+  return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+@needs_pack_elementwise
+@pytest.mark.parametrize("src,packed,word", [(jnp.int32, jnp.int8, jnp.uint32),
+                                             (jnp.int16, jnp.uint8, jnp.uint16),
+                                             (jnp.int8, jnp.int4, jnp.uint8),
+                                             (jnp.float32, jnp.bfloat16, jnp.uint32)])
+def test_pack_and_unpack_elementwise(src, packed, word):
+  """pltpu.pack_elementwise / unpack_elementwise, against Python-int
+  references written from the tpu.pack_elementwise doc (xs[0] in the lowest
+  bits; integers truncated, signed ones sign-extended on unpacking; f32 to
+  bf16 rounds to nearest even). No JAX oracle: interpret=True cannot lower
+  them (checked below)."""
+  from pallas_np.dtypes import bit_width
+  bits = bit_width(np.dtype(packed))
+  factor = bit_width(np.dtype(src)) // bits
+  rng = np.random.RandomState(6)
+  if src == jnp.float32:
+    xs = [rng.randn(8, 128).astype(np.float32) * 3 for _ in range(factor)]
+  else:
+    info = np.iinfo(src)
+    xs = [rng.randint(info.min, info.max, size=(8, 128)).astype(src) for _ in range(factor)]
+  unpacked = src  # as wide as the word
+
+  def kernel(*refs):
+    x_refs, (w_ref, u_ref) = refs[:factor], refs[factor:]
+    w = pltpu.pack_elementwise([r[...] for r in x_refs], packed_dtype=packed)
+    w_ref[...] = w
+    for k in range(factor):
+      u_ref[k] = pltpu.unpack_elementwise(w, index=k, packed_dtype=packed,
+                                          unpacked_dtype=unpacked)
+  run = lambda interpret: pl.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((8, 128), word),
+                         jax.ShapeDtypeStruct((factor, 8, 128), unpacked)),
+      interpret=interpret)(*xs)
+  got_word, got_unpacked = [np.asarray(a) for a in run("numpy")]
+  if src == jnp.float32:
+    to_bits = lambda v: int(np.array(v, np.float32).astype(jnp.bfloat16).view(np.uint16))
+    from_bits = lambda v: float(np.array(v, np.uint16).view(jnp.bfloat16))
+  else:
+    to_bits = int
+    signed = jnp.issubdtype(packed, jnp.signedinteger)
+    from_bits = lambda v: sign_extend(v, bits) if signed else v
+  want_word = pack_reference(xs, bits, to_bits)
+  np.testing.assert_array_equal(got_word.astype(np.int64), want_word)
+  for k in range(factor):
+    want = np.vectorize(lambda w: from_bits((int(w) >> (k * bits)) & ((1 << bits) - 1)),
+                        otypes=[np.float64])(want_word)
+    np.testing.assert_array_equal(got_unpacked[k].astype(np.float64), want)
+  with pytest.raises(Exception):
+    run(True)  # if this starts to run, make it the oracle

@@ -112,7 +112,12 @@ def test_paged_attention_megacore_needs_cores():
                                               megacore_mode="batch"))
 
 
-def test_ragged_paged_attention():
+@pytest.mark.parametrize("num_seqs,extra", [
+    (4, {}),
+    # Only 3 of the 4 sequences are live (the dynamic num_seqs), with a
+    # sliding window and soft-capped logits.
+    (3, {"sliding_window": 16, "soft_cap": 20.0})])
+def test_ragged_paged_attention(num_seqs, extra):
   nq, nkv, hd, page, pps, tp = 8, 2, 128, 16, 4, 32
   q_lens, kv_lens = [5, 1, 20, 1], [30, 17, 64, 9]
   q = _normal(10, (32, nq, hd))
@@ -120,19 +125,22 @@ def test_ragged_paged_attention():
   page_indices = jax.random.permutation(jax.random.key(12), tp)[:4 * pps].reshape(4, pps).astype(jnp.int32)
   cu_q_lens = jnp.array(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
   args = (q, kv_pages, jnp.array(kv_lens, jnp.int32), page_indices, cu_q_lens,
-          jnp.array([4], jnp.int32))
+          jnp.array([num_seqs], jnp.int32))
   with numpy_mode():
     got = rpa.ragged_paged_attention(*args, sm_scale=0.1, num_kv_pages_per_block=2,
-                                     num_queries_per_block=8)
-  want = _ragged_reference(*[np.asarray(a) for a in args], sm_scale=0.1)
-  n = sum(q_lens)
+                                     num_queries_per_block=8, **extra)
+  want = _ragged_reference(*[np.asarray(a) for a in args], sm_scale=0.1, **extra)
+  n = sum(q_lens[:num_seqs])
   np.testing.assert_allclose(np.asarray(got)[:n], want[:n], rtol=1e-4, atol=1e-4)
 
 
-def _ragged_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
-  """NumPy port of ``ref_ragged_paged_attention`` (which takes ~13 s un-jitted):
-  causal attention of each sequence's queries over its gathered KV pages;
-  K and V heads are interleaved in ``kv_pages``' head axis."""
+def _ragged_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                      sliding_window=None, soft_cap=None):
+  """NumPy port of ``ref_ragged_paged_attention`` (which takes ~13 s un-jitted
+  and cannot be jitted): causal attention of each sequence's queries over its
+  gathered KV pages (within ``sliding_window`` positions, logits soft-capped
+  as ``soft_cap * tanh(logits / soft_cap)``); K and V heads are interleaved
+  in ``kv_pages``' head axis."""
   out = np.zeros_like(q)
   nq, nkv = q.shape[1], kv_pages.shape[2] // 2
   for i in range(int(num_seqs[0])):
@@ -142,8 +150,13 @@ def _ragged_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, s
     v = np.repeat(kv[:, 1::2], nq // nkv, axis=1)
     qs = q[q_start:q_end]
     logits = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
+    if soft_cap is not None:
+      logits = soft_cap * np.tanh(logits / soft_cap)
     q_pos = kv_len - (q_end - q_start) + np.arange(q_end - q_start)
-    logits = np.where(np.arange(kv_len)[None, :] <= q_pos[:, None], logits, -np.inf)
+    visible = np.arange(kv_len)[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+      visible &= np.arange(kv_len)[None, :] > q_pos[:, None] - sliding_window
+    logits = np.where(visible, logits, -np.inf)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     out[q_start:q_end] = np.einsum("hqk,khd->qhd", p, v)
@@ -213,3 +226,47 @@ def test_megablox_tgmm():
   want = np.stack([np.asarray(lhs[s:s + n].T @ grad[s:s + n]) for s, n in
                    zip(np.cumsum([0] + _GROUPS[:-1]), _GROUPS)])
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+
+
+_OFFSET_GROUPS = [0, 200, 0, 184, 0]  # empty groups first, between and last
+
+
+def test_megablox_gmm_group_offset_and_existing_out():
+  """This shard owns groups 2..4 (group_offset=2: rows 200..383); the rows
+  of group 1, which it does not own, keep existing_out. Oracle: gmm's own
+  interpret=True."""
+  lhs, rhs, existing = _normal(24, (384, 128)), _normal(25, (3, 128, 128)), _normal(26, (384, 128))
+  gs, offset = jnp.array(_OFFSET_GROUPS, jnp.int32), jnp.array(2, jnp.int32)
+  call = lambda **kw: gmm_mod.gmm(lhs, rhs, gs, tiling=(128, 128, 128), group_offset=offset,
+                                  existing_out=existing, **kw)
+  with numpy_mode():
+    got = call()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(call(interpret=True)), rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(got)[:200], np.asarray(existing)[:200])
+
+
+def test_megablox_gmm_transpose_rhs():
+  lhs, rhs = _normal(27, (384, 128)), _normal(28, (5, 128, 128))
+  gs = jnp.array(_OFFSET_GROUPS, jnp.int32)
+  call = lambda **kw: gmm_mod.gmm(lhs, rhs, gs, tiling=(128, 128, 128), transpose_rhs=True, **kw)
+  with numpy_mode():
+    got = call()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(call(interpret=True)), rtol=1e-5, atol=1e-4)
+
+
+def test_megablox_ops_gmm_gradients():
+  """megablox.ops.gmm's custom VJP (gmm for d lhs, tgmm for d rhs, empty
+  groups included) vs autodiff of a per-group jnp reference."""
+  ops = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.ops")
+  lhs, rhs = _normal(29, (384, 128)), _normal(30, (5, 128, 128))
+  sizes = np.array(_OFFSET_GROUPS)
+  gs = jnp.array(sizes, jnp.int32)
+
+  def reference(lhs, rhs):
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return jnp.concatenate([lhs[s:s + n] @ rhs[i] for i, (s, n) in enumerate(zip(starts, sizes))])
+  loss = lambda f: jax.grad(lambda a, b: (f(a, b) ** 2).sum(), argnums=(0, 1))
+  with numpy_mode():
+    got = loss(lambda a, b: ops.gmm(a, b, gs, jnp.float32, (128, 128, 128)))(lhs, rhs)
+  for g, w in zip(got, loss(reference)(lhs, rhs)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=2e-3)

@@ -24,6 +24,7 @@ from pallas_np import devices, races
 from pallas_np.errors import KernelError, RaceError, UnsupportedError
 from pallas_np.grid import KernelPlan
 from pallas_np.memory import allocate
+from pallas_np.state import indexing
 
 
 class Program:
@@ -384,8 +385,10 @@ def run_programs(kernel, programs: list[Program]):
   def run_one(k):
     p, ctx, det = programs[k], contexts[k], detectors[k]
     error = None
+    subcore = (p.coords[p.names.index(p.barrier_axes[0])]
+               if p.unit == "subcore" and p.barrier_axes else None)
     try:
-      with np.errstate(all="ignore"):
+      with np.errstate(all="ignore"), indexing.vector_subcore(subcore):
         blocks, scratch = p.operands[:p.num_blocks], p.operands[p.num_blocks:]
         if det is None:
           p.plan.run_grid(p.sizes, [], blocks, scratch, points=[p.coords], progress=None,

@@ -2,6 +2,8 @@
 semaphores and DMAs (data movement lives in ``pallas_np.state.dma``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -43,27 +45,21 @@ def _roll(e):
 
 @registry.register(mp.bitcast_p, batch=registry.unbatched("rare: run lane by lane"))
 def _bitcast(e):
-  """TPU bitcast packs/unpacks along the second-minor dim (see the Mosaic
-  lowering of ``bitcast_p``)."""
-  src = np_dtype(e.in_avals[0].dtype)
+  """TPU bitcast packs/unpacks consecutive elements along one dim: the second
+  minor (JAX 0.10, and 0.12's default) or ``dim`` (JAX 0.12's ``dim=``;
+  ``plsc.bitcast`` is ``dim=-1``). With that dim moved minormost it is
+  ``ndarray.view`` (see JAX 0.12's lowering of ``bitcast_p``)."""
   dst = np_dtype(e.params["ty"])
-  if src.itemsize == dst.itemsize:
-    return lambda x: np.ascontiguousarray(x).view(dst)
-  if src.itemsize < dst.itemsize:
-    packing = dst.itemsize // src.itemsize
+  dim = e.params.get("dim")
+  dim = len(e.in_avals[0].shape) - 2 if dim is None else int(dim)
+  return lambda x: minor_view(x, dim, dst)
 
-    def pack(x):
-      *lead, m, n = x.shape
-      y = np.swapaxes(x.reshape(*lead, m // packing, packing, n), -1, -2)
-      return np.ascontiguousarray(y).view(dst).reshape(*lead, m // packing, n)
-    return pack
-  packing = src.itemsize // dst.itemsize
 
-  def unpack(x):
-    *lead, m, n = x.shape
-    y = np.ascontiguousarray(x).view(dst).reshape(*lead, m, n, packing)
-    return np.ascontiguousarray(np.swapaxes(y, -1, -2)).reshape(*lead, m * packing, n)
-  return unpack
+def minor_view(x, dim: int, dst) -> np.ndarray:
+  """``x`` viewed as ``dst``, the ratio of the widths scaling dim ``dim``:
+  consecutive elements along it are packed into (or unpacked from) one."""
+  y = np.ascontiguousarray(np.moveaxis(np.asarray(x), dim, -1)).view(dst)
+  return np.moveaxis(y, -1, dim)
 
 
 # -- PRNG -----------------------------------------------------------------------
@@ -209,9 +205,69 @@ def _device_target(e, device_id_node):
   return target
 
 
+def _split_indices(node, what):
+  """``node`` with every ``plsc.Indices(values, ignored_value=)`` indexer
+  replaced by its values, and the (values position, ignored value) of the
+  one with an ignored value (None if none). Its indexed axis must be the
+  first of the operand (the index ref first, as indexed DMAs take it)."""
+  if jc.SCIndices is None or not isinstance(node, jc.TransformedRef):
+    return node, None
+  ignored, transforms = None, []
+  for n, t in enumerate(node.transforms):
+    if isinstance(t, jc.NDIndexer) and any(isinstance(i, jc.SCIndices) for i in t.indices):
+      indices = []
+      for axis, ix in enumerate(t.indices):
+        if isinstance(ix, jc.SCIndices):
+          if ix.ignored_value is not None:
+            if ignored is not None or n or axis or not isinstance(ix.values, _Pos):
+              raise UnsupportedError(
+                  f"pallas_np: {what}: plsc.Indices(..., ignored_value=) other than as the "
+                  "first indexer of the first transform")
+            ignored = (ix.values.k, ix.ignored_value)
+          ix = ix.values
+        indices.append(ix)
+      t = dataclasses.replace(t, indices=tuple(indices))
+    transforms.append(t)
+  return jc.TransformedRef(node.ref, tuple(transforms)), ignored
+
+
+def _operand_dtype(e, node) -> np.dtype:
+  """The element type of a DMA operand, after its bitcasts."""
+  if not isinstance(node, jc.TransformedRef):
+    return np_dtype(e.in_avals[node.k].dtype)
+  dtype = e.in_avals[node.ref.k].dtype
+  for t in node.transforms:
+    if jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
+      dtype = t.dtype
+  return np_dtype(dtype)
+
+
+def _skip_ignored(args, ignored, get_indexed, get_other, what):
+  """(indexed side, other side) of a DMA whose indices may hold the
+  ignored value: those rows are neither read nor written (the other side's
+  rows at those positions are left alone)."""
+  k, value = ignored
+  indices = np.asarray(args[k])
+  keep = indices != value
+  if keep.all():
+    return get_indexed(args), get_other(args)
+  filtered = list(args)
+  filtered[k] = indices[keep]
+  o_view, o_idx = get_other(args)
+  rows = o_view[o_idx]
+  if rows.size and not np.shares_memory(rows, o_view):
+    raise UnsupportedError(f"pallas_np: {what}: ignored indices with an indexed other side")
+  return get_indexed(filtered), (rows, (np.flatnonzero(keep),))
+
+
 @registry.register(mp.dma_start_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_start(e):
   src, dst, dst_sem, src_sem, device_id = _positions(e, e.params["tree"])
+  what = f"DMA at {e.source}"
+  src, src_ignored = _split_indices(src, what)
+  dst, dst_ignored = _split_indices(dst, what)
+  if src_ignored and dst_ignored:
+    raise UnsupportedError(f"pallas_np: {what}: ignored indices on both sides")
   get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
   get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
   target = _device_target(e, device_id)
@@ -225,24 +281,39 @@ def _dma_start(e):
   dynamic = src_shape is None or dst_shape is None
   if dynamic:
     mismatch = None
+  # Skipped rows still count: the semaphore gets the whole copy's bytes,
+  # which is what the matching wait (sized by the source) waits for.
+  full_nbytes = None
+  if (src_ignored or dst_ignored) and src_shape is not None:
+    full_nbytes = int(np.prod(src_shape, dtype=np.int64)) * _operand_dtype(e, src).itemsize
 
   def dma_start(ctx, *args):
     peer = target(ctx, args) if target is not None else None
     if mismatch is not None:
       raise ValueError(mismatch)
     if peer is not None:
+      if src_ignored or dst_ignored:
+        raise UnsupportedError(f"pallas_np: {what}: a remote DMA with ignored indices")
       dma_mod.remote_start(ctx, peer, get_src(args), get_dst(args), get_dst_sem(args),
                            get_src_sem(args) if get_src_sem is not None else None,
                            add=add, source=source)
       return []
-    s_view, s_idx = get_src(args)
-    d_view, d_idx = get_dst(args)
+    nbytes = None
+    if src_ignored:
+      (s_view, s_idx), (d_view, d_idx) = _skip_ignored(args, src_ignored, get_src, get_dst, what)
+      nbytes = full_nbytes
+    elif dst_ignored:
+      (d_view, d_idx), (s_view, s_idx) = _skip_ignored(args, dst_ignored, get_dst, get_src, what)
+      nbytes = full_nbytes
+    else:
+      s_view, s_idx = get_src(args)
+      d_view, d_idx = get_dst(args)
     if dynamic:
       dma_mod.check_shapes(s_view[s_idx], d_view[d_idx])
     dsem = dma_mod.sem_cell(*get_dst_sem(args))
     ssem = dma_mod.sem_cell(*get_src_sem(args)) if get_src_sem is not None else None
     dma_mod.start(ctx, (s_view, s_idx), (d_view, d_idx), dsem, ssem, add=add,
-                  source=source)
+                  source=source, nbytes=nbytes)
     return []
   return dma_start
 
@@ -256,6 +327,7 @@ def _dma_wait(e):
     aval = e.in_avals[src.k]
     shape, dtype = aval.shape, aval.dtype
   else:
+    src, _ = _split_indices(src, f"DMA wait at {e.source}")
     leaves, tree = jax.tree_util.tree_flatten(src.transforms)
     aval = e.in_avals[src.ref.k]
     acc = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,

@@ -60,9 +60,9 @@ def sem_key(cell: np.ndarray) -> int:
 
 class Dma:
   __slots__ = ("src", "dst", "src_sem", "dst_sem", "state", "data", "add",
-               "source", "grid_point")
+               "source", "grid_point", "nbytes")
 
-  def __init__(self, src, dst, src_sem, dst_sem, add, source, grid_point):
+  def __init__(self, src, dst, src_sem, dst_sem, add, source, grid_point, nbytes=None):
     self.src = src  # (view, idx)
     self.dst = dst
     self.src_sem = src_sem
@@ -72,6 +72,7 @@ class Dma:
     self.grid_point = grid_point
     self.state = STARTED
     self.data = None
+    self.nbytes = nbytes  # what the semaphores get (None: the bytes moved)
 
   def read(self):
     if self.state != STARTED:
@@ -80,7 +81,7 @@ class Dma:
     races.note(view, idx, "read")
     self.data = np.array(view[idx])
     if self.src_sem is not None:
-      self.src_sem[...] += self.data.nbytes
+      self.src_sem[...] += self.data.nbytes if self.nbytes is None else self.nbytes
     self.state = READ
 
   def read_and_write(self):
@@ -94,7 +95,7 @@ class Dma:
       view[idx] += data
     else:
       view[idx] = data
-    self.dst_sem[...] += data.nbytes
+    self.dst_sem[...] += data.nbytes if self.nbytes is None else self.nbytes
     self.data = None
     self.state = DONE
 
@@ -105,11 +106,17 @@ def check_shapes(src: np.ndarray, dst: np.ndarray):
     raise ValueError(f"DMA shape mismatch: source {src.shape}, destination {dst.shape}")
 
 
-def start(ctx, src, dst, dst_sem, src_sem, *, add, source):
+def start(ctx, src, dst, dst_sem, src_sem, *, add, source, nbytes=None):
+  """Queue a DMA; ``nbytes`` overrides what it signals (an indexed DMA that
+  skips ignored rows still signals the whole copy)."""
   st = state_of(ctx)
-  dma = Dma(src, dst, src_sem, dst_sem, add, source, ctx.grid_point)
+  dma = Dma(src, dst, src_sem, dst_sem, add, source, ctx.grid_point, nbytes)
   if isinstance(src[0], np.ndarray) and src[0][src[1]].size == 0:  # a traced pl.ds size of 0: nothing to move or wait for
     dma.state = DONE
+    if nbytes:  # every row skipped: the copy is still signalled whole
+      for sem in (src_sem, dst_sem):
+        if sem is not None:
+          sem[...] += nbytes
     return
   st.dmas.append(dma)
   if src_sem is not None:

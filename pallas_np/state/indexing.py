@@ -19,6 +19,8 @@ interpret=True does with it (adds the axis size, then clamps, as
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -257,6 +259,11 @@ class RefAccess:
       elif jc.TransposeTransform is not None and isinstance(t, jc.TransposeTransform):
         steps.append(("transpose", tuple(t.permutation), shape))
         shape = tuple(shape[p] for p in t.permutation)
+      elif (jc.SharedMemRefSliceTransform is not None
+            and isinstance(t, jc.SharedMemRefSliceTransform)):
+        width = t.transform_type(jc.ShapedArray(shape, ref_dtype)).shape[-1]
+        steps.append(("subcore_slice", width, shape))
+        shape = (*shape[:-1], width)
       elif jc.is_layout_only_transform(t):
         # Mosaic GPU tiling/swizzling: layout only, the buffer is kept in
         # its logical shape (pallas_np.mosaic_gpu), so no view changes.
@@ -318,6 +325,8 @@ class RefAccess:
         fns.append(_reshape_view(arg))
       elif kind == "transpose":
         fns.append(_transpose_view(arg))
+      elif kind == "subcore_slice":
+        fns.append(_subcore_slice_view(arg))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
@@ -502,6 +511,36 @@ class RefAccess:
       return _check_int(v, d.dim, axis, shape, clamp)
     v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
     return _check_array(v, d.dim, axis, shape, clamp)
+
+
+_running = threading.local()  # .vector_subcore: the SparseCore subcore this thread runs
+
+
+@contextlib.contextmanager
+def vector_subcore(index: int):
+  """Within: this thread runs SparseCore vector subcore ``index`` (what
+  ``plsc.slice_subcore_vmem_from_shared`` slices by; set by
+  ``pallas_np.meshes`` around each vector subcore program)."""
+  prev = getattr(_running, "vector_subcore", None)
+  _running.vector_subcore = index
+  try:
+    yield
+  finally:
+    _running.vector_subcore = prev
+
+
+def _subcore_slice_view(width: int):
+  """``plsc.slice_subcore_vmem_from_shared``: subcore s's stripe of the
+  shared VMEM, minor-dim elements ``[s*width, (s+1)*width)``
+  (``tpu.shared_memref_slice``: the minor dim divided across the physical
+  subcores, one stripe each)."""
+  def view_of(view, leaves):
+    s = getattr(_running, "vector_subcore", None)
+    if s is None:
+      raise UnsupportedError("pallas_np: plsc.slice_subcore_vmem_from_shared outside a "
+                             "SparseCore VectorSubcoreMesh kernel")
+    return view[..., s * width:(s + 1) * width]
+  return view_of
 
 
 def _composable(step) -> bool:
