@@ -451,3 +451,29 @@ def test_cp_async_copies_land_at_wait_gmem_to_smem():
   np.testing.assert_array_equal(one[0], x[0])
   assert np.isnan(np.asarray(one[1])).all()
   np.testing.assert_array_equal(both_, x)
+
+
+# -- pl.core_map(plgpu.Mesh) on refs, through pl.run_state -----------------------
+def _core_map_on_refs(x):
+  def stateful(refs):
+    x_ref, o_ref = refs
+
+    @pl.core_map(plgpu.Mesh(grid=(2,), grid_names=("b",)))
+    def _():
+      b = jax.lax.axis_index("b")
+      o_ref[pl.ds(b * 64, 64)] = x_ref[pl.ds(b * 64, 64)] * 2 + b.astype(jnp.float32)
+  return pl.run_state(stateful)((x, jnp.zeros_like(x)))[1]
+
+
+@pytest.mark.parametrize("entry", ["jax.jit", "eager", "pallas_np.jit"])
+def test_core_map_on_refs_through_run_state(entry):
+  """The discharged core_map aliases its output to the ref operand the body
+  writes: the output must be that buffer (it once came back as zeros).
+  NumPy reference: block b doubles its half and adds b."""
+  x = jnp.arange(128.0, dtype=jnp.float32)
+  want = np.concatenate([np.arange(64.0) * 2, np.arange(64.0, 128.0) * 2 + 1])
+  fn = {"jax.jit": jax.jit(_core_map_on_refs), "eager": _core_map_on_refs,
+        "pallas_np.jit": pallas_np.jit(_core_map_on_refs)}[entry]
+  with pallas_np.force_numpy_interpret():
+    got = np.asarray(fn(x))
+  np.testing.assert_array_equal(got, want)

@@ -5,8 +5,8 @@
 Blocks (every point of ``grid`` x ``cluster``) run one after another; each
 block runs its warpgroups (``num_threads``) as threads that take turns
 (``pallas_np.mosaic_gpu.threads``). The kernel body gets the GMEM refs:
-NumPy copies of the operands and the outputs (an aliased output starts as
-its input's copy, the others uninitialised). ``lax.axis_index`` of a mesh
+NumPy copies of the operands and the outputs (an aliased output is its
+input's copy, the others start uninitialised). ``lax.axis_index`` of a mesh
 axis and ``pl.program_id`` read the block's and warpgroup's coordinates."""
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ class MeshKernel:
     outs = []
     for i, aval in enumerate(self.out_avals):
       src = next((k for k, o in self.aliases.items() if o == i), None)
-      outs.append(np.array(ins[src]) if src is not None
+      # An aliased output *is* its input's buffer (already a copy of the
+      # caller's array): a body may write either ref, as a discharged
+      # core_map on refs writes the input one.
+      outs.append(ins[src] if src is not None
                   else allocate(aval.shape, aval.dtype, self.params))
     return outs
 
@@ -73,7 +76,8 @@ class MeshKernel:
     detection = None
     if self.params.detect_races:
       gmem = [(f"operand {i}", a) for i, a in enumerate(ins)]
-      gmem += [(f"output {i}", o) for i, o in enumerate(outs)]
+      gmem += [(f"output {i}", o) for i, o in enumerate(outs)
+               if not any(o is a for a in ins)]  # aliased: registered as its operand
       detection = race_clocks.KernelRaces(self.name, self.num_threads,
                                           self.thread_name is not None, gmem)
     names: dict = {}
