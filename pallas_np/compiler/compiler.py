@@ -268,9 +268,10 @@ class Compiler:
         continue
       if in_atoms_e and in_atoms_e[0].__class__ is not Const and len(in_atoms_e) == 2:
         divisor = in_atoms_e[1].value if in_atoms_e[1].__class__ is Const else None
-        ufunc = idioms.integer_division(eqn, divisor)
-        if ufunc is not None:  # a jnp x // c, x % c call: one ufunc (see idioms)
-          self._emit_idiom(em, env, eqn, ufunc, in_atoms_e, text, check)
+        idiom = idioms.integer_division(eqn, divisor)
+        if idiom is not None:  # a jnp x // c, x % c call: one ufunc (see idioms)
+          self._emit_idiom(em, env, eqn, idiom[0], [in_atoms_e[0], Const(idiom[1])], text,
+                           check)
           continue
       callee = self._inline_callee(eqn)
       if callee is not None:

@@ -71,8 +71,9 @@ def _template(name, in_avals):
 
 
 def integer_division(eqn, divisor):
-  """The ufunc equal to a jnp ``floor_divide``/``remainder`` call eqn whose
-  divisor is the constant ``divisor`` (None where not constant), or None."""
+  """(ufunc, divisor as the result's type) equal to a jnp
+  ``floor_divide``/``remainder`` call eqn whose divisor is the constant
+  ``divisor`` (None where not constant), or None."""
   if eqn.primitive.name not in ("jit", "pjit"):
     return None
   name = eqn.params.get("name")
@@ -84,13 +85,13 @@ def integer_division(eqn, divisor):
   if dt is None or dt.kind not in "iu" or not getattr(x_aval, "shape", ()) or np.ndim(divisor):
     return None
   d = np.asarray(divisor)
-  if d.dtype.kind not in "iu" or (d <= 0 if dt.kind == "i" else d == 0):
-    return None
+  if d.dtype.kind not in "iu" or d <= 0 or int(d.astype(dt)) != int(d):
+    return None  # (a weak Python int divisor is converted to x's type by jnp)
   body = eqn.params.get("jaxpr")
   template = _template(name, (x_aval, y_aval))
   if template is None or body is None or _canonical(body) != template:
     return None
-  return _IDIOMS[name][1]
+  return _IDIOMS[name][1], dt.type(int(d))
 
 
 def _flat_template(name, x_aval, divisor):
