@@ -20,11 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import lru
 
 # jit name -> (the jnp function that traces it, the NumPy ufunc it equals)
 _IDIOMS = {"floor_divide": (jnp.floor_divide, np.floor_divide),
            "remainder": (jnp.remainder, np.remainder)}
-_templates: dict = {}  # (name, operand avals) -> canonical body, or None
+_MISSING = object()
+# (name, operand types[, divisor]) -> jnp's traced body (canonical or flat), or None
+_templates = lru.LRU(512)
 
 
 def _canonical(jaxpr) -> tuple:
@@ -56,7 +59,8 @@ def _template(name, in_avals):
   """jnp's own traced body of ``name`` for these operand types (cached)."""
   key = (name, tuple((a.shape, str(a.dtype), bool(getattr(a, "weak_type", False)))
                      for a in in_avals))
-  if key not in _templates:
+  canon = _templates.get(key, _MISSING)
+  if canon is _MISSING:
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
                for a in in_avals]
     canon = None
@@ -66,8 +70,8 @@ def _template(name, in_avals):
         canon = _canonical(outer.eqns[0].params["jaxpr"])
     except Exception:  # noqa: BLE001 - no template: the call is inlined as usual
       canon = None
-    _templates[key] = canon
-  return _templates[key]
+    _templates.put(key, canon)
+  return canon
 
 
 def integer_division(eqn, divisor):
@@ -98,7 +102,8 @@ def _flat_template(name, x_aval, divisor):
   """jnp's body of ``name(x, divisor)`` traced with jit calls inlined, as
   its eqns (cached; None if it does not trace to one output)."""
   key = ("flat", name, x_aval.shape, str(x_aval.dtype), type(divisor), repr(divisor))
-  if key not in _templates:
+  found = _templates.get(key, _MISSING)
+  if found is _MISSING:
     fn = _IDIOMS[name][0]
     struct = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
     found = None
@@ -110,8 +115,8 @@ def _flat_template(name, x_aval, divisor):
         found = j
     except Exception:  # noqa: BLE001 - no template: nothing is replaced
       found = None
-    _templates[key] = found
-  return _templates[key]
+    _templates.put(key, found)
+  return found
 
 
 def _same_literal(a, b):
@@ -186,8 +191,24 @@ def find(jaxpr):
   return found
 
 
+def _first_primitives():
+  """The primitive each flat template starts with (traced once on a tiny
+  operand): eqns starting otherwise trace no template (first calls stay cheap)."""
+  firsts = _templates.get("first", _MISSING)
+  if firsts is _MISSING:
+    firsts = set()
+    for name in _IDIOMS:
+      t = _flat_template(name, jax.ShapeDtypeStruct((2,), np.int32), 3)
+      if t is not None:
+        firsts.add(t.eqns[0].primitive)
+    _templates.put("first", frozenset(firsts))
+  return firsts
+
+
 def _find_at(eqns, i):
   first = eqns[i]
+  if first.primitive not in _first_primitives():
+    return None
   divisors = [v for v in first.invars if isinstance(v, jc.Literal)]
   for lit in divisors[:1]:
     val = np.asarray(lit.val)
