@@ -191,23 +191,28 @@ def find(jaxpr):
   return found
 
 
+def _signature(eqn):
+  return eqn.primitive, tuple(isinstance(v, jc.Literal) for v in eqn.invars)
+
+
 def _first_primitives():
-  """The primitive each flat template starts with (traced once on a tiny
-  operand): eqns starting otherwise trace no template (first calls stay cheap)."""
+  """The primitive (and which operands are literals) each flat template
+  starts with, traced once on a tiny operand: other eqns trace no template
+  (first calls stay cheap)."""
   firsts = _templates.get("first", _MISSING)
   if firsts is _MISSING:
     firsts = set()
     for name in _IDIOMS:
       t = _flat_template(name, jax.ShapeDtypeStruct((2,), np.int32), 3)
       if t is not None:
-        firsts.add(t.eqns[0].primitive)
+        firsts.add(_signature(t.eqns[0]))
     _templates.put("first", frozenset(firsts))
   return firsts
 
 
 def _find_at(eqns, i):
   first = eqns[i]
-  if first.primitive not in _first_primitives():
+  if _signature(first) not in _first_primitives():
     return None
   divisors = [v for v in first.invars if isinstance(v, jc.Literal)]
   for lit in divisors[:1]:
