@@ -228,12 +228,12 @@ class Compiler:
     concats = fusion.concat_buffer if fusion is not None else {}
     fused_into = fusion.into if fusion is not None else ()
     # jnp's x // c and x % c traced inline: one ufunc for the run (see idioms).
-    idiom_runs = idioms.find(jaxpr) if not self.params.pdb else {}
+    idiom_runs = idioms.find(jaxpr) if not self.params.pdb and fusion is None else {}
     run_end = 0
     for i, eqn in enumerate(jaxpr.eqns):
       if i < run_end or not keep[i]:
         continue
-      if i in idiom_runs and not absorbed and not concats:
+      if i in idiom_runs:  # (only without fusion: no bookkeeping to keep in step)
         end, ufunc, x, divisor, out = idiom_runs[i]
         if out not in live:
           run_end = end
