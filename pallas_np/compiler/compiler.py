@@ -20,7 +20,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
-from pallas_np.compiler import passes, sourcemap
+from pallas_np.compiler import idioms, passes, sourcemap
 from pallas_np.compiler.emitter import Const, Emitter, Line, np_constant
 from pallas_np.compiler.fusion import Fusion
 from pallas_np.compiler.plan import Plan
@@ -227,9 +227,22 @@ class Compiler:
     squeezed = fusion.squeeze_of if fusion is not None else ()
     concats = fusion.concat_buffer if fusion is not None else {}
     fused_into = fusion.into if fusion is not None else ()
+    # jnp's x // c and x % c traced inline: one ufunc for the run (see idioms).
+    idiom_runs = idioms.find(jaxpr) if not self.params.pdb and fusion is None else {}
+    run_end = 0
     for i, eqn in enumerate(jaxpr.eqns):
-      if not keep[i]:
+      if i < run_end or not keep[i]:
         continue
+      if i in idiom_runs:  # (only without fusion: no bookkeeping to keep in step)
+        end, ufunc, x, divisor, out = idiom_runs[i]
+        if out not in live:
+          run_end = end
+          continue
+        if atom_of(x).__class__ is not Const:  # (constants fold as usual)
+          run_end = end
+          self._emit_idiom(em, env, eqn.replace(invars=[x, x], outvars=[out]), ufunc,
+                           [atom_of(x), Const(divisor)], text, check)
+          continue
       if i in absorbed:
         if fusion.absorb(i, em, env):
           continue
@@ -253,6 +266,13 @@ class Compiler:
       if concats.get(i) is not None:
         fusion.emit_concat(i, em, env, in_atoms_e, text)
         continue
+      if in_atoms_e and in_atoms_e[0].__class__ is not Const and len(in_atoms_e) == 2:
+        divisor = in_atoms_e[1].value if in_atoms_e[1].__class__ is Const else None
+        idiom = idioms.integer_division(eqn, divisor)
+        if idiom is not None:  # a jnp x // c, x % c call: one ufunc (see idioms)
+          self._emit_idiom(em, env, eqn, idiom[0], [in_atoms_e[0], Const(idiom[1])], text,
+                           check)
+          continue
       callee = self._inline_callee(eqn)
       if callee is not None:
         sub_jaxpr, sub_consts = callee
@@ -297,9 +317,10 @@ class Compiler:
             for k, v in enumerate(jaxpr.outvars)]
 
   def _emit_call(self, em, env, eqn, info, fn, needs_ctx, out_batched, in_atoms_e,
-                 outvars_used, text, check):
+                 outvars_used, text, check, multiple=None):
     """One line ``outs = fN(args)`` for an eqn (with its zero guard)."""
-    multiple = eqn.primitive.multiple_results
+    if multiple is None:
+      multiple = eqn.primitive.multiple_results
     specialise = getattr(fn, "specialise", None)
     if specialise is not None and any(isinstance(a, Const) for a in in_atoms_e):
       better = specialise([a.value if isinstance(a, Const) else None for a in in_atoms_e])
@@ -369,6 +390,12 @@ class Compiler:
         line.into = (with_out, (), checked)
     em.body.append(line)
     em.line_eqns.append(eqn)
+
+  def _emit_idiom(self, em, env, eqn, ufunc, in_atoms_e, text, check):
+    """One ufunc line for ``eqn`` (x, constant divisor) -> one output."""
+    info = registry.EqnInfo(eqn, self, (True,))
+    self._emit_call(em, env, eqn, info, ufunc, False, (in_atoms_e[0][1],), in_atoms_e,
+                    (True,), text, check, multiple=False)
 
   @staticmethod
   def _inline_callee(eqn):

@@ -3,6 +3,8 @@ vectorized pass a while whose trip count differs per lane iterates the lanes
 still active (lane groups)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jax import lax
@@ -92,14 +94,42 @@ def _while(e):
   body = e.compiler.compile(p["body_jaxpr"]).fn
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
 
-  def while_loop(ctx, *args):
-    cconsts = args[:nc]
-    bconsts = args[nc:nc + nb]
-    carry = args[nc + nb:]
-    while cond(ctx, *cconsts, *carry)[0]:
-      carry = body(ctx, *bconsts, *carry)
-    return carry
-  return while_loop
+  return _while_loop(nc, nb, len(e.in_avals) - nc - nb)(cond, body)
+
+
+def _names(prefix, n):
+  return "".join(f"{prefix}{k}, " for k in range(n))
+
+
+@functools.lru_cache(maxsize=256)
+def _while_loop(nc, nb, n_carry):
+  """A while loop over plans ``cond``/``body`` written out for its arity:
+  named carries, no argument tuples sliced or splatted per iteration."""
+  cc, bc, carry = _names("c", nc), _names("b", nb), _names("x", n_carry)
+  source = (f"def make(cond, body):\n"
+            f"  def while_loop(ctx, {cc}{bc}{carry}):\n"
+            f"    while cond(ctx, {cc}{carry})[0]:\n"
+            f"      {carry + '= ' if carry else ''}body(ctx, {bc}{carry})\n"
+            f"    return ({carry})\n"
+            f"  return while_loop\n")
+  scope = {}
+  exec(compile(source, "<pallas_np while_loop>", "exec"), scope)  # noqa: S102 - our own template
+  return scope["make"]
+
+
+@functools.lru_cache(maxsize=256)
+def _carry_loop(n_consts, n_carry):
+  """A scan without xs and ys (``fori_loop``), written out for its arity."""
+  consts, carry = _names("c", n_consts), _names("x", n_carry)
+  source = (f"def make(body, order):\n"
+            f"  def scan_carry_only(ctx, {consts}{carry}):\n"
+            f"    for _ in order:\n"
+            f"      {carry + '= ' if carry else ''}body(ctx, {consts}{carry})\n"
+            f"    return ({carry})\n"
+            f"  return scan_carry_only\n")
+  scope = {}
+  exec(compile(source, "<pallas_np scan_carry_only>", "exec"), scope)  # noqa: S102 - our own template
+  return scope["make"]
 
 
 def _scan_batched(bc, rule, info, in_batched):
@@ -155,13 +185,7 @@ def _scan(e):
   n_xs = len(e.in_avals) - num_consts - num_carry
 
   if not y_specs and n_xs == 0:
-    def scan_carry_only(ctx, *args):
-      consts = args[:num_consts]
-      carry = args[num_consts:]
-      for _ in order:
-        carry = body(ctx, *consts, *carry)
-      return carry
-    return scan_carry_only
+    return _carry_loop(num_consts, num_carry)(body, order)
 
   def scan(ctx, *args):
     consts = args[:num_consts]
