@@ -11,6 +11,7 @@ and the kernel's source line without any bookkeeping on the hot path.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import operator
@@ -96,12 +97,24 @@ class Compiler:
                kernel_params_from_eqns: bool = False):
     self.params = params or InterpretParams()
     self.name = name
+    self.loop_depth = 0  # > 0 while compiling a loop's body or condition
     # Whole programs run outside a force scope: each pallas_call eqn keeps
     # the options of its own ``interpret=`` instead of ``params``.
     self.kernel_params_from_eqns = kernel_params_from_eqns
     self._cache: dict[Any, tuple[Any, Plan]] = {}
 
   # -- public ---------------------------------------------------------------
+  @contextlib.contextmanager
+  def loop_body(self):
+    """Compiling a loop's body or condition: code that runs once per
+    iteration, where idioms (which trace a jnp reference once per operand
+    type, a few ms) pay off; elsewhere they would only slow first calls."""
+    self.loop_depth += 1
+    try:
+      yield
+    finally:
+      self.loop_depth -= 1
+
   def compile(self, jaxpr, consts: Sequence[Any] | None = None, *,
               constvars_as_args: bool = False, in_batched=None,
               first_calls: bool = False) -> Plan:
@@ -228,7 +241,8 @@ class Compiler:
     concats = fusion.concat_buffer if fusion is not None else {}
     fused_into = fusion.into if fusion is not None else ()
     # jnp's x // c and x % c traced inline: one ufunc for the run (see idioms).
-    idiom_runs = idioms.find(jaxpr) if not self.params.pdb and fusion is None else {}
+    use_idioms = self.loop_depth > 0 and not self.params.pdb
+    idiom_runs = idioms.find(jaxpr) if use_idioms and fusion is None else {}
     run_end = 0
     for i, eqn in enumerate(jaxpr.eqns):
       if i < run_end or not keep[i]:
@@ -266,7 +280,8 @@ class Compiler:
       if concats.get(i) is not None:
         fusion.emit_concat(i, em, env, in_atoms_e, text)
         continue
-      if in_atoms_e and in_atoms_e[0].__class__ is not Const and len(in_atoms_e) == 2:
+      if (use_idioms and in_atoms_e and in_atoms_e[0].__class__ is not Const
+          and len(in_atoms_e) == 2):
         divisor = in_atoms_e[1].value if in_atoms_e[1].__class__ is Const else None
         idiom = idioms.integer_division(eqn, divisor)
         if idiom is not None:  # a jnp x // c, x % c call: one ufunc (see idioms)

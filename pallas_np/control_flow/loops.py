@@ -16,6 +16,12 @@ from pallas_np.errors import NotBatchable
 from pallas_np.dtypes import np_dtype
 
 
+def _hot(compiler, jaxpr, **kwargs):
+  """Compile a loop body or condition: hot code (see ``Compiler.loop_body``)."""
+  with compiler.loop_body():
+    return compiler.compile(jaxpr, **kwargs)
+
+
 def _while_batched(bc, rule, info, in_batched):
   p = info.params
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -30,8 +36,8 @@ def _while_batched(bc, rule, info, in_batched):
     pred_b, body = True, None
   else:
     carry_b, body = lane_groups.fixpoint_carry(
-        lambda cb: bc.compile(p["body_jaxpr"], in_batched=bc_b + cb), n_carry, guess)
-    cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+        lambda cb: _hot(bc, p["body_jaxpr"], in_batched=bc_b + cb), n_carry, guess)
+    cond = _hot(bc, p["cond_jaxpr"], in_batched=cc_b + carry_b)
     pred_b = cond.out_batched[0]
   carry_avals = info.in_avals[nc + nb:]
   carry_is_ref = [isinstance(a, jc.AbstractRef) for a in carry_avals]
@@ -57,9 +63,9 @@ def _while_batched(bc, rule, info, in_batched):
 
   carry_b = (True,) * n_carry
   if body is None or tuple(body.out_batched) != carry_b:  # once every carry is batched
-    body = bc.compile(p["body_jaxpr"], in_batched=bc_b + carry_b)
+    body = _hot(bc, p["body_jaxpr"], in_batched=bc_b + carry_b)
   body_fn, body_lift = body.fn, tuple(body.out_batched)
-  cond = bc.compile(p["cond_jaxpr"], in_batched=cc_b + carry_b)
+  cond = _hot(bc, p["cond_jaxpr"], in_batched=cc_b + carry_b)
   cond_fn = cond.fn
 
   def while_lanes(ctx, *args):
@@ -90,8 +96,8 @@ def _while_batched(bc, rule, info, in_batched):
 @registry.register(lax.while_p, needs_ctx=True, context_free=True, batch=_while_batched)
 def _while(e):
   p = e.params
-  cond = e.compiler.compile(p["cond_jaxpr"]).fn
-  body = e.compiler.compile(p["body_jaxpr"]).fn
+  cond = _hot(e.compiler, p["cond_jaxpr"]).fn
+  body = _hot(e.compiler, p["body_jaxpr"]).fn
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
 
   return _while_loop(nc, nb, len(e.in_avals) - nc - nb)(cond, body)
@@ -143,7 +149,7 @@ def _scan_batched(bc, rule, info, in_batched):
   if any(isinstance(a, jc.AbstractRef) for a in info.in_avals[num_consts:]):
     raise NotBatchable("refs in a scan carry")
   carry_b, body = lane_groups.fixpoint_carry(
-      lambda cb: bc.compile(p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry,
+      lambda cb: _hot(bc, p["jaxpr"], in_batched=consts_b + cb + xs_b), num_carry,
       lane_groups.carry_guess(p["jaxpr"].jaxpr, consts_b, carry0, xs_b))
   body_fn = body.fn
   body_lift = tuple(body.out_batched[:num_carry])
@@ -175,7 +181,7 @@ def _scan_batched(bc, rule, info, in_batched):
 @registry.register(lax.scan_p, needs_ctx=True, context_free=True, batch=_scan_batched)
 def _scan(e):
   p = e.params
-  body = e.compiler.compile(p["jaxpr"]).fn
+  body = _hot(e.compiler, p["jaxpr"]).fn
   num_consts, num_carry = jc.scan_counts(p)
   length = int(p["length"])
   reverse = bool(p["reverse"])
