@@ -107,6 +107,13 @@ def _names(prefix, n):
   return "".join(f"{prefix}{k}, " for k in range(n))
 
 
+def _maker(source: str, filename: str):
+  """The ``make`` function a loop template defines (our own source text)."""
+  scope = {}
+  exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own template
+  return scope["make"]
+
+
 @functools.lru_cache(maxsize=256)
 def _while_loop(nc, nb, n_carry):
   """A while loop over plans ``cond``/``body`` written out for its arity:
@@ -118,9 +125,7 @@ def _while_loop(nc, nb, n_carry):
             f"      {carry + '= ' if carry else ''}body(ctx, {bc}{carry})\n"
             f"    return ({carry})\n"
             f"  return while_loop\n")
-  scope = {}
-  exec(compile(source, "<pallas_np while_loop>", "exec"), scope)  # noqa: S102 - our own template
-  return scope["make"]
+  return _maker(source, "<pallas_np while_loop>")
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,9 +138,7 @@ def _carry_loop(n_consts, n_carry):
             f"      {carry + '= ' if carry else ''}body(ctx, {consts}{carry})\n"
             f"    return ({carry})\n"
             f"  return scan_carry_only\n")
-  scope = {}
-  exec(compile(source, "<pallas_np scan_carry_only>", "exec"), scope)  # noqa: S102 - our own template
-  return scope["make"]
+  return _maker(source, "<pallas_np scan_carry_only>")
 
 
 def _scan_batched(bc, rule, info, in_batched):
