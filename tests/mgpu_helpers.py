@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -84,3 +86,48 @@ def gpu_kernels(monkeypatch):
 def assert_close(got, want, *, atol, rtol=0.0):
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=atol, rtol=rtol)
+
+
+def producer_consumer(*, consumer_waits=True, release_early=False, steps=4, slots=2):
+  """A warp-specialised pipeline: warpgroup 0 copies x's row blocks into
+  ``slots`` SMEM slots, warpgroup 1 writes 3 * each. ``consumer_waits=False``
+  and ``release_early=True`` remove an ordering edge (the race tests)."""
+  blk = 64
+
+  def body(x_ref, o_ref):
+    def scoped(smem, full, free):
+      wg = jax.lax.axis_index("wg")
+
+      @pl.when(wg == 0)
+      def _producer():
+        @pl.loop(0, steps)
+        def _(i):
+          slot = i % slots
+          @pl.when(i >= slots)
+          def _():
+            plgpu.barrier_wait(free.at[slot])
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * blk, blk)], smem.at[slot], full.at[slot])
+
+      @pl.when(wg == 1)
+      def _consumer():
+        @pl.loop(0, steps)
+        def _(i):
+          slot = i % slots
+          if consumer_waits:
+            plgpu.barrier_wait(full.at[slot])
+
+          def release():
+            @pl.when(i + slots < steps)
+            def _():
+              plgpu.barrier_arrive(free.at[slot])
+          if release_early:  # the bug: the slot is handed back before it is read
+            release()
+          o_ref[pl.ds(i * blk, blk)] = smem[slot] * 3.0
+          if not release_early:
+            release()
+    pl.run_scoped(scoped, plgpu.SMEM((slots, blk, 128), jnp.float32),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+                  collective_axes="wg")
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((steps * blk, 128), jnp.float32),
+                      num_threads=2, thread_name="wg")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from tests.mgpu_helpers import assert_close, both, gpu_interpret, plgpu
+from tests.mgpu_helpers import assert_close, both, gpu_interpret, plgpu, producer_consumer
 
 import pallas_np
 from pallas_np.errors import KernelError
@@ -167,46 +167,9 @@ def test_deadlock_between_warpgroups_names_each():
 
 
 # -- warp specialisation: producer and consumer warpgroups ----------------------
-def _producer_consumer(steps=4, slots=2):
-  blk = 64
-
-  def body(x_ref, o_ref):
-    def scoped(smem, full, free):
-      wg = jax.lax.axis_index("wg")
-
-      @pl.when(wg == 0)
-      def _producer():
-        @pl.loop(0, steps)
-        def _(i):
-          slot = i % slots
-
-          @pl.when(i >= slots)
-          def _():
-            plgpu.barrier_wait(free.at[slot])
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * blk, blk)], smem.at[slot], full.at[slot])
-
-      @pl.when(wg == 1)
-      def _consumer():
-        @pl.loop(0, steps)
-        def _(i):
-          slot = i % slots
-          plgpu.barrier_wait(full.at[slot])
-          o_ref[pl.ds(i * blk, blk)] = smem[slot] * 3.0
-
-          @pl.when(i + slots < steps)  # only the phases the producer waits for
-          def _():
-            plgpu.barrier_arrive(free.at[slot])
-    pl.run_scoped(scoped, plgpu.SMEM((slots, blk, 128), jnp.float32),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
-                  collective_axes="wg")
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((steps * blk, 128), jnp.float32),
-                      num_threads=2, thread_name="wg")
-
-
 def test_warp_specialized_pipeline_vs_gpu_interpret():
   x = _x((256, 128), jnp.float32)
-  ours, theirs = both(_producer_consumer(), x)
+  ours, theirs = both(producer_consumer(), x)
   np.testing.assert_array_equal(ours, np.asarray(x) * 3.0)
   np.testing.assert_array_equal(ours, theirs)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from tests.mgpu_helpers import gpu_kernels, plgpu  # noqa: F401
+from tests.mgpu_helpers import gpu_kernels, plgpu, producer_consumer  # noqa: F401
 
 import pallas_np
 from pallas_np.errors import KernelError
@@ -106,57 +106,13 @@ def test_two_warpgroups_writing_the_same_smem():
 
 
 # -- TMA copies ------------------------------------------------------------------
-def _producer_consumer(*, consumer_waits=True, release_early=False, steps=4, slots=2):
-  """The warp-specialised pipeline of tests/test_mosaic_gpu.py, with an edge
-  that can be removed."""
-  blk = 64
-
-  def body(x_ref, o_ref):
-    def scoped(smem, full, free):
-      wg = jax.lax.axis_index("wg")
-
-      @pl.when(wg == 0)
-      def _producer():
-        @pl.loop(0, steps)
-        def _(i):
-          slot = i % slots
-          @pl.when(i >= slots)
-          def _():
-            plgpu.barrier_wait(free.at[slot])
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * blk, blk)], smem.at[slot], full.at[slot])
-
-      @pl.when(wg == 1)
-      def _consumer():
-        @pl.loop(0, steps)
-        def _(i):
-          slot = i % slots
-          if consumer_waits:
-            plgpu.barrier_wait(full.at[slot])
-
-          def release():
-            @pl.when(i + slots < steps)
-            def _():
-              plgpu.barrier_arrive(free.at[slot])
-          if release_early:  # the bug: the slot is handed back before it is read
-            release()
-          o_ref[pl.ds(i * blk, blk)] = smem[slot] * 3.0
-          if not release_early:
-            release()
-    pl.run_scoped(scoped, plgpu.SMEM((slots, blk, 128), F32),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=slots),
-                  collective_axes="wg")
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((steps * blk, 128), F32),
-                      num_threads=2, thread_name="wg")
-
-
 def test_warp_specialized_pipeline_has_no_race():
   x = _x((256, 128))
-  np.testing.assert_array_equal(_run(_producer_consumer(), x), np.asarray(x) * 3)
+  np.testing.assert_array_equal(_run(producer_consumer(), x), np.asarray(x) * 3)
 
 
 def test_consumer_reading_before_the_copy_wait_is_a_race():
-  msg = _race(_producer_consumer(consumer_waits=False), _x((256, 128)))
+  msg = _race(producer_consumer(consumer_waits=False), _x((256, 128)))
   assert "warpgroup 1" in msg and "TMA copy issued by warpgroup 0" in msg
 
 
@@ -164,7 +120,7 @@ def test_producer_overwriting_a_slot_still_being_read_is_a_race():
   """A consumer that hands a slot back (arrives on ``free``) before reading
   it: the producer's next copy into the slot races the read (write after
   read), although this interleaving happens to read the right data."""
-  msg = _race(_producer_consumer(release_early=True), _x((256, 128)))
+  msg = _race(producer_consumer(release_early=True), _x((256, 128)))
   assert "TMA copy issued by warpgroup 0" in msg and "warpgroup 1 of block ()" in msg
   assert " read;" in msg
 
