@@ -40,7 +40,7 @@ _CODE_CACHE_SIZE = 2048
 _code_cache = LRU(_CODE_CACHE_SIZE)
 
 
-def _function_code(signature_and_body: str) -> types.CodeType:
+def function_code(signature_and_body: str) -> types.CodeType:
   code = _code_cache.get(signature_and_body)
   if code is None:
     module = compile("def plan" + signature_and_body, "<pallas_np plan>", "exec")
@@ -110,13 +110,20 @@ class Plan:
     if fn is None:
       source = self.source
       fname, _, _, _, env_globals = self._text
-      code = _function_code(source[source.index("("):]).replace(
+      code = function_code(source[source.index("("):]).replace(
           co_filename=self.filename, co_name=fname, co_qualname=fname)
       # Make the generated source visible to tracebacks, pdb and py-spy.
       sourcemap.show(self.filename, source)
       fn = self._compiled = types.FunctionType(code, env_globals, fname)
     self.fn = fn
     return fn
+
+  def compile_on_call(self):
+    """``fn`` compiles the plan when first called: for plans whose lines
+    are usually inlined elsewhere (loop bodies, see ``loop_codegen``)."""
+    def on_first_call(ctx, *args):
+      return self.compiled()(ctx, *args)
+    self.fn = on_first_call
 
   def run_lines_first(self):
     """``fn`` runs the lines uncompiled for the first calls (see FIRST_CALLS)."""

@@ -11,15 +11,24 @@ from jax import lax
 
 from pallas_np import _compat as jc
 from pallas_np import batching, registry
+from pallas_np.compiler import loop_codegen
 from pallas_np.control_flow import lane_groups
 from pallas_np.errors import NotBatchable
 from pallas_np.dtypes import np_dtype
 
 
 def _hot(compiler, jaxpr, **kwargs):
-  """Compile a loop body or condition: hot code (see ``Compiler.loop_body``)."""
+  """Compile a loop body or condition: hot code (see ``Compiler.loop_body``).
+  Its plan compiles only if called: its lines are usually inlined into
+  the loop's own function (``loop_codegen``)."""
   with compiler.loop_body():
-    return compiler.compile(jaxpr, **kwargs)
+    return compiler.compile(jaxpr, lazy=True, **kwargs)
+
+
+def _inlined(compiler) -> bool:
+  """Whether loops are generated as one function with their body inlined
+  (not under pdb, where each body runs as its own plan, as written)."""
+  return not compiler.params.pdb
 
 
 def _while_batched(bc, rule, info, in_batched):
@@ -49,6 +58,18 @@ def _while_batched(bc, rule, info, in_batched):
   if not pred_b:
     body_fn, cond_fn = body.fn, cond.fn
     body_lift = tuple(body.out_batched)
+    if body_lift == carry_b and _inlined(bc):
+      loop = loop_codegen.loop_function(
+          "while_loop", bc.name, cond=cond, n_cond_consts=nc, body=body, n_body_consts=nb,
+          n_carry=n_carry)
+      if carry0 == carry_b:
+        return loop, True, carry_b
+      lift, n_consts = batching.lift, nc + nb
+
+      def while_lifted(ctx, *args):
+        carry = lift(args[n_consts:], carry0, carry_b, ctx.batch_size)
+        return loop(ctx, *args[:n_consts], *carry)
+      return while_lifted, True, carry_b
 
     def while_loop(ctx, *args):
       cconsts = args[:nc]
@@ -96,11 +117,15 @@ def _while_batched(bc, rule, info, in_batched):
 @registry.register(lax.while_p, needs_ctx=True, context_free=True, batch=_while_batched)
 def _while(e):
   p = e.params
-  cond = _hot(e.compiler, p["cond_jaxpr"]).fn
-  body = _hot(e.compiler, p["body_jaxpr"]).fn
+  cond = _hot(e.compiler, p["cond_jaxpr"])
+  body = _hot(e.compiler, p["body_jaxpr"])
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
-
-  return _while_loop(nc, nb, len(e.in_avals) - nc - nb)(cond, body)
+  n_carry = len(e.in_avals) - nc - nb
+  if _inlined(e.compiler):
+    return loop_codegen.loop_function("while_loop", e.compiler.name, cond=cond,
+                                      n_cond_consts=nc, body=body, n_body_consts=nb,
+                                      n_carry=n_carry)
+  return _while_loop(nc, nb, n_carry)(cond.fn, body.fn)
 
 
 def _names(prefix, n):
@@ -159,6 +184,17 @@ def _scan_batched(bc, rule, info, in_batched):
   ys_b = tuple(body.out_batched[num_carry:])
   y_avals = info.out_avals[num_carry:]
   order = range(length - 1, -1, -1) if reverse else range(length)
+  if not xs_b and not ys_b and body_lift == carry_b and _inlined(bc):
+    loop = loop_codegen.loop_function("fori_loop", bc.name, body=body,
+                                      n_body_consts=num_consts, n_carry=num_carry, order=order)
+    if carry0 == carry_b:
+      return loop, True, carry_b
+    lift = batching.lift
+
+    def scan_lifted(ctx, *args):
+      carry = lift(args[num_consts:], carry0, carry_b, ctx.batch_size)
+      return loop(ctx, *args[:num_consts], *carry)
+    return scan_lifted, True, carry_b
 
   def scan(ctx, *args):
     n = ctx.batch_size
@@ -184,7 +220,8 @@ def _scan_batched(bc, rule, info, in_batched):
 @registry.register(lax.scan_p, needs_ctx=True, context_free=True, batch=_scan_batched)
 def _scan(e):
   p = e.params
-  body = _hot(e.compiler, p["jaxpr"]).fn
+  body_plan = _hot(e.compiler, p["jaxpr"])
+  body = body_plan.fn
   num_consts, num_carry = jc.scan_counts(p)
   length = int(p["length"])
   reverse = bool(p["reverse"])
@@ -194,6 +231,10 @@ def _scan(e):
   n_xs = len(e.in_avals) - num_consts - num_carry
 
   if not y_specs and n_xs == 0:
+    if _inlined(e.compiler):
+      return loop_codegen.loop_function("fori_loop", e.compiler.name, body=body_plan,
+                                        n_body_consts=num_consts, n_carry=num_carry,
+                                        order=order)
     return _carry_loop(num_consts, num_carry)(body, order)
 
   def scan(ctx, *args):

@@ -118,10 +118,26 @@ def _signed_zero_fix(r, x, axes, is_max):
   return np.where(zero, fixed, r).astype(r.dtype, copy=False)[()]
 
 
+def _bool_all_axes(ufunc):
+  """An and/or over every axis of a bool array as one ``count_nonzero``
+  (~0.4 us against ~1.2 us for the ufunc's reduce: a while loop's
+  ``jnp.any(x != 1)`` condition runs once per iteration). Counting nonzero
+  bytes reads any nonzero byte as True, as the reduce does."""
+  true, false = np.True_, np.False_
+  count = np.count_nonzero
+  if ufunc is np.bitwise_or:
+    return lambda x: true if count(x) else false
+  return lambda x: true if count(x) == x.size else false
+
+
 def _bitwise_reduce(ufunc, bool_fn):
   def compile_rule(e):
     axes = _axes(e)
     dt = np_dtype(e.in_avals[0].dtype)
+    ndim = len(e.in_avals[0].shape)
+    if dt == np.bool_ and ndim and tuple(sorted(axes)) == tuple(range(ndim)) \
+        and ufunc is not np.bitwise_xor:
+      return _bool_all_axes(ufunc)
     if dt == np.bool_:
       return lambda x: bool_fn(x, axis=axes)
     return lambda x: ufunc.reduce(x, axis=axes, dtype=dt)
