@@ -362,6 +362,8 @@ class Compiler:
       if zero_srcs is None:
         fast = None
     ufunc = fn if fn.__class__ is np.ufunc and fast is None and fn.nout == 1 else None
+    if ufunc is None and fast is None and getattr(fn, "into_operand", None) is not None:
+      ufunc = fn  # (allocates its result and can write into an operand: see in_place)
     with_out = None if ufunc is not None or fast is not None else getattr(fn, "with_out", None)
     store = getattr(fn, "store_target", None)
     checked = None
@@ -423,6 +425,8 @@ class Compiler:
 
   def _emit_idiom(self, em, env, eqn, ufunc, in_atoms_e, text, check):
     """One ufunc line for ``eqn`` (x, constant divisor) -> one output."""
+    ufunc, divisor = idioms.by_power_of_two(ufunc, in_atoms_e[1].value)
+    in_atoms_e = [in_atoms_e[0], Const(divisor)]
     info = registry.EqnInfo(eqn, self, (True,))
     self._emit_call(em, env, eqn, info, ufunc, False, (in_atoms_e[0][1],), in_atoms_e,
                     (True,), text, check, multiple=False)

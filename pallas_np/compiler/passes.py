@@ -85,10 +85,12 @@ def in_place(em, returned):
     ufunc, positions, checked = line.into
     for k in positions:
       name = line.args[k]
+      into = _ufunc_into(ufunc, k)
+      if into is None:
+        continue
       if name in fresh and last[name] == i and name in line.dels \
           and not outlives(name, i):
         g = em.fresh("f")
-        into = _ufunc_into(ufunc, k)
         em.env_globals[g] = into if checked is None else checked(into)
         line.callee = g
         em.wrote_into[i] = k
@@ -169,7 +171,11 @@ def into_refs(em, returned):
 
 
 def _ufunc_into(ufunc, k):
-  """``ufunc`` writing its result into its operand ``k``."""
+  """``ufunc`` writing its result into its operand ``k`` (None: a rule's
+  ``into_operand`` cannot write into that operand)."""
+  into_operand = getattr(ufunc, "into_operand", None)
+  if into_operand is not None:
+    return into_operand(k)
   if ufunc.nin == 1:
     return lambda x: ufunc(x, out=x)
   if k == 0:

@@ -369,6 +369,21 @@ def _select_n_batched(bc, rule, info, in_batched):
   return batching.elementwise(bc, rule, info, in_batched)
 
 
+def _select_into_c0(p, c0, c1):
+  np.copyto(c0, c1, where=p)
+  return c0
+
+
+def _select_into(k):
+  """A two-way select writing into its dying case-0 operand
+  (``passes.in_place``): one masked copy (~0.65 us on a small block)
+  instead of ``np.where``'s fresh array (~1.35 us); None for other
+  operands (writing into case 1 needs ``~p`` first, no faster). NumPy's
+  copyto buffers an overlapping source. A select called with ``out=``
+  (``passes.into_refs``) ignores it: the store then copies."""
+  return _select_into_c0 if k == 1 else None
+
+
 @registry.register(lax.select_n_p, batch=_select_n_batched, data_movement=True)
 def _select_n(e):
   n_cases = len(e.in_avals) - 1
@@ -376,11 +391,13 @@ def _select_n(e):
   if n_cases == 1:
     return lambda p, c: c
   if n_cases == 2 and pred_dt == np.bool_:
-    select = lambda p, c0, c1: np.where(p, c1, c0)
+    def select(p, c0, c1, out=None):
+      return np.where(p, c1, c0)  # (``out``: see _select_into)
     # 0-d operands, no lane axis (compiler._scalar_form): no np.where call
     # (a reducer body of 0-d avals may run on arrays: then np.where)
     select.scalar_form = lambda p, c0, c1: (
         (c1 if p else c0) if p.__class__ is np.bool_ else np.where(p, c1, c0))
+    select.into_operand = _select_into
     return select
   if n_cases == 2:
     return lambda p, c0, c1: np.where(p != 0, c1, c0)
