@@ -300,6 +300,12 @@ class Compiler:
           self._emit_idiom(em, env, eqn, idiom[0], [in_atoms_e[0], Const(idiom[1])], text,
                            check)
           continue
+      if (use_idioms and len(in_atoms_e) == 2 and in_atoms_e[0].__class__ is not Const
+          and (in_atoms_e[1].__class__ is Const or not in_atoms_e[1][1])):
+        axis = idioms.roll_axis(eqn)
+        if axis is not None:  # jnp.roll by a traced shift: one line (see idioms)
+          self._emit_roll(em, env, eqn, axis, in_atoms_e, text, check)
+          continue
       callee = self._inline_callee(eqn)
       if callee is not None:
         sub_jaxpr, sub_consts = callee
@@ -430,6 +436,16 @@ class Compiler:
     info = registry.EqnInfo(eqn, self, (True,))
     self._emit_call(em, env, eqn, info, ufunc, False, (in_atoms_e[0][1],), in_atoms_e,
                     (True,), text, check, multiple=False)
+
+  def _emit_roll(self, em, env, eqn, axis, in_atoms_e, text, check):
+    """One line for a jnp ``roll(x, shift, axis)`` call (``idioms.roll_axis``);
+    ``x`` may carry a lane axis, ``shift`` may not."""
+    lanes = in_atoms_e[0][1]
+    fn = idioms.roll_fn(eqn.invars[0].aval.shape, axis, lanes)
+    info = registry.EqnInfo(eqn, self, (True,))
+    self._emit_call(em, env, eqn, info, fn, False, (lanes,), in_atoms_e, (True,), text, check,
+                    multiple=False)
+    em.zeros.moved(eqn, in_atoms_e[:1], [env[eqn.outvars[0]][0]])
 
   @staticmethod
   def _inline_callee(eqn):

@@ -253,3 +253,70 @@ def _find_at(eqns, i):
         continue
       return (i + len(template.eqns), _IDIOMS[name][1], x, np.asarray(divisor, dt)[()], out)
   return None
+
+
+# -- jnp.roll by a traced shift --------------------------------------------------------
+def _roll_template(x_aval, shift_aval, axis):
+  """jnp's own call eqn body of ``jnp.roll(x, shift, axis)`` for these
+  operand types (canonical, cached; None if it does not trace to one call)."""
+  key = ("roll", x_aval.shape, str(x_aval.dtype), str(shift_aval), axis)
+  canon = _templates.get(key, _MISSING)
+  if canon is _MISSING:
+    canon = None
+    try:
+      outer = jax.make_jaxpr(lambda x, s: jnp.roll(x, s, axis=axis))(
+          jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype),
+          jax.ShapeDtypeStruct(shift_aval.shape, shift_aval.dtype,
+                               weak_type=bool(getattr(shift_aval, "weak_type", False)))).jaxpr
+      if len(outer.eqns) == 1 and outer.eqns[0].primitive.name in ("jit", "pjit"):
+        canon = (outer.eqns[0].params.get("name"), _canonical(outer.eqns[0].params["jaxpr"]))
+    except Exception:  # noqa: BLE001 - no template: the call is inlined as usual
+      canon = None
+    _templates.put(key, canon)
+  return canon
+
+
+def roll_axis(eqn):
+  """The axis of a call eqn that is jnp's ``roll(x, shift, axis)`` by a
+  0-d integer ``shift`` (a concatenate of ``x`` with itself and a dynamic
+  slice, with the shift's modulo: ~20 NumPy lines), else None. Recognised
+  when its body equals, eqn by eqn, the body jnp itself traces for the same
+  operand types and axis (``_canonical``); the axis is read off the body's
+  concatenate only to pick the reference to compare with."""
+  if eqn.primitive.name not in ("jit", "pjit") or len(eqn.invars) != 2 \
+      or len(eqn.outvars) != 1:
+    return None
+  x_aval, s_aval = (v.aval for v in eqn.invars)
+  if not getattr(x_aval, "shape", ()) or getattr(s_aval, "shape", None) != () \
+      or np.dtype(s_aval.dtype).kind not in "iu":
+    return None
+  body = eqn.params.get("jaxpr")
+  inner = getattr(body, "jaxpr", body)
+  if inner is None or not hasattr(inner, "eqns"):
+    return None
+  concats = [e for e in inner.eqns if e.primitive.name == "concatenate"]
+  if len(concats) != 1 or any(v is not inner.invars[0] for v in concats[0].invars):
+    return None
+  axis = int(concats[0].params["dimension"])
+  template = _roll_template(x_aval, s_aval, axis)
+  if template is None or template != (eqn.params.get("name"), _canonical(body)):
+    return None
+  return axis
+
+
+def roll_fn(shape, axis, lanes: bool):
+  """``np.roll(x, shift, axis)`` as jnp computes it (the shift taken
+  modulo the axis' size; a shift of 0 returns ``x`` itself, a view
+  nobody may write into): two slices and one concatenate (``np.roll``'s
+  Python costs ~8 us)."""
+  n = max(int(shape[axis]), 1)
+  ax = axis + 1 if lanes else axis
+  pre = (slice(None),) * ax
+  concatenate = np.concatenate
+
+  def roll(x, shift):
+    k = n - int(shift) % n
+    if k == n:
+      return x
+    return concatenate((x[pre + (slice(k, None),)], x[pre + (slice(None, k),)]), ax)
+  return roll
