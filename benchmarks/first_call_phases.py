@@ -34,7 +34,7 @@ PHASES = [
     ("pallas_np.grid.kernel_plan", "KernelPlan.run_grid", "grid loop"),
     ("pallas_np.compiler.compiler", "Compiler._codegen", "emit"),
     ("pallas_np.compiler.compiler", "Compiler.compile", "compile (other)"),
-    ("pallas_np.compiler.plan", "_function_code", "compile()"),
+    ("pallas_np.compiler.plan", "function_code", "compile()"),
     ("pallas_np.compiler.plan", "_line_runner", "line runner"),
     ("pallas_np.grid.vectorize", "GridVectorizer.__init__", "vectorizer"),
     ("pallas_np.grid.vectorize", "GridVectorizer.choose", "choose"),
