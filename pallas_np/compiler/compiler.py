@@ -339,6 +339,10 @@ class Compiler:
           if not isinstance(o, jc.DropVar):
             env[o] = Const(val)
         continue
+      if (getattr(fn, "is_identity", False) and not needs_ctx and len(in_atoms_e) == 1
+          and len(eqn.outvars) == 1 and out_batched[0] == in_batched[0]):
+        env[eqn.outvars[0]] = in_atoms_e[0]  # (its value, unchanged: no line)
+        continue
       if (i in fused_into and not needs_ctx
           and fusion.emit_into(i, em, env, fn, in_atoms_e, info, text)):
         continue

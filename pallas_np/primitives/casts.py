@@ -41,6 +41,15 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 _BF16_BOOL_DAZ = jc.bf16_to_bool_flushes_denormals()
 
 
+def _same_dtype(x):
+  return x
+
+
+# (a weak-type-only conversion: the compiler binds the result to the
+# operand's value instead of emitting a line, ~0.1 us a loop iteration)
+_same_dtype.is_identity = True
+
+
 def make_converter(src, dst):
   """XLA's conversion. int->int wraps (sub-byte ints too: ml_dtypes
   saturates, so those go through int64); float->int truncates, NaN->0 and
@@ -50,7 +59,7 @@ def make_converter(src, dst):
   src = np.dtype(src)
   dst = np.dtype(dst)
   if src == dst:
-    return lambda x: x
+    return _same_dtype
   if src.kind == "c" and dst.kind != "c":
     real = make_converter(np.real(np.zeros((), src)).dtype, dst)
     return lambda x: real(np.real(x))

@@ -369,6 +369,33 @@ def _select_n_batched(bc, rule, info, in_batched):
   return batching.elementwise(bc, rule, info, in_batched)
 
 
+def _select_of_bits(dt):
+  """``specialise`` of a select whose predicate has the result's shape:
+  between uniform constants 0 and 1 of an integer or bool type
+  (``jnp.where(done, 0, 1)``), the predicate itself converted (~0.5-0.9 us
+  against np.where's ~1.35 us)."""
+  if dt.kind not in "biu":
+    return lambda consts: None
+  logical_not = np.logical_not
+
+  def specialise(consts):
+    _, c0, c1 = consts
+    bits = []
+    for c in (c0, c1):
+      if c is None:
+        return None
+      flat = np.ravel(c)
+      if flat.size == 0 or not (flat == flat[0]).all() or flat[0] not in (0, 1):
+        return None
+      bits.append(int(flat[0]))
+    if bits == [0, 1]:
+      return lambda p, c0, c1: p.astype(dt)
+    if bits == [1, 0]:
+      return lambda p, c0, c1: logical_not(p).astype(dt)
+    return None
+  return specialise
+
+
 def _select_into_c0(p, c0, c1):
   np.copyto(c0, c1, where=p)
   return c0
@@ -398,6 +425,8 @@ def _select_n(e):
     select.scalar_form = lambda p, c0, c1: (
         (c1 if p else c0) if p.__class__ is np.bool_ else np.where(p, c1, c0))
     select.into_operand = _select_into
+    if tuple(e.in_avals[0].shape) == tuple(e.out_avals[0].shape):
+      registry.const_specialised(select, _select_of_bits(np_dtype(e.out_avals[0].dtype)))
     return select
   if n_cases == 2:
     return lambda p, c0, c1: np.where(p != 0, c1, c0)
