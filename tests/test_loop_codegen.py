@@ -287,3 +287,39 @@ def test_cheap_forms_in_a_plan():
   loop_fn = next(v for v in values if getattr(v, "__name__", "") == "fori_loop")
   assert np.bitwise_and in loop_fn.__globals__.values()
   assert np.remainder not in loop_fn.__globals__.values()
+
+
+def _running_rows_kernel(shift):
+  def gen_rows_kernel(x_ref, o_ref):
+    def body(r, acc):
+      acc = acc + x_ref[pl.ds(r + shift, 1), :]  # out of bounds from r = 8 - shift
+      o_ref[pl.ds(r, 1), :] = acc
+      return acc
+    lax.fori_loop(0, 8, body, jnp.zeros((1, 128), jnp.float32))
+  return gen_rows_kernel
+
+
+def test_one_slice_accesses_in_a_loop_body():
+  """A ``pl.ds(r, 1)`` read and store per iteration (the accesses build
+  their slice inline): interpret=True's bits in bounds; out of bounds the
+  checked index raises naming the primitive, and clamps under
+  ``bounds_check="clamp"`` as XLA's dynamic slice does."""
+  x = _specials((8, 128), seed=7)
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  _both(_running_rows_kernel(0), (x,), out)
+  call = pallas_np.pallas_call(_running_rows_kernel(2), out_shape=out)
+  with pytest.raises(IndexError) as info:
+    call(x)
+  assert isinstance(info.value, pallas_np.KernelError) and info.value.primitive == "get"
+  clamped = pallas_np.pallas_call(_running_rows_kernel(2), out_shape=out,
+                                  interpret=pallas_np.InterpretParams(bounds_check="clamp"))(x)
+  assert_identical(clamped, _run(_running_rows_kernel(2), (x,), out, True))
+
+  def gen_store_kernel(x_ref, o_ref):
+    def body(r, c):
+      o_ref[pl.ds(r + 1, 1), :] = x_ref[pl.ds(r, 1), :]  # the last store is out of bounds
+      return c
+    lax.fori_loop(0, 8, body, 0)
+  with pytest.raises(IndexError) as info:
+    pallas_np.pallas_call(gen_store_kernel, out_shape=out)(x)
+  assert isinstance(info.value, pallas_np.KernelError) and info.value.primitive == "swap"

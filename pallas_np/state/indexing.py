@@ -379,7 +379,11 @@ class RefAccess:
       # Common case: one dynamic pl.ds / int per access, the rest static.
       ((k, dim_of),) = dynamic
       before, after = tuple(parts[:k]), tuple(parts[k + 1:])
-      return lambda leaves: (*before, dim_of(leaves), *after)
+      index = lambda leaves: (*before, dim_of(leaves), *after)
+      in_bounds = getattr(dim_of, "in_bounds", None)
+      if in_bounds is not None:  # see refs._one_slice_access
+        index.one_slice = (before, after, *in_bounds)
+      return index
 
     def index(leaves):
       idx = list(parts)
@@ -406,6 +410,9 @@ class RefAccess:
           if 0 <= start <= last:
             return slice(start, start + extent, stride)
           return _check_slice(start, size, stride, n, axis, shape, clamp)
+        # (leaf, last in-bounds start, extent, stride): accesses with this one
+        # dynamic dim may build the slice themselves (refs._one_slice_access)
+        dim_slice.in_bounds = (k, last, extent, stride)
         return dim_slice
       return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
     build = self._build_dim

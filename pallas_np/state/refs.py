@@ -114,6 +114,18 @@ def _get(e):
       return _read(view[idx])
     return get
   index_of = _direct_index(e, access)
+  one = _one_slice_access(e, index_of)
+  if one is not None:  # (a loop body's x_ref[pl.ds(i, 1), :]: the slice built here)
+    before, after, last, extent, stride = one
+
+    def get_one(ref, start):
+      k = int(start)
+      if 0 <= k <= last:
+        x = ref[(*before, slice(k, k + extent, stride), *after)]
+      else:  # (the checked index: raises, or clamps)
+        x = ref[index_of((start,))]
+      return x.copy() if x.flags.writeable else x
+    return get_one
   if index_of is not None:  # (a loop body's x_ref[pl.ds(i, 1), :]: two calls fewer)
     def get_direct(ref, *leaves):
       x = ref[index_of(leaves)]
@@ -124,6 +136,20 @@ def _get(e):
     view, idx = resolve(ref, _dyn(access, leaves))
     return _read(view[idx])
   return get
+
+
+def _one_slice_access(e, index_of):
+  """(static dims before, after, last in-bounds start, extent, stride) of a
+  direct access (``_direct_index``) with one operand, a ``pl.ds`` start of
+  static size: the access checks the start and builds the slice inline, one
+  Python call instead of three (a loop body's running-sum read and store);
+  else None."""
+  one = getattr(index_of, "one_slice", None)
+  n_leaves = len(e.in_avals) - (2 if e.primitive is jc.state_primitives.swap_p else 1)
+  if one is None or n_leaves != 1 or one[2] != 0:
+    return None
+  before, after, _, last, extent, stride = one
+  return before, after, last, extent, stride
 
 
 def _direct_index(e, access):
@@ -200,6 +226,17 @@ def _swap(e):
     view[idx] = val
     return None
   index_of = _direct_index(e, access) if access.num_dynamic and not want_old else None
+  one = _one_slice_access(e, index_of)
+  if one is not None:
+    before, after, last, extent, stride = one
+
+    def swap_one(ref, val, start):
+      k = int(start)
+      if 0 <= k <= last:
+        ref[(*before, slice(k, k + extent, stride), *after)] = val
+      else:  # (the checked index: raises, or clamps)
+        ref[index_of((start,))] = val
+    return swap_one
   if index_of is not None:
     def swap_direct(ref, val, *leaves):
       ref[index_of(leaves)] = val
