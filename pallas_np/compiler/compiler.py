@@ -413,6 +413,11 @@ class Compiler:
         and in_atoms_e[0].__class__ is not Const and in_atoms_e[0][1] == in_atoms_e[1][1]):
       # A whole-value store whose value has the ref's lane axis (see passes.into_refs).
       line.store = (store, fn_unchecked, checked)
+    if fast is not None and outs[0] != "_" and getattr(eqn.outvars[0].aval, "shape", ()):
+      # A zero-guarded max/min: both its forms allocate the result (the
+      # exact one fixes zeros in a fresh np.where), so a later line may
+      # write into it (passes.in_place), though it writes into no operand.
+      em.fresh_values.add(outs[0])
     if ufunc is not None and outs[0] != "_":
       # A ufunc allocates its result: it may write into a dying operand
       # (passes.in_place) and its own result may be written into later.
@@ -449,7 +454,9 @@ class Compiler:
     info = registry.EqnInfo(eqn, self, (True,))
     self._emit_call(em, env, eqn, info, fn, False, (lanes,), in_atoms_e, (True,), text, check,
                     multiple=False)
-    em.zeros.moved(eqn, in_atoms_e[:1], [env[eqn.outvars[0]][0]])
+    out = env[eqn.outvars[0]][0]
+    em.zeros.moved(eqn, in_atoms_e[:1], [out])
+    em.fresh_values.add(out)  # (a new array, even for a shift of 0: see roll_fn)
 
   @staticmethod
   def _inline_callee(eqn):

@@ -306,9 +306,9 @@ def roll_axis(eqn):
 
 def roll_fn(shape, axis, lanes: bool):
   """``np.roll(x, shift, axis)`` as jnp computes it (the shift taken
-  modulo the axis' size; a shift of 0 returns ``x`` itself, a view
-  nobody may write into): two slices and one concatenate (``np.roll``'s
-  Python costs ~8 us)."""
+  modulo the axis' size): two slices and one concatenate (``np.roll``'s
+  Python costs ~8 us). Always a new array (a copy for a shift of 0), so
+  later lines may write into it (``passes.in_place``)."""
   n = max(int(shape[axis]), 1)
   ax = axis + 1 if lanes else axis
   pre = (slice(None),) * ax
@@ -317,6 +317,6 @@ def roll_fn(shape, axis, lanes: bool):
   def roll(x, shift):
     k = n - int(shift) % n
     if k == n:
-      return x
+      return x.copy()
     return concatenate((x[pre + (slice(k, None),)], x[pre + (slice(None, k),)]), ax)
   return roll
