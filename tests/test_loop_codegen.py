@@ -323,3 +323,25 @@ def test_one_slice_accesses_in_a_loop_body():
   with pytest.raises(IndexError) as info:
     pallas_np.pallas_call(gen_store_kernel, out_shape=out)(x)
   assert isinstance(info.value, pallas_np.KernelError) and info.value.primitive == "swap"
+
+
+def test_unbatched_initial_carries_lifted_in_a_vectorized_grid():
+  """Loops in a batched pass whose initial carries are the same for every
+  lane (constants) but whose bodies make them per-lane: the generated loops
+  lift them to lanes once, before the loop; 0 and many trips."""
+  x = _specials((4 * 8, 128), seed=8)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+
+  def gen_lift_kernel(x_ref, o_ref):
+    v = x_ref[...]
+    z = jnp.zeros((8, 128), jnp.float32)
+    a = lax.fori_loop(0, 3, lambda k, acc: acc * 0.5 + v, z)
+    _, b = lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, jnp.maximum(c[1], v - c[0])),
+                          (jnp.int32(0), z))
+    _, c = lax.while_loop(lambda c: c[0] < 0, lambda c: (c[0] + 1, c[1] + v), (jnp.int32(0), z))
+    o_ref[...] = a + b + c
+  _both(gen_lift_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype),
+        pallas_np.InterpretParams(vectorize=True), grid=(4,), in_specs=[spec], out_specs=spec)
+  srcs = list(_loop_files("gen_lift_kernel").values())
+  assert sum(s.startswith("def while_loop(") for s in srcs) == 2
+  assert sum(s.startswith("def fori_loop(") for s in srcs) == 1
