@@ -51,6 +51,9 @@ Literal = jax_core.Literal
 Var = jax_core.Var
 DropVar = jax_core.DropVar
 Tracer = jax_core.Tracer
+# The concrete type of a jax.Array (jaxlib's ArrayImpl): per-call fast paths
+# test ``type(x) is ArrayImpl`` instead of walking pytrees.
+from jax._src.array import ArrayImpl  # noqa: E402
 Primitive = jax_core.Primitive
 ShapedArray = jax_core.ShapedArray
 subjaxprs = jax_core.subjaxprs  # the Jaxprs in a jaxpr's eqn params (one level)

@@ -18,16 +18,17 @@ copies.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, devices, memory, races
+from pallas_np import blas, debugging, devices, memory, races, registry
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
-from pallas_np.grid import threads, vectorize
+from pallas_np.grid import lanes, threads, vectorize
 from pallas_np.grid.blocks import BlockGeometry, index_map_origin
 from pallas_np.memory import allocate
 from pallas_np.params import InterpretParams
@@ -93,6 +94,10 @@ class KernelPlan:
     # The grid when no dimension is dynamic (every _prepare would rebuild it).
     self._static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
     self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
+    # Built on the first run, then reused by every call (the per-call floor):
+    self._preps = None  # how each operand becomes a buffer (_operand_preps)
+    self._single = None  # a one-point grid's _SinglePoint, or False
+    self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
 
   @property
   def kernel(self):
@@ -119,10 +124,17 @@ class KernelPlan:
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
     new_run()
-    with np.errstate(all="ignore"), blas.kernel_run():
+    uses_blas = self._uses_blas
+    if uses_blas is None:
+      uses_blas = self._uses_blas = may_use_blas(self.kernel_jaxpr)
+    with np.errstate(all="ignore"):
       if placement is not None:
-        return self._run_on_device(args, placement)
-      return self._run(*args)
+        with blas.kernel_run():
+          return self._run_on_device(args, placement)
+      if not uses_blas:  # no GEMM: the BLAS thread count is not ours to set
+        return self._run(*args)
+      with blas.kernel_run():
+        return self._run(*args)
 
   def _run_on_device(self, args, placement):
     if self.params.num_cores > 1 and self.parallel_prefix:
@@ -162,6 +174,11 @@ class KernelPlan:
     return self._results(out_bufs)
 
   def _run(self, *args) -> list[np.ndarray]:
+    single = self._single
+    if single is None:
+      single = self._single = _SinglePoint.of(self)
+    if single:
+      return self._run_single_point(single, args)
     cores = self.params.num_cores > 1 and self.parallel_prefix
     fallback = None  # (path, exception) of a fast path that failed
     if self.params.vectorize is not False and self.several_points and not cores:
@@ -221,37 +238,75 @@ class KernelPlan:
     return self._results(out_bufs), None
 
   def _prepare(self, args):
-    params = self.params
+    """(grid, scalar-prefetch operands, input and output buffers, output
+    buffers) of one run: every buffer fresh or read-only (see
+    ``_operand_preps``)."""
     grid = self._static_grid
     if grid is None:
       dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
       dyn_iter = iter(dyn)
       grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
                    for g in self.grid)
-    operands = args
-    index_ops = [np.array(a) if i in self.written_inputs else np.asarray(a)
-                 for i, a in enumerate(args[:self.num_index])]
-    inputs = args[self.num_index:]
-    assert len(inputs) == self.num_inputs, (len(inputs), self.num_inputs)
-    in_bufs = []
-    for i, (x, geo) in enumerate(zip(inputs, self.blocks)):
-      x = np.asarray(x)
+    preps = self._preps
+    if preps is None:
+      preps = self._preps = self._operand_preps()
+    index_preps, in_preps, out_preps = preps
+    num_index = self.num_index
+    assert len(args) == num_index + self.num_inputs, (len(args), num_index, self.num_inputs)
+    index_ops = [prep(a) for prep, a in zip(index_preps, args)]
+    in_bufs = [prep(x) for prep, x in zip(in_preps, args[num_index:])]
+    out_bufs = [prep(args) for prep in out_preps]
+    return grid, index_ops, in_bufs + out_bufs, out_bufs
+
+  def _operand_preps(self):
+    """Per scalar-prefetch operand and input, a function of the caller's
+    array giving the run's buffer: a private copy where the kernel writes
+    it (the caller's array is not ours to mutate), a padded copy where the
+    shape is not a multiple of the block, else a read-only view (refs read
+    from it without copying). Per output, a function of all operands giving
+    a fresh buffer: the aliased input's copy, or uninitialised memory."""
+    params, written = self.params, self.written_inputs
+    index_preps = [_private_copy if i in written else np.asarray
+                   for i in range(self.num_index)]
+    in_preps = []
+    for i, geo in enumerate(self.blocks[:self.num_inputs]):
+      writes = self.num_index + i in written
       if geo.needs_padding:
-        x = geo.pad(x, params)
-      elif (self.num_index + i) in self.written_inputs:
-        x = np.array(x)  # private copy: the caller's array is not ours to mutate
-      if (self.num_index + i) not in self.written_inputs and x.flags.writeable:
-        x = x.view()  # read-only blocks: refs read from them without copying
-        x.flags.writeable = False
-      in_bufs.append(x)
-    out_bufs = []
+        pad = functools.partial(_padded, geo, params, not writes)
+      else:
+        pad = _private_copy if writes else _read_only
+      in_preps.append(pad)
+    out_preps = []
     for o, geo in enumerate(self.blocks[self.num_inputs:]):
       if o in self.out_for_in:
-        src = np.asarray(operands[self.out_for_in[o]])
-        out_bufs.append(geo.pad(src, params) if geo.needs_padding else np.array(src))
+        out_preps.append(functools.partial(_aliased_output, self.out_for_in[o], geo, params))
       else:
-        out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))
-    return grid, index_ops, in_bufs + out_bufs, out_bufs
+        out_preps.append(_Fresh(memory.allocator(geo.padded_shape, geo.dtype, params)))
+    return index_preps, in_preps, out_preps
+
+  def _run_single_point(self, single, args):
+    """A one-point grid (``_SinglePoint``): the kernel called once on block
+    views of fresh buffers, nothing of the grid loop's machinery."""
+    _, index_ops, buffers, out_bufs = self._prepare(args)
+    views = [buf if idx is None else buf[idx] for buf, idx in zip(buffers, single.indices)]
+    scratch = [fresh() for fresh in single.scratch]
+    ctx = RunContext(self.name, self.params)
+    ctx.num_programs = single.num_programs
+    ctx.grid_point = single.point
+    ctx.program_ids = single.program_ids
+    trace = self.params.trace
+    try:
+      if trace is not None:
+        trace(self.name, single.point)
+      self.kernel.fn(ctx, *index_ops, *views, *scratch)
+      if ctx.extra:
+        dma.check_finished(ctx)
+    except KernelError:
+      raise
+    except Exception as e:
+      raise self._kernel_error(e, single.point) from e
+    self.last_mode = "sequential"
+    return self._results(out_bufs)
 
   def _results(self, out_bufs):
     results = []
@@ -382,6 +437,85 @@ class KernelPlan:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)
     return err
+
+
+class _SinglePoint:
+  """What every run of a one-point grid shares: each block's basic index
+  (None: the whole buffer), the scratch allocators, the program ids."""
+  __slots__ = ("indices", "scratch", "point", "program_ids", "num_programs")
+
+  @classmethod
+  def of(cls, kp) -> _SinglePoint | bool:
+    """The recipe of ``kp``'s runs, or False where its grid has more (or a
+    dynamic number of) points, a block's index map is not constant zero,
+    or the run must go through the grid loop (race detection, explain,
+    megacore)."""
+    grid = kp._static_grid
+    params = kp.params
+    if (grid is None or math.prod(grid) != 1 or params.detect_races
+        or params.explain is not None or (params.num_cores > 1 and kp.parallel_prefix)):
+      return False
+    if not all(geo.whole or geo.trivial_index_map for geo in kp.blocks):
+      return False
+    try:
+      indices = [None if geo.whole else geo.zero_block_index(kp.clamp) for geo in kp.blocks]
+    except Exception:  # e.g. a block bigger than its array: the grid loop raises it
+      return False
+    self = cls()
+    self.indices = indices
+    self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
+    self.point = (0,) * len(grid)
+    self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
+    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    return self
+
+
+class _Fresh:
+  """An output buffer of uninitialised memory (the operands are ignored)."""
+  __slots__ = ("fresh",)
+
+  def __init__(self, fresh):
+    self.fresh = fresh
+
+  def __call__(self, operands):
+    return self.fresh()
+
+
+def _private_copy(x) -> np.ndarray:
+  return np.array(x)
+
+
+def _read_only(x) -> np.ndarray:
+  """A read-only view of ``x`` (refs read from it without copying)."""
+  x = np.asarray(x)
+  if x.flags.writeable:
+    x = x.view()
+    x.flags.writeable = False
+  return x
+
+
+def _padded(geo, params, read_only, x) -> np.ndarray:
+  buf = geo.pad(np.asarray(x), params)
+  if read_only:
+    buf = buf.view()
+    buf.flags.writeable = False
+  return buf
+
+
+def _aliased_output(source, geo, params, operands) -> np.ndarray:
+  """A fresh buffer holding the aliased input (``input_output_aliases``)."""
+  src = np.asarray(operands[source])
+  return geo.pad(src, params) if geo.needs_padding else np.array(src)
+
+
+def may_use_blas(jaxpr) -> bool:
+  """Whether a kernel may call BLAS: a matrix product anywhere, or a rule
+  with its own state (the MXU rules multiply)."""
+  for eqn in lanes.all_eqns(jaxpr):
+    rule = registry.properties(eqn.primitive)
+    if rule.gemm or (rule.needs_ctx and not rule.context_free):
+      return True
+  return False
 
 
 def _parallel_prefix(compiler_params, ndim: int) -> int:
