@@ -383,9 +383,12 @@ class EagerPlan:
     ``own_outputs``: copy any output that may share memory with an input, a
     constant of the plan (folded, or a read-only view such as a JAX
     constant's buffer), so the caller may hand it out zero-copy."""
+    kernel = self.kernel
+    if kernel is not None:  # its outputs are fresh buffers: owned
+      if self.typed_args(leaves):  # the kernel takes them as they are
+        return kernel.run(*leaves)
+      return kernel.run(*[np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)])
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
-    if self.kernel is not None:  # its outputs are fresh buffers: owned
-      return self.kernel.run(*np_args)
     # Silent inf/NaN and integer wrap-around, as in XLA and inside kernels
     # (KernelPlan.run): 0-d eqns run NumPy's scalar math, which would warn.
     with np.errstate(all="ignore"):
@@ -396,6 +399,18 @@ class EagerPlan:
               or any(np.may_share_memory(o, a) for a in np_args) else o
               for i, o in enumerate(outs)]
     return outs
+
+
+  def typed_args(self, leaves) -> bool:
+    """Whether every leaf is a NumPy array or jax.Array of the program's
+    dtype (no conversion needed: the kernel plan reads it as it is)."""
+    if len(leaves) != len(self.in_dtypes):
+      return False
+    for x, dt in zip(leaves, self.in_dtypes):
+      t = type(x)
+      if (t is not jc.ArrayImpl and t is not np.ndarray) or x.dtype != dt:
+        return False
+    return True
 
 
 def _only_kernel(closed, interp, kernel_params_from_eqns):

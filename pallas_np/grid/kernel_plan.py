@@ -96,7 +96,7 @@ class KernelPlan:
     self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
     # Built on the first run, then reused by every call (the per-call floor):
     self._preps = None  # how each operand becomes a buffer (_operand_preps)
-    self._single = None  # a one-point grid's _SinglePoint, or False
+    self._single = None  # a one-point grid's _SinglePoint, or False (set by run)
     self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
 
   @property
@@ -127,14 +127,16 @@ class KernelPlan:
     uses_blas = self._uses_blas
     if uses_blas is None:
       uses_blas = self._uses_blas = may_use_blas(self.kernel_jaxpr)
+      self._single = _SinglePoint.of(self)
     with np.errstate(all="ignore"):
       if placement is not None:
         with blas.kernel_run():
           return self._run_on_device(args, placement)
+      run = self._run_single_point if self._single else self._run
       if not uses_blas:  # no GEMM: the BLAS thread count is not ours to set
-        return self._run(*args)
+        return run(*args)
       with blas.kernel_run():
-        return self._run(*args)
+        return run(*args)
 
   def _run_on_device(self, args, placement):
     if self.params.num_cores > 1 and self.parallel_prefix:
@@ -174,11 +176,6 @@ class KernelPlan:
     return self._results(out_bufs)
 
   def _run(self, *args) -> list[np.ndarray]:
-    single = self._single
-    if single is None:
-      single = self._single = _SinglePoint.of(self)
-    if single:
-      return self._run_single_point(single, args)
     cores = self.params.num_cores > 1 and self.parallel_prefix
     fallback = None  # (path, exception) of a fast path that failed
     if self.params.vectorize is not False and self.several_points and not cores:
@@ -284,9 +281,10 @@ class KernelPlan:
         out_preps.append(_Fresh(memory.allocator(geo.padded_shape, geo.dtype, params)))
     return index_preps, in_preps, out_preps
 
-  def _run_single_point(self, single, args):
+  def _run_single_point(self, *args):
     """A one-point grid (``_SinglePoint``): the kernel called once on block
     views of fresh buffers, nothing of the grid loop's machinery."""
+    single = self._single
     _, index_ops, buffers, out_bufs = self._prepare(args)
     views = [buf if idx is None else buf[idx] for buf, idx in zip(buffers, single.indices)]
     scratch = [fresh() for fresh in single.scratch]
