@@ -98,6 +98,7 @@ class KernelPlan:
     self._preps = None  # how each operand becomes a buffer (_operand_preps)
     self._single = None  # a one-point grid's _SinglePoint, or False (set by run)
     self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
+    self._schedules = {}  # grid -> the grid loop's steps, or False (_grid_schedule)
 
   @property
   def kernel(self):
@@ -178,12 +179,13 @@ class KernelPlan:
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
     fallback = None  # (path, exception) of a fast path that failed
+    prepared = None  # fresh buffers the vectorizer made and did not use
     if self.params.vectorize is not False and self.several_points and not cores:
-      out, failure = self._run_vectorized(args)
+      out, failure, prepared = self._run_vectorized(args)
       if out is not None:
         return out
       fallback = failure and ("vectorized", failure)
-    grid, index_ops, buffers, out_bufs = self._prepare(args)
+    grid, index_ops, buffers, out_bufs = prepared or self._prepare(args)
     if cores:
       self._run_cores(grid, index_ops, buffers)
       self.last_mode = "sequential"
@@ -212,27 +214,31 @@ class KernelPlan:
     return self._results(out_bufs)
 
   def _run_vectorized(self, args):
-    """(outputs, None) of a batched grid (pallas_np.grid.vectorize); (None,
-    failure) when it does not apply (failure None) or failed (then the
-    sequential run starts again from fresh buffers and reports any error at
-    its exact grid point; if it succeeds instead, the failure was a bug)."""
+    """(outputs, None, None) of a batched grid (pallas_np.grid.vectorize);
+    (None, failure, prepared) when it does not apply (failure None) or
+    failed (then the sequential run starts again from fresh buffers and
+    reports any error at its exact grid point; if it succeeds instead, the
+    failure was a bug). ``prepared``: the untouched fresh buffers of a pass
+    declined before it ran, else None."""
     if self.vectorizer is None:
       self.vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
     gv = self.vectorizer
     if gv.reason is not None:
-      return None, None
+      return None, None, None
     try:
       out_bufs = vectorize.run_vectorized(self, gv, lambda: self._prepare(args))
     except vectorize.NotBatchable as e:
       gv.last_failure = e
-      return None, None
+      return None, None, None
     except Exception as e:
       gv.last_failure = e
-      return None, e
+      return None, e, None
     if out_bufs is None:
-      return None, None
+      return None, None, None
+    if isinstance(out_bufs, vectorize.Declined):
+      return None, None, out_bufs.prepared
     self.last_mode = "vectorized"
-    return self._results(out_bufs), None
+    return self._results(out_bufs), None, None
 
   def _prepare(self, args):
     """(grid, scalar-prefetch operands, input and output buffers, output
@@ -364,6 +370,9 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = math.prod(grid)
+    schedule = None
+    if dynamic and detector is None and points is None and device is None:
+      schedule = self._grid_schedule(grid, dynamic)
     # progress: True = this loop's own bar; or a shared one (threads) it
     # ticks but does not close; or None.
     own_bar = progress is True
@@ -372,6 +381,18 @@ class KernelPlan:
     if points is None:
       points = itertools.product(*map(range, grid))
     try:
+      if schedule is not None:  # the same steps, index maps evaluated once per grid
+        for step, (point, program_ids, changes) in enumerate(schedule):
+          ctx.grid_point = point
+          ctx.program_ids = program_ids
+          for b, idx in changes:
+            views[b] = buffers[b][idx]
+          if trace is not None:
+            trace(self.name, point)
+          kernel(ctx, *views, *scratch)
+          if progress is not None:
+            progress.tick(step + 1)
+        points = ()
       for step, point in enumerate(points):
         ids = tuple(np.int32(i) for i in point)
         ctx.grid_point = point
@@ -399,6 +420,48 @@ class KernelPlan:
     finally:
       if own_bar and progress is not None:
         progress.close()
+
+  def _grid_schedule(self, grid, dynamic):
+    """The grid loop's steps for ``grid`` when its index maps read nothing
+    but program ids (no scalar prefetch, no effects): per grid point (grid
+    order), the point, its program ids and the (block, basic index) of each
+    block whose index changes there. Computed on the first run of a grid,
+    reused by every later one; None for big grids and where an index map or
+    block raises (the loop then raises at its grid point)."""
+    hit = self._schedules.get(grid)
+    if hit is not None:
+      return hit or None
+    schedule = False
+    if (self.num_index == 0 and math.prod(grid) <= SCHEDULE_MAX_POINTS
+        and not any(bm.index_map_jaxpr.effects for bm in self.grid_mapping.block_mappings)):
+      try:
+        schedule = self._build_schedule(grid, dynamic)
+      except Exception:  # noqa: BLE001 - the grid loop reports it at its point
+        schedule = False
+    if len(self._schedules) >= 16:
+      self._schedules.clear()
+    self._schedules[grid] = schedule
+    return schedule or None
+
+  def _build_schedule(self, grid, dynamic):
+    ctx = RunContext(self.name, self.params)
+    ctx.num_programs = tuple(np.int32(grid[d]) for d in self.local_dims)
+    index_maps = [m.fn for m in self.index_maps]
+    blocks, clamp = self.blocks, self.clamp
+    last_idx = [None] * len(blocks)
+    steps = []
+    for point in itertools.product(*map(range, grid)):
+      ids = tuple(np.int32(i) for i in point)
+      ctx.grid_point = point
+      ctx.program_ids = tuple(ids[d] for d in self.local_dims)
+      changes = []
+      for b in dynamic:
+        bidx = index_maps[b](ctx, *ids)
+        if bidx != last_idx[b]:
+          last_idx[b] = bidx
+          changes.append((b, blocks[b].block_index(bidx, clamp)))
+      steps.append((point, ctx.program_ids, tuple(changes)))
+    return tuple(steps)
 
   def _kernel_error(self, e: Exception, point, device=None) -> Exception:
     eqns = failing_eqns(e.__traceback__)
@@ -435,6 +498,12 @@ class KernelPlan:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)
     return err
+
+
+# Grids of at most this many points keep their grid loop's steps (block
+# indices per point: a few hundred bytes each) instead of evaluating the
+# index maps at every step of every run.
+SCHEDULE_MAX_POINTS = 4096
 
 
 class _SinglePoint:
