@@ -291,9 +291,23 @@ class KernelPlan:
     """A one-point grid (``_SinglePoint``): the kernel called once on block
     views of fresh buffers, nothing of the grid loop's machinery."""
     single = self._single
-    _, index_ops, buffers, out_bufs = self._prepare(args)
-    views = [buf if idx is None else buf[idx] for buf, idx in zip(buffers, single.indices)]
-    scratch = [fresh() for fresh in single.scratch]
+    preps = self._preps
+    if preps is None:
+      preps = self._preps = self._operand_preps()
+    index_preps, in_preps, out_preps = preps
+    num_index = self.num_index
+    if len(args) != num_index + self.num_inputs:
+      raise TypeError(f"kernel '{self.name}' takes {num_index + self.num_inputs} operands, "
+                      f"got {len(args)}")
+    # What _prepare does, for the one grid point: every block cut once.
+    operands = [prep(a) for prep, a in zip(index_preps, args)]
+    operands += [prep(x) for prep, x in zip(in_preps, args[num_index:])]
+    out_bufs = [prep(args) for prep in out_preps]
+    operands += out_bufs
+    for b, idx in single.cuts:
+      b += num_index
+      operands[b] = operands[b][idx]
+    operands += [fresh() for fresh in single.scratch]
     ctx = RunContext(self.name, self.params)
     ctx.num_programs = single.num_programs
     ctx.grid_point = single.point
@@ -302,7 +316,7 @@ class KernelPlan:
     try:
       if trace is not None:
         trace(self.name, single.point)
-      self.kernel.fn(ctx, *index_ops, *views, *scratch)
+      self.kernel.fn(ctx, *operands)
       if ctx.extra:
         dma.check_finished(ctx)
     except KernelError:
@@ -310,7 +324,7 @@ class KernelPlan:
     except Exception as e:
       raise self._kernel_error(e, single.point) from e
     self.last_mode = "sequential"
-    return self._results(out_bufs)
+    return self._results(out_bufs) if single.padded_outputs else out_bufs
 
   def _results(self, out_bufs):
     results = []
@@ -507,9 +521,10 @@ SCHEDULE_MAX_POINTS = 4096
 
 
 class _SinglePoint:
-  """What every run of a one-point grid shares: each block's basic index
-  (None: the whole buffer), the scratch allocators, the program ids."""
-  __slots__ = ("indices", "scratch", "point", "program_ids", "num_programs")
+  """What every run of a one-point grid shares: the basic index of each
+  block that is not its whole buffer, the scratch allocators, the program
+  ids, whether an output is padded (then cut back by ``_results``)."""
+  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs")
 
   @classmethod
   def of(cls, kp) -> _SinglePoint | bool:
@@ -529,7 +544,8 @@ class _SinglePoint:
     except Exception:  # e.g. a block bigger than its array: the grid loop raises it
       return False
     self = cls()
-    self.indices = indices
+    self.cuts = [(b, idx) for b, idx in enumerate(indices) if idx is not None]
+    self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
     self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
     self.point = (0,) * len(grid)
     self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
