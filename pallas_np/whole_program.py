@@ -182,7 +182,21 @@ def _on_cpu(x) -> bool:
 _cpu_shardings: dict = {}  # sharding -> on one CPU device? (arrays share a few)
 
 
+def _runs_here(jit_params) -> bool:
+  """Whether the eager jit call of these params is routed to the NumPy
+  evaluator (its route was made by an earlier call)."""
+  jaxpr = jit_params["jaxpr"]
+  hit = _routes.peek((id(jaxpr), jc.interpret_mode_config.value))
+  return hit is not None and hit[0] is jaxpr and hit[1] is not None
+
+
+# Traced programs of eager jit calls that run here, by their arguments
+# (_compat.install_jit_params_memo).
+_jit_params_memo = LRU(PLAN_CACHE_SIZE)
+
+
 def install():
   """Route eager jit calls as ``InterpretParams.whole_program`` says
   (idempotent)."""
   jc.install_jit_call_hook(_eager_jit_call)
+  jc.install_jit_params_memo(_jit_params_memo, _runs_here)

@@ -293,3 +293,39 @@ def test_out_of_bounds_block_raises_every_call():
   for _ in range(2):
     with pytest.raises(KernelError, match=r"grid point \(2,\)"):
       fn(x)
+
+
+def test_jit_calls_back_to_back_shapes_and_forced_options():
+  """Eager calls of one jax.jit function (their traced programs remembered
+  by argument avals/shardings and trace context, whole_program's memo):
+  other shapes and dtypes back to back, and the forced options changing
+  between calls, each against interpret=True or the semantics' reference."""
+  from pallas_np import whole_program
+
+  def kernel(x_ref, o_ref):
+    o_ref[0:4, :] = (x_ref[0:4, :] * 2).astype(o_ref.dtype)
+
+  def make(interpret):
+    return jax.jit(lambda x: pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct(x.shape, jnp.float32), interpret=interpret)(x))
+  fn, want_fn = make(pallas_np.InterpretParams()), make(True)
+  args = [jnp.asarray(_f32(8, 128)), jnp.asarray(_f32(16, 128)),
+          jnp.asarray(rng.integers(-9, 9, (8, 128)), jnp.int32),
+          jnp.broadcast_to(jnp.asarray(1.5), (8, 128))]
+  for _ in range(3):
+    for x in args:
+      assert_identical(fn(x), want_fn(x))
+  assert len(whole_program._jit_params_memo) >= len(args)
+  # Forced options are part of the trace context: a forced run never reuses
+  # the program (or options) of another.
+  x = args[0]
+  tpu_fn = make(False)  # TPU lowering: runs only when forced
+  zero = pallas_np.InterpretParams(uninitialized="zero")
+  want_zero = np.zeros((8, 128), np.float32)
+  want_zero[:4] = np.asarray(x)[:4] * 2
+  for _ in range(3):
+    with pallas_np.force_numpy_interpret(zero):
+      assert_identical(tpu_fn(x), want_zero)
+    with pallas_np.force_numpy_interpret():
+      assert_identical(tpu_fn(x), want_fn(x))
+    assert_identical(fn(x), want_fn(x))
