@@ -329,3 +329,26 @@ def test_jit_calls_back_to_back_shapes_and_forced_options():
     with pallas_np.force_numpy_interpret():
       assert_identical(tpu_fn(x), want_fn(x))
     assert_identical(fn(x), want_fn(x))
+
+
+def test_jit_calls_with_x64_toggled():
+  """The trace context (here jax_enable_x64) is part of what a remembered
+  program is keyed by: toggling it between eager jit calls retraces."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+  def make(interpret):
+    return jax.jit(lambda x: (pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x),
+        jnp.arange(4)))
+  fn, want_fn = make(pallas_np.InterpretParams()), make(True)
+  x = jnp.asarray(_f32(8, 128))
+  was_x64 = bool(jnp.arange(1).dtype == np.int64)
+  try:
+    for x64 in (False, True, False, True, False):
+      jax.config.update("jax_enable_x64", x64)
+      got, want = fn(x), want_fn(x)
+      assert got[1].dtype == (np.int64 if x64 else np.int32)
+      assert_identical(got, want)
+  finally:
+    jax.config.update("jax_enable_x64", was_x64)
