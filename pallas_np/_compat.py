@@ -51,6 +51,9 @@ Literal = jax_core.Literal
 Var = jax_core.Var
 DropVar = jax_core.DropVar
 Tracer = jax_core.Tracer
+# The concrete type of a jax.Array (jaxlib's ArrayImpl): per-call fast paths
+# test ``type(x) is ArrayImpl`` instead of walking pytrees.
+from jax._src.array import ArrayImpl  # noqa: E402
 Primitive = jax_core.Primitive
 ShapedArray = jax_core.ShapedArray
 subjaxprs = jax_core.subjaxprs  # the Jaxprs in a jaxpr's eqn params (one level)
@@ -359,6 +362,45 @@ def install_jit_call_hook(hook):
     return hook(current, *args, **params)
   call_impl.pallas_np_hook = hook
   jax_pjit._pjit_call_impl_python = call_impl
+
+
+def install_jit_params_memo(memo, keep):
+  """Put a memo in front of ``pjit._infer_params``, which every eager call
+  of a ``jax.jit`` function that misses the C++ dispatch cache runs (our
+  whole-program calls always do: they keep that cache empty) to find its
+  traced program: JAX's own cache lookup, argument flattening and
+  abstractification, ~25 µs a call. The memo covers calls whose arguments
+  are all jax.Arrays, with no keyword or static arguments, and remembers
+  only programs ``keep(params)`` accepts (those pallas_np runs). Its key
+  holds everything JAX's cache keys on for such calls: the function and
+  its jit info, each argument's aval and sharding (JAX's aval is the
+  aval updated with the sharding), the context mesh, and the trace context
+  (every config option that changes tracing, the force config included).
+  ``memo``: an object with ``peek``/``put``. Idempotent."""
+  current = jax_pjit._infer_params
+  if getattr(current, "pallas_np_memo", None) is keep:
+    return
+  get_ctx_mesh = jax_pjit.get_ctx_mesh
+  trace_context = jax_config.trace_context
+
+  def infer_params(fun, ji, args, kwargs):
+    if kwargs or ji.static_argnums or ji.static_argnames:
+      return current(fun, ji, args, kwargs)
+    sig = []
+    for a in args:
+      if type(a) is not ArrayImpl:
+        return current(fun, ji, args, kwargs)
+      sig.append((a.aval, a.sharding))
+    key = (fun, ji, tuple(sig), get_ctx_mesh(ji.use_resource_env), trace_context())
+    p = memo.peek(key)
+    if p is not None:
+      return p, [*p.consts, *args]
+    p, args_flat = current(fun, ji, args, kwargs)
+    if keep(p.params):
+      memo.put(key, p)
+    return p, args_flat
+  infer_params.pallas_np_memo = keep
+  jax_pjit._infer_params = infer_params
 
 
 def is_unspecified_sharding(s) -> bool:

@@ -290,11 +290,22 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
   interp = resolve(interpret)
   jax_fn = pl.pallas_call(kernel_to_trace(kernel, interp.inline_jit), out_shape,
                           interpret=interpret, **kwargs)
+  # Per-call fast path: flat array arguments' signature -> the eager entry
+  # (only with no interpret mode forced; the same entry eager_call finds).
+  fast = lru.LRU(FAST_CALL_SIGNATURES)
 
   @functools.wraps(kernel)
   def call(*args):
     forced = jc.interpret_mode_config.value
-    if forced is not None and not is_numpy_mode(forced):
+    if forced is None:
+      sig = flat_signature(args)
+      if sig is not None:
+        entry = fast.peek(sig)
+        if entry is None:
+          entry = eager_entry(jax_fn, interp, args)
+          fast.put(sig, entry)
+        return entry.call(args)
+    elif not is_numpy_mode(forced):
       # Another interpret mode is forced (pltpu.force_tpu_interpret_mode):
       # JAX reads the config when the call is built, so build it now.
       return pl.pallas_call(kernel, out_shape, interpret=forced, **kwargs)(*args)
@@ -306,12 +317,46 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
   return call
 
 
+FAST_CALL_SIGNATURES = 16  # per pallas_np.pallas_call: argument shapes/dtypes kept
+
+
+def flat_signature(args) -> tuple | None:
+  """(shape, dtype, weak_type) of each argument when every one is a
+  concrete jax.Array or NumPy array (no pytree to flatten), else None:
+  what the eager cache keys on, built cheaply."""
+  sig = []
+  for a in args:
+    t = type(a)
+    if t is jc.ArrayImpl:
+      sig.append((a.shape, a.dtype, a.weak_type))
+    elif t is np.ndarray:
+      sig.append((a.shape, a.dtype, False))
+    else:
+      return None
+  return tuple(sig)
+
+
 def eager_call(jax_fn, interp, args):
-  # Outputs may become jax.Arrays without a copy, so none may share memory
-  # with an input or a constant of the plan (own_outputs).
-  outs, out_tree = eager_numpy_call(jax_fn, interp, args, own_outputs=True)
-  outs = [jc.np_to_jax(o) for o in outs]
-  return jax.tree_util.tree_unflatten(out_tree, outs)
+  return eager_entry(jax_fn, interp, args).call(jax.tree_util.tree_leaves(args))
+
+
+class EagerEntry:
+  """A traced program's ``EagerPlan`` and its output structure: one eager
+  call on flat concrete arguments, jax.Arrays out."""
+  __slots__ = ("plan", "out_tree", "one_output")
+
+  def __init__(self, plan, out_tree):
+    self.plan = plan
+    self.out_tree = out_tree
+    self.one_output = jax.tree_util.treedef_is_leaf(out_tree)
+
+  def call(self, leaves):
+    # Outputs become jax.Arrays without a copy, so none may share memory
+    # with an input or a constant of the plan (own_outputs).
+    outs = self.plan.run(leaves, own_outputs=True)
+    if self.one_output:
+      return jc.np_to_jax(outs[0])
+    return jax.tree_util.tree_unflatten(self.out_tree, [jc.np_to_jax(o) for o in outs])
 
 
 class EagerPlan:
@@ -338,9 +383,12 @@ class EagerPlan:
     ``own_outputs``: copy any output that may share memory with an input, a
     constant of the plan (folded, or a read-only view such as a JAX
     constant's buffer), so the caller may hand it out zero-copy."""
+    kernel = self.kernel
+    if kernel is not None:  # its outputs are fresh buffers: owned
+      if self.typed_args(leaves):  # the kernel takes them as they are
+        return kernel.run(*leaves)
+      return kernel.run(*[np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)])
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
-    if self.kernel is not None:  # its outputs are fresh buffers: owned
-      return self.kernel.run(*np_args)
     # Silent inf/NaN and integer wrap-around, as in XLA and inside kernels
     # (KernelPlan.run): 0-d eqns run NumPy's scalar math, which would warn.
     with np.errstate(all="ignore"):
@@ -351,6 +399,18 @@ class EagerPlan:
               or any(np.may_share_memory(o, a) for a in np_args) else o
               for i, o in enumerate(outs)]
     return outs
+
+
+  def typed_args(self, leaves) -> bool:
+    """Whether every leaf is a NumPy array or jax.Array of the program's
+    dtype (no conversion needed: the kernel plan reads it as it is)."""
+    if len(leaves) != len(self.in_dtypes):
+      return False
+    for x, dt in zip(leaves, self.in_dtypes):
+      t = type(x)
+      if (t is not jc.ArrayImpl and t is not np.ndarray) or x.dtype != dt:
+        return False
+    return True
 
 
 def _only_kernel(closed, interp, kernel_params_from_eqns):
@@ -375,6 +435,15 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   """Evaluate ``jax_fn(*args)`` (concrete arrays) with the NumPy evaluator,
   no XLA: returns the NumPy outputs (flat) and their pytree structure.
   Compiled once per (function, argument shapes/dtypes, params)."""
+  entry = eager_entry(jax_fn, interp, args)
+  leaves = jax.tree_util.tree_leaves(args)
+  return entry.plan.run(leaves, own_outputs=own_outputs), entry.out_tree
+
+
+def eager_entry(jax_fn, interp, args) -> EagerEntry:
+  """The ``EagerEntry`` of ``jax_fn`` on arguments like ``args``: traced
+  and compiled once per (function, argument structure and
+  shapes/dtypes/weak types, params)."""
   leaves, treedef = jax.tree_util.tree_flatten(args)
   avals = tuple((np.shape(x), _dtype_of(x), getattr(x, "weak_type", False))
                 for x in leaves)
@@ -382,10 +451,10 @@ def eager_numpy_call(jax_fn, interp, args, *, own_outputs=False):
   entry = _eager_cache.get(key)
   if entry is None:
     traced = jc.jit_trace(jax_fn, args)
-    entry = (EagerPlan(traced.jaxpr, interp), jax.tree_util.tree_structure(traced.out_info))
+    entry = EagerEntry(EagerPlan(traced.jaxpr, interp),
+                       jax.tree_util.tree_structure(traced.out_info))
     _eager_cache.put(key, entry)
-  eager_plan, out_tree = entry
-  return eager_plan.run(leaves, own_outputs=own_outputs), out_tree
+  return entry
 
 
 def _dtype_of(x):

@@ -35,6 +35,12 @@ class LRU:
       self._data.move_to_end(key)
       return value
 
+  def peek(self, key, default=None):
+    """The value of ``key`` without marking it used: no lock, for the
+    per-call fast paths (a dict read is atomic; eviction then follows
+    insertion order for entries only ever peeked)."""
+    return self._data.get(key, default)
+
   def put(self, key, value) -> None:
     """Set ``key`` (most recently used), evicting the least recently used
     entries beyond ``maxsize``."""

@@ -109,6 +109,30 @@ def allocate(shape, dtype, params) -> np.ndarray:
   return buf
 
 
+def allocator(shape, dtype, params):
+  """``allocate(shape, dtype, params)`` as a zero-argument function with the
+  dtype lookups done once: for buffers a plan allocates on every call."""
+  special = _SPECIAL_ALLOCATORS.get(type(dtype))
+  if special is not None or jc.is_semaphore_dtype(dtype):
+    return functools.partial(allocate, shape, dtype, params)
+  dtype = np.dtype(jc.physical_dtype(dtype))
+  fill = fill_value(dtype, params)
+  shape = tuple(shape)
+  if math.prod(shape) * dtype.itemsize >= _ALIGN_MIN_BYTES:
+    def fresh():
+      buf = aligned_empty(shape, dtype)
+      buf[...] = fill
+      return buf
+    return fresh
+  empty = np.empty
+
+  def fresh_small():
+    buf = empty(shape, dtype)
+    buf[...] = fill
+    return buf
+  return fresh_small
+
+
 def lanes_last_empty(n, shape, dtype) -> np.ndarray:
   """An uninitialised (n, *shape) array laid out lane-minor: the lane axis
   is the contiguous one (see pallas_np.grid.vectorize: the lanes-last layout)."""

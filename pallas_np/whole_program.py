@@ -104,7 +104,7 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
   if not _cpu_default[0]:
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   key = (id(jaxpr), forced)
-  hit = _routes.get(key)
+  hit = _routes.peek(key)
   if hit is None or hit[0] is not jaxpr:
     kernels = _kernel_interprets(jaxpr.jaxpr)
     if not kernels:  # not ours; XLA's C++ cache keeps it from coming back
@@ -112,8 +112,11 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
     hit = (jaxpr, _route(jaxpr, jit_params, forced, kernels))
     _routes.put(key, hit)
   eager_plan = hit[1]
-  if eager_plan is None or not all(_on_cpu(a) for a in args):
+  if eager_plan is None:
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
+  for a in args:
+    if not _on_cpu(a):
+      return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   outs = eager_plan.run(args, own_outputs=True)
   return [jc.np_to_jax(o) for o in outs], None, None, []
 
@@ -157,6 +160,10 @@ def _kernel_interprets(jaxpr) -> list:
 
 
 def _on_cpu(x) -> bool:
+  if type(x) is jc.ArrayImpl:  # the common case first: one dict lookup
+    found = _cpu_shardings.get(x.sharding)
+    if found is not None:
+      return found
   if isinstance(x, (np.ndarray, np.generic, int, float, complex, bool)):
     return True
   sharding = getattr(x, "sharding", None)
@@ -175,7 +182,21 @@ def _on_cpu(x) -> bool:
 _cpu_shardings: dict = {}  # sharding -> on one CPU device? (arrays share a few)
 
 
+def _runs_here(jit_params) -> bool:
+  """Whether the eager jit call of these params is routed to the NumPy
+  evaluator (its route was made by an earlier call)."""
+  jaxpr = jit_params["jaxpr"]
+  hit = _routes.peek((id(jaxpr), jc.interpret_mode_config.value))
+  return hit is not None and hit[0] is jaxpr and hit[1] is not None
+
+
+# Traced programs of eager jit calls that run here, by their arguments
+# (_compat.install_jit_params_memo).
+_jit_params_memo = LRU(PLAN_CACHE_SIZE)
+
+
 def install():
   """Route eager jit calls as ``InterpretParams.whole_program`` says
   (idempotent)."""
   jc.install_jit_call_hook(_eager_jit_call)
+  jc.install_jit_params_memo(_jit_params_memo, _runs_here)

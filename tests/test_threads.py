@@ -270,7 +270,9 @@ def test_auto_mode_keeps_narrow_and_gemm_kernels_on_one_thread(monkeypatch):
 
 
 def test_one_point_grid_skips_the_thread_analysis(monkeypatch):
-  """A grid of one point has nothing to spread: no walk over the kernel."""
+  """A grid of one point has nothing to spread: it takes the one-point path
+  (no thread plan at all); the kernel is walked once, for whether it needs
+  the BLAS scope (kernel_plan.may_use_blas), not for threads."""
   walked = []
   orig = threads.lanes.all_eqns
   monkeypatch.setattr(threads.lanes, "all_eqns", lambda j: walked.append(j) or orig(j))
@@ -278,8 +280,8 @@ def test_one_point_grid_skips_the_thread_analysis(monkeypatch):
   plan = _plan_of(lambda v: pl.pallas_call(
       lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.sin(x_ref[...])),
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=TWO)(v), x)
-  assert plan.last_mode == "sequential" and plan._threads.reason == "one grid point"
-  assert walked == []
+  assert plan.last_mode == "sequential" and plan._threads is None and plan._single
+  assert len(walked) == 1
 
 
 def test_num_threads_must_be_positive():

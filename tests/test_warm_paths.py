@@ -285,7 +285,7 @@ def test_single_kernel_program_runs_its_plan_directly_and_owns_outputs():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(x), x_before)
     assert not np.shares_memory(np.asarray(got), np.asarray(x))
-  plans = [entry[0] for entry in api._eager_cache.values()]
+  plans = [entry.plan for entry in api._eager_cache.values()]
   assert any(p.kernel is not None for p in plans)
 
 

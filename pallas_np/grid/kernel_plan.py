@@ -18,16 +18,17 @@ copies.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, devices, memory, races
+from pallas_np import blas, debugging, devices, memory, races, registry
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
-from pallas_np.grid import threads, vectorize
+from pallas_np.grid import lanes, threads, vectorize
 from pallas_np.grid.blocks import BlockGeometry, index_map_origin
 from pallas_np.memory import allocate
 from pallas_np.params import InterpretParams
@@ -93,6 +94,11 @@ class KernelPlan:
     # The grid when no dimension is dynamic (every _prepare would rebuild it).
     self._static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
     self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
+    # Built on the first run, then reused by every call (the per-call floor):
+    self._preps = None  # how each operand becomes a buffer (_operand_preps)
+    self._single = None  # a one-point grid's _SinglePoint, or False (set by run)
+    self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
+    self._schedules = {}  # grid -> the grid loop's steps, or False (_grid_schedule)
 
   @property
   def kernel(self):
@@ -119,10 +125,19 @@ class KernelPlan:
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
     new_run()
-    with np.errstate(all="ignore"), blas.kernel_run():
+    uses_blas = self._uses_blas
+    if uses_blas is None:
+      uses_blas = self._uses_blas = may_use_blas(self.kernel_jaxpr)
+      self._single = _SinglePoint.of(self)
+    with np.errstate(all="ignore"):
       if placement is not None:
-        return self._run_on_device(args, placement)
-      return self._run(*args)
+        with blas.kernel_run():
+          return self._run_on_device(args, placement)
+      run = self._run_single_point if self._single else self._run
+      if not uses_blas:  # no GEMM: the BLAS thread count is not ours to set
+        return run(*args)
+      with blas.kernel_run():
+        return run(*args)
 
   def _run_on_device(self, args, placement):
     if self.params.num_cores > 1 and self.parallel_prefix:
@@ -164,12 +179,13 @@ class KernelPlan:
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
     fallback = None  # (path, exception) of a fast path that failed
+    prepared = None  # fresh buffers the vectorizer made and did not use
     if self.params.vectorize is not False and self.several_points and not cores:
-      out, failure = self._run_vectorized(args)
+      out, failure, prepared = self._run_vectorized(args)
       if out is not None:
         return out
       fallback = failure and ("vectorized", failure)
-    grid, index_ops, buffers, out_bufs = self._prepare(args)
+    grid, index_ops, buffers, out_bufs = prepared or self._prepare(args)
     if cores:
       self._run_cores(grid, index_ops, buffers)
       self.last_mode = "sequential"
@@ -198,60 +214,117 @@ class KernelPlan:
     return self._results(out_bufs)
 
   def _run_vectorized(self, args):
-    """(outputs, None) of a batched grid (pallas_np.grid.vectorize); (None,
-    failure) when it does not apply (failure None) or failed (then the
-    sequential run starts again from fresh buffers and reports any error at
-    its exact grid point; if it succeeds instead, the failure was a bug)."""
+    """(outputs, None, None) of a batched grid (pallas_np.grid.vectorize);
+    (None, failure, prepared) when it does not apply (failure None) or
+    failed (then the sequential run starts again from fresh buffers and
+    reports any error at its exact grid point; if it succeeds instead, the
+    failure was a bug). ``prepared``: the untouched fresh buffers of a pass
+    declined before it ran, else None."""
     if self.vectorizer is None:
       self.vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
     gv = self.vectorizer
     if gv.reason is not None:
-      return None, None
+      return None, None, None
     try:
       out_bufs = vectorize.run_vectorized(self, gv, lambda: self._prepare(args))
     except vectorize.NotBatchable as e:
       gv.last_failure = e
-      return None, None
+      return None, None, None
     except Exception as e:
       gv.last_failure = e
-      return None, e
+      return None, e, None
     if out_bufs is None:
-      return None, None
+      return None, None, None
+    if isinstance(out_bufs, vectorize.Declined):
+      return None, None, out_bufs.prepared
     self.last_mode = "vectorized"
-    return self._results(out_bufs), None
+    return self._results(out_bufs), None, None
 
   def _prepare(self, args):
-    params = self.params
+    """(grid, scalar-prefetch operands, input and output buffers, output
+    buffers) of one run: every buffer fresh or read-only (see
+    ``_operand_preps``)."""
     grid = self._static_grid
     if grid is None:
       dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
       dyn_iter = iter(dyn)
       grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
                    for g in self.grid)
-    operands = args
-    index_ops = [np.array(a) if i in self.written_inputs else np.asarray(a)
-                 for i, a in enumerate(args[:self.num_index])]
-    inputs = args[self.num_index:]
-    assert len(inputs) == self.num_inputs, (len(inputs), self.num_inputs)
-    in_bufs = []
-    for i, (x, geo) in enumerate(zip(inputs, self.blocks)):
-      x = np.asarray(x)
+    preps = self._preps
+    if preps is None:
+      preps = self._preps = self._operand_preps()
+    index_preps, in_preps, out_preps = preps
+    num_index = self.num_index
+    assert len(args) == num_index + self.num_inputs, (len(args), num_index, self.num_inputs)
+    index_ops = [prep(a) for prep, a in zip(index_preps, args)]
+    in_bufs = [prep(x) for prep, x in zip(in_preps, args[num_index:])]
+    out_bufs = [prep(args) for prep in out_preps]
+    return grid, index_ops, in_bufs + out_bufs, out_bufs
+
+  def _operand_preps(self):
+    """Per scalar-prefetch operand and input, a function of the caller's
+    array giving the run's buffer: a private copy where the kernel writes
+    it (the caller's array is not ours to mutate), a padded copy where the
+    shape is not a multiple of the block, else a read-only view (refs read
+    from it without copying). Per output, a function of all operands giving
+    a fresh buffer: the aliased input's copy, or uninitialised memory."""
+    params, written = self.params, self.written_inputs
+    index_preps = [_private_copy if i in written else np.asarray
+                   for i in range(self.num_index)]
+    in_preps = []
+    for i, geo in enumerate(self.blocks[:self.num_inputs]):
+      writes = self.num_index + i in written
       if geo.needs_padding:
-        x = geo.pad(x, params)
-      elif (self.num_index + i) in self.written_inputs:
-        x = np.array(x)  # private copy: the caller's array is not ours to mutate
-      if (self.num_index + i) not in self.written_inputs and x.flags.writeable:
-        x = x.view()  # read-only blocks: refs read from them without copying
-        x.flags.writeable = False
-      in_bufs.append(x)
-    out_bufs = []
+        pad = functools.partial(_padded, geo, params, not writes)
+      else:
+        pad = _private_copy if writes else _read_only
+      in_preps.append(pad)
+    out_preps = []
     for o, geo in enumerate(self.blocks[self.num_inputs:]):
       if o in self.out_for_in:
-        src = np.asarray(operands[self.out_for_in[o]])
-        out_bufs.append(geo.pad(src, params) if geo.needs_padding else np.array(src))
+        out_preps.append(functools.partial(_aliased_output, self.out_for_in[o], geo, params))
       else:
-        out_bufs.append(allocate(geo.padded_shape, geo.dtype, params))
-    return grid, index_ops, in_bufs + out_bufs, out_bufs
+        out_preps.append(_Fresh(memory.allocator(geo.padded_shape, geo.dtype, params)))
+    return index_preps, in_preps, out_preps
+
+  def _run_single_point(self, *args):
+    """A one-point grid (``_SinglePoint``): the kernel called once on block
+    views of fresh buffers, nothing of the grid loop's machinery."""
+    single = self._single
+    preps = self._preps
+    if preps is None:
+      preps = self._preps = self._operand_preps()
+    index_preps, in_preps, out_preps = preps
+    num_index = self.num_index
+    if len(args) != num_index + self.num_inputs:
+      raise TypeError(f"kernel '{self.name}' takes {num_index + self.num_inputs} operands, "
+                      f"got {len(args)}")
+    # What _prepare does, for the one grid point: every block cut once.
+    operands = [prep(a) for prep, a in zip(index_preps, args)]
+    operands += [prep(x) for prep, x in zip(in_preps, args[num_index:])]
+    out_bufs = [prep(args) for prep in out_preps]
+    operands += out_bufs
+    for b, idx in single.cuts:
+      b += num_index
+      operands[b] = operands[b][idx]
+    operands += [fresh() for fresh in single.scratch]
+    ctx = RunContext(self.name, self.params)
+    ctx.num_programs = single.num_programs
+    ctx.grid_point = single.point
+    ctx.program_ids = single.program_ids
+    trace = self.params.trace
+    try:
+      if trace is not None:
+        trace(self.name, single.point)
+      self.kernel.fn(ctx, *operands)
+      if ctx.extra:
+        dma.check_finished(ctx)
+    except KernelError:
+      raise
+    except Exception as e:
+      raise self._kernel_error(e, single.point) from e
+    self.last_mode = "sequential"
+    return self._results(out_bufs) if single.padded_outputs else out_bufs
 
   def _results(self, out_bufs):
     results = []
@@ -311,6 +384,9 @@ class KernelPlan:
     trace = params.trace
     point = ()
     total = math.prod(grid)
+    schedule = None
+    if dynamic and detector is None and points is None and device is None:
+      schedule = self._grid_schedule(grid, dynamic)
     # progress: True = this loop's own bar; or a shared one (threads) it
     # ticks but does not close; or None.
     own_bar = progress is True
@@ -319,6 +395,18 @@ class KernelPlan:
     if points is None:
       points = itertools.product(*map(range, grid))
     try:
+      if schedule is not None:  # the same steps, index maps evaluated once per grid
+        for step, (point, program_ids, changes) in enumerate(schedule):
+          ctx.grid_point = point
+          ctx.program_ids = program_ids
+          for b, idx in changes:
+            views[b] = buffers[b][idx]
+          if trace is not None:
+            trace(self.name, point)
+          kernel(ctx, *views, *scratch)
+          if progress is not None:
+            progress.tick(step + 1)
+        points = ()
       for step, point in enumerate(points):
         ids = tuple(np.int32(i) for i in point)
         ctx.grid_point = point
@@ -346,6 +434,48 @@ class KernelPlan:
     finally:
       if own_bar and progress is not None:
         progress.close()
+
+  def _grid_schedule(self, grid, dynamic):
+    """The grid loop's steps for ``grid`` when its index maps read nothing
+    but program ids (no scalar prefetch, no effects): per grid point (grid
+    order), the point, its program ids and the (block, basic index) of each
+    block whose index changes there. Computed on the first run of a grid,
+    reused by every later one; None for big grids and where an index map or
+    block raises (the loop then raises at its grid point)."""
+    hit = self._schedules.get(grid)
+    if hit is not None:
+      return hit or None
+    schedule = False
+    if (self.num_index == 0 and math.prod(grid) <= SCHEDULE_MAX_POINTS
+        and not any(bm.index_map_jaxpr.effects for bm in self.grid_mapping.block_mappings)):
+      try:
+        schedule = self._build_schedule(grid, dynamic)
+      except Exception:  # noqa: BLE001 - the grid loop reports it at its point
+        schedule = False
+    if len(self._schedules) >= 16:
+      self._schedules.clear()
+    self._schedules[grid] = schedule
+    return schedule or None
+
+  def _build_schedule(self, grid, dynamic):
+    ctx = RunContext(self.name, self.params)
+    ctx.num_programs = tuple(np.int32(grid[d]) for d in self.local_dims)
+    index_maps = [m.fn for m in self.index_maps]
+    blocks, clamp = self.blocks, self.clamp
+    last_idx = [None] * len(blocks)
+    steps = []
+    for point in itertools.product(*map(range, grid)):
+      ids = tuple(np.int32(i) for i in point)
+      ctx.grid_point = point
+      ctx.program_ids = tuple(ids[d] for d in self.local_dims)
+      changes = []
+      for b in dynamic:
+        bidx = index_maps[b](ctx, *ids)
+        if bidx != last_idx[b]:
+          last_idx[b] = bidx
+          changes.append((b, blocks[b].block_index(bidx, clamp)))
+      steps.append((point, ctx.program_ids, tuple(changes)))
+    return tuple(steps)
 
   def _kernel_error(self, e: Exception, point, device=None) -> Exception:
     eqns = failing_eqns(e.__traceback__)
@@ -382,6 +512,93 @@ class KernelPlan:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)
     return err
+
+
+# Grids of at most this many points keep their grid loop's steps (block
+# indices per point: a few hundred bytes each) instead of evaluating the
+# index maps at every step of every run.
+SCHEDULE_MAX_POINTS = 4096
+
+
+class _SinglePoint:
+  """What every run of a one-point grid shares: the basic index of each
+  block that is not its whole buffer, the scratch allocators, the program
+  ids, whether an output is padded (then cut back by ``_results``)."""
+  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs")
+
+  @classmethod
+  def of(cls, kp) -> _SinglePoint | bool:
+    """The recipe of ``kp``'s runs, or False where its grid has more (or a
+    dynamic number of) points, a block's index map is not constant zero,
+    or the run must go through the grid loop (race detection, explain,
+    megacore)."""
+    grid = kp._static_grid
+    params = kp.params
+    if (grid is None or math.prod(grid) != 1 or params.detect_races
+        or params.explain is not None or (params.num_cores > 1 and kp.parallel_prefix)):
+      return False
+    if not all(geo.whole or geo.trivial_index_map for geo in kp.blocks):
+      return False
+    try:
+      indices = [None if geo.whole else geo.zero_block_index(kp.clamp) for geo in kp.blocks]
+    except Exception:  # e.g. a block bigger than its array: the grid loop raises it
+      return False
+    self = cls()
+    self.cuts = [(b, idx) for b, idx in enumerate(indices) if idx is not None]
+    self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
+    self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
+    self.point = (0,) * len(grid)
+    self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
+    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    return self
+
+
+class _Fresh:
+  """An output buffer of uninitialised memory (the operands are ignored)."""
+  __slots__ = ("fresh",)
+
+  def __init__(self, fresh):
+    self.fresh = fresh
+
+  def __call__(self, operands):
+    return self.fresh()
+
+
+def _private_copy(x) -> np.ndarray:
+  return np.array(x)
+
+
+def _read_only(x) -> np.ndarray:
+  """A read-only view of ``x`` (refs read from it without copying)."""
+  x = np.asarray(x)
+  if x.flags.writeable:
+    x = x.view()
+    x.flags.writeable = False
+  return x
+
+
+def _padded(geo, params, read_only, x) -> np.ndarray:
+  buf = geo.pad(np.asarray(x), params)
+  if read_only:
+    buf = buf.view()
+    buf.flags.writeable = False
+  return buf
+
+
+def _aliased_output(source, geo, params, operands) -> np.ndarray:
+  """A fresh buffer holding the aliased input (``input_output_aliases``)."""
+  src = np.asarray(operands[source])
+  return geo.pad(src, params) if geo.needs_padding else np.array(src)
+
+
+def may_use_blas(jaxpr) -> bool:
+  """Whether a kernel may call BLAS: a matrix product anywhere, or a rule
+  with its own state (the MXU rules multiply)."""
+  for eqn in lanes.all_eqns(jaxpr):
+    rule = registry.properties(eqn.primitive)
+    if rule.gemm or (rule.needs_ctx and not rule.context_free):
+      return True
+  return False
 
 
 def _parallel_prefix(compiler_params, ndim: int) -> int:

@@ -216,9 +216,20 @@ class GridVectorizer:
 
 
 
+class Declined:
+  """``run_vectorized``'s answer when the analysis says no before anything
+  ran: the fresh ``prepare()`` it made, untouched, for the sequential loop
+  (a warm call of a grid auto mode does not batch prepares once)."""
+  __slots__ = ("prepared",)
+
+  def __init__(self, prepared):
+    self.prepared = prepared
+
+
 def run_vectorized(kp, gv: GridVectorizer, prepare):
-  """Run the whole grid vectorized; the output buffers, or None (nothing
-  returned, fall back to the sequential loop) when the analysis says no.
+  """Run the whole grid vectorized; the output buffers, or ``Declined``
+  (nothing ran: fall back to the sequential loop on its buffers) when the
+  analysis says no, or None when a checked pass must be redone sequentially.
 
   ``prepare()`` gives fresh (grid, index_ops, buffers, out_bufs).
 
@@ -230,10 +241,11 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   lane started from exactly the state it has in grid order (by induction over
   lanes), so the pass is the sequential result (``_run_checked``).
   Otherwise: sequential loop."""
-  grid, index_ops, buffers, out_bufs = prepare()
+  prepared = prepare()
+  grid, index_ops, buffers, out_bufs = prepared
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
-    return None
+    return Declined(prepared)
   # The auto limit may look at the layout of partly read inputs (lane views).
   layout = tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None
   runner = gv.runners.get(id(chosen))
@@ -245,7 +257,7 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
     gv.runners[id(chosen)] = runner
   if isinstance(runner[1], str):
     gv.last_failure = runner[1]
-    return None
+    return Declined(prepared)
   runner = copy.copy(runner[1])  # per-call state (progress) on a copy; positions shared
   shared = runner.shared
   lanes_last = any(runner.slab_lanes_last(hi - lo) for lo, hi in runner.slabs)
