@@ -38,13 +38,23 @@ def _is_peer(t) -> bool:
   return cls is not None and isinstance(t, cls)
 
 
+class _Leaf:
+  """A transform leaf's position among an eqn's operands."""
+  __slots__ = ("k",)
+
+  def __init__(self, k: int):
+    self.k = k
+
+
 def split(tree, n: int):
   """``(tree, positions, peer)``: the transforms without their ``PeerMemRef``
   (``positions``: which of the ``n`` leaves they keep) and the
   ``PeerMemRef`` (its device id's leaves are positions), or ``peer`` None."""
   if tree is None or _peer_type() is None:
     return tree, list(range(n)), None
-  transforms = jc.tree_unflatten(tree, list(range(n)))
+  # Placeholders, not ints: an int leaf of a pl.ds would be flattened back
+  # as a static start.
+  transforms = jc.tree_unflatten(tree, [_Leaf(k) for k in range(n)])
   seq = transforms if isinstance(transforms, (list, tuple)) else [transforms]
   peers = [t for t in seq if _is_peer(t)]
   if not peers:
@@ -53,8 +63,8 @@ def split(tree, n: int):
     raise UnsupportedError("pallas_np: a remote_ref of a remote_ref")
   rest = [t for t in seq if not _is_peer(t)]
   rest = type(transforms)(rest) if isinstance(transforms, (list, tuple)) else rest
-  positions, new_tree = jax.tree_util.tree_flatten(rest)
-  return new_tree, positions, peers[0]
+  leaves, new_tree = jax.tree_util.tree_flatten(rest)
+  return new_tree, [leaf.k for leaf in leaves], peers[0]
 
 
 def has_peer(tree, n: int) -> bool:
@@ -67,11 +77,11 @@ def resolver(peer, start: int, what: str):
   ``start``) names; ``view`` itself when the peer is this device."""
   device_id, id_type = peer.device_id, peer.device_id_type
   if isinstance(device_id, dict):
-    read = lambda args: {k: int(args[start + p]) for k, p in device_id.items()}  # noqa: E731
+    read = lambda args: {k: int(args[start + p.k]) for k, p in device_id.items()}  # noqa: E731
   elif isinstance(device_id, (tuple, list)):
-    read = lambda args: tuple(int(args[start + p]) for p in device_id)  # noqa: E731
+    read = lambda args: tuple(int(args[start + p.k]) for p in device_id)  # noqa: E731
   else:
-    read = lambda args: int(args[start + device_id])  # noqa: E731
+    read = lambda args: int(args[start + device_id.k])  # noqa: E731
 
   def on_peer(args, view):
     target = read(args)
