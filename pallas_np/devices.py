@@ -425,8 +425,8 @@ def _check_deadlock(session: Session):
   unit = session.unit
   err = DeviceError(
       f"deadlock across {unit}s: every {unit} still in the kernel waits on a semaphore "
-      f"that no pending DMA and no other {unit} can signal (on TPUs this kernel would "
-      "hang forever):\n" + "\n".join(lines))
+      f"that no pending DMA and no other {unit} can signal (on the hardware this kernel "
+      "would hang forever):\n" + "\n".join(lines))
   session.fail(err, None)
 
 

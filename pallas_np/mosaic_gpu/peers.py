@@ -86,7 +86,7 @@ def resolver(peer, start: int, what: str):
   def on_peer(args, view):
     target = read(args)
     me = current()
-    if me is None or me.session is None:
+    if me is None or me.session is None or not me.placement.names:
       ids = target.values() if isinstance(target, dict) else (
           target if isinstance(target, tuple) else (target,))
       if all(int(i) == 0 for i in ids):
