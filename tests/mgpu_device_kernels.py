@@ -68,26 +68,41 @@ def check(name, ok, detail=""):
 
 
 # -- JAX's kernels -------------------------------------------------------------
-def all_gather(x, dim=0):
+# One jitted function per configuration: warm calls reuse its executable.
+@functools.lru_cache(maxsize=None)
+def _all_gather(dim):
   return shmap(functools.partial(all_gather_mgpu.all_gather, axis_name="x",
-                                 gather_dimension=dim, num_blocks=NUM_SMS))(x)
+                                 gather_dimension=dim, num_blocks=NUM_SMS))
+
+
+def all_gather(x, dim=0):
+  return _all_gather(dim)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_scatter(dim, reduction):
+  return shmap(functools.partial(reduce_scatter_mgpu.reduce_scatter, axis_name="x",
+                                 scatter_dimension=dim, reduction=reduction,
+                                 num_blocks=NUM_SMS))
 
 
 def reduce_scatter(x, dim=0, reduction="add"):
-  spec = P("x") if dim is not None else P("x")
-  return shmap(functools.partial(reduce_scatter_mgpu.reduce_scatter, axis_name="x",
-                                 scatter_dimension=dim, reduction=reduction,
-                                 num_blocks=NUM_SMS), in_specs=spec, out_specs=spec)(x)
+  return _reduce_scatter(dim, reduction)(x)
 
 
 CONFIG = hopper_matmul_mgpu.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
                                          max_concurrent_steps=2)
 
 
-def collective_matmul(a, b, dtype):
+@functools.lru_cache(maxsize=None)
+def _collective_matmul(dtype):
   return shmap(functools.partial(collective_matmul_mgpu.all_gather_lhs_matmul, axis_name="x",
                                  config=CONFIG, dtype=dtype),
-               in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"))(a, b)
+               in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"))
+
+
+def collective_matmul(a, b, dtype):
+  return _collective_matmul(jnp.dtype(dtype))(a, b)
 
 
 def np_reduce(shards, op, dtype):
