@@ -215,6 +215,31 @@ def multimem_reduce(x, op):
                       scratch_types=[plgpu.SemaphoreType.REGULAR])(x)
 
 
+def parallel_signals(x):
+  """plgpu.semaphore_signal_parallel to both neighbours (scoped semaphores:
+  per block, the same block on the peer), plgpu.semaphore_signal/wait (JAX
+  0.12's with a memory scope; pl's on 0.10) and pl.semaphore_read."""
+  signal = getattr(plgpu, "semaphore_signal", pl.semaphore_signal)
+  wait = getattr(plgpu, "semaphore_wait", pl.semaphore_wait)
+
+  def body(x_ref, o_ref, sem_a, sem_b, sem_c):
+    me = lax.axis_index("x")
+    right, left = lax.rem(me + 1, N), lax.rem(me + N - 1, N)
+    plgpu.semaphore_signal_parallel(
+        plgpu.SemaphoreSignal(sem_a, device_id={"x": right}, inc=2),
+        plgpu.SemaphoreSignal(sem_b, device_id={"x": left}, inc=3))
+    signal(sem_c, 4, device_id={"x": right})
+    pl.semaphore_wait(sem_a, 2, decrement=False)
+    pl.semaphore_wait(sem_b, 3, decrement=False)
+    wait(sem_c, 4, decrement=False)
+    got = pl.semaphore_read(sem_a) * 100 + pl.semaphore_read(sem_b) * 10 + \
+        pl.semaphore_read(sem_c)
+    o_ref[...] = x_ref[...] + got.astype(x_ref.dtype)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=(NUM_SMS,), grid_names=("b",),
+                      scratch_types=[plgpu.SemaphoreType.REGULAR] * 3)(x)
+
+
 def case_constructs():
   with pallas_np.force_numpy_interpret():
     x = data((N * 16, 128), jnp.float32, 0)
@@ -223,6 +248,9 @@ def case_constructs():
       out = shmap(functools.partial(ring_remote_copy, id_style=style))(x)
       check(f"remote_ref TMA store + get_global semaphore ({style} device id) vs NumPy",
             np.array_equal(np.asarray(out), want))
+    out = shmap(parallel_signals)(x)
+    check("semaphore_signal_parallel + plgpu.semaphore_signal/wait + semaphore_read vs NumPy",
+          np.array_equal(np.asarray(out), np.asarray(x) + 234))
     out = shmap(multimem_gather, out_specs=P("x"))(x)
     want = np.tile(np.asarray(x), (N, 1))
     check("multimem_store + semaphore_signal_multicast vs NumPy",

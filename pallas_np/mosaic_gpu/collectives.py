@@ -65,9 +65,13 @@ def device_features(jaxpr, mesh_axes) -> tuple[frozenset, bool, bool]:
                      if n not in mesh_axes)
       elif prim in remote_prims:
         remote = True
-      elif prim is jc.pallas_primitives.semaphore_signal_p:
+      elif prim in (jc.pallas_primitives.semaphore_signal_p, _prim("semaphore_signal_p")):
         remote = remote or _has_device_id(eqn)
-      elif prim in (jc.pallas_primitives.semaphore_wait_p, _GET_GLOBAL):
+      elif prim is _prim("semaphore_signal_parallel_p"):
+        remote = remote or any(d is not None for d in jc.tree_unflatten(
+            eqn.params["args_tree"], list(range(len(eqn.invars))))[3])
+      elif prim in (jc.pallas_primitives.semaphore_wait_p, _GET_GLOBAL,
+                    _prim("semaphore_wait_p")):
         waits = True
       if not remote and _has_remote_ref(eqn):
         remote = True
@@ -208,3 +212,77 @@ if _GET_GLOBAL is not None:
             "(plgpu.kernel)")
       return alloc(site, np.zeros(shape, np.int64))
     return get_global
+
+
+# -- plgpu.semaphore_signal / semaphore_wait (JAX 0.12: with a memory scope) --------
+def _like_pallas(pallas_prim):
+  def compile_rule(e):
+    return registry.lookup(pallas_prim).compile(e)
+  return compile_rule
+
+
+for _name, _pallas_prim in (("semaphore_signal_p", jc.pallas_primitives.semaphore_signal_p),
+                            ("semaphore_wait_p", jc.pallas_primitives.semaphore_wait_p)):
+  # The memory scope ("sys"/"gpu") orders memory for the hardware; here every
+  # access is visible at once, so they are pl.semaphore_signal/wait.
+  if _prim(_name) is not None and _prim(_name) is not _pallas_prim:
+    registry.register(_prim(_name), needs_ctx=True, foldable=False,
+                      batch=_UNBATCHED)(_like_pallas(_pallas_prim))
+
+
+class _Leaf:
+  """An operand position (placeholder leaf: a pl.ds start stays dynamic)."""
+  __slots__ = ("k",)
+
+  def __init__(self, k: int):
+    self.k = k
+
+
+def _device_reader(node):
+  if node is None:
+    return None
+  if isinstance(node, dict):
+    return lambda args: {a: int(args[p.k]) for a, p in node.items()}
+  if isinstance(node, (tuple, list)):
+    return lambda args: tuple(int(args[p.k]) for p in node)
+  return lambda args: int(args[node.k])
+
+
+if _prim("semaphore_signal_parallel_p") is not None:
+  @registry.register(_prim("semaphore_signal_parallel_p"), needs_ctx=True, foldable=False,
+                     batch=_UNBATCHED)
+  def _semaphore_signal_parallel(e):
+    """Every signal, in order (one of the orders the hardware may show)."""
+    marks = [_Leaf(k) for k in range(len(e.eqn.invars))]
+    refs, transforms, incs, device_ids = jc.tree_unflatten(e.params["args_tree"], marks)
+    signals = []
+    for ref, ts, inc, dev in zip(refs, transforms, incs, device_ids):
+      leaves, tree = jax.tree_util.tree_flatten(ts)
+      start = leaves[0].k if leaves else 0
+      if [leaf.k for leaf in leaves] != list(range(start, start + len(leaves))):
+        raise e.unsupported("semaphore_signal_parallel with this operand layout")
+      get, _ = operands.ref_accessor(e, ref.k, tree if leaves else None, start)
+      signals.append((get, inc.k, _device_reader(dev)))
+    source = e.source
+
+    def signal(ctx, *args):
+      for get, inc_pos, read_dev in signals:
+        sem, inc = get(args), int(args[inc_pos])
+        me = ctx.device
+        target = None
+        if read_dev is not None and me is not None and me.placement.names:
+          target = me.target_id(read_dev(args), jc.DeviceIdType.MESH)
+        elif read_dev is not None:
+          dev = read_dev(args)
+          ids = dev.values() if isinstance(dev, dict) else (
+              dev if isinstance(dev, tuple) else (dev,))
+          if any(int(i) != 0 for i in ids):
+            raise UnsupportedError(
+                f"pallas_np: semaphore_signal_parallel to device {dev} at {source}: outside "
+                "a multi-device run (jax.jit of a jax.shard_map) there is one device here")
+        if target is None or target == me.logical_id:
+          dma_mod.signal(ctx, dma_mod.sem_cell(*sem), inc)
+        else:
+          dma_mod.remote_signal(ctx, target, sem, inc, source=source)
+      return []
+    return signal
