@@ -240,6 +240,40 @@ def parallel_signals(x):
                       scratch_types=[plgpu.SemaphoreType.REGULAR] * 3)(x)
 
 
+def remote_load_store(x):
+  """Plain stores and loads through plgpu.remote_ref (an indexed ref made
+  remote, and a remote ref indexed), ordered by get_global semaphores."""
+  rows = x.shape[0] // 2
+
+  def body(x_ref, o_ref, p_ref):
+    sent = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    me = lax.axis_index("x")
+    right = lax.rem(me + 1, N)
+    plgpu.remote_ref(o_ref.at[pl.ds(0, rows)], {"x": right})[...] = x_ref[pl.ds(0, rows)]
+    plgpu.remote_ref(o_ref, {"x": right}).at[pl.ds(rows, rows)][...] = x_ref[pl.ds(rows, rows)]
+    pl.semaphore_signal(sent, device_id={"x": right})
+    pl.semaphore_wait(sent, 1)
+    p_ref[...] = plgpu.remote_ref(x_ref, {"x": right})[...] * 3  # read the right one's input
+  return tuple(plgpu.kernel(body, out_type=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2)(x))
+
+
+def remote_atomics(x):
+  """plgpu.atomic_add into the right neighbour's output after a "zeroed"
+  handshake; each device's output ends as its left neighbour's input."""
+  def body(x_ref, o_ref):
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    me = lax.axis_index("x")
+    right, left = lax.rem(me + 1, N), lax.rem(me + N - 1, N)
+    o_ref[...] = jnp.zeros_like(o_ref)
+    pl.semaphore_signal(ready, device_id={"x": left})
+    pl.semaphore_wait(ready, 1)
+    plgpu.atomic_add(plgpu.remote_ref(o_ref, {"x": right}), x_ref[...])
+    pl.semaphore_signal(done, device_id={"x": right})
+    pl.semaphore_wait(done, 1)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
 def case_constructs():
   with pallas_np.force_numpy_interpret():
     x = data((N * 16, 128), jnp.float32, 0)
@@ -248,6 +282,16 @@ def case_constructs():
       out = shmap(functools.partial(ring_remote_copy, id_style=style))(x)
       check(f"remote_ref TMA store + get_global semaphore ({style} device id) vs NumPy",
             np.array_equal(np.asarray(out), want))
+    out, peek = shmap(remote_load_store, out_specs=(P("x"), P("x")))(x)
+    xs = np.asarray(x).reshape(N, 16, 128)
+    check("stores and loads through remote_ref vs NumPy",
+          np.array_equal(np.asarray(out), np.roll(xs, 1, 0).reshape(N * 16, 128)) and
+          np.array_equal(np.asarray(peek), np.roll(xs, -1, 0).reshape(N * 16, 128) * 3))
+    xi = data((N * 8, 128), jnp.int32, 6)
+    out = shmap(remote_atomics)(xi)
+    check("atomic_add through remote_ref vs NumPy",
+          np.array_equal(np.asarray(out),
+                         np.roll(np.asarray(xi).reshape(N, 8, 128), 1, 0).reshape(N * 8, 128)))
     out = shmap(parallel_signals)(x)
     check("semaphore_signal_parallel + plgpu.semaphore_signal/wait + semaphore_read vs NumPy",
           np.array_equal(np.asarray(out), np.asarray(x) + 234))

@@ -56,6 +56,8 @@ def test_constructs_across_devices(devices):
   assert out.count("ok remote_ref TMA store") == 2
   assert "ok multimem_store + semaphore_signal_multicast" in out
   assert "ok semaphore_signal_parallel" in out
+  assert "ok stores and loads through remote_ref" in out
+  assert "ok atomic_add through remote_ref" in out
   assert out.count("ok multimem_load_reduce") == 1 + 3 + 6
 
 

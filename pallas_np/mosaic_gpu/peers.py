@@ -16,6 +16,7 @@ import jax
 
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
+from pallas_np.state import indexing
 
 _local = threading.local()
 
@@ -84,18 +85,26 @@ def resolver(peer, start: int, what: str):
     read = lambda args: int(args[start + device_id.k])  # noqa: E731
 
   def on_peer(args, view):
-    target = read(args)
-    me = current()
-    if me is None or me.session is None or not me.placement.names:
-      ids = target.values() if isinstance(target, dict) else (
-          target if isinstance(target, tuple) else (target,))
-      if all(int(i) == 0 for i in ids):
-        return view  # one device: itself
-      raise UnsupportedError(
-          f"pallas_np: plgpu.remote_ref to device {target} at {what}: outside a multi-device "
-          "run (jax.jit of a jax.shard_map) there is one device here")
-    t = me.target_id(target, id_type)
-    if t == me.logical_id:
-      return view
-    return me.peer_ref(me.session.members[t], view, f"plgpu.remote_ref at {what}")
+    return peer_copy(view, read(args), id_type, what)
   return on_peer
+
+
+def peer_copy(view, target, id_type, what: str = "a kernel line"):
+  """The copy of ``view`` (a kernel-level GMEM ref) on device ``target`` (a
+  ``device_id``) as seen from the device this thread runs on."""
+  me = current()
+  if me is None or me.session is None or not me.placement.names:
+    ids = target.values() if isinstance(target, dict) else (
+        target if isinstance(target, tuple) else (target,))
+    if all(int(i) == 0 for i in ids):
+      return view  # one device: itself
+    raise UnsupportedError(
+        f"pallas_np: plgpu.remote_ref to device {target} at {what}: outside a multi-device "
+        "run (jax.jit of a jax.shard_map) there is one device here")
+  t = me.target_id(target, id_type)
+  if t == me.logical_id:
+    return view
+  return me.peer_ref(me.session.members[t], view, f"plgpu.remote_ref at {what}")
+
+
+indexing.install_peer_resolver(peer_copy)

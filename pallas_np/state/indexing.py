@@ -187,6 +187,14 @@ def _check_array(a, dim, axis, shape, clamp):
 
 _SHARED: dict = {}  # see RefAccess.shared
 
+# plgpu.remote_ref: ``fn(view, device_id, device_id_type) -> the peer's copy of
+# view``, installed by pallas_np.mosaic_gpu.peers (which knows the running device).
+_peer_resolvers: list = []
+
+
+def install_peer_resolver(fn) -> None:
+  _peer_resolvers[:] = [fn]
+
 
 class RefAccess:
   """Compiled transforms of one ref access.
@@ -226,7 +234,11 @@ class RefAccess:
     shape = tuple(ref_shape)
     steps = []
     for t in transforms:
-      if isinstance(t, jc.NDIndexer):
+      if jc.is_peer_transform(t):
+        # It commutes with every other transform (JAX's commute_ndindexer):
+        # the peer's copy of the whole ref, then the rest.
+        steps.insert(0, ("peer", t, tuple(ref_shape)))
+      elif isinstance(t, jc.NDIndexer):
         dims = []
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
           if isinstance(ix, jc.Slice):
@@ -327,6 +339,8 @@ class RefAccess:
         fns.append(_transpose_view(arg))
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
+      elif kind == "peer":
+        fns.append(_peer_view(arg))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
@@ -664,4 +678,24 @@ def _transpose_view(perm):
     if isinstance(view, lens.LensView):
       return lens.transposed(view, perm)
     return view.transpose(perm)
+  return f
+
+
+def _peer_view(t):
+  """The running device's peer's copy of a ref (``plgpu.remote_ref``)."""
+  dev = t.device_id
+
+  def value(x, leaves):
+    return int(leaves[x.k] if isinstance(x, _Dyn) else x)
+  if isinstance(dev, dict):
+    read = lambda leaves: {a: value(v, leaves) for a, v in dev.items()}  # noqa: E731
+  elif isinstance(dev, (tuple, list)):
+    read = lambda leaves: tuple(value(v, leaves) for v in dev)  # noqa: E731
+  else:
+    read = lambda leaves: value(dev, leaves)  # noqa: E731
+
+  def f(view, leaves):
+    if not _peer_resolvers:
+      raise UnsupportedError("pallas_np: plgpu.remote_ref outside a Mosaic GPU kernel")
+    return _peer_resolvers[0](view, read(leaves), t.device_id_type)
   return f
