@@ -16,7 +16,7 @@ import jax
 
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
-from pallas_np.state import indexing
+from pallas_np.state import peer_refs
 
 _local = threading.local()
 
@@ -107,4 +107,4 @@ def peer_copy(view, target, id_type, what: str = "a kernel line"):
   return me.peer_ref(me.session.members[t], view, f"plgpu.remote_ref at {what}")
 
 
-indexing.install_peer_resolver(peer_copy)
+peer_refs.install_peer_resolver(peer_copy)

@@ -28,7 +28,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
 from pallas_np.dtypes import bit_width
-from pallas_np.state import lens
+from pallas_np.state import lens, peer_refs
 
 
 class _Dyn:
@@ -187,14 +187,6 @@ def _check_array(a, dim, axis, shape, clamp):
 
 _SHARED: dict = {}  # see RefAccess.shared
 
-# plgpu.remote_ref: ``fn(view, device_id, device_id_type) -> the peer's copy of
-# view``, installed by pallas_np.mosaic_gpu.peers (which knows the running device).
-_peer_resolvers: list = []
-
-
-def install_peer_resolver(fn) -> None:
-  _peer_resolvers[:] = [fn]
-
 
 class RefAccess:
   """Compiled transforms of one ref access.
@@ -340,7 +332,7 @@ class RefAccess:
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
       elif kind == "peer":
-        fns.append(_peer_view(arg))
+        fns.append(peer_refs.peer_view(arg, _Dyn))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
@@ -680,22 +672,3 @@ def _transpose_view(perm):
     return view.transpose(perm)
   return f
 
-
-def _peer_view(t):
-  """The running device's peer's copy of a ref (``plgpu.remote_ref``)."""
-  dev = t.device_id
-
-  def value(x, leaves):
-    return int(leaves[x.k] if isinstance(x, _Dyn) else x)
-  if isinstance(dev, dict):
-    read = lambda leaves: {a: value(v, leaves) for a, v in dev.items()}  # noqa: E731
-  elif isinstance(dev, (tuple, list)):
-    read = lambda leaves: tuple(value(v, leaves) for v in dev)  # noqa: E731
-  else:
-    read = lambda leaves: value(dev, leaves)  # noqa: E731
-
-  def f(view, leaves):
-    if not _peer_resolvers:
-      raise UnsupportedError("pallas_np: plgpu.remote_ref outside a Mosaic GPU kernel")
-    return _peer_resolvers[0](view, read(leaves), t.device_id_type)
-  return f
