@@ -86,12 +86,9 @@ def _all_devices(ctx, axes, what: str):
   me = ctx.device
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
   if me is None or me.session is None or not me.placement.names:
-    for a in axes:
-      if a not in ctx.extra.get("mesh_axes", {}):
-        raise UnsupportedError(
-            f"pallas_np: {what} over {axes}: outside a multi-device run (jax.jit of a "
-            "jax.shard_map) there are no devices to reach")
-    return me, [(0, me)]
+    raise UnsupportedError(  # JAX's lowering needs a device mesh too
+        f"pallas_np: {what} over {axes}: outside a multi-device run (jax.jit of a "
+        "jax.shard_map) there are no devices to reach")
   if set(axes) != set(me.placement.names):
     raise UnsupportedError(
         f"pallas_np: {what} over {axes}: only all the mesh's axes "
@@ -103,7 +100,7 @@ def _all_devices(ctx, axes, what: str):
 
 
 def _copy_on(me, dev, view, what):
-  if dev is None or me is None or dev.logical_id == me.logical_id:
+  if dev.logical_id == me.logical_id:
     return view
   return me.peer_ref(dev, view, what)
 
@@ -182,7 +179,7 @@ if _prim("semaphore_signal_multicast_p") is not None:
       me, devs = _all_devices(ctx, axes, what)
       sem = get(args)
       for logical, _ in devs:
-        if me is None or logical == me.logical_id:
+        if logical == me.logical_id:
           dma_mod.signal(ctx, dma_mod.sem_cell(*sem), inc)
         else:
           dma_mod.remote_signal(ctx, logical, sem, inc, source=source)
