@@ -605,6 +605,12 @@ def barrier_arrivals(dtype) -> int:
   return int(dtype.num_arrivals)
 
 
+def is_peer_transform(t) -> bool:
+  """``plgpu.remote_ref``'s transform: the same ref on another device."""
+  cls = getattr(mgpu_core, "PeerMemRef", None) if mgpu_core is not None else None
+  return cls is not None and isinstance(t, cls)
+
+
 def is_layout_only_transform(t) -> bool:
   """Mosaic GPU's SMEM layout transforms (tiling, swizzle): they change how
   a buffer lies in memory, never which element an index names. pallas_np

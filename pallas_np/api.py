@@ -198,7 +198,8 @@ def _mesh_kernel_lowering(jax_rule, prim):
     if not is_numpy_mode(interpret):
       return jax_rule(ctx, *in_nodes, **params)
     if mgpu_entry.handles(params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
-      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret), **params)
+      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret),
+                              on_devices=_lower_on_devices, **params)
     if prim is not jc.mpmd_map_p:  # a stateful core_map that was not discharged
       raise meshes.mesh_kernel_error(f"an undischarged {prim.name}", params,
                                      jc.lowering_source(ctx))

@@ -425,8 +425,8 @@ def _check_deadlock(session: Session):
   unit = session.unit
   err = DeviceError(
       f"deadlock across {unit}s: every {unit} still in the kernel waits on a semaphore "
-      f"that no pending DMA and no other {unit} can signal (on TPUs this kernel would "
-      "hang forever):\n" + "\n".join(lines))
+      f"that no pending DMA and no other {unit} can signal (on the hardware this kernel "
+      "would hang forever):\n" + "\n".join(lines))
   session.fail(err, None)
 
 
@@ -436,6 +436,10 @@ def block_until(ctx, pred, what: str):
   me = ctx.device
   session = me.session
   if session is None:  # no peers (an axis_index-only kernel): the caller raises
+    return
+  in_turn = getattr(me, "wait_in_turn", None)
+  if in_turn is not None:  # an instance running threads that take turns (Mosaic GPU blocks)
+    in_turn(ctx, pred, what)
     return
   point = tuple(int(p) for p in ctx.grid_point)
   while not pred():

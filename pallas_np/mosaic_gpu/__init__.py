@@ -8,3 +8,4 @@ from pallas_np import _compat as jc
 
 if jc.mgpu_core is not None:
   from pallas_np.mosaic_gpu import atomics, barriers, copies, layout, tcgen05, wgmma  # noqa: F401
+  from pallas_np.mosaic_gpu import collectives  # noqa: F401

@@ -40,10 +40,17 @@ def _check_supported(params):
                            "is not supported in numpy mode yet; use plgpu.kernel")
 
 
-def lower(ctx, *in_nodes, interp, **params):
+def lower(ctx, *in_nodes, interp, on_devices=None, **params):
+  """``on_devices(ctx, in_nodes, kernel, axis_names, remote, axis_sizes)``:
+  api's lowering of one device's part of a ``shard_map`` body, for kernels
+  that read its axes or talk to other devices."""
   _check_supported(params)
   kernel = get_kernel(params, interp)
   kernel.plan  # noqa: B018 - compiled now: unsupported primitives raise here
+  names, remote, _ = kernel.device_features
+  axis_sizes = jc.axis_env_sizes()
+  if (names or remote) and axis_sizes and on_devices is not None:
+    return on_devices(ctx, in_nodes, kernel, names, remote, axis_sizes)
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
 
   def impl(*args):

@@ -19,7 +19,7 @@ from pallas_np import races
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
-from pallas_np.mosaic_gpu import race_clocks, threads
+from pallas_np.mosaic_gpu import collectives, device_blocks, race_clocks, threads
 from pallas_np.params import InterpretParams
 from pallas_np.state.refs import SHARED_SCOPE_KEY
 
@@ -44,6 +44,16 @@ class MeshKernel:
     self.thread_name = mesh.thread_name
     self.compiler = Compiler(interp, self.name)
     self._plan = None
+    self._features = None
+
+  @property
+  def device_features(self):
+    """(axis names of other devices it reads, whether it talks to other
+    devices, whether its blocks wait on semaphores): see ``collectives``."""
+    if self._features is None:
+      own = {*self.block_names, self.thread_name}
+      self._features = collectives.device_features(self.jaxpr, own)
+    return self._features
 
   @property
   def plan(self):
@@ -62,12 +72,18 @@ class MeshKernel:
                   else allocate(aval.shape, aval.dtype, self.params))
     return outs
 
-  def run(self, *args) -> list[np.ndarray]:
+  def run(self, *args, placement=None) -> list[np.ndarray]:
+    """``placement``: this device's place in a ``shard_map``
+    (``pallas_np.devices``); such runs, and kernels whose blocks wait on
+    semaphores, run on the device scheduler (``device_blocks``)."""
     new_run()
     # Copied: TMA stores and atomics may write GMEM operands (their effects
     # do not say which), and the caller's arrays must stay intact.
     ins = [np.array(a) for a in args]
     outs = self._outputs(ins)
+    _, remote, waits = self.device_features
+    if placement is not None or remote or waits:
+      return device_blocks.run(self, ins, outs, placement, remote)
     plan = self.plan.fn
     sizes = dict(zip(self.block_names, self.block_shape))
     if self.thread_name is not None:
@@ -116,6 +132,10 @@ class MeshKernel:
       if detection is not None:
         detection.end_block()
     return outs
+
+  def block_error(self, e: Exception, block, thread) -> Exception:
+    """``e`` raised in ``block``'s warpgroup ``thread``, as a ``KernelError``."""
+    return self._error(e, block, thread)
 
   def _error(self, e: Exception, block, thread) -> Exception:
     eqns = failing_eqns(e.__traceback__)

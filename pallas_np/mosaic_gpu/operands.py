@@ -8,7 +8,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import races, registry
 from pallas_np.state.indexing import RefAccess, static_atoms
-from pallas_np.mosaic_gpu import threads
+from pallas_np.mosaic_gpu import peers, threads
 
 
 def num_leaves(tree) -> int:
@@ -19,20 +19,30 @@ def ref_accessor(e: registry.EqnInfo, ref_pos: int, tree, start: int):
   """``(get, next_start)``: ``get(args)`` -> ``(view, index)`` of operand
   ``ref_pos`` with the transforms whose leaves are operands ``start...``."""
   n = num_leaves(tree)
-  atoms = e.eqn.invars[start:start + n]
+  # plgpu.remote_ref: the transforms name another device's copy of the ref.
+  tree, positions, peer = peers.split(tree, n)
+  atoms = [e.eqn.invars[start + p] for p in positions]
   aval = e.in_avals[ref_pos]
   inner = aval.inner_aval if isinstance(aval, jc.AbstractRef) else aval
   # Never clamped: TMA windows past a GMEM ref's end are clipped (tma_read,
   # tma_writer), anything else out of bounds is an error, as on a GPU.
   access = RefAccess.shared(tree, static_atoms(e.folded, atoms), inner.shape,
                             ref_dtype=inner.dtype, clamp=False)
-  dyn = [start + p for p in access.dynamic_positions]
+  dyn = [start + positions[p] for p in access.dynamic_positions]
   resolve = access.resolve
+  if peer is None:
+    base = lambda args: args[ref_pos]  # noqa: E731
+  else:
+    on_peer = peers.resolver(peer, start, e.source)
+    base = lambda args: on_peer(args, args[ref_pos])  # noqa: E731
 
   def get(args):
-    return resolve(args[ref_pos], [args[i] for i in dyn])
+    return resolve(base(args), [args[i] for i in dyn])
   get.access = access
   get.leaves = lambda args: [args[i] for i in dyn]
+  get.base = base
+  # The same window of another buffer (a multimem op's copy on each device).
+  get.on = lambda buf, args: resolve(buf, [args[i] for i in dyn])
   get.ref_pos = ref_pos
   return get, start + n
 
@@ -40,7 +50,7 @@ def ref_accessor(e: registry.EqnInfo, ref_pos: int, tree, start: int):
 def _tma_window(get, args):
   """(view, coords, in_bounds) of a GMEM window that runs past the ref's
   end: the TMA unit clips such boxes (zero-filled reads, dropped writes)."""
-  res = get.access.unchecked_coords(args[get.ref_pos], get.leaves(args))
+  res = get.access.unchecked_coords(get.base(args), get.leaves(args))
   if res is None:
     raise IndexError("out-of-bounds TMA window")
   view, coords = res
@@ -65,7 +75,7 @@ def tma_read(get, args) -> np.ndarray:
   try:
     return read(*get(args))
   except IndexError:
-    res = get.access.unchecked_coords(args[get.ref_pos], get.leaves(args))
+    res = get.access.unchecked_coords(get.base(args), get.leaves(args))
     if res is None:
       raise
     view, coords = res  # per-axis coordinates, broadcastable (not broadcast)

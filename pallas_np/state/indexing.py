@@ -28,7 +28,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
 from pallas_np.dtypes import bit_width
-from pallas_np.state import lens
+from pallas_np.state import lens, peer_refs
 
 
 class _Dyn:
@@ -226,7 +226,11 @@ class RefAccess:
     shape = tuple(ref_shape)
     steps = []
     for t in transforms:
-      if isinstance(t, jc.NDIndexer):
+      if jc.is_peer_transform(t):
+        # It commutes with every other transform (JAX's commute_ndindexer):
+        # the peer's copy of the whole ref, then the rest.
+        steps.insert(0, ("peer", t, tuple(ref_shape)))
+      elif isinstance(t, jc.NDIndexer):
         dims = []
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
           if isinstance(ix, jc.Slice):
@@ -327,6 +331,8 @@ class RefAccess:
         fns.append(_transpose_view(arg))
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
+      elif kind == "peer":
+        fns.append(peer_refs.peer_view(arg, _Dyn))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
@@ -672,3 +678,4 @@ def _transpose_view(perm):
       return lens.transposed(view, perm)
     return view.transpose(perm)
   return f
+

@@ -1,0 +1,38 @@
+"""``plgpu.remote_ref`` in ref accesses: the ``PeerMemRef`` transform names
+the same kernel-level GMEM ref on another device. Only the Mosaic GPU
+executor knows which device a warpgroup runs on, so it installs the
+resolver (``pallas_np.mosaic_gpu.peers``); ``state.indexing`` applies it
+before the other transforms (they commute, as JAX's ``commute_ndindexer``
+says)."""
+from __future__ import annotations
+
+from pallas_np.errors import UnsupportedError
+
+# fn(view, device_id, device_id_type) -> the peer's copy of view
+_resolvers: list = []
+
+
+def install_peer_resolver(fn) -> None:
+  _resolvers[:] = [fn]
+
+
+def peer_view(t, dyn_type):
+  """``f(view, leaves)``: the peer's copy of ``view`` that ``t`` (a
+  ``PeerMemRef`` whose dynamic leaves are ``dyn_type`` placeholders with
+  their position ``k`` among ``leaves``) names."""
+  dev = t.device_id
+
+  def value(x, leaves):
+    return int(leaves[x.k] if isinstance(x, dyn_type) else x)
+  if isinstance(dev, dict):
+    read = lambda leaves: {a: value(v, leaves) for a, v in dev.items()}  # noqa: E731
+  elif isinstance(dev, (tuple, list)):
+    read = lambda leaves: tuple(value(v, leaves) for v in dev)  # noqa: E731
+  else:
+    read = lambda leaves: value(dev, leaves)  # noqa: E731
+
+  def f(view, leaves):
+    if not _resolvers:
+      raise UnsupportedError("pallas_np: plgpu.remote_ref outside a Mosaic GPU kernel")
+    return _resolvers[0](view, read(leaves), t.device_id_type)
+  return f
