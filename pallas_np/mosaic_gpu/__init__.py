@@ -7,4 +7,5 @@ registers and Mosaic GPU kernels never reach pallas_np."""
 from pallas_np import _compat as jc
 
 if jc.mgpu_core is not None:
-  from pallas_np.mosaic_gpu import atomics, barriers, copies, layout, tcgen05, wgmma  # noqa: F401
+  from pallas_np.mosaic_gpu import (atomics, barriers, cluster, copies, inline, layout,  # noqa: F401
+                                    tcgen05, wgmma)

@@ -85,7 +85,7 @@ def _copy_gmem_to_smem(e):
                       key=None if bar is None else (bar, bar.phase))
       land = _completed(land, det, key) if bar is None else land
     if bar is None:
-      operands.block_of(ctx).from_gmem[operands.thread_of(ctx)].append(land)
+      operands.block_of(ctx).from_gmem.setdefault(operands.thread_of(ctx), []).append(land)
     else:
       bar.arrive(land)
     return []
@@ -99,7 +99,7 @@ if jc.mgpu_primitive("wait_gmem_to_smem_p") is not None:
     n = int(e.params["n"])
 
     def wait(ctx, *args):
-      pending = operands.block_of(ctx).from_gmem[operands.thread_of(ctx)]
+      pending = operands.block_of(ctx).from_gmem.get(operands.thread_of(ctx), [])
       while len(pending) > n:
         pending.pop(0)()
       return []
