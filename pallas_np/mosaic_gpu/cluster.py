@@ -127,13 +127,16 @@ class ClusterState:
     owner, key, pos = self._site(view)
     if owner == block:
       return view
+    mine = self._bufs[(owner, key)][pos]
     peer = self.buffers(block, key, self._fresh[key])[pos]
-    root, peer_root = _root(view), _root(peer)
     if view.dtype == object:
-      flat = root.reshape(-1)
+      flat = _root(view).reshape(-1)
       cells = [flat_index(flat, c) for c in view.reshape(-1)]
-      return peer_root.reshape(-1)[cells].reshape(view.shape)
-    offset = view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+      return peer.reshape(-1)[cells].reshape(view.shape)
+    # Same offset from the buffer's start (buffers sit at different offsets
+    # of their raw allocations: memory.aligned_empty).
+    peer_root = _root(peer)
+    offset = (_address(peer) - _address(peer_root)) + (_address(view) - _address(mine))
     return np.ndarray(view.shape, view.dtype, buffer=peer_root, offset=offset,
                       strides=view.strides)
 
@@ -178,6 +181,10 @@ class ClusterState:
 
   def describe(self, block: int) -> str:
     return str(self.grid_point + self.coords[block])
+
+
+def _address(a: np.ndarray) -> int:
+  return a.__array_interface__["data"][0]
 
 
 def flat_index(flat: np.ndarray, cell) -> int:
