@@ -4,6 +4,7 @@ oracle, and stubs for the hardware queries JAX's kernels make at trace time
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,14 @@ import pallas_np  # noqa: E402
 
 
 @contextlib.contextmanager
-def gpu_interpret():
-  """JAX's GPU interpret mode (``InterpretGPUParams``), forced as
-  ``plgpu.force_gpu_interpret_mode`` does (JAX 0.10 does not export it)."""
+def gpu_interpret(**options):
+  """JAX's GPU interpret mode (``InterpretGPUParams(**options)``, those
+  options this JAX has), forced as ``plgpu.force_gpu_interpret_mode`` does
+  (JAX 0.10 does not export it)."""
+  cls = gpu_interpret_params.InterpretGPUParams
+  known = {f.name for f in dataclasses.fields(cls)}
   cfg = jax_config.pallas_tpu_interpret_mode_context_manager
-  prev = cfg.swap_local(gpu_interpret_params.InterpretGPUParams())
+  prev = cfg.swap_local(cls(**{k: v for k, v in options.items() if k in known}))
   try:
     yield
   finally:

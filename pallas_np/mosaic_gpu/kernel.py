@@ -24,7 +24,7 @@ from pallas_np.memory import allocate
 from pallas_np.mosaic_gpu import cluster as cluster_mod
 from pallas_np.mosaic_gpu import race_clocks, threads
 from pallas_np.params import InterpretParams
-from pallas_np.state.refs import SHARED_SCOPE_KEY
+from pallas_np.state.refs import PRIVATE_SCOPE_KEY, SHARED_SCOPE_KEY
 
 
 class MeshKernel:
@@ -130,6 +130,8 @@ class MeshKernel:
       ctx.extra[threads.SLOT_KEY] = (b * self.num_threads + t) * threads.SLOTS_PER_WARPGROUP
       ctx.extra[threads.TASK_KEY] = sched.turn
       ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
+      if multi:
+        ctx.extra[PRIVATE_SCOPE_KEY] = state.private_scope
       ctx.extra[threads.ERROR_KEY] = lambda e, warp=None: self._error(e, block, t, warp)
       ctx.extra[threads.DETECTOR_KEY] = make_detector
       try:

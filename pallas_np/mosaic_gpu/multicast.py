@@ -61,23 +61,48 @@ def collective_copy(state, peers, data, dst, bar_ref, window, leader_tracked, pa
   if shape != data.shape:
     raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
                      f"destination shape {shape}, at {source}")
+  part = Ellipsis
   if kind == "multicast":
+    # Each block fetches one part of the window (along its first axis that
+    # splits evenly; block 0 all of it where none does) and sends it to all.
     targets = [(cl.peer_view(dst_view, b), cl.peer_barrier(bar_view, bar_idx, b)) for b in peers]
     own = cl.peer_barrier(bar_view, bar_idx, state.index)
+    part = _part(data.shape, k, n)
+    data = data[part] if part is not None else data[:0]
   else:  # leader-tracked: my SMEM, the leader's barrier
     leader = cl.peer_barrier(bar_view, bar_idx, peers[0])
     targets = [(dst_view, leader)]
     own = leader if k == 0 else None
+  dsts = [(view, dst_idx) for view, _ in targets]
+  if part is not Ellipsis:  # this block's part of each destination
+    dsts = [] if part is None else [(_Sub(view, dst_idx), part) for view, _ in targets]
   if params.uninitialized == "nan":  # in flight: the destinations read garbage (NaN)
-    for view, _ in targets:
-      view[dst_idx] = fill_value(view.dtype, params)
+    for view, idx in dsts:
+      view[idx] = fill_value(view.dtype, params)
   det = race_clocks.current()
   if det is not None:
-    det.issue("TMA", reads=[window], writes=[(view, dst_idx) for view, _ in targets],
+    det.issue("TMA", reads=[window], writes=[d for d in dsts if isinstance(d[0], np.ndarray)],
               key=(targets[0][1], targets[0][1].phase))
     for _, bar in targets[1:]:
       det.release_agent("TMA", (bar, bar.phase))
   if own is not None:
     own.arrive(expect=n)
-  for view, bar in targets:
-    bar.complete_tx(1, _writer(view, dst_idx, data))
+  for (_, bar), (view, idx) in zip(targets, dsts or [(None, None)] * len(targets)):
+    bar.complete_tx(1, None if view is None else _writer(view, idx, data))
+
+
+def _part(shape, k: int, n: int):
+  """Block ``k``'s part (an index) of a multicast window of ``shape``."""
+  for axis, size in enumerate(shape):
+    if size % n == 0:
+      step = size // n
+      return (slice(None),) * axis + (slice(k * step, (k + 1) * step),)
+  return Ellipsis if k == 0 else None
+
+
+def _Sub(view, idx):  # noqa: N802 - a view, named like the class it stands for
+  """``view[idx]`` as a view (basic indexing only: TMA windows are boxes)."""
+  sub = view[idx]
+  if not isinstance(sub, np.ndarray) or not np.shares_memory(sub, view):
+    raise ValueError("a multicast copy into a non-box SMEM window")
+  return sub

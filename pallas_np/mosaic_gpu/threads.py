@@ -291,6 +291,14 @@ class BlockState:
       del self.shared[key]
     return hit[0]
 
+  def private_scope(self, ctx, eqn, fresh):
+    """A private run_scoped in a cluster: the buffers of the same thread's
+    k-th entry in every block are peers (``cluster.ClusterState``)."""
+    slot = ctx.extra.get(SLOT_KEY, 0) % (self.num_threads * SLOTS_PER_WARPGROUP)
+    n = self.entries.get((("private", slot), id(eqn)), 0)
+    self.entries[(("private", slot), id(eqn))] = n + 1
+    return self.cluster.buffers(self.index, ("private", slot, id(eqn), n), fresh)
+
   # -- SMEM -> GMEM copies -----------------------------------------------------
   def flush_to_gmem(self, thread: int, keep: int = 0):
     pending = self.to_gmem.get(thread, [])
