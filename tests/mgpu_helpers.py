@@ -71,6 +71,10 @@ class _JaxWithDevice:
   def devices():
     return [_Device()]
 
+  @staticmethod
+  def local_devices():
+    return [_Device()]
+
 
 @pytest.fixture
 def gpu_kernels(monkeypatch):
@@ -85,6 +89,15 @@ def gpu_kernels(monkeypatch):
   return dict(attention=attention_mgpu, matmul=hopper_matmul_mgpu,
               mixed=hopper_mixed_type_matmul_mgpu, ragged=ragged_dot_mgpu,
               transposed_ragged=transposed_ragged_dot_mgpu)
+
+
+@pytest.fixture
+def blackwell_kernels(monkeypatch):
+  """JAX's Blackwell kernels (``blackwell_matmul_mgpu``,
+  ``blackwell_ragged_dot_mgpu``), the SM count query stubbed."""
+  from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu, blackwell_ragged_dot_mgpu
+  monkeypatch.setattr(blackwell_ragged_dot_mgpu, "jax", _JaxWithDevice())
+  return dict(matmul=blackwell_matmul_mgpu, ragged=blackwell_ragged_dot_mgpu)
 
 
 def assert_close(got, want, *, atol, rtol=0.0):
