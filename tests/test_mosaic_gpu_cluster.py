@@ -343,3 +343,16 @@ def test_collective_mma_before_the_peer_copy_is_a_race():
   with pytest.raises(pallas_np.RaceError, match=r"an MMA .* block \(0,\) reads .* a TMA copy "
                      r"issued by block"):
     _run(_collective_mma(wait=False), a, b, params=RACES)
+
+
+def test_error_in_a_warp_names_it():
+  def body(x_ref, o_ref):
+    @_warp_map
+    def _(w):
+      @pl.when(w == 3)
+      def _():
+        o_ref[...] = x_ref[pl.ds(w * 8, 8)]  # rows 24..31 of 16: out of bounds
+
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32), compiler_params=WG)
+  with pytest.raises(KernelError, match=r"warp 3 .*test_mosaic_gpu_cluster\.py"):
+    _run(f, _x((16, 128), 0))

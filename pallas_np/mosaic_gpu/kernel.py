@@ -142,7 +142,7 @@ class MeshKernel:
             plan(ctx, *ins, *outs)
       except KernelError:
         raise
-      except threads._Aborted:  # noqa: SLF001 - another thread failed first
+      except threads.Aborted:  # another thread failed first
         raise
       except Exception as e:
         raise self._error(e, block, t) from e

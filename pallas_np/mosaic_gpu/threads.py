@@ -43,7 +43,7 @@ class BarrierDeadlock(PallasNumpyError, RuntimeError):
   """A Mosaic GPU barrier wait that can never complete."""
 
 
-class _Aborted(Exception):
+class Aborted(Exception):
   """Another thread of the cluster failed: stop this one."""
 
 
@@ -170,7 +170,7 @@ class Scheduler:
         self.cv.wait()
       task.waiting = None
       if self.failed is not None:
-        raise (self.failed if isinstance(self.failed, BarrierDeadlock) else _Aborted())
+        raise (self.failed if isinstance(self.failed, BarrierDeadlock) else Aborted())
 
   def _body(self, task, run_one, errors, k):
     with self.cv:
@@ -179,7 +179,7 @@ class Scheduler:
     try:
       if self.failed is None:
         run_one()
-    except _Aborted:
+    except Aborted:
       pass
     except BaseException as err:  # noqa: BLE001 - re-raised by the caller
       errors[k] = err

@@ -76,7 +76,7 @@ def compile_warp_map(e: registry.EqnInfo):
           with races.activate(wdet):
             plan(wctx, *args)
           wdet.release(joins[w])
-      except (KernelError, threads._Aborted):  # noqa: SLF001
+      except (KernelError, threads.Aborted):
         raise
       except Exception as err:
         if wrap is None:
