@@ -22,7 +22,7 @@ from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
 from pallas_np.mosaic_gpu import cluster as cluster_mod
-from pallas_np.mosaic_gpu import race_clocks, threads
+from pallas_np.mosaic_gpu import race_clocks, threads, warps
 from pallas_np.params import InterpretParams
 from pallas_np.state.refs import PRIVATE_SCOPE_KEY, SHARED_SCOPE_KEY
 
@@ -45,6 +45,8 @@ class MeshKernel:
     self.block_shape = (*mesh.grid, *mesh.cluster)
     self.num_threads = int(mesh.num_threads or 1)
     self.thread_name = mesh.thread_name
+    # Thread slots per warpgroup: itself, and its warps if it has a warp_map.
+    self.slots_per_wg = threads.SLOTS_PER_WARPGROUP if _uses_warps(self.jaxpr) else 1
     self.compiler = Compiler(interp, self.name)
     self._plan = None
 
@@ -84,7 +86,8 @@ class MeshKernel:
       gmem += [(f"output {i}", o) for i, o in enumerate(outs)
                if not any(o is a for a in ins)]  # aliased: registered as its operand
       detection = race_clocks.KernelRaces(self.name, self.num_threads,
-                                          self.thread_name is not None, gmem, cluster_coords)
+                                          self.thread_name is not None, gmem, cluster_coords,
+                                          self.slots_per_wg)
     names: dict = {}
     work = cluster_mod.WorkQueue(tuple(int(g) for g in mesh.grid))
     for number, point in enumerate(work.launch()):
@@ -105,7 +108,8 @@ class MeshKernel:
                               f"the cluster of blocks {', '.join(blocks_desc)}", self.name)
     states = [threads.BlockState(d, self.num_threads, self.name, sched, cluster, i)
               for i, d in enumerate(blocks_desc)]
-    for st in states:  # for cluster launch control (cluster.py)
+    for st in states:  # for cluster launch control (cluster.py) and warps
+      st.slots_per_wg = self.slots_per_wg
       st.work = work
       st.grid_names = tuple(self.mesh.grid_names)
       st.thread_axis = self.thread_name
@@ -127,7 +131,7 @@ class MeshKernel:
       ctx.extra["mesh_sizes"] = sizes
       ctx.extra[threads.BLOCK_KEY] = state
       ctx.extra[threads.THREAD_KEY] = t
-      ctx.extra[threads.SLOT_KEY] = (b * self.num_threads + t) * threads.SLOTS_PER_WARPGROUP
+      ctx.extra[threads.SLOT_KEY] = (b * self.num_threads + t) * self.slots_per_wg
       ctx.extra[threads.TASK_KEY] = sched.turn
       ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
       if multi:
@@ -178,3 +182,16 @@ class MeshKernel:
     err = kernel_error_class(type(e))(msg, kernel=self.name, program_ids=tuple(block),
                                       primitive=prim, source=source, original=e)
     return err
+
+
+def _uses_warps(jaxpr) -> bool:
+  """Does the kernel body call ``plgpu.warp_map`` (at any depth)?"""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if warps.is_warp_map(eqn.params):
+      return True
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jc.JAXPR_TYPES) and _uses_warps(sub):
+          return True
+  return False

@@ -32,7 +32,6 @@ import numpy as np
 from pallas_np import races
 from pallas_np.errors import RaceError
 from pallas_np.meshes.programs import ProgramRaceDetector, VectorClocks
-from pallas_np.mosaic_gpu import threads
 
 # Agent kinds; local id = kind * T + t. "MMA": wgmma, tcgen05_mma and
 # async_copy_smem_to_tmem (the tensor core); "TMEM load": async_load_tmem.
@@ -58,14 +57,16 @@ def _coordinates(region, view, elem) -> tuple:
 class KernelRaces:
   """The shadow memory of one run of a Mosaic GPU kernel."""
 
-  def __init__(self, kernel: str, num_threads: int, named: bool, gmem, cluster_coords=((),)):
+  def __init__(self, kernel: str, num_threads: int, named: bool, gmem, cluster_coords=((),),
+               slots_per_wg: int = 1):
     self.kernel = kernel
     self.num_threads = num_threads
     self.named = named  # the kernel has a warpgroup axis (thread_name)
     self.cluster_coords = [tuple(c) for c in cluster_coords]
     # Thread slots of a cluster: per block and warpgroup, the warpgroup and
     # its warps (plgpu.warp_map); each has its asynchronous agents too.
-    self.slots = len(self.cluster_coords) * num_threads * threads.SLOTS_PER_WARPGROUP
+    self.slots_per_wg = slots_per_wg
+    self.slots = len(self.cluster_coords) * num_threads * slots_per_wg
     self.agents = len(AGENTS) * self.slots
     # id(root buffer) -> (root or a weak reference to it, region, readers)
     self.regions: dict = {}
@@ -118,7 +119,7 @@ class KernelRaces:
 
   def describe(self, cluster: int, local: int) -> str:
     kind, slot = divmod(local, self.slots)
-    wg, warp = divmod(slot, threads.SLOTS_PER_WARPGROUP)
+    wg, warp = divmod(slot, self.slots_per_wg)
     b, t = divmod(wg, self.num_threads)
     point = self.points.get(cluster)
     block = f"#{cluster}" if point is None else str(point + self.cluster_coords[b])

@@ -265,6 +265,7 @@ class BlockState:
     self.work = None  # cluster launch control (cluster.WorkQueue), set by the kernel
     self.grid_names: tuple = ()
     self.thread_axis = None
+    self.slots_per_wg = 1  # thread slots per warpgroup (with warps: SLOTS_PER_WARPGROUP)
 
   def store_to_gmem(self, thread: int, land):
     if self.defer_stores:
@@ -294,7 +295,7 @@ class BlockState:
   def private_scope(self, ctx, eqn, fresh):
     """A private run_scoped in a cluster: the buffers of the same thread's
     k-th entry in every block are peers (``cluster.ClusterState``)."""
-    slot = ctx.extra.get(SLOT_KEY, 0) % (self.num_threads * SLOTS_PER_WARPGROUP)
+    slot = ctx.extra.get(SLOT_KEY, 0) % (self.num_threads * self.slots_per_wg)
     n = self.entries.get((("private", slot), id(eqn)), 0)
     self.entries[(("private", slot), id(eqn))] = n + 1
     return self.cluster.buffers(self.index, ("private", slot, id(eqn), n), fresh)

@@ -47,9 +47,9 @@ def compile_warp_map(e: registry.EqnInfo):
     slot = ctx.extra.get(threads.SLOT_KEY)
     if slot is None:
       raise e.unsupported("plgpu.warp_map outside a plgpu.kernel / plgpu.Mesh kernel")
-    if slot % threads.SLOTS_PER_WARPGROUP:
-      raise ValueError(f"plgpu.warp_map inside a warp_map (at {where}): warps cannot be split")
     state = operands.block_of(ctx)
+    if slot % state.slots_per_wg or state.slots_per_wg == 1:
+      raise ValueError(f"plgpu.warp_map inside a warp_map (at {where}): warps cannot be split")
     parent = ctx.extra[threads.TASK_KEY]
     make_detector = ctx.extra.get(threads.DETECTOR_KEY)
     det = races.current() if make_detector is not None else None
