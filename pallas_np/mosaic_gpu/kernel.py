@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import races
+from pallas_np import blas, races
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
@@ -90,9 +90,10 @@ class MeshKernel:
                                           self.slots_per_wg)
     names: dict = {}
     work = cluster_mod.WorkQueue(tuple(int(g) for g in mesh.grid))
-    for number, point in enumerate(work.launch()):
-      self._run_cluster(number, point, cluster_shape, cluster_coords, work, ins, outs,
-                        sizes, num_programs, detection, names)
+    with blas.kernel_run():  # small GEMMs (wgmma, tcgen05_mma) on one BLAS thread
+      for number, point in enumerate(work.launch()):
+        self._run_cluster(number, point, cluster_shape, cluster_coords, work, ins, outs,
+                          sizes, num_programs, detection, names)
     return outs
 
   def _run_cluster(self, number, point, cluster_shape, cluster_coords, work, ins, outs,
