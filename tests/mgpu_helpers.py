@@ -18,19 +18,23 @@ from jax._src import config as jax_config  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret import params as gpu_interpret_params  # noqa: E402
 
 import pallas_np  # noqa: E402
+from pallas_np import blas  # noqa: E402
 
 
 @contextlib.contextmanager
 def gpu_interpret(**options):
   """JAX's GPU interpret mode (``InterpretGPUParams(**options)``, those
   options this JAX has), forced as ``plgpu.force_gpu_interpret_mode`` does
-  (JAX 0.10 does not export it)."""
+  (JAX 0.10 does not export it). Its MMAs are ``np.matmul``s, whose sums
+  depend on OpenBLAS's thread count: they run on one BLAS thread, as numpy
+  mode's do (``pallas_np.blas.kernel_run``), so results compare bit for bit."""
   cls = gpu_interpret_params.InterpretGPUParams
   known = {f.name for f in dataclasses.fields(cls)}
   cfg = jax_config.pallas_tpu_interpret_mode_context_manager
   prev = cfg.swap_local(cls(**{k: v for k, v in options.items() if k in known}))
   try:
-    yield
+    with blas.kernel_run():
+      yield
   finally:
     cfg.set_local(prev)
 
