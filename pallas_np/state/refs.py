@@ -293,10 +293,11 @@ def _run_scoped(e):
     return _collective_run_scoped(e, plan, specs, collective, fresh)
   site = object()  # this run_scoped: its semaphores on every device of a shard_map
   semaphores = [i for i, (_, dtype, _) in enumerate(specs) if jc.is_semaphore_dtype(dtype)]
+  eqn = e.eqn
 
   def run_scoped(ctx, *consts):
     private = ctx.extra.get(PRIVATE_SCOPE_KEY)  # a block of a Mosaic GPU cluster
-    bufs = fresh() if private is None else private(ctx, e.eqn, fresh)
+    bufs = fresh() if private is None else private(ctx, eqn, fresh)
     device = ctx.device
     if semaphores and device is not None and device.session is not None:
       # Peers may signal them (the tutorial's double barrier): one per
