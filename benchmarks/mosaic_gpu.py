@@ -56,10 +56,13 @@ def _stub_hardware():
     def __getattr__(self, name):
       return getattr(jax, name)
     devices = staticmethod(lambda: [Device()])
+    local_devices = staticmethod(lambda: [Device()])
   hopper_matmul_mgpu.get_num_sms = lambda: 2
   hopper_mixed_type_matmul_mgpu.backend = Backend
   attention_mgpu.cuda_versions = Cuda
   transposed_ragged_dot_mgpu.jax = Jax()
+  from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
+  blackwell_ragged_dot_mgpu.jax = Jax()
 
 
 # -- cases: name -> () -> (fn, args, reference) ------------------------------------
@@ -138,8 +141,8 @@ def case_transposed_ragged_dot():
 
 
 def case_tcgen05_matmul():
-  """A Blackwell-style matmul written for this benchmark (JAX's own
-  blackwell_matmul_mgpu needs warp_map and cluster cancellation): per
+  """A Blackwell-style matmul written for this benchmark (before JAX's own
+  blackwell_matmul_mgpu ran in numpy mode, below): per
   128x128 output tile, a K loop of TMA copies into 2 SMEM slots and
   tcgen05_mma into TMEM, completion through tcgen05_commit_arrive."""
   import jax
@@ -191,6 +194,41 @@ def case_tcgen05_matmul():
   return f, (a, b), np.asarray(a, np.float32) @ np.asarray(b, np.float32)
 
 
+def _blackwell_matmul(collective):
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu as bm
+  a, b = _normal(0, (512, 256), jnp.float16), _normal(1, (256, 512), jnp.float16)
+  cfg = bm.TuningConfig(tile_m=128, tile_n=64 if collective else 128, tile_k=64,
+                        max_concurrent_steps=2, collective=collective, epilogue_tile_n=64)
+  ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+  return (lambda a, b: bm.matmul_kernel(a, b, cfg)), (a, b), ref
+
+
+def case_blackwell_matmul():
+  """JAX's blackwell_matmul_mgpu: warp_map, dynamic_scheduling_loop, TMEM."""
+  return _blackwell_matmul(False)
+
+
+def case_blackwell_matmul_2cta():
+  """The same with collective=True: 2-block clusters, partitioned TMA
+  copies, 2-block tcgen05_mma (GPU interpret mode has none of these)."""
+  return _blackwell_matmul(True)
+
+
+def case_blackwell_ragged_dot():
+  """JAX's blackwell_ragged_dot_mgpu (it only traces with collective=True)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu as bm
+  from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu as rd
+  lhs, rhs, gs = _normal(0, (512, 256), jnp.float16), _normal(1, (4, 256, 256), jnp.float16), _groups()
+  cfg = rd.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                        collective=True, grid_tile_width=1, grid_minor_dim=bm.MatmulDimension.N,
+                        epilogue_tile_n=64)
+  return ((lambda lhs, rhs: rd.ragged_dot_kernel(lhs, rhs, gs, cfg)), (lhs, rhs),
+          rd.ragged_dot_reference(lhs, rhs, gs))
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -201,13 +239,18 @@ def _scope(mode):
     return pallas_np.force_numpy_interpret()
   if mode == "races":
     return pallas_np.force_numpy_interpret(pallas_np.InterpretParams(detect_races=True))
+  import dataclasses
+
   from jax._src import config
   from jax._src.pallas.mosaic_gpu.interpret import params
+  # JAX 0.12: skip inline_mgpu's PTX fences (dynamic_scheduling_loop) as we do.
+  options = {"inline_mgpu": "ignore"} if "inline_mgpu" in {
+      f.name for f in dataclasses.fields(params.InterpretGPUParams)} else {}
 
   class Gpu:
     def __enter__(self):
       self.prev = config.pallas_tpu_interpret_mode_context_manager.swap_local(
-          params.InterpretGPUParams())
+          params.InterpretGPUParams(**options))
 
     def __exit__(self, *exc):
       config.pallas_tpu_interpret_mode_context_manager.set_local(self.prev)

@@ -224,6 +224,8 @@ if jc.mpmd_map_p is not None:
       "a mesh kernel runs its own programs: the outer grid runs sequentially"))
   def _mesh_kernel_rule(e: registry.EqnInfo):
     """The eager evaluator (pallas_np.jit, whole_program) meets one."""
+    if mgpu_entry.is_warp_map(e.params):  # plgpu.warp_map inside a Mosaic GPU kernel
+      return mgpu_entry.compile_warp_map(e)
     if any(isinstance(a, jc.AbstractRef) for a in e.in_avals):
       # Its outputs would be values, the refs never written: never run it so.
       raise meshes.mesh_kernel_error("a stateful mpmd_map on refs outside pl.run_state",
@@ -244,6 +246,8 @@ if jc.core_map_p is not None:
   @registry.register(jc.core_map_p, foldable=False, batch=registry.unbatched(
       "a stateful core_map outside run_state: the rule raises when compiled"))
   def _core_map_rule(e: registry.EqnInfo):
+    if mgpu_entry.is_warp_map(e.params):  # plgpu.warp_map inside a Mosaic GPU kernel
+      return mgpu_entry.compile_warp_map(e)
     raise meshes.mesh_kernel_error("a stateful core_map outside pl.run_state", e.params,
                                    e.source)
 

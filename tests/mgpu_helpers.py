@@ -4,6 +4,7 @@ oracle, and stubs for the hardware queries JAX's kernels make at trace time
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +18,23 @@ from jax._src import config as jax_config  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret import params as gpu_interpret_params  # noqa: E402
 
 import pallas_np  # noqa: E402
+from pallas_np import blas  # noqa: E402
 
 
 @contextlib.contextmanager
-def gpu_interpret():
-  """JAX's GPU interpret mode (``InterpretGPUParams``), forced as
-  ``plgpu.force_gpu_interpret_mode`` does (JAX 0.10 does not export it)."""
+def gpu_interpret(**options):
+  """JAX's GPU interpret mode (``InterpretGPUParams(**options)``, those
+  options this JAX has), forced as ``plgpu.force_gpu_interpret_mode`` does
+  (JAX 0.10 does not export it). Its MMAs are ``np.matmul``s, whose sums
+  depend on OpenBLAS's thread count: they run on one BLAS thread, as numpy
+  mode's do (``pallas_np.blas.kernel_run``), so results compare bit for bit."""
+  cls = gpu_interpret_params.InterpretGPUParams
+  known = {f.name for f in dataclasses.fields(cls)}
   cfg = jax_config.pallas_tpu_interpret_mode_context_manager
-  prev = cfg.swap_local(gpu_interpret_params.InterpretGPUParams())
+  prev = cfg.swap_local(cls(**{k: v for k, v in options.items() if k in known}))
   try:
-    yield
+    with blas.kernel_run():
+      yield
   finally:
     cfg.set_local(prev)
 
@@ -67,6 +75,10 @@ class _JaxWithDevice:
   def devices():
     return [_Device()]
 
+  @staticmethod
+  def local_devices():
+    return [_Device()]
+
 
 @pytest.fixture
 def gpu_kernels(monkeypatch):
@@ -81,6 +93,15 @@ def gpu_kernels(monkeypatch):
   return dict(attention=attention_mgpu, matmul=hopper_matmul_mgpu,
               mixed=hopper_mixed_type_matmul_mgpu, ragged=ragged_dot_mgpu,
               transposed_ragged=transposed_ragged_dot_mgpu)
+
+
+@pytest.fixture
+def blackwell_kernels(monkeypatch):
+  """JAX's Blackwell kernels (``blackwell_matmul_mgpu``,
+  ``blackwell_ragged_dot_mgpu``), the SM count query stubbed."""
+  from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu, blackwell_ragged_dot_mgpu
+  monkeypatch.setattr(blackwell_ragged_dot_mgpu, "jax", _JaxWithDevice())
+  return dict(matmul=blackwell_matmul_mgpu, ragged=blackwell_ragged_dot_mgpu)
 
 
 def assert_close(got, want, *, atol, rtol=0.0):

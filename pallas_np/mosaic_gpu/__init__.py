@@ -7,5 +7,5 @@ registers and Mosaic GPU kernels never reach pallas_np."""
 from pallas_np import _compat as jc
 
 if jc.mgpu_core is not None:
-  from pallas_np.mosaic_gpu import atomics, barriers, copies, layout, tcgen05, wgmma  # noqa: F401
-  from pallas_np.mosaic_gpu import collectives  # noqa: F401
+  from pallas_np.mosaic_gpu import (atomics, barriers, cluster, collectives, copies,  # noqa: F401
+                                    inline, layout, tcgen05, wgmma)

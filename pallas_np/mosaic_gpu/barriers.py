@@ -8,20 +8,10 @@ from __future__ import annotations
 
 from pallas_np import _compat as jc
 from pallas_np import memory, registry
-from pallas_np.errors import UnsupportedError
-from pallas_np.mosaic_gpu import operands, race_clocks, threads
+from pallas_np.mosaic_gpu import cluster, operands, race_clocks, threads
 
 memory.register_allocator(jc.mgpu_core.BarrierType, threads.new_barriers)
 
-
-def _cluster_barriers(shape, dtype):
-  raise UnsupportedError(
-      "pallas_np: plgpu.ClusterBarrier (barriers shared by the blocks of a cluster) is not "
-      "supported yet: blocks run one after another")
-
-
-if getattr(jc.mgpu_core, "ClusterBarrierType", None) is not None:
-  memory.register_allocator(jc.mgpu_core.ClusterBarrierType, _cluster_barriers)
 
 _UNBATCHED = registry.unbatched("barriers synchronise the warpgroups of one block")
 
@@ -30,13 +20,30 @@ def _has_predicate(e) -> bool:
   return bool(e.params.get("has_user_predicate"))
 
 
+def arrive_on(ctx, view, idx):
+  """One arrival on the barrier ``view[idx]`` names: on a
+  ``plgpu.ClusterBarrier`` in a cluster, on its copy in every block along
+  its axes (only the leader's when ``leader_tracked``)."""
+  bar = operands.one_barrier(view, idx)
+  targets = [bar]
+  state = operands.block_of(ctx)
+  if isinstance(bar, cluster.ClusterBarrierCell) and state.cluster is not None:
+    cl = state.cluster
+    blocks = (cl.peers(state.index, bar.axes)[:1] if bar.leader_tracked
+              else cl.arrival_targets(state.index, bar.axes))
+    targets = [cl.peer_barrier(view, idx, b) for b in blocks]
+  for b in targets:
+    race_clocks.release((b, b.phase))
+    b.arrive()
+
+
 def barrier_wait(ctx, bar: threads.Barrier, source: str):
   st = operands.block_of(ctx)
   t = operands.thread_of(ctx)
   target = bar.observed.get(t, 0) + 1
   if bar.phase > target:
     raise ValueError(
-        f"pallas_np: warpgroup {t} waits for phase {target - 1} of a barrier that has "
+        f"pallas_np: {operands.thread_name(ctx)} waits for phase {target - 1} of a barrier that has "
         f"already completed phase {bar.phase - 1} (block {st.block}, at {source}): "
         "a thread that waits on a barrier must observe every phase")
   st.wait_until(ctx, lambda: bar.phase >= target,
@@ -66,9 +73,7 @@ def _barrier_arrive(e):
 
   def arrive(ctx, *args):
     if pred_pos is None or bool(args[pred_pos]):
-      bar = operands.one_barrier(*get(args))
-      race_clocks.release((bar, bar.phase))
-      bar.arrive()
+      arrive_on(ctx, *get(args))
     return []
   return arrive
 
@@ -81,9 +86,8 @@ if jc.mgpu_primitive("barrier_arrive_and_wait_p") is not None:
     source = e.source
 
     def arrive_and_wait(ctx, *args):
-      bar = operands.one_barrier(*get(args))
-      race_clocks.release((bar, bar.phase))
-      bar.arrive()
-      barrier_wait(ctx, bar, source)
+      view, idx = get(args)
+      arrive_on(ctx, view, idx)
+      barrier_wait(ctx, operands.one_barrier(view, idx), source)
       return []
     return arrive_and_wait

@@ -17,7 +17,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.errors import UnsupportedError
 from pallas_np.memory import fill_value
-from pallas_np.mosaic_gpu import operands, race_clocks
+from pallas_np.mosaic_gpu import multicast, operands, race_clocks
 
 _UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
 
@@ -36,14 +36,6 @@ def _completed(land, det, key):
   return complete
 
 
-def _collective_size(ctx, axes) -> int:
-  sizes = ctx.extra.get("mesh_sizes", {})
-  n = 1
-  for a in axes or ():
-    n *= sizes.get(a, 1)
-  return n
-
-
 @registry.register(jc.mgpu_primitive("copy_gmem_to_smem_p"), needs_ctx=True, foldable=False,
                    batch=_UNBATCHED)
 def _copy_gmem_to_smem(e):
@@ -59,16 +51,24 @@ def _copy_gmem_to_smem(e):
   axes = p.get("collective_axes")
   params = e.compiler.params
   poison = params.uninitialized == "nan"
-  partitioned = p.get("partitioned_axis")
+  leader_tracked = p.get("leader_tracked")
   source = e.source
 
   def copy(ctx, *args):
     if pred_pos is not None and not bool(args[pred_pos]):
       return []
-    if axes and _collective_size(ctx, axes) > 1 or partitioned is not None:
-      raise UnsupportedError(
-          f"pallas_np: copy_gmem_to_smem multicast to a cluster (collective_axes={axes}) "
-          f"is not supported yet, at {source}")
+    state = operands.block_of(ctx)
+    if axes and state.cluster is not None:
+      peers = state.cluster.peers(state.index, axes)
+      if len(peers) > 1:
+        if get_bar is None:
+          raise UnsupportedError(f"pallas_np: a collective copy_gmem_to_smem without a "
+                                 f"barrier, at {source}")
+        multicast.collective_copy(state, peers, operands.tma_read(get_src, args),
+                                  get_dst(args), get_bar(args),
+                                  operands.window(get_src, args), leader_tracked, params,
+                                  source)
+        return []
     data = operands.tma_read(get_src, args)
     dst_view, dst_idx = get_dst(args)
     if np.shape(dst_view[dst_idx]) != data.shape:
@@ -85,7 +85,7 @@ def _copy_gmem_to_smem(e):
                       key=None if bar is None else (bar, bar.phase))
       land = _completed(land, det, key) if bar is None else land
     if bar is None:
-      operands.block_of(ctx).from_gmem[operands.thread_of(ctx)].append(land)
+      operands.block_of(ctx).from_gmem.setdefault(operands.thread_of(ctx), []).append(land)
     else:
       bar.arrive(land)
     return []
@@ -99,7 +99,7 @@ if jc.mgpu_primitive("wait_gmem_to_smem_p") is not None:
     n = int(e.params["n"])
 
     def wait(ctx, *args):
-      pending = operands.block_of(ctx).from_gmem[operands.thread_of(ctx)]
+      pending = operands.block_of(ctx).from_gmem.get(operands.thread_of(ctx), [])
       while len(pending) > n:
         pending.pop(0)()
       return []

@@ -7,6 +7,8 @@ GPU meshes (``plgpu.kernel``, ``pl.core_map(plgpu.Mesh(...))``) run here.
   an unsupported primitive raises from the ``jax.jit`` call.
 * ``compile_eqn(e, interp)``: the eager evaluator's rule (``pallas_np.jit``,
   eager calls, the force switch).
+* ``is_warp_map(params)`` / ``compile_warp_map(e)``: ``plgpu.warp_map`` inside
+  a kernel (a mesh-kernel eqn over ``plgpu.WarpMesh``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pallas_np import _compat as jc
 from pallas_np import lru
 from pallas_np.errors import UnsupportedError
 from pallas_np.mosaic_gpu.kernel import MeshKernel
+from pallas_np.mosaic_gpu.warps import compile_warp_map, is_warp_map  # noqa: F401 - api.py's
 
 _kernels = lru.LRU(256)
 

@@ -147,4 +147,11 @@ def block_of(ctx) -> threads.BlockState:
 
 
 def thread_of(ctx) -> int:
-  return ctx.extra.get(threads.THREAD_KEY, 0)
+  """The thread's slot in its cluster (a warpgroup of a block, or a warp)."""
+  slot = ctx.extra.get(threads.SLOT_KEY)
+  return ctx.extra.get(threads.THREAD_KEY, 0) if slot is None else slot
+
+
+def thread_name(ctx) -> str:
+  task = ctx.extra.get(threads.TASK_KEY)
+  return task.name if task is not None else f"warpgroup {thread_of(ctx)}"

@@ -57,13 +57,20 @@ def _coordinates(region, view, elem) -> tuple:
 class KernelRaces:
   """The shadow memory of one run of a Mosaic GPU kernel."""
 
-  def __init__(self, kernel: str, num_threads: int, named: bool, gmem):
+  def __init__(self, kernel: str, num_threads: int, named: bool, gmem, cluster_coords=((),),
+               slots_per_wg: int = 1):
     self.kernel = kernel
     self.num_threads = num_threads
     self.named = named  # the kernel has a warpgroup axis (thread_name)
-    self.agents = len(AGENTS) * num_threads
+    self.cluster_coords = [tuple(c) for c in cluster_coords]
+    # Thread slots of a cluster: per block and warpgroup, the warpgroup and
+    # its warps (plgpu.warp_map); each has its asynchronous agents too.
+    self.slots_per_wg = slots_per_wg
+    self.slots = len(self.cluster_coords) * num_threads * slots_per_wg
+    self.agents = len(AGENTS) * self.slots
     # id(root buffer) -> (root or a weak reference to it, region, readers)
     self.regions: dict = {}
+    self.points: dict = {}  # cluster number -> its grid point
     self.gmem = set()
     for name, buf in gmem:
       if np.size(buf) == 0:
@@ -94,19 +101,31 @@ class KernelRaces:
       hit = self._add(root, f"SMEM buffer {root.dtype}{list(root.shape)}")
     return hit
 
-  def block(self, block: int, describe: str) -> list:
-    """The detectors of block ``block``'s warpgroups."""
+  def block(self, block: int, describe: str, names: dict, point=()):
+    """``make(slot)``: the detector of thread slot ``slot`` of cluster
+    ``block`` (its warpgroups; ``plgpu.warp_map`` makes its warps')."""
     clocks = VectorClocks(self.agents)
-    return [WarpgroupRaceDetector(self, block, describe, t, clocks)
-            for t in range(self.num_threads)]
+    self.points[block] = tuple(point)
+
+    def make(slot: int) -> WarpgroupRaceDetector:
+      det = WarpgroupRaceDetector(self, block, describe, slot, clocks)
+      det.block_names = names
+      return det
+    return make
 
   def end_block(self):
     """SMEM and registers die with the block."""
     self.regions = {k: v for k, v in self.regions.items() if k in self.gmem}
 
-  def describe(self, block_desc: str, local: int) -> str:
-    kind, t = divmod(local, self.num_threads)
-    who = f"warpgroup {t} of block {block_desc}" if self.named else f"block {block_desc}"
+  def describe(self, cluster: int, local: int) -> str:
+    kind, slot = divmod(local, self.slots)
+    wg, warp = divmod(slot, self.slots_per_wg)
+    b, t = divmod(wg, self.num_threads)
+    point = self.points.get(cluster)
+    block = f"#{cluster}" if point is None else str(point + self.cluster_coords[b])
+    who = f"warpgroup {t} of block {block}" if self.named else f"block {block}"
+    if warp:
+      who = f"warp {warp - 1} of {who}"
     if kind == 0:
       return who
     what = ("a TMA copy", "an MMA (wgmma/tcgen05)", "an async_load_tmem")[kind - 1]
@@ -174,15 +193,14 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
         f"SMEM buffer {view.dtype}{list(view.shape)}"
     verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
     other_block, other_local = divmod(other, n)
-    other_desc = (self.block_desc if other_block == self.block_id
-                  else self.block_names.get(other_block, f"#{other_block}"))
-    why = ("blocks are never ordered with each other (only atomics may share GMEM)"
+    why = ("blocks of different clusters are never ordered with each other (only atomics "
+           "may share GMEM)"
            if other_block != self.block_id else
            "no barrier arrive/wait (or copy/wgmma completion wait) orders the two")
     raise RaceError(
         f"data race on {name} in Mosaic GPU kernel '{self.kernel}': "
-        f"{self.run.describe(self.block_desc, local)} {verb} element {where} that "
-        f"{self.run.describe(other_desc, other_local)} {other_did}; {why}, so on a GPU "
+        f"{self.run.describe(self.block_id, local)} {verb} element {where} that "
+        f"{self.run.describe(other_block, other_local)} {other_did}; {why}, so on a GPU "
         "they run concurrently.",
         buffer=name, grid_points=(other, self.block_id * n + local), element=where)
 
@@ -192,7 +210,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     "wgmma"): ordered after everything the warpgroup did so far; it reads
     and writes now (as far as races go); its clock is released onto
     ``key`` (a barrier phase, or a token the completion acquires)."""
-    local = AGENTS.index(agent) * self.run.num_threads + self.thread
+    local = AGENTS.index(agent) * self.run.slots + self.thread
     c = self.clocks
     with c.lock:
       np.maximum(c.program[local], c.program[self.thread], out=c.program[local])
@@ -207,7 +225,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
   def release_agent(self, agent: str, key):
     """Release ``agent``'s clock onto ``key`` (``tcgen05_commit_arrive``:
     the tensor core arrives on a barrier once every MMA issued so far is done)."""
-    local = AGENTS.index(agent) * self.run.num_threads + self.thread
+    local = AGENTS.index(agent) * self.run.slots + self.thread
     saved, self.me = self.me, local
     try:
       self.release(key)

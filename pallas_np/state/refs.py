@@ -330,9 +330,11 @@ def _run_scoped(e):
     return _collective_run_scoped(e, plan, specs, collective, fresh)
   site = object()  # this run_scoped: its semaphores on every device of a shard_map
   semaphores = [i for i, (_, dtype, _) in enumerate(specs) if jc.is_semaphore_dtype(dtype)]
+  eqn = e.eqn
 
   def run_scoped(ctx, *consts):
-    bufs = fresh()
+    private = ctx.extra.get(PRIVATE_SCOPE_KEY)  # a block of a Mosaic GPU cluster
+    bufs = fresh() if private is None else private(ctx, eqn, fresh)
     device = ctx.device
     if semaphores and device is not None and device.session is not None:
       # Peers may signal them (the tutorial's double barrier): one per
@@ -370,6 +372,9 @@ def _collective_run_scoped(e, plan, specs, collective, fresh):
 
 # RunContext.extra key of the allocator of collective run_scoped buffers.
 SHARED_SCOPE_KEY = "shared_scope"
+# ... and of private ones, where other programs may reach them (the blocks
+# of a Mosaic GPU cluster reach each other's SMEM).
+PRIVATE_SCOPE_KEY = "private_scope"
 
 
 def scoped_specs(jaxpr, params) -> list[tuple]:

@@ -1,0 +1,93 @@
+"""``plgpu.warp_map`` (a ``pl.core_map``/``mpmd_map`` over ``plgpu.WarpMesh``
+inside a Mosaic GPU kernel): the 4 warps of the calling warpgroup run the
+body as threads of the cluster's scheduler, taking turns with every other
+thread (``threads.Scheduler.spawn``); the warpgroup waits until all four
+finish. ``lax.axis_index`` of the warp axis reads the warp id. Each warp
+waits on barriers as a thread of its own (its own phases), and has its own
+TMA unit, tensor core and TMEM-load agents under ``detect_races=True``
+(ordered after the warpgroup's work before the map; the warpgroup after
+theirs)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import races, registry
+from pallas_np.compiler import RunContext
+from pallas_np.errors import KernelError
+from pallas_np.mosaic_gpu import operands, threads
+
+
+def _warp_mesh(params):
+  meshes = params.get("meshes") or (params.get("mesh"),)
+  core = jc.mgpu_core
+  if core is None or getattr(core, "WarpMesh", None) is None or len(meshes) != 1:
+    return None
+  return meshes[0] if isinstance(meshes[0], core.WarpMesh) else None
+
+
+def is_warp_map(params) -> bool:
+  """Is this mesh-kernel eqn a ``plgpu.warp_map`` inside a kernel?"""
+  return _warp_mesh(params) is not None
+
+
+def compile_warp_map(e: registry.EqnInfo):
+  """The rule of a warp_map eqn (JAX 0.12 ``mpmd_map``, 0.10 ``core_map``)."""
+  p = e.params
+  mesh = _warp_mesh(p)
+  if "jaxprs" in p:  # mpmd_map: the operands are the body's refs
+    plan = e.compiler.compile(p["jaxprs"][0]).fn
+  else:  # core_map: the body closes over the refs (constvars)
+    plan = e.compiler.compile(p["jaxpr"], constvars_as_args=True).fn
+  axis = mesh.axis_name
+  num_warps = int(mesh.shape[axis])
+  where = e.source
+
+  def warp_map(ctx, *args):
+    slot = ctx.extra.get(threads.SLOT_KEY)
+    if slot is None:
+      raise e.unsupported("plgpu.warp_map outside a plgpu.kernel / plgpu.Mesh kernel")
+    state = operands.block_of(ctx)
+    if slot % state.slots_per_wg or state.slots_per_wg == 1:
+      raise ValueError(f"plgpu.warp_map inside a warp_map (at {where}): warps cannot be split")
+    parent = ctx.extra[threads.TASK_KEY]
+    make_detector = ctx.extra.get(threads.DETECTOR_KEY)
+    det = races.current() if make_detector is not None else None
+    fork = object()
+    if det is not None:  # the warps start after what their warpgroup did so far
+      det.release(fork)
+    joins = [object() for _ in range(num_warps)]
+    wrap = ctx.extra.get(threads.ERROR_KEY)
+
+    def run_warp(w):
+      wctx = RunContext(ctx.kernel_name, ctx.params, ctx.program_ids, ctx.num_programs)
+      wctx.grid_point = ctx.grid_point
+      wctx.device = ctx.device
+      wctx.extra = dict(ctx.extra)
+      wctx.extra["mesh_axes"] = {**ctx.extra.get("mesh_axes", {}), axis: np.int32(w)}
+      wctx.extra[threads.SLOT_KEY] = slot + 1 + w
+      wctx.extra[threads.TASK_KEY] = state.sched.turn
+      try:
+        if det is None:
+          plan(wctx, *args)
+        else:
+          wdet = make_detector(slot + 1 + w)
+          wdet.acquire(fork)
+          with races.activate(wdet):
+            plan(wctx, *args)
+          wdet.release(joins[w])
+      except (KernelError, threads.Aborted):
+        raise
+      except Exception as err:
+        if wrap is None:
+          raise
+        raise wrap(err, w) from err
+
+    base = parent.name
+    state.sched.spawn(parent, [(f"warp {w} of {base}", (lambda w=w: run_warp(w)))
+                               for w in range(num_warps)], where)
+    if det is not None:
+      for j in joins:
+        det.acquire(j)
+    return []
+  return registry.NeedsCtx(warp_map)
