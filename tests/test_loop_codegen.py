@@ -345,3 +345,38 @@ def test_unbatched_initial_carries_lifted_in_a_vectorized_grid():
   srcs = list(_loop_files("gen_lift_kernel").values())
   assert sum(s.startswith("def while_loop(") for s in srcs) == 2
   assert sum(s.startswith("def fori_loop(") for s in srcs) == 1
+
+
+@pytest.mark.parametrize("trips", [0, 1, 5])
+@pytest.mark.parametrize("kind", ["while", "fori"])
+def test_loop_invariant_lines_run_once(trips, kind):
+  """Lines computed only from loop constants run in the first iteration
+  only (``if _first:``): ``idx * 3`` is written into by the in-place add
+  that reads it (which must then allocate, or later iterations would read
+  the sum), ``(idx & k) == 0`` is hoisted, ``(idx & c) == 0`` looks alike
+  but reads a carry and stays in the loop. Bits against interpret=True."""
+  x = np.arange(-512, 512, dtype=np.int32).reshape(8, 128)
+
+  def gen_hoist_kernel(x_ref, o_ref):
+    idx = lax.broadcasted_iota(jnp.int32, x_ref.shape, 1)
+    k = x_ref[0, 5] & 7
+
+    def body(i, c):
+      v, acc = c
+      m_inv = (idx & k) == 0
+      m_carry = (idx & i) == 0
+      acc = (idx * 3) + acc
+      return jnp.where(m_inv == m_carry, v + 1, v - acc), acc
+    start = (x_ref[...], jnp.zeros_like(x_ref))
+    if kind == "fori":
+      v, acc = lax.fori_loop(0, trips, body, start)
+    else:
+      v, acc = lax.fori_loop(0, x_ref[0, 0] * 0 + trips, body, start)
+    o_ref[...] = v * 7 + acc
+  _both(gen_hoist_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype))
+  src = "".join(_loop_files("gen_hoist_kernel").values())
+  if trips:  # (a 0-trip static fori has no loop)
+    assert "if _first:" in src
+    hoisted = src.split("if _first:")[1].split("\n")[1:]
+    hoisted = [h for h in hoisted if h.startswith(" " * 12)]
+    assert len(hoisted) >= 3, src  # (_first = False, idx & k, == 0, idx * 3)
