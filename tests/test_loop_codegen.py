@@ -380,3 +380,21 @@ def test_loop_invariant_lines_run_once(trips, kind):
     hoisted = src.split("if _first:")[1].split("\n")[1:]
     hoisted = [h for h in hoisted if h.startswith(" " * 12)]
     assert len(hoisted) >= 3, src  # (_first = False, idx & k, == 0, idx * 3)
+
+
+def test_row_accesses_keep_partial_trailing_slices():
+  """``x_ref[pl.ds(r, n), ...]`` whose trailing slices cover their whole
+  dims index as ``x_ref[r:r + n]`` (no index tuple); a partial trailing
+  slice (``0:64``, ``64:``) or a 3-d ref's must still select its part."""
+  x = _specials((8, 4, 128), seed=9)
+
+  def gen_part_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    def body(r, acc):
+      acc = acc + x_ref[pl.ds(r, 1), :, :]
+      o_ref[pl.ds(r, 1), :, 0:64] = acc[:, :, 64:] * 2.0
+      o_ref[pl.ds(r, 1), 1:3, 64:] = x_ref[pl.ds(r, 1), 0:2, 0:64]
+      return acc
+    lax.fori_loop(0, 8, body, jnp.zeros((1, 4, 128), jnp.float32))
+  _both(gen_part_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype))
