@@ -124,3 +124,23 @@ def test_while_body_in_a_vectorized_grid(interpret):
   got, want = np.asarray(call(interpret)), np.asarray(call(True))
   assert_identical(want, got)
   assert got[2].max() == 0 and got.max() > 10
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_floor_div_by_every_power_of_two_is_a_shift(dtype):
+  """``x // 2**k`` runs as ``x >> k`` (arithmetic for signed types: rounds
+  toward minus infinity, INT_MIN included; logical for unsigned), checked
+  against interpret=True for every k the type holds."""
+  bits = np.iinfo(dtype).bits - (1 if np.iinfo(dtype).min < 0 else 0)
+  ks = list(range(bits))
+  ufunc, k = idioms.by_power_of_two(np.floor_divide, dtype(2 ** ks[-1]))
+  assert ufunc is np.right_shift and int(k) == ks[-1]  # (the path under test is taken)
+  x = _dividends(dtype)
+
+  def ops(a):
+    return ([a // (2 ** k) for k in ks if k < 31]  # (a weak Python int must fit int32)
+            + [jnp.floor_divide(a, dtype(2 ** k)) for k in ks])
+  got, want = both(_in_a_loop(ops), x)
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert g.dtype == w.dtype, i
+    np.testing.assert_array_equal(g, w, err_msg=str(i))

@@ -345,3 +345,56 @@ def test_unbatched_initial_carries_lifted_in_a_vectorized_grid():
   srcs = list(_loop_files("gen_lift_kernel").values())
   assert sum(s.startswith("def while_loop(") for s in srcs) == 2
   assert sum(s.startswith("def fori_loop(") for s in srcs) == 1
+
+
+@pytest.mark.parametrize("trips", [0, 1, 5])
+@pytest.mark.parametrize("kind", ["while", "fori"])
+def test_loop_invariant_lines_run_once(trips, kind):
+  """Lines computed only from loop constants run in the first iteration
+  only (``if _first:``): ``idx * 3`` is written into by the in-place add
+  that reads it (which must then allocate, or later iterations would read
+  the sum), ``(idx & k) == 0`` is hoisted, ``(idx & c) == 0`` looks alike
+  but reads a carry and stays in the loop. Bits against interpret=True."""
+  x = np.arange(-512, 512, dtype=np.int32).reshape(8, 128)
+
+  def gen_hoist_kernel(x_ref, o_ref):
+    idx = lax.broadcasted_iota(jnp.int32, x_ref.shape, 1)
+    k = x_ref[0, 5] & 7
+
+    def body(i, c):
+      v, acc = c
+      m_inv = (idx & k) == 0
+      m_carry = (idx & i) == 0
+      acc = (idx * 3) + acc
+      return jnp.where(m_inv == m_carry, v + 1, v - acc), acc
+    start = (x_ref[...], jnp.zeros_like(x_ref))
+    if kind == "fori":
+      v, acc = lax.fori_loop(0, trips, body, start)
+    else:
+      v, acc = lax.fori_loop(0, x_ref[0, 0] * 0 + trips, body, start)
+    o_ref[...] = v * 7 + acc
+  _both(gen_hoist_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype))
+  src = "".join(_loop_files("gen_hoist_kernel").values())
+  if trips:  # (a 0-trip static fori has no loop)
+    assert "if _first:" in src
+    hoisted = src.split("if _first:")[1].split("\n")[1:]
+    hoisted = [h for h in hoisted if h.startswith(" " * 12)]
+    assert len(hoisted) >= 3, src  # (_first = False, idx & k, == 0, idx * 3)
+
+
+def test_row_accesses_keep_partial_trailing_slices():
+  """``x_ref[pl.ds(r, n), ...]`` whose trailing slices cover their whole
+  dims index as ``x_ref[r:r + n]`` (no index tuple); a partial trailing
+  slice (``0:64``, ``64:``) or a 3-d ref's must still select its part."""
+  x = _specials((8, 4, 128), seed=9)
+
+  def gen_part_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    def body(r, acc):
+      acc = acc + x_ref[pl.ds(r, 1), :, :]
+      o_ref[pl.ds(r, 1), :, 0:64] = acc[:, :, 64:] * 2.0
+      o_ref[pl.ds(r, 1), 1:3, 64:] = x_ref[pl.ds(r, 1), 0:2, 0:64]
+      return acc
+    lax.fori_loop(0, 8, body, jnp.zeros((1, 4, 128), jnp.float32))
+  _both(gen_part_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype))

@@ -57,7 +57,7 @@ class Line:
   exact) pair indexed by whether any of these zero flags is set (see
   ``zeros.zero_select``). An arg that is a 1-tuple ``(name,)`` stands for
   ``name.shape[0]`` (a batched value's lane count)."""
-  __slots__ = ("outs", "unpack", "callee", "flags", "args", "dels", "into", "store")
+  __slots__ = ("outs", "unpack", "callee", "flags", "args", "dels", "into", "store", "wrote")
 
   def __init__(self, callee, args=(), outs=(), *, unpack=False, flags=None):
     self.callee = callee
@@ -68,6 +68,7 @@ class Line:
     self.dels = ()  # values that die here (see passes.free_dead_values)
     self.into = None  # (ufunc or with_out, arg positions it may write into, check wrapper): see passes.in_place
     self.store = None  # a ref store's (target, plain store, check wrapper): see passes.into_refs
+    self.wrote = None  # (arg position, callee before): passes.in_place made it write into that arg
 
   def render(self) -> str:
     callee = self.callee if self.flags is None else f"{self.callee}[{' or '.join(self.flags)}]"

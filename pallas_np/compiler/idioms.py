@@ -102,10 +102,17 @@ def by_power_of_two(ufunc, divisor):
   """(ufunc, operand) computing ``ufunc(x, divisor)`` (floor division or
   modulo by a positive constant): a modulo by 2**k is ``x & (2**k - 1)``
   in two's complement (signed too: Python's modulo takes the divisor's
-  sign), one cheaper ufunc (~0.8 against ~1.3 us on a small block)."""
+  sign), one cheaper ufunc (~0.8 against ~1.3 us on a small block). A
+  floor division by 2**k is ``x >> k``: NumPy shifts signed integers
+  arithmetically, which rounds toward minus infinity as ``//`` does (INT_MIN
+  included); unsigned ones logically. Same cost on a small block, half from
+  ~64k elements (24 against 13 us)."""
   d = int(divisor)
-  if ufunc is np.remainder and d > 0 and d & (d - 1) == 0:
-    return np.bitwise_and, np.asarray(divisor).dtype.type(d - 1)
+  if d > 0 and d & (d - 1) == 0:
+    if ufunc is np.remainder:
+      return np.bitwise_and, np.asarray(divisor).dtype.type(d - 1)
+    if ufunc is np.floor_divide:
+      return np.right_shift, np.asarray(divisor).dtype.type(d.bit_length() - 1)
   return ufunc, divisor
 
 

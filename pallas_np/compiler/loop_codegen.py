@@ -23,15 +23,18 @@ rendering is new: the lines are the plans' own ``Line`` objects.
 """
 from __future__ import annotations
 
+import copy
 import re
 import types
+
+import numpy as np
 
 from pallas_np.compiler import plan as plans
 from pallas_np.compiler import sourcemap
 from pallas_np.compiler.plan import Plan
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
-_KEEP = frozenset(("ctx", "del", "or", "shape", "_"))
+_KEEP = frozenset(("ctx", "del", "or", "shape", "_", "if", "_first", "False"))
 
 
 def _renamer(prefix: str, arg_map: dict[str, str]):
@@ -46,14 +49,68 @@ def _renamer(prefix: str, arg_map: dict[str, str]):
   return lambda text: _NAME.sub(rename, text)
 
 
-def _inline(plan: Plan, prefix, arg_map, indent, lines, line_eqns, scope):
+def _invariant_lines(plan: Plan, invariant_args) -> tuple[set[int], set[int]]:
+  """(the body lines computing a loop-invariant value, the lines to run
+  without writing into their operand): a loop-invariant line is a plain
+  ufunc call (a fresh array, no effect, no check that could raise) whose
+  operands are all body constants (``invariant_args``), constants of the
+  plan or values of such lines, never returned as a carry. A later line
+  that ``passes.in_place`` made write into such a value runs as it was
+  before (allocating its result), or the value would be overwritten after
+  the first iteration. Bitonic's ``(idx & k) == 0`` in its inner loop is
+  one."""
+  _, _, body, ret, env_globals = plan._text
+  invariant, hoisted, unwritten = set(invariant_args), set(), set()
+  for k, line in enumerate(body):
+    fn = env_globals.get(line.callee)
+    if (not isinstance(fn, np.ufunc) or line.flags is not None or line.unpack
+        or line.store is not None or line.wrote is not None or len(line.outs) != 1
+        or line.outs[0] == "_" or line.outs[0] in ret
+        or not all(isinstance(a, str) and (a in invariant or a in env_globals)
+                   for a in line.args)):
+      continue
+    out = line.outs[0]
+    writers = {j for j in range(k + 1, len(body))
+               if body[j].wrote is not None and body[j].args[body[j].wrote[0]] == out}
+    if any(body[j].flags is not None or body[j].wrote[1] not in env_globals for j in writers):
+      continue
+    invariant.add(out)
+    hoisted.add(k)
+    unwritten |= writers
+  return hoisted, unwritten
+
+
+def _inline(plan: Plan, prefix, arg_map, indent, lines, line_eqns, scope, invariant_args=None):
   """Append ``plan``'s lines (renamed) to ``lines``; return its results'
-  names (renamed)."""
+  names (renamed). With ``invariant_args`` (the plan's argument names that
+  stay the same in every iteration), the loop-invariant lines
+  (``_invariant_lines``) run in the first iteration only, under
+  ``if _first:``, and their values are never deleted."""
   _, _, body, ret, env_globals = plan._text
   rename = _renamer(prefix, arg_map)
+  hoisted, unwritten = _invariant_lines(plan, invariant_args) if invariant_args else ((), ())
+  kept = {body[k].outs[0] for k in hoisted}
+
+  def render(k):
+    line = body[k]
+    if k in unwritten or (kept and any(d in kept for d in line.dels)):
+      line = copy.copy(line)
+      line.dels = tuple(d for d in line.dels if d not in kept)
+      if k in unwritten:
+        line.callee = line.wrote[1]
+    return rename(line.render())
+  if hoisted:
+    lines.append(indent + "if _first:")
+    line_eqns.append(None)
+    lines.append(indent + "    _first = False")
+    line_eqns.append(None)
+    for k in sorted(hoisted):
+      lines.append(indent + "    " + render(k))
+      line_eqns.append(plan.line_eqns[k + 1])
   for k, line in enumerate(body):
-    lines.append(indent + rename(line.render()))
-    line_eqns.append(plan.line_eqns[k + 1])
+    if k not in hoisted:
+      lines.append(indent + render(k))
+      line_eqns.append(plan.line_eqns[k + 1])
   for name, value in env_globals.items():
     scope[prefix + name] = value
   return [rename(r) for r in ret]
@@ -70,8 +127,9 @@ def loop_function(name: str, kernel_name: str, *, body: Plan, n_body_consts: int
   bc = [f"b{k}" for k in range(n_body_consts)]
   carry = [f"x{k}" for k in range(n_carry)]
   scope = {}
-  lines = [f"def {name}(ctx{''.join(', ' + a for a in cc + bc + carry)}):"]
-  line_eqns = [None]
+  lines = [f"def {name}(ctx{''.join(', ' + a for a in cc + bc + carry)}):",
+           "    _first = True"]
+  line_eqns = [None, None]
   if cond is not None:
     lines.append("    while True:")
     line_eqns.append(None)
@@ -84,7 +142,10 @@ def loop_function(name: str, kernel_name: str, *, body: Plan, n_body_consts: int
     lines.append("    for _ in _order:")
     line_eqns.append(None)
   body_args = dict(zip(body._text[1], bc + carry))
-  outs = _inline(body, "B_", body_args, "        ", lines, line_eqns, scope)
+  outs = _inline(body, "B_", body_args, "        ", lines, line_eqns, scope,
+                 invariant_args=body._text[1][:n_body_consts])
+  if "        if _first:" not in lines:
+    del lines[1], line_eqns[1]  # (nothing hoisted)
   if carry:
     lines.append(f"        {', '.join(carry)}, = {', '.join(outs)},")
   else:

@@ -92,6 +92,7 @@ def in_place(em, returned):
           and not outlives(name, i):
         g = em.fresh("f")
         em.env_globals[g] = into if checked is None else checked(into)
+        line.wrote = (k, line.callee)
         line.callee = g
         em.wrote_into[i] = k
         break

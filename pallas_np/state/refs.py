@@ -117,6 +117,12 @@ def _get(e):
   one = _one_slice_access(e, index_of)
   if one is not None:  # (a loop body's x_ref[pl.ds(i, 1), :]: the slice built here)
     before, after, last, extent, stride = one
+    if not before and not after and stride == 1:  # (x_ref[pl.ds(r, n), :]: no index tuple)
+      def get_rows(ref, start):
+        k = int(start)
+        x = ref[k:k + extent] if 0 <= k <= last else ref[index_of((start,))]
+        return x.copy() if x.flags.writeable else x
+      return get_rows
 
     def get_one(ref, start):
       k = int(start)
@@ -149,6 +155,11 @@ def _one_slice_access(e, index_of):
   if one is None or n_leaves != 1 or one[2] != 0:
     return None
   before, after, _, last, extent, stride = one
+  shape = getattr(e.in_avals[0], "shape", None)
+  if shape is not None and len(shape) == len(before) + 1 + len(after):
+    while after and isinstance(after[-1], slice) and \
+        after[-1].indices(shape[len(before) + len(after)]) == (0, shape[len(before) + len(after)], 1):
+      after = after[:-1]  # (a trailing whole-dim slice indexes as nothing)
   return before, after, last, extent, stride
 
 
@@ -229,6 +240,14 @@ def _swap(e):
   one = _one_slice_access(e, index_of)
   if one is not None:
     before, after, last, extent, stride = one
+    if not before and not after and stride == 1:  # (o_ref[pl.ds(r, n), :] = v: no index tuple)
+      def swap_rows(ref, val, start):
+        k = int(start)
+        if 0 <= k <= last:
+          ref[k:k + extent] = val
+        else:  # (the checked index: raises, or clamps)
+          ref[index_of((start,))] = val
+      return swap_rows
 
     def swap_one(ref, val, start):
       k = int(start)
