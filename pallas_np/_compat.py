@@ -403,6 +403,35 @@ def install_jit_params_memo(memo, keep):
   jax_pjit._infer_params = infer_params
 
 
+def install_jit_run_hook(runner):
+  """Put ``runner(params, args_flat)`` in front of ``pjit._run_python_pjit``,
+  which the eager call of a ``jax.jit`` function runs after
+  ``_infer_params``: argument checks (valid JAX types, no escaped tracer),
+  then ``_pjit_call_impl_python`` (the jit call hook). ``runner`` returns
+  the flat outputs, or None to leave the call to JAX. It is asked only at
+  the top level of tracing with ``debug_key_reuse`` off (JAX binds the jit
+  primitive otherwise), and must itself accept only arguments that pass
+  JAX's checks. Saves JAX's per-argument checks and the rest of the
+  Python around the hook on calls pallas_np runs. Idempotent."""
+  current = jax_pjit._run_python_pjit
+  if getattr(current, "pallas_np_runner", None) is runner:
+    return
+  top_level = jax_core.trace_state_clean
+  key_reuse = jax_config.debug_key_reuse
+  unflatten = jax_tree_util.tree_unflatten
+
+  def run_python_pjit(p, args_flat, fun, args, kwargs):
+    if top_level() and not key_reuse.value:
+      params = p.params
+      out_flat = runner(params, args_flat)
+      if out_flat is not None:
+        return (unflatten(p.out_tree, out_flat), out_flat, p.out_tree, args_flat,
+                params["jaxpr"], None, None, [])
+    return current(p, args_flat, fun, args, kwargs)
+  run_python_pjit.pallas_np_runner = runner
+  jax_pjit._run_python_pjit = run_python_pjit
+
+
 def is_unspecified_sharding(s) -> bool:
   return isinstance(s, jax_sharding_impls.UnspecifiedValue)
 
