@@ -313,17 +313,19 @@ except Exception:  # pragma: no cover - a jaxlib without the Triton dialect
   triton_primitives = None
 
 
-def np_to_jax(x):
+def np_to_jax(x, weak_type: bool = False):
   """A jax.Array of a NumPy result, by the cheapest route: one
   ``batched_device_put`` on the default CPU device (the array may be
-  aliased, not copied: results are fresh arrays nobody mutates later)."""
+  aliased, not copied: results are fresh arrays nobody mutates later).
+  ``weak_type``: the traced program's output is weakly typed (what XLA's
+  run of it would return)."""
   x = np.asarray(x)
   try:
     dev, sharding = _default_placement()
-    key = (x.shape, x.dtype)
+    key = (x.shape, x.dtype, weak_type)
     aval = _avals.get(key)
     if aval is None:
-      aval = _avals[key] = ShapedArray(x.shape, x.dtype)
+      aval = _avals[key] = ShapedArray(x.shape, x.dtype, weak_type=weak_type)
       if len(_avals) > 4096:
         _avals.clear()
     return _xc.batched_device_put(aval, sharding, [x], [dev], False)
@@ -331,7 +333,7 @@ def np_to_jax(x):
     return jax.device_put(x)
 
 
-_avals: dict = {}  # (shape, dtype) -> ShapedArray: building one costs ~3 µs
+_avals: dict = {}  # (shape, dtype, weak) -> ShapedArray: building one costs ~3 µs
 _placement = None
 
 

@@ -118,7 +118,7 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
     if not _on_cpu(a):
       return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   outs = eager_plan.run(args, own_outputs=True)
-  return [jc.np_to_jax(o) for o in outs], None, None, []
+  return eager_plan.jax_outputs(outs), None, None, []
 
 
 def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
@@ -206,7 +206,8 @@ def _run_routed(jit_params, args_flat):
         return None
     elif t is not np.ndarray:
       return None
-  return [jc.np_to_jax(o) for o in hit[1].run(args_flat, own_outputs=True)]
+  plan = hit[1]
+  return plan.jax_outputs(plan.run(args_flat, own_outputs=True))
 
 
 # Traced programs of eager jit calls that run here, by their arguments

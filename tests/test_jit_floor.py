@@ -75,8 +75,7 @@ def test_signatures_change_between_calls(slow_path):
   for _ in range(3):
     for x in args:
       got, want = fn(x), want_fn(x)
-      # (weak_type of the outputs is not compared: the NumPy path's outputs
-      # are never weak-typed, on main too; see docs/limits.md)
+      assert got.dtype == want.dtype and got.weak_type == want.weak_type
       assert_identical(got, want)
 
 
@@ -181,3 +180,24 @@ def test_traced_calls_still_trace():
   assert_identical(jax.jit(lambda v: fn(v) + 1)(x), want + np.float32(1))
   xs = jnp.asarray(_f32(3, 8, 128))
   assert_identical(jax.vmap(fn)(xs), np.asarray(xs) * np.float32(2) + np.float32(8))
+
+
+def test_weak_typed_outputs_stay_weak():
+  """A program output that is weakly typed (Python-scalar arithmetic) is
+  weak as XLA returns it, so later promotion (here with bfloat16) agrees."""
+  def make(interpret):
+    def f(x, s):
+      y = pl.pallas_call(scale_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         interpret=interpret)(x)
+      return y, s * 2.0
+    return f
+  x = jnp.asarray(_f32(8, 128))
+  s = jnp.asarray(1.5)  # weak-typed float32 scalar
+  half = jnp.ones((4,), jnp.bfloat16)
+  want = jax.jit(make(True))(x, s)
+  for fn in (jax.jit(make(pallas_np.InterpretParams())), pallas_np.jit(make("numpy"))):
+    for _ in range(3):
+      got = fn(x, s)
+      assert [g.weak_type for g in got] == [w.weak_type for w in want] == [False, True]
+      assert_identical(got, want)
+      assert (got[1] * half).dtype == (want[1] * half).dtype == jnp.bfloat16
