@@ -313,17 +313,19 @@ except Exception:  # pragma: no cover - a jaxlib without the Triton dialect
   triton_primitives = None
 
 
-def np_to_jax(x):
+def np_to_jax(x, weak_type: bool = False):
   """A jax.Array of a NumPy result, by the cheapest route: one
   ``batched_device_put`` on the default CPU device (the array may be
-  aliased, not copied: results are fresh arrays nobody mutates later)."""
+  aliased, not copied: results are fresh arrays nobody mutates later).
+  ``weak_type``: the traced program's output is weakly typed (what XLA's
+  run of it would return)."""
   x = np.asarray(x)
   try:
     dev, sharding = _default_placement()
-    key = (x.shape, x.dtype)
+    key = (x.shape, x.dtype, weak_type)
     aval = _avals.get(key)
     if aval is None:
-      aval = _avals[key] = ShapedArray(x.shape, x.dtype)
+      aval = _avals[key] = ShapedArray(x.shape, x.dtype, weak_type=weak_type)
       if len(_avals) > 4096:
         _avals.clear()
     return _xc.batched_device_put(aval, sharding, [x], [dev], False)
@@ -331,7 +333,7 @@ def np_to_jax(x):
     return jax.device_put(x)
 
 
-_avals: dict = {}  # (shape, dtype) -> ShapedArray: building one costs ~3 µs
+_avals: dict = {}  # (shape, dtype, weak) -> ShapedArray: building one costs ~3 µs
 _placement = None
 
 
@@ -401,6 +403,35 @@ def install_jit_params_memo(memo, keep):
     return p, args_flat
   infer_params.pallas_np_memo = keep
   jax_pjit._infer_params = infer_params
+
+
+def install_jit_run_hook(runner):
+  """Put ``runner(params, args_flat)`` in front of ``pjit._run_python_pjit``,
+  which the eager call of a ``jax.jit`` function runs after
+  ``_infer_params``: argument checks (valid JAX types, no escaped tracer),
+  then ``_pjit_call_impl_python`` (the jit call hook). ``runner`` returns
+  the flat outputs, or None to leave the call to JAX. It is asked only at
+  the top level of tracing with ``debug_key_reuse`` off (JAX binds the jit
+  primitive otherwise), and must itself accept only arguments that pass
+  JAX's checks. Saves JAX's per-argument checks and the rest of the
+  Python around the hook on calls pallas_np runs. Idempotent."""
+  current = jax_pjit._run_python_pjit
+  if getattr(current, "pallas_np_runner", None) is runner:
+    return
+  top_level = jax_core.trace_state_clean
+  key_reuse = jax_config.debug_key_reuse
+  unflatten = jax_tree_util.tree_unflatten
+
+  def run_python_pjit(p, args_flat, fun, args, kwargs):
+    if top_level() and not key_reuse.value:
+      params = p.params
+      out_flat = runner(params, args_flat)
+      if out_flat is not None:
+        return (unflatten(p.out_tree, out_flat), out_flat, p.out_tree, args_flat,
+                params["jaxpr"], None, None, [])
+    return current(p, args_flat, fun, args, kwargs)
+  run_python_pjit.pallas_np_runner = runner
+  jax_pjit._run_python_pjit = run_python_pjit
 
 
 def is_unspecified_sharding(s) -> bool:

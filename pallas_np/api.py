@@ -359,9 +359,9 @@ class EagerEntry:
     # Outputs become jax.Arrays without a copy, so none may share memory
     # with an input or a constant of the plan (own_outputs).
     outs = self.plan.run(leaves, own_outputs=True)
-    if self.one_output:
+    if self.one_output and self.plan.out_weak is None:
       return jc.np_to_jax(outs[0])
-    return jax.tree_util.tree_unflatten(self.out_tree, [jc.np_to_jax(o) for o in outs])
+    return jax.tree_util.tree_unflatten(self.out_tree, self.plan.jax_outputs(outs))
 
 
 class EagerPlan:
@@ -369,7 +369,7 @@ class EagerPlan:
   jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels.
   A program that is one pallas_call over its own inputs (what
   ``pallas_np.pallas_call`` traces) runs that kernel's plan directly."""
-  __slots__ = ("plan", "in_dtypes", "interp", "name", "kernel")
+  __slots__ = ("plan", "in_dtypes", "out_weak", "interp", "name", "kernel")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
@@ -378,6 +378,10 @@ class EagerPlan:
     # Python scalars and float64/int64 NumPy values take JAX's canonical
     # dtypes (float32/int32 without x64), as the traced jaxpr says.
     self.in_dtypes = tuple(np.dtype(jc.physical_dtype(a.dtype)) for a in closed.in_avals)
+    # Weakly typed outputs (a Python scalar's arithmetic) stay weak, as in
+    # XLA's run: None when there are none (the common case).
+    weak = tuple(bool(getattr(a, "weak_type", False)) for a in closed.out_avals)
+    self.out_weak = weak if any(weak) else None
     self.interp = interp
     self.name = name
     self.kernel = _only_kernel(closed, interp, kernel_params_from_eqns)
@@ -405,6 +409,13 @@ class EagerPlan:
               for i, o in enumerate(outs)]
     return outs
 
+
+  def jax_outputs(self, outs) -> list:
+    """jax.Arrays of ``run``'s outputs (owned), weak types as traced."""
+    weak = self.out_weak
+    if weak is None:
+      return [jc.np_to_jax(o) for o in outs]
+    return [jc.np_to_jax(o, w) for o, w in zip(outs, weak)]
 
   def typed_args(self, leaves) -> bool:
     """Whether every leaf is a NumPy array or jax.Array of the program's

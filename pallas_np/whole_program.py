@@ -118,7 +118,7 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
     if not _on_cpu(a):
       return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   outs = eager_plan.run(args, own_outputs=True)
-  return [jc.np_to_jax(o) for o in outs], None, None, []
+  return eager_plan.jax_outputs(outs), None, None, []
 
 
 def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
@@ -190,6 +190,26 @@ def _runs_here(jit_params) -> bool:
   return hit is not None and hit[0] is jaxpr and hit[1] is not None
 
 
+def _run_routed(jit_params, args_flat):
+  """The outputs of an eager jit call whose route (made by an earlier call
+  through ``_eager_jit_call``) runs here, on arguments that are all
+  jax.Arrays or NumPy arrays on one CPU device; else None (JAX's own path,
+  which reaches ``_eager_jit_call``)."""
+  jaxpr = jit_params["jaxpr"]
+  hit = _routes.peek((id(jaxpr), jc.interpret_mode_config.value))
+  if hit is None or hit[0] is not jaxpr or hit[1] is None:
+    return None
+  for a in args_flat:
+    t = type(a)
+    if t is jc.ArrayImpl:
+      if not _on_cpu(a) or a.is_deleted():
+        return None
+    elif t is not np.ndarray:
+      return None
+  plan = hit[1]
+  return plan.jax_outputs(plan.run(args_flat, own_outputs=True))
+
+
 # Traced programs of eager jit calls that run here, by their arguments
 # (_compat.install_jit_params_memo).
 _jit_params_memo = LRU(PLAN_CACHE_SIZE)
@@ -200,3 +220,4 @@ def install():
   (idempotent)."""
   jc.install_jit_call_hook(_eager_jit_call)
   jc.install_jit_params_memo(_jit_params_memo, _runs_here)
+  jc.install_jit_run_hook(_run_routed)
