@@ -143,18 +143,6 @@ def test_aliased_input_stays_the_callers(grid):
     assert not np.shares_memory(np.asarray(got), np.asarray(x))
 
 
-def test_donated_argument_under_jit():
-  def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...] + 1.0
-  out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
-  fn = jax.jit(pallas_np.pallas_call(kernel, out, input_output_aliases={0: 0}),
-               donate_argnums=0)
-  want_fn = jax.jit(pl.pallas_call(kernel, out, input_output_aliases={0: 0}, interpret=True))
-  for _ in range(3):
-    x = _f32(8, 128)
-    assert_identical(fn(jnp.asarray(x)), want_fn(jnp.asarray(x)))
-
-
 def test_options_changed_between_calls():
   """One kernel function under several InterpretParams back to back: an
   unwritten output half is NaN (as interpret=True) or zero, per the
