@@ -144,3 +144,31 @@ def test_floor_div_by_every_power_of_two_is_a_shift(dtype):
   for i, (g, w) in enumerate(zip(got, want)):
     assert g.dtype == w.dtype, i
     np.testing.assert_array_equal(g, w, err_msg=str(i))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_template_has_a_division(dtype):
+  """``find`` skips jaxprs without a ``div``/``rem`` eqn before tracing any
+  template (first calls): that holds only if every template of the installed
+  JAX contains one."""
+  for name in idioms._IDIOMS:
+    for divisor in (3, 4):
+      t = idioms._flat_template(name, jax.ShapeDtypeStruct((8, 128), dtype), divisor)
+      assert t is not None, (name, divisor)
+      assert idioms._DIVISION_PRIMITIVES & {e.primitive.name for e in t.eqns}, (name, divisor)
+
+
+def test_loop_without_division_traces_no_template():
+  """A loop body with no integer division compiles without tracing jnp's
+  reference bodies (a few ms of a first call), and gives interpret=True's
+  bits; one with a division still runs as one ufunc."""
+  x = np.random.default_rng(5).integers(-50, 50, (8, 128)).astype(np.int32)
+  idioms._templates.clear()
+  got, want = both(_in_a_loop(lambda a: [a * 3 + 1, jnp.maximum(a, 2)]), x)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert len(idioms._templates) == 0
+  with jax.disable_jit():
+    flat = jax.make_jaxpr(lambda a: (a * 3 + 1) // 3)(x).jaxpr
+  assert [r[1] for r in idioms.find(flat).values()] == [np.floor_divide]
+  assert len(idioms._templates) > 0

@@ -26,6 +26,12 @@ from pallas_np import lru
 _IDIOMS = {"floor_divide": (jnp.floor_divide, np.floor_divide),
            "remainder": (jnp.remainder, np.remainder)}
 _MISSING = object()
+# Every flat template contains one of these (jnp's ``//`` is XLA's truncating
+# ``div`` plus fix-ups, ``%`` its ``rem``; tests/test_idioms.py checks the
+# installed JAX's templates): a jaxpr without one has no run to find, and
+# ``find`` returns without tracing the templates (a few ms of a first call).
+# Were a template ever to contain neither, the idiom would only be missed.
+_DIVISION_PRIMITIVES = frozenset({"div", "rem"})
 # (name, operand types[, divisor]) -> jnp's traced body (canonical or flat), or None
 _templates = lru.LRU(512)
 
@@ -178,6 +184,11 @@ def find(jaxpr):
   array ``x`` and a constant ``c`` without zeros (positive if signed)."""
   eqns = jaxpr.eqns
   found = {}
+  for eqn in eqns:
+    if eqn.primitive.name in _DIVISION_PRIMITIVES:
+      break
+  else:  # no division: nothing to find, no template traced
+    return found
   i = 0
   while i < len(eqns):
     hit = _find_at(eqns, i)
