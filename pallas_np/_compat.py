@@ -334,6 +334,24 @@ def np_to_jax(x, weak_type: bool = False):
 
 
 _avals: dict = {}  # (shape, dtype, weak) -> ShapedArray: building one costs ~3 µs
+
+
+def jax_array_maker(shape, dtype, weak_type: bool = False):
+  """``np_to_jax`` for NumPy arrays of exactly this shape and (plain) dtype,
+  the aval and placement looked up once: a kernel's outputs (the per-call
+  floor, docs/performance.md)."""
+  dev, sharding = _default_placement()
+  aval = ShapedArray(tuple(shape), np.dtype(dtype), weak_type=weak_type)
+  put = _xc.batched_device_put
+
+  def to_jax(x):
+    try:
+      return put(aval, sharding, [x], [dev], False)
+    except Exception:  # pragma: no cover - as np_to_jax
+      return np_to_jax(x, weak_type)
+  return to_jax
+
+
 _placement = None
 
 
