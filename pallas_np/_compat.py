@@ -337,9 +337,8 @@ _avals: dict = {}  # (shape, dtype, weak) -> ShapedArray: building one costs ~3 
 
 
 def jax_array_maker(shape, dtype, weak_type: bool = False):
-  """``np_to_jax`` for NumPy arrays of exactly this shape and (plain) dtype,
-  the aval and placement looked up once: a kernel's outputs (the per-call
-  floor, docs/performance.md)."""
+  """``np_to_jax`` for arrays of exactly this shape and (plain) dtype, the
+  aval and placement looked up once (a kernel's outputs: the per-call floor)."""
   dev, sharding = _default_placement()
   aval = ShapedArray(tuple(shape), np.dtype(dtype), weak_type=weak_type)
   put = _xc.batched_device_put
@@ -350,6 +349,23 @@ def jax_array_maker(shape, dtype, weak_type: bool = False):
     except Exception:  # pragma: no cover - as np_to_jax
       return np_to_jax(x, weak_type)
   return to_jax
+
+
+_host_view = getattr(ArrayImpl, "_single_device_array_to_np_array_did_copy", None)
+_one_cpu: dict = {}  # sharding -> on one CPU device? (arrays share a few)
+
+
+def host_array(x) -> np.ndarray:
+  """``np.asarray`` of a jax.Array: ml_dtypes (bfloat16, ...) ones, which
+  NumPy reads through ``__array__`` (~6 µs), straight from the buffer (~2 µs)."""
+  if x.dtype.isbuiltin != 2 or _host_view is None or x.is_deleted():  # 2: ml_dtypes
+    return np.asarray(x)
+  sharding = x.sharding
+  one = _one_cpu.get(sharding)
+  if one is None:
+    devs = sharding.device_set
+    one = _one_cpu[sharding] = len(devs) == 1 and next(iter(devs)).platform == "cpu"
+  return _host_view(x)[0] if one else np.asarray(x)
 
 
 _placement = None

@@ -576,7 +576,7 @@ def _private_copy(x) -> np.ndarray:
 
 def _read_only(x) -> np.ndarray:
   """A read-only view of ``x`` (refs read from it without copying)."""
-  x = np.asarray(x)
+  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
   if x.flags.writeable:
     x = x.view()
     x.flags.writeable = False
