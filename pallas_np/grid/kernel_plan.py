@@ -278,7 +278,9 @@ class KernelPlan:
     for i, geo in enumerate(self.blocks[:self.num_inputs]):
       writes = self.num_index + i in written
       if geo.needs_padding:
-        pad = functools.partial(_padded, geo, params, not writes)
+        pad = functools.partial(_padded, geo, params, not writes,
+                                memory.allocator(geo.padded_shape, geo.dtype, params),
+                                geo.unpadded_index())
       else:
         pad = _private_copy if writes else _read_only
       in_preps.append(pad)
@@ -334,8 +336,11 @@ class KernelPlan:
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:
         view = buf[geo.unpadded_index()]
-        buf = memory.aligned_empty(view.shape, view.dtype)
-        buf[...] = view
+        if view.nbytes <= memory.TEMPLATE_MAX_BYTES:  # (as memory.allocator)
+          buf = view.copy()
+        else:
+          buf = memory.aligned_empty(view.shape, view.dtype)
+          buf[...] = view
       results.append(buf)
     return results
 
@@ -583,8 +588,16 @@ def _read_only(x) -> np.ndarray:
   return x
 
 
-def _padded(geo, params, read_only, x) -> np.ndarray:
-  buf = geo.pad(np.asarray(x), params)
+def _padded(geo, params, read_only, fresh, unpadded, x) -> np.ndarray:
+  """A padded copy of ``x`` (uninitialised padding), read-only unless the
+  kernel writes it; ``fresh``: the allocator of the padded buffer,
+  ``unpadded``: the index of ``x`` in it."""
+  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
+  buf = fresh()
+  if buf.dtype == x.dtype:
+    buf[unpadded] = x
+  else:  # (another dtype than the block's: as BlockGeometry.pad does)
+    buf = geo.pad(x, params)
   if read_only:
     buf = buf.view()
     buf.flags.writeable = False

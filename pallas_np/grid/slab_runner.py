@@ -185,7 +185,7 @@ class SlabRunner:
       for view, copy in relaid:
         np.copyto(view, copy)
       for b, cols, view in writeback:
-        windows[b][tuple(cols)] = view
+        self._scatter(lo, hi, point, b, windows[b], cols, view)
       if step == 0 and first_states is not None:
         first_states.visit(lo, hi, scratch, {b: gather(windows[b], step_cols[b])[0]
                                              for b in range(n_in, n_ops)})
@@ -215,11 +215,22 @@ class SlabRunner:
     key = (lo, hi, point, b, window.shape, window.strides)
     recipe = self._recipes.get(key)
     if recipe is None:
-      recipe = self._recipes[key] = _merged_view_recipe(window, cols)
+      recipe = self._recipes[key] = (_merged_view_recipe(window, cols)
+                                     or _Box.of(window, cols))
     if recipe is False:
       return window[tuple(cols)], True
+    if type(recipe) is _Box:  # a copy, through reshape: cheaper than the gather
+      return window[recipe.index].reshape(recipe.lanes_shape), True
     run_index, shape, start, n = recipe
     return window[run_index].reshape(shape)[start:start + n], False
+
+  def _scatter(self, lo, hi, point, b, window, cols, view):
+    """Write back the lanes' blocks ``_gather`` copied."""
+    recipe = self._recipes.get((lo, hi, point, b, window.shape, window.strides))
+    if type(recipe) is _Box:
+      window[recipe.index] = view.reshape(recipe.box_shape)
+    else:
+      window[tuple(cols)] = view
 
   def _block_positions(self, lane_flat, point, pos_limits):
     """Per operand at sequential grid ``point``: the lanes' block positions
@@ -343,6 +354,32 @@ def gather(window, cols):
   if view is not None:
     return view, False
   return window[tuple(cols)], True
+
+
+class _Box:
+  """Lanes whose blocks are every block of a box of block positions, in C
+  order (a ragged 2-D grid's lanes): ``window[index]`` reshaped to
+  ``lanes_shape`` is the gather ``window[tuple(cols)]``, and writing
+  ``view.reshape(box_shape)`` back to ``window[index]`` its scatter, both
+  plain strided copies."""
+  __slots__ = ("index", "lanes_shape", "box_shape")
+
+  @classmethod
+  def of(cls, window, cols):
+    """The box of ``cols``, or False."""
+    k, n = len(cols), len(cols[0])
+    lows = [int(c.min()) for c in cols] if n else []
+    extents = [int(c.max()) + 1 - low for c, low in zip(cols, lows)]
+    if not n or math.prod(extents) != n:
+      return False
+    enumeration = np.indices(extents).reshape(k, -1)
+    if not all((c - low == e).all() for c, low, e in zip(cols, lows, enumeration)):
+      return False
+    box = cls()
+    box.index = tuple(slice(low, low + e) for low, e in zip(lows, extents))
+    box.lanes_shape = (n, *window.shape[k:])
+    box.box_shape = (*extents, *window.shape[k:])
+    return box
 
 
 def _merged_view_recipe(window, cols):
