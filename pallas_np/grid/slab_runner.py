@@ -87,6 +87,7 @@ class SlabRunner:
     self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
     self.progress = None
     self.done = 0
+    self._one_pass = None  # one_pass(), on the first run
     # (slab lo, hi, sequential point) -> _block_positions: shared by the
     # copies run_vectorized makes per call
     self._positions = {}
@@ -195,6 +196,57 @@ class SlabRunner:
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
 
+
+  def one_pass(self) -> bool:
+    """Whether a run is one batched call of the kernel: one slab, one
+    sequential grid point, no scratch, no shared outputs, lanes first
+    (``run_one_pass`` then does what ``run`` would, without its loops)."""
+    one = self._one_pass
+    if one is None:  # (decided on the first run: the layout limit may be set after __init__)
+      one = self._one_pass = (
+          len(self.slabs) == 1 and len(self.seq_points) == 1 and not self.shared
+          and not self.kp.scratch_avals and not self.slab_lanes_last(self.n_lanes))
+    return one
+
+  def run_one_pass(self, index_ops, buffers, progress):
+    """``run`` of a ``one_pass`` runner, ``progress`` ticked at the end
+    (the per-call floor of small vectorized grids)."""
+    kp = self.kp
+    windows = [block_windows(buf, geo) for buf, geo in zip(buffers, kp.blocks)]
+    lo, hi = self.slabs[0]
+    point = self.seq_points[0]
+    positions = self._positions.get((lo, hi, point))
+    if positions is None:
+      pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, kp.blocks)]
+      positions = self._block_positions(self.lane_flat[lo:hi], point, pos_limits)
+      self._positions[lo, hi, point] = positions
+    views, writeback = [], []
+    for b, (cols, index) in enumerate(positions):
+      window = windows[b]
+      if not self.operand_batched[b]:
+        views.append(window[index] if index else window)
+      elif index is not None:  # the lanes' blocks are a view: one basic index
+        views.append(window[index])
+      else:
+        view, copied = self._gather(lo, hi, point, b, window, cols)
+        if copied and b >= kp.num_inputs:
+          writeback.append((b, cols, view))
+        views.append(view)
+    ctx = RunContext(kp.name, kp.params)
+    ctx.num_programs = self.num_programs
+    ctx.batch_size = hi - lo
+    ctx.grid_point = None
+    ids = [None] * len(self.grid)
+    for k, d in enumerate(self.axes):
+      ids[d] = self.lane_coords[k, lo:hi]
+    for d, v in zip(self.seq_axes, point):
+      ids[d] = np.int32(v)
+    ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+    self.kernel.fn(ctx, *index_ops, *views)
+    for b, cols, view in writeback:
+      self._scatter(lo, hi, point, b, windows[b], cols, view)
+    if progress is not None:
+      progress.tick(hi - lo)
 
   def per_call(self) -> SlabRunner:
     """A shallow copy for one call's state (progress, lanes done); the
