@@ -290,3 +290,67 @@ def test_non_contiguous_operands():
   for _ in range(2):
     assert_identical(numpy_fn(xt, yt), want_fn(np.ascontiguousarray(xt),
                                                np.ascontiguousarray(yt)))
+
+
+def test_jax_array_maker_hands_over_only_its_exact_arrays():
+  """batched_device_put trusts the aval it is given: an array of another
+  dtype or shape must not be labelled with it."""
+  to_jax = jc.jax_array_maker((2, 3), np.float32)
+  good = np.arange(6, dtype=np.float32).reshape(2, 3)
+  out = to_jax(good)
+  assert out.dtype == np.float32 and out.shape == (2, 3)
+  np.testing.assert_array_equal(np.asarray(out), good)
+  for other in (np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros((3, 2), np.float32)):
+    out = to_jax(other)
+    assert out.dtype == other.dtype and out.shape == other.shape
+    np.testing.assert_array_equal(np.asarray(out), other)
+  weak = jc.jax_array_maker((2, 3), np.float32, weak_type=True)(good)
+  assert weak.weak_type
+
+
+def gather_kernel(idx_ref, x_ref, o_ref):
+  o_ref[...] = x_ref[...] * 2.0
+
+
+@pytest.mark.parametrize("grid_shape", ["prefetch", "unit_axis"])
+def test_one_pass_runs(monkeypatch, grid_shape):
+  """Vectorized grids that are one batched call: a scalar-prefetch row
+  gather, and a grid whose second axis has one point (a sequential point
+  (0,)); the one-pass path is taken and gives interpret=True's bits."""
+  pallas_np.clear_caches()
+  passes = []
+  orig = slab_runner.SlabRunner.run_one_pass
+  monkeypatch.setattr(slab_runner.SlabRunner, "run_one_pass",
+                      lambda self, *a: passes.append(1) or orig(self, *a))
+  if grid_shape == "prefetch":
+    from jax.experimental.pallas import tpu as pltpu
+    idx = jnp.asarray(rng.integers(0, 64, 24), jnp.int32)
+    x = jnp.asarray(_f32(64, 256))
+    args = (idx, x)
+
+    def make(interpret):
+      return pl.pallas_call(
+          gather_kernel, jax.ShapeDtypeStruct((24, 256), jnp.float32),
+          grid_spec=pltpu.PrefetchScalarGridSpec(
+              num_scalar_prefetch=1, grid=(24,),
+              in_specs=[pl.BlockSpec((1, 256), lambda i, idx: (idx[i], 0))],
+              out_specs=pl.BlockSpec((1, 256), lambda i, idx: (i, 0))),
+          interpret=interpret)
+  else:
+    x = jnp.asarray(_f32(32, 512)).astype(jnp.bfloat16)
+    args = (x,)
+    spec = pl.BlockSpec((8, 512), lambda i, j: (i, j))
+
+    def make(interpret):
+      return pl.pallas_call(
+          lambda x_ref, o_ref: o_ref.__setitem__(
+              ..., (x_ref[...].astype(jnp.float32) * 0.5).astype(o_ref.dtype)),
+          jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4, 1), in_specs=[spec],
+          out_specs=spec, interpret=interpret)
+  numpy_fn, want_fn = make(pallas_np.InterpretParams()), make(True)
+  for _ in range(3):
+    got = numpy_fn(*args)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want_fn(*args)).view(np.uint8))
+  assert len(passes) == 3
+  assert pallas_np.grid_report()[-1]["mode"] == "vectorized"
