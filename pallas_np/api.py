@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import devices, lru, meshes, registry
+from pallas_np import devices, fp_state, lru, meshes, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
@@ -305,11 +305,11 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
     if forced is None:
       sig = flat_signature(args)
       if sig is not None:
-        entry = fast.peek(sig)
-        if entry is None:
-          entry = eager_entry(jax_fn, interp, args)
-          fast.put(sig, entry)
-        return entry.call(args)
+        run = fast.peek(sig)
+        if run is None:
+          run = eager_entry(jax_fn, interp, args).runner(args)
+          fast.put(sig, run)
+        return run(args)
     elif not is_numpy_mode(forced):
       # Another interpret mode is forced (pltpu.force_tpu_interpret_mode):
       # JAX reads the config when the call is built, so build it now.
@@ -363,13 +363,31 @@ class EagerEntry:
       return jc.np_to_jax(outs[0])
     return jax.tree_util.tree_unflatten(self.out_tree, self.plan.jax_outputs(outs))
 
+  def runner(self, args):
+    """``call`` for flat arguments of ``args``' exact types, shapes and
+    dtypes (``flat_signature``: the caller keys it so): where the program
+    is one kernel taking them as they are, its plan's run straight to
+    jax.Arrays (the per-call floor); else ``call``."""
+    plan = self.plan
+    kernel, to_jax = plan.kernel, plan.kernel_to_jax()
+    if kernel is None or to_jax is None or not plan.typed_args(args):
+      return self.call
+    run = kernel.run
+    if self.one_output:
+      one = to_jax[0]
+      return lambda args: one(run(*args)[0])
+    out_tree = self.out_tree
+    return lambda args: jax.tree_util.tree_unflatten(
+        out_tree, [f(o) for f, o in zip(to_jax, run(*args))])
+
 
 class EagerPlan:
   """A traced program (ClosedJaxpr) compiled for eager calls: the whole
   jaxpr in the NumPy evaluator, whose ``pallas_call`` rule runs the kernels.
   A program that is one pallas_call over its own inputs (what
   ``pallas_np.pallas_call`` traces) runs that kernel's plan directly."""
-  __slots__ = ("plan", "in_dtypes", "out_weak", "interp", "name", "kernel")
+  __slots__ = ("plan", "in_dtypes", "out_weak", "out_avals", "interp", "name", "kernel",
+               "_to_jax")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
@@ -382,6 +400,8 @@ class EagerPlan:
     # XLA's run: None when there are none (the common case).
     weak = tuple(bool(getattr(a, "weak_type", False)) for a in closed.out_avals)
     self.out_weak = weak if any(weak) else None
+    self.out_avals = tuple(closed.out_avals)
+    self._to_jax = None  # kernel_to_jax, on first use
     self.interp = interp
     self.name = name
     self.kernel = _only_kernel(closed, interp, kernel_params_from_eqns)
@@ -400,8 +420,11 @@ class EagerPlan:
     np_args = [np.asarray(x, dtype=dt) for x, dt in zip(leaves, self.in_dtypes)]
     # Silent inf/NaN and integer wrap-around, as in XLA and inside kernels
     # (KernelPlan.run): 0-d eqns run NumPy's scalar math, which would warn.
-    with np.errstate(all="ignore"):
+    quiet = fp_state.quiet_floats()
+    try:
       outs = [np.asarray(o) for o in self.plan(RunContext(self.name, self.interp), *np_args)]
+    finally:
+      fp_state.restore_floats(quiet)
     if own_outputs:
       consts = self.plan.const_outputs
       outs = [np.array(o) if i in consts or not o.flags.writeable
@@ -410,8 +433,30 @@ class EagerPlan:
     return outs
 
 
+  def kernel_to_jax(self):
+    """Per output of the program's only kernel, a function handing that
+    kernel's output buffer (its exact shape and dtype) to JAX with the
+    aval looked up once; None where the program is not one kernel or an
+    output's dtype is not a plain NumPy one."""
+    if self._to_jax is None:
+      makers = False
+      if self.kernel is not None:
+        weak = self.out_weak or (False,) * len(self.out_avals)
+        dtypes = [jc.physical_dtype(a.dtype) for a in self.out_avals]
+        if all(isinstance(dt, np.dtype) and dt == a.dtype
+               for dt, a in zip(dtypes, self.out_avals)):
+          makers = tuple(jc.jax_array_maker(a.shape, a.dtype, w)
+                         for a, w in zip(self.out_avals, weak))
+      self._to_jax = makers
+    return self._to_jax or None
+
   def jax_outputs(self, outs) -> list:
     """jax.Arrays of ``run``'s outputs (owned), weak types as traced."""
+    to_jax = self._to_jax
+    if to_jax is None:
+      to_jax = self.kernel_to_jax()
+    if to_jax:  # the only kernel's outputs (kernel_to_jax)
+      return [f(o) for f, o in zip(to_jax, outs)]
     weak = self.out_weak
     if weak is None:
       return [jc.np_to_jax(o) for o in outs]

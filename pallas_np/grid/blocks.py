@@ -15,7 +15,8 @@ from pallas_np.memory import allocate
 class BlockGeometry:
   """How one operand's blocks are cut out of its (padded) array."""
   __slots__ = ("origin", "array_shape", "dtype", "kinds", "sizes", "pad_low",
-               "padded_shape", "needs_padding", "whole", "trivial_index_map", "_zero_index")
+               "padded_shape", "needs_padding", "whole", "trivial_index_map", "_zero_index",
+               "window_layouts")
 
   def __init__(self, bm):
     # Mosaic GPU tiling/swizzling is layout only: blocks stay logical and the
@@ -55,6 +56,9 @@ class BlockGeometry:
     self.trivial_index_map = all(
         isinstance(a, jc.Literal) and int(a.val) == 0 for a in outs)
     self._zero_index = {}  # clamp -> block_index of block (0, ...): cut every call
+    # (buffer shape, strides) -> (shape, strides) of its block windows
+    # (pallas_np.grid.slab_runner.block_windows, cut every vectorized call)
+    self.window_layouts = {}
 
   def pad(self, arr: np.ndarray, params) -> np.ndarray:
     """A padded copy, garbage where the array has no data."""

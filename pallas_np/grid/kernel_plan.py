@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, devices, memory, races, registry
+from pallas_np import blas, debugging, devices, fp_state, memory, races, registry
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
 from pallas_np.grid import lanes, threads, vectorize
@@ -129,7 +129,8 @@ class KernelPlan:
     if uses_blas is None:
       uses_blas = self._uses_blas = may_use_blas(self.kernel_jaxpr)
       self._single = _SinglePoint.of(self)
-    with np.errstate(all="ignore"):
+    quiet = fp_state.quiet_floats()  # np.errstate(all="ignore"), cheaply
+    try:
       if placement is not None:
         with blas.kernel_run():
           return self._run_on_device(args, placement)
@@ -138,6 +139,8 @@ class KernelPlan:
         return run(*args)
       with blas.kernel_run():
         return run(*args)
+    finally:
+      fp_state.restore_floats(quiet)
 
   def _run_on_device(self, args, placement):
     if self.params.num_cores > 1 and self.parallel_prefix:
@@ -275,7 +278,9 @@ class KernelPlan:
     for i, geo in enumerate(self.blocks[:self.num_inputs]):
       writes = self.num_index + i in written
       if geo.needs_padding:
-        pad = functools.partial(_padded, geo, params, not writes)
+        pad = functools.partial(_padded, geo, params, not writes,
+                                memory.allocator(geo.padded_shape, geo.dtype, params),
+                                geo.unpadded_index())
       else:
         pad = _private_copy if writes else _read_only
       in_preps.append(pad)
@@ -291,23 +296,23 @@ class KernelPlan:
     """A one-point grid (``_SinglePoint``): the kernel called once on block
     views of fresh buffers, nothing of the grid loop's machinery."""
     single = self._single
-    preps = self._preps
-    if preps is None:
-      preps = self._preps = self._operand_preps()
-    index_preps, in_preps, out_preps = preps
-    num_index = self.num_index
-    if len(args) != num_index + self.num_inputs:
-      raise TypeError(f"kernel '{self.name}' takes {num_index + self.num_inputs} operands, "
+    if single.operand_preps is None:
+      preps = self._preps
+      if preps is None:
+        preps = self._preps = self._operand_preps()
+      single.operand_preps = (*preps[0], *preps[1])
+      single.out_preps = preps[2]
+    if len(args) != len(single.operand_preps):
+      raise TypeError(f"kernel '{self.name}' takes {len(single.operand_preps)} operands, "
                       f"got {len(args)}")
     # What _prepare does, for the one grid point: every block cut once.
-    operands = [prep(a) for prep, a in zip(index_preps, args)]
-    operands += [prep(x) for prep, x in zip(in_preps, args[num_index:])]
-    out_bufs = [prep(args) for prep in out_preps]
+    operands = [prep(a) for prep, a in zip(single.operand_preps, args)]
+    out_bufs = [prep(args) for prep in single.out_preps]
     operands += out_bufs
     for b, idx in single.cuts:
-      b += num_index
       operands[b] = operands[b][idx]
-    operands += [fresh() for fresh in single.scratch]
+    for fresh in single.scratch:
+      operands.append(fresh())
     ctx = RunContext(self.name, self.params)
     ctx.num_programs = single.num_programs
     ctx.grid_point = single.point
@@ -331,8 +336,11 @@ class KernelPlan:
     for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
       if geo.needs_padding:
         view = buf[geo.unpadded_index()]
-        buf = memory.aligned_empty(view.shape, view.dtype)
-        buf[...] = view
+        if view.nbytes <= memory.TEMPLATE_MAX_BYTES:  # (as memory.allocator)
+          buf = view.copy()
+        else:
+          buf = memory.aligned_empty(view.shape, view.dtype)
+          buf[...] = view
       results.append(buf)
     return results
 
@@ -524,7 +532,8 @@ class _SinglePoint:
   """What every run of a one-point grid shares: the basic index of each
   block that is not its whole buffer, the scratch allocators, the program
   ids, whether an output is padded (then cut back by ``_results``)."""
-  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs")
+  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs",
+               "operand_preps", "out_preps")
 
   @classmethod
   def of(cls, kp) -> _SinglePoint | bool:
@@ -544,7 +553,9 @@ class _SinglePoint:
     except Exception:  # e.g. a block bigger than its array: the grid loop raises it
       return False
     self = cls()
-    self.cuts = [(b, idx) for b, idx in enumerate(indices) if idx is not None]
+    self.operand_preps = self.out_preps = None  # the plan's, on the first run
+    # (operand position, basic index): scalar prefetch operands come first.
+    self.cuts = [(b + kp.num_index, idx) for b, idx in enumerate(indices) if idx is not None]
     self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
     self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
     self.point = (0,) * len(grid)
@@ -570,15 +581,23 @@ def _private_copy(x) -> np.ndarray:
 
 def _read_only(x) -> np.ndarray:
   """A read-only view of ``x`` (refs read from it without copying)."""
-  x = np.asarray(x)
+  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
   if x.flags.writeable:
     x = x.view()
     x.flags.writeable = False
   return x
 
 
-def _padded(geo, params, read_only, x) -> np.ndarray:
-  buf = geo.pad(np.asarray(x), params)
+def _padded(geo, params, read_only, fresh, unpadded, x) -> np.ndarray:
+  """A padded copy of ``x`` (uninitialised padding), read-only unless the
+  kernel writes it; ``fresh``: the allocator of the padded buffer,
+  ``unpadded``: the index of ``x`` in it."""
+  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
+  buf = fresh()
+  if buf.dtype == x.dtype:
+    buf[unpadded] = x
+  else:  # (another dtype than the block's: as BlockGeometry.pad does)
+    buf = geo.pad(x, params)
   if read_only:
     buf = buf.view()
     buf.flags.writeable = False

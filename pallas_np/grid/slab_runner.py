@@ -87,6 +87,7 @@ class SlabRunner:
     self.grid_strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
     self.progress = None
     self.done = 0
+    self._one_pass = None  # one_pass(), on the first run
     # (slab lo, hi, sequential point) -> _block_positions: shared by the
     # copies run_vectorized makes per call
     self._positions = {}
@@ -185,7 +186,7 @@ class SlabRunner:
       for view, copy in relaid:
         np.copyto(view, copy)
       for b, cols, view in writeback:
-        windows[b][tuple(cols)] = view
+        self._scatter(lo, hi, point, b, windows[b], cols, view)
       if step == 0 and first_states is not None:
         first_states.visit(lo, hi, scratch, {b: gather(windows[b], step_cols[b])[0]
                                              for b in range(n_in, n_ops)})
@@ -195,6 +196,64 @@ class SlabRunner:
     for f, s in zip(finals, scratch):
       f[lo:hi] = s
 
+
+  def one_pass(self) -> bool:
+    """Whether a run is one batched call of the kernel: one slab, one
+    sequential grid point, no scratch, no shared outputs, lanes first
+    (``run_one_pass`` then does what ``run`` would, without its loops)."""
+    one = self._one_pass
+    if one is None:  # (decided on the first run: the layout limit may be set after __init__)
+      one = self._one_pass = (
+          len(self.slabs) == 1 and len(self.seq_points) == 1 and not self.shared
+          and not self.kp.scratch_avals and not self.slab_lanes_last(self.n_lanes))
+    return one
+
+  def run_one_pass(self, index_ops, buffers, progress):
+    """``run`` of a ``one_pass`` runner, ``progress`` ticked at the end
+    (the per-call floor of small vectorized grids)."""
+    kp = self.kp
+    windows = [block_windows(buf, geo) for buf, geo in zip(buffers, kp.blocks)]
+    lo, hi = self.slabs[0]
+    point = self.seq_points[0]
+    positions = self._positions.get((lo, hi, point))
+    if positions is None:
+      pos_limits = [w.shape[:len(geo.kinds)] for w, geo in zip(windows, kp.blocks)]
+      positions = self._block_positions(self.lane_flat[lo:hi], point, pos_limits)
+      self._positions[lo, hi, point] = positions
+    views, writeback = [], []
+    for b, (cols, index) in enumerate(positions):
+      window = windows[b]
+      if not self.operand_batched[b]:
+        views.append(window[index] if index else window)
+      elif index is not None:  # the lanes' blocks are a view: one basic index
+        views.append(window[index])
+      else:
+        view, copied = self._gather(lo, hi, point, b, window, cols)
+        if copied and b >= kp.num_inputs:
+          writeback.append((b, cols, view))
+        views.append(view)
+    ctx = RunContext(kp.name, kp.params)
+    ctx.num_programs = self.num_programs
+    ctx.batch_size = hi - lo
+    ctx.grid_point = None
+    ids = [None] * len(self.grid)
+    for k, d in enumerate(self.axes):
+      ids[d] = self.lane_coords[k, lo:hi]
+    for d, v in zip(self.seq_axes, point):
+      ids[d] = np.int32(v)
+    ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+    self.kernel.fn(ctx, *index_ops, *views)
+    for b, cols, view in writeback:
+      self._scatter(lo, hi, point, b, windows[b], cols, view)
+    if progress is not None:
+      progress.tick(hi - lo)
+
+  def per_call(self) -> SlabRunner:
+    """A shallow copy for one call's state (progress, lanes done); the
+    positions and recipes stay shared. ``copy.copy`` costs ~4 µs."""
+    runner = object.__new__(type(self))
+    runner.__dict__.update(self.__dict__)
+    return runner
 
   def slab_lanes_last(self, n) -> bool:
     """Whether a slab of ``n`` lanes is laid out lanes-last."""
@@ -208,11 +267,22 @@ class SlabRunner:
     key = (lo, hi, point, b, window.shape, window.strides)
     recipe = self._recipes.get(key)
     if recipe is None:
-      recipe = self._recipes[key] = _merged_view_recipe(window, cols)
+      recipe = self._recipes[key] = (_merged_view_recipe(window, cols)
+                                     or _Box.of(window, cols))
     if recipe is False:
       return window[tuple(cols)], True
+    if type(recipe) is _Box:  # a copy, through reshape: cheaper than the gather
+      return window[recipe.index].reshape(recipe.lanes_shape), True
     run_index, shape, start, n = recipe
     return window[run_index].reshape(shape)[start:start + n], False
+
+  def _scatter(self, lo, hi, point, b, window, cols, view):
+    """Write back the lanes' blocks ``_gather`` copied."""
+    recipe = self._recipes.get((lo, hi, point, b, window.shape, window.strides))
+    if type(recipe) is _Box:
+      window[recipe.index] = view.reshape(recipe.box_shape)
+    else:
+      window[tuple(cols)] = view
 
   def _block_positions(self, lane_flat, point, pos_limits):
     """Per operand at sequential grid ``point``: the lanes' block positions
@@ -270,7 +340,26 @@ class SlabRunner:
 
 
 def block_windows(buf, geo):
-  """View of ``buf`` indexed by block position: W[i0, i1, ...] is the block."""
+  """View of ``buf`` indexed by block position: W[i0, i1, ...] is the block.
+  Its layout is computed once per buffer layout; a C-contiguous buffer is
+  viewed through ``np.ndarray`` (a fifth of ``as_strided``'s cost: the
+  per-call floor of vectorized grids)."""
+  key = (buf.shape, buf.strides)
+  layout = geo.window_layouts.get(key)
+  if layout is None:
+    layout = _window_layout(buf, geo)
+    if len(geo.window_layouts) >= 16:
+      geo.window_layouts.clear()
+    geo.window_layouts[key] = layout
+  shape, strides = layout
+  if buf.flags.c_contiguous and buf.size:
+    return np.ndarray(shape, buf.dtype, buf, 0, strides)
+  return np.lib.stride_tricks.as_strided(buf, shape=shape, strides=strides,
+                                         writeable=buf.flags.writeable)
+
+
+def _window_layout(buf, geo):
+  """(shape, strides) of ``block_windows``' view of ``buf``."""
   pos_shape, strides = [], []
   blk_shape, blk_strides = [], []
   for d, (kind, b) in enumerate(zip(geo.kinds, geo.sizes)):
@@ -281,9 +370,7 @@ def block_windows(buf, geo):
     if kind != "squeezed":
       blk_shape.append(b)
       blk_strides.append(buf.strides[d])
-  return np.lib.stride_tricks.as_strided(
-      buf, shape=(*pos_shape, *blk_shape), strides=(*strides, *blk_strides),
-      writeable=buf.flags.writeable)
+  return (*pos_shape, *blk_shape), (*strides, *blk_strides)
 
 
 def lanes_last_copy(x):
@@ -319,6 +406,32 @@ def gather(window, cols):
   if view is not None:
     return view, False
   return window[tuple(cols)], True
+
+
+class _Box:
+  """Lanes whose blocks are every block of a box of block positions, in C
+  order (a ragged 2-D grid's lanes): ``window[index]`` reshaped to
+  ``lanes_shape`` is the gather ``window[tuple(cols)]``, and writing
+  ``view.reshape(box_shape)`` back to ``window[index]`` its scatter, both
+  plain strided copies."""
+  __slots__ = ("index", "lanes_shape", "box_shape")
+
+  @classmethod
+  def of(cls, window, cols):
+    """The box of ``cols``, or False."""
+    k, n = len(cols), len(cols[0])
+    lows = [int(c.min()) for c in cols] if n else []
+    extents = [int(c.max()) + 1 - low for c, low in zip(cols, lows)]
+    if not n or math.prod(extents) != n:
+      return False
+    enumeration = np.indices(extents).reshape(k, -1)
+    if not all((c - low == e).all() for c, low, e in zip(cols, lows, enumeration)):
+      return False
+    box = cls()
+    box.index = tuple(slice(low, low + e) for low, e in zip(lows, extents))
+    box.lanes_shape = (n, *window.shape[k:])
+    box.box_shape = (*extents, *window.shape[k:])
+    return box
 
 
 def _merged_view_recipe(window, cols):

@@ -56,7 +56,6 @@ sequentially from fresh buffers, so errors name the exact grid point.
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -258,7 +257,17 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   if isinstance(runner[1], str):
     gv.last_failure = runner[1]
     return Declined(prepared)
-  runner = copy.copy(runner[1])  # per-call state (progress) on a copy; positions shared
+  if runner[1].one_pass():  # one batched call of the kernel: no loops
+    one = runner[1]
+    gv.last_layout, gv.last_axes = "lanes-first", one.axes
+    progress = debugging.progress_bar(kp.name, math.prod(grid), kp.params)
+    try:
+      one.run_one_pass(index_ops, buffers, progress)
+    finally:
+      if progress is not None:
+        progress.close()
+    return out_bufs
+  runner = runner[1].per_call()  # per-call state (progress) on a copy; positions shared
   shared = runner.shared
   lanes_last = any(runner.slab_lanes_last(hi - lo) for lo, hi in runner.slabs)
   gv.last_layout = "lanes-last" if lanes_last else "lanes-first"
