@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import numpy as np
 
@@ -72,11 +73,12 @@ class Val:
   a module constant (read-only: copied before it is merged into a carry);
   ``temp``: an eqn's buffer, allocated once at the function's entry and
   rewritten by its eqn in every iteration (a carry copies it)."""
-  __slots__ = ("name", "shape", "dtype", "kind", "glob", "temp")
+  __slots__ = ("name", "shape", "dtype", "kind", "glob", "temp", "roll")
 
   def __init__(self, name, shape, dtype, kind, glob=False, temp=False):
     self.name, self.shape, self.dtype, self.kind = name, tuple(shape), dtype, kind
     self.glob, self.temp = glob, temp
+    self.roll = None  # (w, dim): ``concatenate([w, w], dim)``, never materialised
 
   @property
   def size(self) -> int:
@@ -101,6 +103,7 @@ class Gen:
     self.ref_positions: dict = {}  # ref variable name -> argument position
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
+    self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.
     self.fuse = None
@@ -206,6 +209,13 @@ class Gen:
   def run_jaxpr(self, jaxpr, consts, ins: list) -> list:
     """Emit ``jaxpr``'s eqns on ``ins``; its output values."""
     env = {}
+    for eqn in jaxpr.eqns:  # (who reads each value: see shapes' lazy roll)
+      for k, a in enumerate(eqn.invars):
+        if isinstance(a, jc.Var):
+          self.consumers.setdefault(a, []).append((eqn, k))
+    for a in jaxpr.outvars:
+      if isinstance(a, jc.Var):
+        self.consumers.setdefault(a, []).append((None, 0))
     for v, c in zip(jaxpr.constvars, consts):
       env[v] = self.constant(np.asarray(c), dtype_of(v.aval))
     for v, x in zip(jaxpr.invars, ins):
@@ -243,6 +253,29 @@ def _inline_callee(eqn):
   raise Refused(f"call {eqn.primitive.name}")
 
 
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _dead_stores(prologue, lines) -> list:
+  """The function's lines without the buffers only their fused loop
+  needed: an element value used only in the loop that computes it stays a
+  local (a store per element and temporary would keep LLVM from
+  vectorizing the loop: too many arrays that might alias)."""
+  count: dict = {}
+  for line in lines:
+    for name in set(_NAME.findall(line)):
+      count[name] = count.get(name, 0) + 1
+  stores = {}  # buffer -> its fused store lines ``v[_i] = ev``
+  for k, line in enumerate(lines):
+    target, _, value = line.strip().partition("[_i] = ")
+    if value == "e" + target:
+      stores.setdefault(target, []).append(k)
+  dead = {name for name, ks in stores.items() if count.get(name, 0) == len(ks)}
+  drop = {k for name in dead for k in stores[name]}
+  return ([a for a in prologue if a.split("=", 1)[0].strip() not in dead]
+          + [l for k, l in enumerate(lines) if k not in drop])
+
+
 class Source:
   """What ``loop_source`` generated."""
   __slots__ = ("text", "globals", "sites", "kinds", "written")
@@ -274,6 +307,6 @@ def loop_source(eqn, clamp: bool) -> Source:
   outs = EMITTERS[eqn.primitive.name](gen, eqn, ins, top=True)
   ret = "".join(f", {o.name}" for o in outs)
   gen.emit(f"return (0{ret},)")
-  text = (f"def native_loop(_st, {', '.join(args)}):\n"
-          + "\n".join(gen.prologue + gen.lines) + "\n")
+  lines = _dead_stores(gen.prologue, gen.lines)
+  text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
   return Source(text, gen, [v.kind for v in ins])

@@ -148,7 +148,7 @@ def _get(gen, eqn, ins):
 def _swap(gen, eqn, ins):
   at, shape = _access(gen, eqn, ins[0], eqn.invars[2:], ins[2:])
   old = None
-  if not isinstance(eqn.outvars[0], jc.DropVar):
+  if not isinstance(eqn.outvars[0], jc.DropVar) and gen.consumers.get(eqn.outvars[0]):
     old = _read(gen, at, shape, ins[0].dtype)
   _write(gen, at, shape, ins[0], ins[1])
   return [old]

@@ -150,9 +150,21 @@ def _iota(gen, eqn, ins):
   return [_gather(gen, shape, dt, lambda js: f"{np_name(dt)}({js[dim]})")]
 
 
+LAZY_ROLL = True
+
+
 @register("concatenate")
 def _concatenate(gen, eqn, ins):
   dim = int(eqn.params["dimension"])
+  users = gen.consumers.get(eqn.outvars[0], ())
+  if (LAZY_ROLL and len(ins) == 2 and ins[0] is ins[1] and ins[0].kind == "a" and len(users) == 1
+      and users[0][0] is not None and users[0][0].primitive.name == "dynamic_slice"
+      and users[0][1] == 0):
+    # jnp.roll's concatenate([x, x]) read by one dynamic_slice: that slice
+    # reads x with the index wrapped instead (one pass, not three)
+    lazy = Val(gen.fresh("roll"), eqn.outvars[0].aval.shape, ins[0].dtype, "a")
+    lazy.roll = (ins[0], dim)
+    return [lazy]
   shape = tuple(eqn.outvars[0].aval.shape)
   dt = dtype_of(eqn.outvars[0].aval)
   out = gen.array(shape, dt)
@@ -186,9 +198,39 @@ def _dynamic_slice(gen, eqn, ins):
   if x.kind != "a":
     raise Refused("dynamic_slice of a scalar")
   st = _clamped_starts(gen, starts, x.shape, sizes)
+  if x.roll is not None:
+    return [_roll_gather(gen, x.roll, sizes, st)]
   in_strides = _strides(x.shape)
   return [_gather(gen, sizes, x.dtype, lambda js: f"{x.name}[" + " + ".join(
       f"({j} + {s}) * {k}" for j, s, k in zip(js, st, in_strides)) + "]")]
+
+
+def _roll_gather(gen, roll, sizes, starts):
+  """``dynamic_slice(concatenate([w, w], dim), starts, sizes)`` read from
+  ``w``: along ``dim`` the loop is split where the index wraps, so each
+  half is a plain contiguous copy."""
+  w, dim = roll
+  n = w.shape[dim]
+  out = gen.array(sizes, w.dtype)
+  w_strides, o_strides = _strides(w.shape), _strides(sizes)
+  s = starts[dim]
+  for half in (0, 1):
+    js = []
+    for d, size in enumerate(sizes):
+      j = gen.fresh("j")
+      js.append(j)
+      if d != dim:
+        gen.emit(f"for {j} in range({size}):")
+      elif half == 0:
+        gen.emit(f"for {j} in range(min({size}, {n} - {s})):")
+      else:
+        gen.emit(f"for {j} in range(max(0, {n} - {s}), {size}):")
+      gen.depth += 1
+    src = " + ".join(f"({j} + {st}{' - ' + str(n) if (d == dim and half) else ''}) * {k}"
+                     for d, (j, st, k) in enumerate(zip(js, starts, w_strides)))
+    gen.emit(f"{out.name}[{_linear(zip(js, o_strides))}] = {w.name}[{src}]")
+    gen.depth -= len(sizes)
+  return out
 
 
 @register("dynamic_update_slice")

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from pallas_np.compiler import sourcemap
+from pallas_np.lru import LRU
 from pallas_np.native import codegen
 from pallas_np.native.refs import MAX_LEAVES
 
@@ -33,7 +34,11 @@ HOT_RUNS = 3
 MODES = ("background", "sync", "off")
 ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # "0"/"off": never compile
 
-_state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0}
+_state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0}
+# Compiled loops by generated source, constants and signature: the eager and
+# the jax.jit path of one kernel, its sequential and vectorized plans, and
+# equal loops of other kernels share one compile.
+_compiled = LRU(64)
 _pending = [0]
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
@@ -144,11 +149,19 @@ class NativeLoop:
       return
     try:
       import numba  # (lazily: only a hot loop pays for it)
-      scope = dict(src.globals, np=np)
-      exec(compile(src.text, "<pallas_np native loop>", "exec"), scope)  # noqa: S102
-      fn = numba.njit(error_model="numpy", nogil=True)(scope["native_loop"])
-      fn.compile(_signature(numba, src.kinds, self.invars, src.written))
-      fn.disable_compile()
+      sig = _signature(numba, src.kinds, self.invars, src.written)
+      key = (src.text, sig, tuple((k, v.dtype.str, v.tobytes())
+                                  for k, v in sorted(src.globals.items())))
+      fn = _compiled.get(key)
+      if fn is None:
+        scope = dict(src.globals, np=np)
+        exec(compile(src.text, "<pallas_np native loop>", "exec"), scope)  # noqa: S102
+        fn = numba.njit(error_model="numpy", nogil=True)(scope["native_loop"])
+        fn.compile(sig)
+        fn.disable_compile()
+        _compiled.put(key, fn)
+      else:
+        _state["reused"] += 1
     except Exception as e:  # noqa: BLE001 - the NumPy path stays
       _state["failed"] += 1
       log.debug("pallas_np: native loop compile failed: %r", e)
