@@ -293,3 +293,24 @@ def _reduction(kind):
 
 for _k in ("sum", "max", "min", "or", "and"):
   register(f"reduce_{_k}")(_reduction(_k))
+
+
+@register("unstack")
+def _unstack(gen, eqn, ins):
+  """(newer JAX's ``jnp.roll`` unstacks its shift): one value per index
+  along ``axis``, that axis removed."""
+  x = ins[0]
+  axis = int(eqn.params["axis"])
+  if x.kind != "a":
+    raise Refused("unstack of a scalar")
+  strides = _strides(x.shape)
+  shape = x.shape[:axis] + x.shape[axis + 1:]
+  kept = [d for d in range(len(x.shape)) if d != axis]
+  outs = []
+  for k in range(x.shape[axis]):
+    if not shape:
+      outs.append(gen.scalar(f"{x.name}[{k * strides[axis]}]", x.dtype))
+      continue
+    outs.append(_gather(gen, shape, x.dtype, lambda js, k=k: f"{x.name}[" + _linear(
+        [(j, strides[d]) for j, d in zip(js, kept)] + [(None, k * strides[axis])]) + "]"))
+  return outs
