@@ -360,3 +360,34 @@ def test_numba_not_imported_by_import_or_first_call():
                                          "PALLAS_NP_CHECK_AVALS": "0"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip().endswith("ok")
+
+
+def shapes_kernel(x_ref, o_ref, s_ref):
+  def body(i, carry):
+    x, total = carry
+    t = x.T                                               # transpose
+    r = lax.rev(x, (1,))                                  # rev
+    s = lax.slice(x, (0, 1), (8, 8), (2, 3))              # strided slice
+    u = lax.dynamic_update_slice(x, s[:, :2] * 3, (i * 3, i * 5))  # clamped starts
+    d = lax.dynamic_slice(x, (i - 1, 2 * i), (4, 4))      # clamped (negative) starts
+    b = jnp.broadcast_to(x[:, :1], (8, 8)) + jnp.broadcast_to(x[:1, :], (8, 8))
+    sums = jnp.sum(x, axis=0) + jnp.max(x, axis=1) - jnp.min(x, axis=0)
+    y = lax.cond(i % 2 == 0, lambda v: v + r, lambda v: v - t, x)   # cond
+    flag = jnp.any(x > 1000) | jnp.all(x < 5000)
+    total = total + jnp.sum(x) + flag.astype(jnp.int32)
+    x = y + u - b + jnp.tile(d, (2, 2)) + sums[None, :] + jnp.tile(jnp.concatenate([s[:, 1:], s[:, :1]], 1)[:, :1], (2, 8))
+    return x % 1000, total
+  x, total = lax.fori_loop(0, 4, body, (x_ref[...], jnp.int32(0)))
+  o_ref[...] = x
+  s_ref[0] = total
+
+
+def test_shape_ops_reductions_and_cond():
+  """transpose, rev, strided slice, dynamic_update_slice/dynamic_slice
+  (XLA's start clamping), broadcasts, integer sum/max/min reductions,
+  any/all, cond, concatenate, a scalar carry and a scalar ref store."""
+  x = jnp.asarray(_rng.integers(-500, 500, (8, 8)), jnp.int32)
+  three_ways(lambda interp: pl.pallas_call(
+      shapes_kernel, out_shape=(jax.ShapeDtypeStruct((8, 8), jnp.int32),
+                                jax.ShapeDtypeStruct((1,), jnp.int32)),
+      interpret=interp), x)

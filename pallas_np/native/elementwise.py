@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pallas_np.native import shapes
 from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
 
 # name -> make(in dtypes, out dtype, params) -> expr(*operand exprs)
@@ -282,9 +283,10 @@ def _elementwise(gen, eqn, ins):
   if name == "convert_element_type" and np.dtype(params["new_dtype"]) != out_dt:
     raise Refused("convert_element_type")
   expr = make([v.dtype for v in ins], out_dt, params)
-  for v in ins:
-    if v.kind == "r" or (v.kind == "a" and v.shape != shape):
-      raise Refused(f"{name} operand shapes")
+  if any(v.kind == "r" for v in ins):
+    raise Refused(f"{name} of a ref")
+  ins = [shapes.broadcast_to(gen, v, shape) if v.kind == "a" and v.shape != shape else v
+         for v in ins]
   if not shape:
     text = expr(*[v.name for v in ins])
     if all(v.glob for v in ins):  # constants only: folded (index arithmetic)

@@ -81,6 +81,16 @@ def retarget(gen, v: Val, shape) -> Val:
   return Val(v.name, shape, v.dtype, "a", glob=v.glob, temp=v.temp)
 
 
+def broadcast_to(gen, v: Val, shape) -> Val:
+  """``v`` (same rank, dims 1 or equal) broadcast to ``shape``: an
+  elementwise operand that NumPy-style broadcasting would stretch."""
+  if len(v.shape) != len(shape) or any(a not in (1, b) for a, b in zip(v.shape, shape)):
+    raise Refused("operand shapes")
+  strides = _strides(v.shape)
+  return _gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + _linear(
+      (j, k if n != 1 else 0) for j, n, k in zip(js, v.shape, strides)) + "]")
+
+
 @register("reshape", "squeeze", "expand_dims")
 def _reshape(gen, eqn, ins):
   return [retarget(gen, ins[0], eqn.outvars[0].aval.shape)]
@@ -314,3 +324,14 @@ def _unstack(gen, eqn, ins):
     outs.append(_gather(gen, shape, x.dtype, lambda js, k=k: f"{x.name}[" + _linear(
         [(j, strides[d]) for j, d in zip(js, kept)] + [(None, k * strides[axis])]) + "]"))
   return outs
+
+
+@register("tile")
+def _tile(gen, eqn, ins):
+  x = ins[0]
+  shape = tuple(eqn.outvars[0].aval.shape)
+  if x.kind != "a" or len(x.shape) != len(shape):
+    raise Refused("tile")
+  strides = _strides(x.shape)
+  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+      (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]

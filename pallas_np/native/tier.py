@@ -88,20 +88,28 @@ def _submit(loop) -> None:
   _jobs.put(loop)
 
 
-def _signature(numba, kinds, avals, written):
+def _layouts(args) -> tuple:
+  """(C-contiguous, writeable) of each array operand (None for scalars):
+  the compiled signature matches them exactly, so numba's dispatcher takes
+  its fast path (a call needing a layout conversion costs tens of µs)."""
+  return tuple((a.flags.c_contiguous, a.flags.writeable) if isinstance(a, np.ndarray) else None
+               for a in args)
+
+
+def _signature(numba, kinds, avals, layouts):
   from_dtype = numba.from_dtype
   types = numba.types
   sig = [types.Array(types.int64, 1, "C")]
-  for k, (kind, aval) in enumerate(zip(kinds, avals)):
-    if kind == "r":
-      inner = aval.inner_aval
-      sig.append(types.Array(from_dtype(codegen.dtype_of(inner)), len(inner.shape), "A",
-                             readonly=k not in written))
-    elif kind == "s":
+  for kind, aval, layout in zip(kinds, avals, layouts):
+    if kind == "s":
       sig.append(from_dtype(codegen.dtype_of(aval)))
-    else:
-      sig.append(types.Array(from_dtype(codegen.dtype_of(aval)), len(aval.shape), "A",
-                             readonly=True))
+      continue
+    if layout is None:
+      raise codegen.Refused("a scalar where an array was expected")
+    inner = aval.inner_aval if kind == "r" else aval
+    contiguous, writeable = layout
+    sig.append(types.Array(from_dtype(codegen.dtype_of(inner)), len(inner.shape),
+                           "C" if contiguous else "A", readonly=not writeable))
   return tuple(sig)
 
 
@@ -133,6 +141,7 @@ class NativeLoop:
     self.outs = []
     self.kinds = None
     self.sites = ()
+    self.layouts = ()
 
   # -- compiling ---------------------------------------------------------------
   def compile(self) -> None:
@@ -149,7 +158,9 @@ class NativeLoop:
       return
     try:
       import numba  # (lazily: only a hot loop pays for it)
-      sig = _signature(numba, src.kinds, self.invars, src.written)
+      if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
+        raise codegen.Refused("a written ref is read-only")
+      sig = _signature(numba, src.kinds, self.invars, self.layouts)
       key = (src.text, sig, tuple((k, v.dtype.str, v.tobytes())
                                   for k, v in sorted(src.globals.items())))
       fn = _compiled.get(key)
@@ -171,7 +182,10 @@ class NativeLoop:
     self.native = fn  # the swap
     _state["compiled"] += 1
 
-  def _hot(self, ctx) -> None:
+  def _hot(self, ctx, args) -> None:
+    if self.in_batched is not None:  # (each lane runs on its lane's views)
+      args = [a[0] if b else a for a, b in zip(args, self.in_batched)]
+    self.layouts = _layouts(args)
     if ctx is not self.last_ctx:
       self.last_ctx = ctx
       self.runs += 1
@@ -190,7 +204,7 @@ class NativeLoop:
       if res is not None:
         return res
     elif not self.queued:
-      self._hot(ctx)
+      self._hot(ctx, args)
       if self.native is not None:
         return self(ctx, *args)
     return self.numpy_fn(ctx, *args)
