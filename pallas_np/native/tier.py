@@ -13,6 +13,7 @@ or numba fails (logged once at debug level), the NumPy path runs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -127,6 +128,7 @@ class NativeLoop:
   """A loop rule's callable with its native tier (see the module doc)."""
 
   def __init__(self, eqn, params, numpy_fn, in_batched=None, out_batched=None):
+    functools.update_wrapper(self, numpy_fn)  # (its name and doc: plans are inspected)
     self.eqn = eqn
     self.in_batched = in_batched  # a vectorized pass: each lane runs the loop
     self.out_batched = out_batched
@@ -142,6 +144,11 @@ class NativeLoop:
     self.kinds = None
     self.sites = ()
     self.layouts = ()
+
+  @property
+  def __globals__(self):
+    """The NumPy path's globals (a generated loop function's constants)."""
+    return self.numpy_fn.__globals__
 
   # -- compiling ---------------------------------------------------------------
   def compile(self) -> None:
