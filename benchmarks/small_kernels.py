@@ -373,11 +373,15 @@ def check(case, outs, args):
   return err, err <= case.tol
 
 
+NATIVE_LOOPS = ["background"]  # --native-loops: InterpretParams(native_loops=...)
+
+
 def callables(case):
   """{(mode, how): fn}: interpret="numpy" / interpret=True, eager / jax.jit."""
   fns = {}
   for mode, how in MODES:
-    fn = case.make(pallas_np.InterpretParams() if mode == "numpy" else True)
+    fn = case.make(pallas_np.InterpretParams(native_loops=NATIVE_LOOPS[0]) if mode == "numpy"
+                   else True)
     fns[mode, how] = jax.jit(fn) if how == "jit" else fn
   return fns
 
@@ -393,6 +397,12 @@ def measure(name, builder, rounds, budget):
     outs[key] = jax.block_until_ready(fn(*args))
     first[key] = time.perf_counter() - t0
   err, ok = check(case, outs, args)
+  switch = warm_native(fns, args)
+  for key, fn in fns.items():  # (checked again: after the native tier switched)
+    if key[0] == "numpy":
+      outs[key] = jax.block_until_ready(fn(*args))
+  err2, ok2 = check(case, outs, args)
+  err, ok = max(err, err2), ok and ok2
   times = {key: [] for key in fns}
   start = time.perf_counter()
   for r in range(rounds):
@@ -402,9 +412,31 @@ def measure(name, builder, rounds, budget):
       times[key].append(time.perf_counter() - t0)
     if r >= 4 and time.perf_counter() - start > budget:
       break
-  return {"name": case.name, "first": first, "err": err, "ok": ok,
+  return {"name": case.name, "first": first, "err": err, "ok": ok, "switch": switch,
           "warm": {key: statistics.median(t) for key, t in times.items()},
           "reps": len(times[MODES[0]])}
+
+
+def warm_native(fns, args, timeout=120.0):
+  """Call the numpy callables until their hot loops are handed to the native
+  tier (pallas_np.native: compiled in the background after HOT_RUNS kernel
+  runs) and wait for those compiles: the warm runs then measure the steady
+  state. Returns (calls made, seconds from the first of them until every
+  compile was done), or None if no compile was started."""
+  numpy_fns = [fn for key, fn in fns.items() if key[0] == "numpy"]
+  compiled = pallas_np.native.stats()
+  t0 = time.perf_counter()
+  calls = 0
+  for _ in range(pallas_np.native.HOT_RUNS):
+    for fn in numpy_fns:
+      jax.block_until_ready(fn(*args))
+      calls += 1
+  pallas_np.native.wait(timeout)
+  after = pallas_np.native.stats()
+  if after["compiled"] + after["refused"] + after["failed"] == (
+      compiled["compiled"] + compiled["refused"] + compiled["failed"]):
+    return None
+  return calls, time.perf_counter() - t0
 
 
 def ratio(r, how):
@@ -451,6 +483,12 @@ def report(results, command, info):
         f"{w['interpret', 'eager'] * 1e6:.0f} us; under jax.jit numpy "
         f"**{w['numpy', 'jit'] * 1e6:.0f} us** vs interpret=True "
         f"{w['interpret', 'jit'] * 1e6:.0f} us.")
+  switched = [f"`{k}` {r['switch'][0]} calls / {r['switch'][1]:.1f} s" for k, r in results.items()
+              if r.get("switch")]
+  if switched:
+    lines.append("- Native tier (hot loops compiled with numba in the background, "
+                 "docs/performance.md): warm-up until the switch (calls of the numpy callables, "
+                 "seconds including numba's import and compile): " + ", ".join(switched) + ".")
   lines += ["", SECTION_END]
   return "\n".join(lines)
 
@@ -471,7 +509,10 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, help="max warm rounds (default 200, --quick 30)")
   ap.add_argument("--budget", type=float, help="warm seconds per kernel (default 3, --quick 0.7)")
   ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+  ap.add_argument("--native-loops", default="background", choices=("background", "off"),
+                  help="InterpretParams(native_loops=...) of the numpy callables")
   args = ap.parse_args(argv)
+  NATIVE_LOOPS[0] = args.native_loops
   # Set here, not at import (the tests import this module); both are read
   # when first needed (JAX's backends start on the first computation).
   if not os.environ.get("JAX_PLATFORMS"):
@@ -490,7 +531,9 @@ def main(argv=None):
     print(f"{name:20s} eager {w['numpy', 'eager'] * 1e3:8.3f} / {w['interpret', 'eager'] * 1e3:8.3f}"
           f" = {ratio(r, 'eager'):6.2f}   jit {w['numpy', 'jit'] * 1e3:8.3f} / "
           f"{w['interpret', 'jit'] * 1e3:8.3f} = {ratio(r, 'jit'):6.2f}   "
-          + ("ok" if r["ok"] else f"ERR {r['err']:.1e}"), flush=True)
+          + ("ok" if r["ok"] else f"ERR {r['err']:.1e}")
+          + (f"   native after {r['switch'][0]} calls, {r['switch'][1]:.1f} s"
+             if r["switch"] else ""), flush=True)
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
   section = report(results, " ".join(["python benchmarks/small_kernels.py", *sys.argv[1:]]),
                    info + f"; load average {load:.1f} at the end")

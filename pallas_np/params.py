@@ -65,6 +65,13 @@ class InterpretParams:
       ``scan``, ``map``, ``pl.loop``, ``emit_pipeline``) that would unroll
       under ``disable_jit``; ``True``/``False``: always/never (see
       pallas_np.tracing).
+    native_loops: hot ``while``/``fori_loop`` loops compiled to machine code
+      with numba (pallas_np.native; same bits and errors as the NumPy path):
+      ``"background"`` (default): a loop that ran in ``native.HOT_RUNS`` (3)
+      kernel runs is compiled on a background thread and used once ready;
+      ``"sync"``: compiled at its first run, in the caller; ``"off"``: never.
+      ``PALLAS_NP_NATIVE_LOOPS=0`` turns it off everywhere. Never under
+      ``pdb``, ``detect_races``, ``explain``, ``check_avals`` or ``trace``.
     explain: set by ``pallas_np.explain`` only: the session that records
       every grid step's block indices and ref accesses (the run goes point by
       point, like ``detect_races``). ``None`` (default): nothing recorded.
@@ -83,6 +90,7 @@ class InterpretParams:
   whole_program: bool = True
   inline_jit: bool | None = None
   explain: Any = None
+  native_loops: Literal["background", "sync", "off"] = "background"
 
   @property
   def records_accesses(self) -> bool:
@@ -94,6 +102,9 @@ class InterpretParams:
       raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
+    if self.native_loops not in ("background", "sync", "off"):
+      raise ValueError("native_loops must be 'background', 'sync' or 'off', "
+                       f"got {self.native_loops!r}")
     if self.num_threads is not None and int(self.num_threads) < 1:
       raise ValueError(f"num_threads must be None or >= 1, got {self.num_threads!r}")
     if self.parallel_axes is not None:  # hashable: the params are a cache key

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from pallas_np import _compat as jc
-from pallas_np import batching, registry
+from pallas_np import batching, native, registry
 from pallas_np.compiler import loop_codegen
 from pallas_np.control_flow import lane_groups
 from pallas_np.errors import NotBatchable
@@ -31,7 +31,28 @@ def _inlined(compiler) -> bool:
   return not compiler.params.pdb
 
 
+def _native(e, fn, in_batched=None, out_batched=None):
+  """``fn`` (a loop's NumPy path) with its native tier (``pallas_np.native``)
+  where the loop may be compiled: an outermost loop (a nested one is
+  compiled with it), options allowing it, a vectorized pass only with
+  lanes first and every ref operand lane-stacked (each lane then runs the
+  compiled loop on its own operands, as the sequential grid would)."""
+  compiler = e.compiler
+  if compiler.loop_depth or not native.enabled(compiler.params):
+    return fn
+  if in_batched is not None:
+    if compiler.lanes_last or any(isinstance(a, jc.AbstractRef) and not b
+                                  for a, b in zip(e.in_avals, in_batched)):
+      return fn
+  return native.NativeLoop(e.eqn, compiler.params, fn, in_batched, out_batched)
+
+
 def _while_batched(bc, rule, info, in_batched):
+  fn, needs_ctx, out_b = _while_batched_numpy(bc, rule, info, in_batched)
+  return _native(info, fn, in_batched, out_b), needs_ctx, out_b
+
+
+def _while_batched_numpy(bc, rule, info, in_batched):
   p = info.params
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
   cc_b = tuple(in_batched[:nc])
@@ -122,9 +143,9 @@ def _while(e):
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
   n_carry = len(e.in_avals) - nc - nb
   if _inlined(e.compiler):
-    return loop_codegen.loop_function("while_loop", e.compiler.name, cond=cond,
-                                      n_cond_consts=nc, body=body, n_body_consts=nb,
-                                      n_carry=n_carry)
+    return _native(e, loop_codegen.loop_function(
+        "while_loop", e.compiler.name, cond=cond, n_cond_consts=nc, body=body,
+        n_body_consts=nb, n_carry=n_carry))
   return _while_loop(nc, nb, n_carry)(cond.fn, body.fn)
 
 
@@ -167,6 +188,14 @@ def _carry_loop(n_consts, n_carry):
 
 
 def _scan_batched(bc, rule, info, in_batched):
+  fn, needs_ctx, out_b = _scan_batched_numpy(bc, rule, info, in_batched)
+  if len(info.out_avals) != jc.scan_counts(info.params)[1] or len(in_batched) != sum(
+      jc.scan_counts(info.params)):
+    return fn, needs_ctx, out_b  # (xs or ys: not compiled)
+  return _native(info, fn, in_batched, out_b), needs_ctx, out_b
+
+
+def _scan_batched_numpy(bc, rule, info, in_batched):
   p = info.params
   num_consts, num_carry = jc.scan_counts(p)
   length = int(p["length"])
@@ -232,9 +261,9 @@ def _scan(e):
 
   if not y_specs and n_xs == 0:
     if _inlined(e.compiler):
-      return loop_codegen.loop_function("fori_loop", e.compiler.name, body=body_plan,
-                                        n_body_consts=num_consts, n_carry=num_carry,
-                                        order=order)
+      return _native(e, loop_codegen.loop_function(
+          "fori_loop", e.compiler.name, body=body_plan, n_body_consts=num_consts,
+          n_carry=num_carry, order=order))
     return _carry_loop(num_consts, num_carry)(body, order)
 
   def scan(ctx, *args):

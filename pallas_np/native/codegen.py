@@ -1,0 +1,312 @@
+"""A loop eqn (``while``, or a ``scan`` without xs/ys) as the Python source of
+one ``numba.njit`` function that runs the whole loop.
+
+Every value of the loop's jaxprs gets a local variable of the generated
+function: a 0-d value is a scalar of its exact dtype, an array a flat
+C-contiguous 1-d array (its shape is known here, statically), a ref the
+N-d array the kernel passed. Each eqn is one emitter from ``EMITTERS``
+(registered per primitive family in ``elementwise``, ``shapes``, ``refs``
+and ``control``) writing explicit per-element loops into a fresh array;
+every scalar result is cast to its dtype right away (numba widens int32
+arithmetic to int64, and float32 must stay float32), and never with
+``fastmath``. Values are never written after they are computed (a
+``reshape`` may alias), only refs are.
+
+Anything outside the table, a dtype numba cannot hold exactly (bf16, f16,
+fp8, sub-byte ints, complex) or a ref access it cannot check raises
+``Refused`` here: the loop then keeps running on the NumPy path.
+
+Nothing here imports numba: this only writes text (``tier`` compiles it).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np.compiler import INLINE_CALLS
+from pallas_np.dtypes import np_dtype
+
+SUPPORTED = frozenset(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float32, np.float64))
+
+EMITTERS: dict = {}  # primitive name -> emit(gen, eqn, ins: list[Val]) -> list[Val]
+
+
+# Values one fused elementwise loop holds: numba's compile time grows
+# faster than linearly with the size of one loop body.
+FUSE_MAX = 12
+
+
+class Refused(Exception):
+  """This loop is not compiled (it keeps running on the NumPy path)."""
+
+
+def register(*names):
+  """Register an emitter for the primitives ``names``."""
+  def deco(fn):
+    for n in names:
+      EMITTERS[n] = fn
+    return fn
+  return deco
+
+
+def dtype_of(aval) -> np.dtype:
+  dt = np_dtype(jc.physical_dtype(aval.dtype))
+  if dt not in SUPPORTED:
+    raise Refused(f"dtype {dt}")
+  return dt
+
+
+def np_name(dt: np.dtype) -> str:
+  """The dtype's constructor in generated code."""
+  return "np.bool_" if dt == np.bool_ else f"np.{dt.name}"
+
+
+class Val:
+  """A value of the generated function: ``kind`` is 's' (scalar), 'a'
+  (flat array of ``shape``), 'r' (a ref: the caller's N-d array); ``glob``:
+  a module constant (read-only: copied before it is merged into a carry);
+  ``temp``: an eqn's buffer, allocated once at the function's entry and
+  rewritten by its eqn in every iteration (a carry copies it)."""
+  __slots__ = ("name", "shape", "dtype", "kind", "glob", "temp", "roll")
+
+  def __init__(self, name, shape, dtype, kind, glob=False, temp=False):
+    self.name, self.shape, self.dtype, self.kind = name, tuple(shape), dtype, kind
+    self.glob, self.temp = glob, temp
+    self.roll = None  # (w, dim): ``concatenate([w, w], dim)``, never materialised
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  def at(self, index: str) -> str:
+    """Element ``index`` (flat) of an array, or the scalar itself."""
+    return f"{self.name}[{index}]" if self.kind == "a" else self.name
+
+
+class Gen:
+  """The generated function being written."""
+
+  def __init__(self, clamp: bool):
+    self.clamp = clamp
+    self.lines: list[str] = []
+    self.prologue: list[str] = []  # the temporaries' allocations
+    self.depth = 1
+    self.globals: dict = {}
+    self.count = 0
+    self.sites: list = []  # bounds-check sites: (eqn, RefAccess, ref position, chain)
+    self.ref_positions: dict = {}  # ref variable name -> argument position
+    self.written: set = set()  # argument positions of the refs written
+    self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
+    self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
+    # The elementwise loop still open for fusion: (its size, depth, index of
+    # its header line); valid while it is the last thing emitted.
+    self.fuse = None
+
+  @contextlib.contextmanager
+  def inside(self, eqn):
+    """Emitting the body of a nested control-flow ``eqn`` (for the chain
+    of eqns an error names)."""
+    self.stack.append(eqn)
+    try:
+      yield
+    finally:
+      self.stack.pop()
+
+  def fresh(self, prefix="v") -> str:
+    self.count += 1
+    return f"{prefix}{self.count}"
+
+  def emit(self, line: str) -> None:
+    self.lines.append("    " * self.depth + line)
+
+  def elementwise(self, out: "Val", expr, operands=()) -> None:
+    """``out[_i] = expr(*operand elements)`` for every element;
+    consecutive elementwise eqns of one size share one loop, and an
+    element computed or loaded earlier in it is reused from its local (no
+    reload; LLVM then sees selects, not branches around loads)."""
+    fuse = self.fuse
+    if (fuse is None or fuse[0] != out.size or fuse[1] != self.depth
+        or fuse[3] != len(self.lines) or len(self.fuse_locals) >= FUSE_MAX):
+      self.emit(f"for _i in range({out.size}):")
+      fuse = (out.size, self.depth, len(self.lines) - 1, None)
+      self.fuse_locals = {}
+    pad = "    " * (self.depth + 1)
+    names = []
+    for v in operands:
+      if v.kind != "a":
+        names.append(v.name)
+        continue
+      local = self.fuse_locals.get(v.name)
+      if local is None:
+        local = self.fuse_locals[v.name] = "e" + v.name
+        self.lines.append(f"{pad}{local} = {v.name}[_i]")
+      names.append(local)
+    local = self.fuse_locals[out.name] = "e" + out.name
+    self.lines.append(f"{pad}{local} = {expr(*names)}")
+    self.lines.append(f"{pad}{out.name}[_i] = {local}")
+    self.fuse = fuse[:3] + (len(self.lines),)
+
+  def scalar_line(self, line: str) -> None:
+    """A scalar eqn's line: before an open elementwise loop (it reads only
+    scalars, all defined before that loop), which stays open."""
+    fuse = self.fuse
+    if fuse is None or fuse[1] != self.depth or fuse[3] != len(self.lines):
+      self.emit(line)
+      return
+    self.lines.insert(fuse[2], "    " * self.depth + line)
+    self.fuse = (fuse[0], fuse[1], fuse[2] + 1, fuse[3] + 1)
+
+  @contextlib.contextmanager
+  def block(self, header: str):
+    self.emit(header)
+    self.depth += 1
+    try:
+      yield
+    finally:
+      self.depth -= 1
+
+  def constant(self, value, dt: np.dtype) -> Val:
+    name = self.fresh("K")
+    value = np.asarray(value, dt)
+    if value.ndim == 0:
+      self.globals[name] = dt.type(value)
+      return Val(name, (), dt, "s", glob=True)
+    self.globals[name] = np.ascontiguousarray(value).reshape(-1)
+    return Val(name, value.shape, dt, "a", glob=True)
+
+  def array(self, shape, dt: np.dtype) -> Val:
+    """The buffer of an eqn's array result (allocated once, at the entry:
+    an allocation per eqn and iteration would cost more than its loop)."""
+    v = Val(self.fresh(), shape, dt, "a", temp=True)
+    self.prologue.append(f"    {v.name} = np.empty({max(v.size, 1)}, {np_name(dt)})")
+    return v
+
+  def scalar(self, expr: str, dt: np.dtype) -> Val:
+    v = Val(self.fresh(), (), dt, "s")
+    self.emit(f"{v.name} = {expr}")
+    return v
+
+  def owned(self, v: Val) -> Val:
+    """``v`` as a value that can be merged into a loop carry or a cond
+    output (a module constant array is read-only to numba: copied)."""
+    if v.kind == "a" and v.glob:
+      c = Val(self.fresh(), v.shape, v.dtype, "a")
+      self.emit(f"{c.name} = {v.name}.copy()")
+      return c
+    return v
+
+  def atom(self, a, env) -> Val:
+    if isinstance(a, jc.Literal):
+      return self.constant(a.val, dtype_of(a.aval))
+    return env[a]
+
+  def run_jaxpr(self, jaxpr, consts, ins: list) -> list:
+    """Emit ``jaxpr``'s eqns on ``ins``; its output values."""
+    env = {}
+    for eqn in jaxpr.eqns:  # (who reads each value: see shapes' lazy roll)
+      for k, a in enumerate(eqn.invars):
+        if isinstance(a, jc.Var):
+          self.consumers.setdefault(a, []).append((eqn, k))
+    for a in jaxpr.outvars:
+      if isinstance(a, jc.Var):
+        self.consumers.setdefault(a, []).append((None, 0))
+    for v, c in zip(jaxpr.constvars, consts):
+      env[v] = self.constant(np.asarray(c), dtype_of(v.aval))
+    for v, x in zip(jaxpr.invars, ins):
+      env[v] = x
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      ins_e = [self.atom(a, env) for a in eqn.invars]
+      callee = _inline_callee(eqn)
+      if callee is not None:
+        outs = self.run_jaxpr(callee[0], callee[1], ins_e)
+      else:
+        emitter = EMITTERS.get(name)
+        if emitter is None:
+          raise Refused(f"primitive {name}")
+        for v in eqn.outvars:
+          if not isinstance(v.aval, jc.AbstractRef):
+            dtype_of(v.aval)
+        outs = emitter(self, eqn, ins_e)
+      for v, o in zip(eqn.outvars, outs):
+        if not isinstance(v, jc.DropVar):
+          env[v] = o
+    return [self.atom(a, env) for a in jaxpr.outvars]
+
+
+def _inline_callee(eqn):
+  """(jaxpr, consts) of a call primitive emitted inline (pjit & co.)."""
+  param = INLINE_CALLS.get(eqn.primitive.name)
+  if param is None:
+    return None
+  callee = eqn.params.get(param)
+  if isinstance(callee, jc.ClosedJaxpr):
+    return callee.jaxpr, callee.consts
+  if isinstance(callee, jc.Jaxpr):
+    return callee, ()
+  raise Refused(f"call {eqn.primitive.name}")
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _dead_stores(prologue, lines) -> list:
+  """The function's lines without the buffers only their fused loop
+  needed: an element value used only in the loop that computes it stays a
+  local (a store per element and temporary would keep LLVM from
+  vectorizing the loop: too many arrays that might alias)."""
+  count: dict = {}
+  for line in lines:
+    for name in set(_NAME.findall(line)):
+      count[name] = count.get(name, 0) + 1
+  stores = {}  # buffer -> its fused store lines ``v[_i] = ev``
+  for k, line in enumerate(lines):
+    target, _, value = line.strip().partition("[_i] = ")
+    if value == "e" + target:
+      stores.setdefault(target, []).append(k)
+  dead = {name for name, ks in stores.items() if count.get(name, 0) == len(ks)}
+  drop = {k for name in dead for k in stores[name]}
+  return ([a for a in prologue if a.split("=", 1)[0].strip() not in dead]
+          + [l for k, l in enumerate(lines) if k not in drop])
+
+
+class Source:
+  """What ``loop_source`` generated."""
+  __slots__ = ("text", "globals", "sites", "kinds", "written")
+
+  def __init__(self, text, gen, kinds):
+    self.text, self.globals, self.sites = text, gen.globals, gen.sites
+    self.kinds, self.written = kinds, gen.written
+
+
+def loop_source(eqn, clamp: bool) -> Source:
+  """The source (and what it needs) of the njit function
+  ``native_loop(_st, *eqn inputs) -> (0, *carries)`` running ``eqn`` (a
+  ``while`` or a ``scan``); raises ``Refused``."""
+  gen = Gen(clamp)
+  args, ins = [], []
+  for k, aval in enumerate(v.aval for v in eqn.invars):
+    name = f"a{k}"
+    args.append(name)
+    if isinstance(aval, jc.AbstractRef):
+      inner = aval.inner_aval
+      val = Val(name, inner.shape, dtype_of(inner), "r")
+      gen.ref_positions[name] = k
+    elif aval.shape == ():
+      val = Val(name, (), dtype_of(aval), "s")
+    else:
+      val = Val(gen.fresh(), aval.shape, dtype_of(aval), "a")
+      gen.emit(f"{val.name} = np.ascontiguousarray({name}).copy().reshape({val.size})")
+    ins.append(val)
+  outs = EMITTERS[eqn.primitive.name](gen, eqn, ins, top=True)
+  ret = "".join(f", {o.name}" for o in outs)
+  gen.emit(f"return (0{ret},)")
+  lines = _dead_stores(gen.prologue, gen.lines)
+  text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
+  return Source(text, gen, [v.kind for v in ins])

@@ -1,0 +1,337 @@
+"""Shape and data-movement primitives and integer/bool reductions in a
+compiled loop. Arrays are flat, their shapes static, so each primitive is
+one loop nest whose source index is a linear expression of the loop
+variables; a reshape (squeeze, expand_dims) is the same flat array.
+
+Float sums are refused (NumPy's pairwise summation order is not
+reproduced), as are float max/min reductions (which NaN NumPy's reduction
+returns depends on its order).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+
+
+def _strides(shape) -> list[int]:
+  out, acc = [], 1
+  for n in reversed(shape):
+    out.append(acc)
+    acc *= n
+  return out[::-1]
+
+
+def _linear(terms) -> str:
+  """``a*b + c*d + k`` from (var or None, coefficient) pairs."""
+  parts, const = [], 0
+  for var, coef in terms:
+    if var is None:
+      const += coef
+    elif coef == 1:
+      parts.append(var)
+    elif coef:
+      parts.append(f"{var} * {coef}")
+  if const or not parts:
+    parts.append(str(const))
+  return " + ".join(parts)
+
+
+def _nest(gen, shape):
+  """Emit nested ``for`` loops over ``shape``; return (loop variables,
+  the number of blocks opened: close with ``_close``)."""
+  names = []
+  for n in shape:
+    v = gen.fresh("j")
+    names.append(v)
+    gen.emit(f"for {v} in range({n}):")
+    gen.depth += 1
+  return names
+
+
+def _close(gen, shape):
+  gen.depth -= len(shape)
+
+
+def _gather(gen, shape, dt, source):
+  """A fresh array of ``shape`` whose element at loop variables ``js`` is
+  ``source(js)``."""
+  out = gen.array(shape, dt)
+  js = _nest(gen, shape)
+  gen.emit(f"{out.name}[{_linear(zip(js, _strides(shape)))}] = {source(js)}")
+  _close(gen, shape)
+  return out
+
+
+def retarget(gen, v: Val, shape) -> Val:
+  """``v``'s elements (row-major) as a value of ``shape``."""
+  shape = tuple(shape)
+  if math.prod(shape) != v.size:
+    raise Refused("reshape size")
+  if v.kind == "r":
+    raise Refused("reshape of a ref")
+  if not shape:
+    return v if v.kind == "s" else gen.scalar(f"{v.name}[0]", v.dtype)
+  if v.kind == "s":
+    out = gen.array(shape, v.dtype)
+    gen.elementwise(out, lambda: v.name)
+    return out
+  return Val(v.name, shape, v.dtype, "a", glob=v.glob, temp=v.temp)
+
+
+def broadcast_to(gen, v: Val, shape) -> Val:
+  """``v`` (same rank, dims 1 or equal) broadcast to ``shape``: an
+  elementwise operand that NumPy-style broadcasting would stretch."""
+  if len(v.shape) != len(shape) or any(a not in (1, b) for a, b in zip(v.shape, shape)):
+    raise Refused("operand shapes")
+  strides = _strides(v.shape)
+  return _gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + _linear(
+      (j, k if n != 1 else 0) for j, n, k in zip(js, v.shape, strides)) + "]")
+
+
+@register("reshape", "squeeze", "expand_dims")
+def _reshape(gen, eqn, ins):
+  return [retarget(gen, ins[0], eqn.outvars[0].aval.shape)]
+
+
+@register("broadcast_in_dim")
+def _broadcast_in_dim(gen, eqn, ins):
+  x = ins[0]
+  shape = tuple(eqn.params["shape"])
+  dims = tuple(eqn.params["broadcast_dimensions"])
+  if len(ins) != 1:
+    raise Refused("dynamic broadcast shape")
+  if x.size == math.prod(shape):
+    return [retarget(gen, x, shape)]
+  if x.kind == "s":
+    out = gen.array(shape, x.dtype)
+    gen.elementwise(out, lambda: x.name)
+    return [out]
+  in_strides = _strides(x.shape)
+  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+      (js[d], s if x.shape[k] != 1 else 0) for k, (d, s) in enumerate(zip(dims, in_strides))) + "]")]
+
+
+@register("slice")
+def _slice(gen, eqn, ins):
+  x = ins[0]
+  p = eqn.params
+  starts = p["start_indices"]
+  strides = p["strides"] or (1,) * len(starts)
+  shape = tuple(eqn.outvars[0].aval.shape)
+  in_strides = _strides(x.shape)
+  if not shape:
+    return [x]
+  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+      [(j, st * s) for j, st, s in zip(js, strides, in_strides)]
+      + [(None, b * s) for b, s in zip(starts, in_strides)]) + "]")]
+
+
+@register("transpose")
+def _transpose(gen, eqn, ins):
+  x = ins[0]
+  perm = tuple(eqn.params["permutation"])
+  shape = tuple(eqn.outvars[0].aval.shape)
+  in_strides = _strides(x.shape)
+  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+      (j, in_strides[p]) for j, p in zip(js, perm)) + "]")]
+
+
+@register("rev")
+def _rev(gen, eqn, ins):
+  x = ins[0]
+  dims = set(eqn.params["dimensions"])
+  in_strides = _strides(x.shape)
+  terms = lambda js: [(j, -s if d in dims else s) for d, (j, s) in enumerate(zip(js, in_strides))] \
+      + [(None, (n - 1) * s) for d, (n, s) in enumerate(zip(x.shape, in_strides)) if d in dims]
+  return [_gather(gen, x.shape, x.dtype, lambda js: f"{x.name}[{_linear(terms(js))}]")]
+
+
+@register("iota")
+def _iota(gen, eqn, ins):
+  p = eqn.params
+  dt = dtype_of(eqn.outvars[0].aval)
+  dim = int(p["dimension"])
+  shape = tuple(p["shape"])
+  if dt == np.bool_:
+    raise Refused("bool iota")
+  return [_gather(gen, shape, dt, lambda js: f"{np_name(dt)}({js[dim]})")]
+
+
+LAZY_ROLL = True
+
+
+@register("concatenate")
+def _concatenate(gen, eqn, ins):
+  dim = int(eqn.params["dimension"])
+  users = gen.consumers.get(eqn.outvars[0], ())
+  if (LAZY_ROLL and len(ins) == 2 and ins[0] is ins[1] and ins[0].kind == "a" and len(users) == 1
+      and users[0][0] is not None and users[0][0].primitive.name == "dynamic_slice"
+      and users[0][1] == 0):
+    # jnp.roll's concatenate([x, x]) read by one dynamic_slice: that slice
+    # reads x with the index wrapped instead (one pass, not three)
+    lazy = Val(gen.fresh("roll"), eqn.outvars[0].aval.shape, ins[0].dtype, "a")
+    lazy.roll = (ins[0], dim)
+    return [lazy]
+  shape = tuple(eqn.outvars[0].aval.shape)
+  dt = dtype_of(eqn.outvars[0].aval)
+  out = gen.array(shape, dt)
+  out_strides = _strides(shape)
+  offset = 0
+  for x in ins:
+    if x.kind != "a":
+      raise Refused("concatenate of scalars")
+    js = _nest(gen, x.shape)
+    dst = _linear([(j, s) for j, s in zip(js, out_strides)] + [(None, offset * out_strides[dim])])
+    gen.emit(f"{out.name}[{dst}] = {x.name}[{_linear(zip(js, _strides(x.shape)))}]")
+    _close(gen, x.shape)
+    offset += x.shape[dim]
+  return [out]
+
+
+def _clamped_starts(gen, starts, operand_shape, sizes):
+  """XLA clamps dynamic slice starts into [0, dim - size]."""
+  out = []
+  for s, n, z in zip(starts, operand_shape, sizes):
+    if s.kind != "s":
+      raise Refused("array start index")
+    out.append(gen.scalar(f"min(max(np.int64({s.name}), 0), {n - z})", np.dtype(np.int64)).name)
+  return out
+
+
+@register("dynamic_slice")
+def _dynamic_slice(gen, eqn, ins):
+  x, starts = ins[0], ins[1:]
+  sizes = tuple(eqn.params["slice_sizes"])
+  if x.kind != "a":
+    raise Refused("dynamic_slice of a scalar")
+  st = _clamped_starts(gen, starts, x.shape, sizes)
+  if x.roll is not None:
+    return [_roll_gather(gen, x.roll, sizes, st)]
+  in_strides = _strides(x.shape)
+  return [_gather(gen, sizes, x.dtype, lambda js: f"{x.name}[" + " + ".join(
+      f"({j} + {s}) * {k}" for j, s, k in zip(js, st, in_strides)) + "]")]
+
+
+def _roll_gather(gen, roll, sizes, starts):
+  """``dynamic_slice(concatenate([w, w], dim), starts, sizes)`` read from
+  ``w``: along ``dim`` the loop is split where the index wraps, so each
+  half is a plain contiguous copy."""
+  w, dim = roll
+  n = w.shape[dim]
+  out = gen.array(sizes, w.dtype)
+  w_strides, o_strides = _strides(w.shape), _strides(sizes)
+  s = starts[dim]
+  for half in (0, 1):
+    js = []
+    for d, size in enumerate(sizes):
+      j = gen.fresh("j")
+      js.append(j)
+      if d != dim:
+        gen.emit(f"for {j} in range({size}):")
+      elif half == 0:
+        gen.emit(f"for {j} in range(min({size}, {n} - {s})):")
+      else:
+        gen.emit(f"for {j} in range(max(0, {n} - {s}), {size}):")
+      gen.depth += 1
+    src = " + ".join(f"({j} + {st}{' - ' + str(n) if (d == dim and half) else ''}) * {k}"
+                     for d, (j, st, k) in enumerate(zip(js, starts, w_strides)))
+    gen.emit(f"{out.name}[{_linear(zip(js, o_strides))}] = {w.name}[{src}]")
+    gen.depth -= len(sizes)
+  return out
+
+
+@register("dynamic_update_slice")
+def _dynamic_update_slice(gen, eqn, ins):
+  x, upd, starts = ins[0], ins[1], ins[2:]
+  if x.kind != "a" or upd.kind not in "as":
+    raise Refused("dynamic_update_slice of a scalar")
+  st = _clamped_starts(gen, starts, x.shape, upd.shape)
+  out = gen.array(x.shape, x.dtype)
+  gen.emit(f"{out.name}[:] = {x.name}")
+  js = _nest(gen, upd.shape)
+  dst = " + ".join(f"({j} + {s}) * {k}" for j, s, k in zip(js, st, _strides(x.shape)))
+  src = upd.at(_linear(zip(js, _strides(upd.shape))))
+  gen.emit(f"{out.name}[{dst}] = {src}")
+  _close(gen, upd.shape)
+  return [out]
+
+
+def _reduction(kind):
+  def emit(gen, eqn, ins):
+    x = ins[0]
+    axes = tuple(sorted(eqn.params["axes"]))
+    dt = x.dtype
+    if dt.kind == "f":
+      raise Refused(f"float {kind} reduction")  # order and NaN choice are NumPy's
+    if kind in ("sum",) and dt == np.bool_:
+      raise Refused("bool sum")
+    c = np_name(dt)
+    if dt == np.bool_:
+      init = "True" if kind in ("and", "min") else "False"
+      step = {"or": "({a} or {x})", "max": "({a} or {x})",
+              "and": "({a} and {x})", "min": "({a} and {x})"}[kind]
+    else:
+      info = np.iinfo(dt)
+      init = {"sum": f"{c}(0)", "max": f"{c}({int(info.min)})", "min": f"{c}({int(info.max)})",
+              "or": f"{c}(0)", "and": f"{c}(-1)" if dt.kind == "i" else f"{c}({int(info.max)})"}[kind]
+      step = {"sum": c + "({a} + {x})", "max": c + "({a} if {a} > {x} else {x})",
+              "min": c + "({a} if {a} < {x} else {x})", "or": c + "({a} | {x})",
+              "and": c + "({a} & {x})"}[kind]
+    if x.kind == "s":
+      return [x]
+    kept = [d for d in range(len(x.shape)) if d not in axes]
+    out_shape = tuple(x.shape[d] for d in kept)
+    in_strides = _strides(x.shape)
+    out = None if not out_shape else gen.array(out_shape, dt)
+    ko = _nest(gen, out_shape)
+    acc = gen.fresh("acc")
+    gen.emit(f"{acc} = {init}")
+    kr = _nest(gen, [x.shape[d] for d in axes])
+    idx = _linear([(j, in_strides[d]) for j, d in zip(ko, kept)]
+                  + [(j, in_strides[d]) for j, d in zip(kr, axes)])
+    gen.emit(f"{acc} = " + step.format(a=acc, x=f"{x.name}[{idx}]"))
+    _close(gen, axes)
+    if out is not None:
+      gen.emit(f"{out.name}[{_linear(zip(ko, _strides(out_shape)))}] = {acc}")
+    _close(gen, out_shape)
+    return [out if out is not None else Val(acc, (), dt, "s")]
+  return emit
+
+
+for _k in ("sum", "max", "min", "or", "and"):
+  register(f"reduce_{_k}")(_reduction(_k))
+
+
+@register("unstack")
+def _unstack(gen, eqn, ins):
+  """(newer JAX's ``jnp.roll`` unstacks its shift): one value per index
+  along ``axis``, that axis removed."""
+  x = ins[0]
+  axis = int(eqn.params["axis"])
+  if x.kind != "a":
+    raise Refused("unstack of a scalar")
+  strides = _strides(x.shape)
+  shape = x.shape[:axis] + x.shape[axis + 1:]
+  kept = [d for d in range(len(x.shape)) if d != axis]
+  outs = []
+  for k in range(x.shape[axis]):
+    if not shape:
+      outs.append(gen.scalar(f"{x.name}[{k * strides[axis]}]", x.dtype))
+      continue
+    outs.append(_gather(gen, shape, x.dtype, lambda js, k=k: f"{x.name}[" + _linear(
+        [(j, strides[d]) for j, d in zip(js, kept)] + [(None, k * strides[axis])]) + "]"))
+  return outs
+
+
+@register("tile")
+def _tile(gen, eqn, ins):
+  x = ins[0]
+  shape = tuple(eqn.outvars[0].aval.shape)
+  if x.kind != "a" or len(x.shape) != len(shape):
+    raise Refused("tile")
+  strides = _strides(x.shape)
+  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+      (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]
