@@ -316,6 +316,24 @@ def test_refused_loops_run_on_numpy(dt):
                                 np.asarray(make(OFF)(x), np.float32))
 
 
+def test_loops_over_the_line_cap_run_on_numpy(monkeypatch):
+  """A loop whose generated source is longer than ``codegen.MAX_LINES`` (its
+  compile would take minutes) is refused: it keeps the NumPy path's
+  results. The Collatz loop is ~70 lines; a cap of 20 refuses it."""
+  from pallas_np.native import codegen
+  monkeypatch.setattr(codegen, "MAX_LINES", 20)
+  x = jnp.asarray(_rng.integers(1, 60, (2, 128)), jnp.int32)
+  make = lambda interp: pl.pallas_call(
+      collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interp)
+  before = native.stats()
+  # (other params than SYNC: a new plan, not the one an earlier test compiled)
+  got = make(pallas_np.InterpretParams(native_loops="sync", uninitialized="zero"))(x)
+  after = native.stats()
+  assert after["refused"] == before["refused"] + 1
+  assert after["native_calls"] == before["native_calls"]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(make(True)(x)))
+
+
 def test_under_jit():
   x = jnp.asarray(_rng.integers(1, 60, (2, 128)), jnp.int32)
   three_ways(lambda interp: jax.jit(pl.pallas_call(

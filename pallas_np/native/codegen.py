@@ -40,6 +40,11 @@ EMITTERS: dict = {}  # primitive name -> emit(gen, eqn, ins: list[Val]) -> list[
 # Values one fused elementwise loop holds: numba's compile time grows
 # faster than linearly with the size of one loop body.
 FUSE_MAX = 12
+# Generated lines a loop may have: numba's compile time grows with them
+# (~2.5 s plus ~0.02 s a line on the 2-core machine: 101 lines 4.7 s, 600
+# lines 14.8 s), spent in a thread that holds the GIL most of the time. A
+# bigger loop keeps its NumPy path rather than slow its caller for minutes.
+MAX_LINES = 800
 
 
 class Refused(Exception):
@@ -161,6 +166,20 @@ class Gen:
       return
     self.lines.insert(fuse[2], "    " * self.depth + line)
     self.fuse = (fuse[0], fuse[1], fuse[2] + 1, fuse[3] + 1)
+
+  def nest(self, shape) -> list[str]:
+    """Open nested ``for`` loops over ``shape``; return their variables
+    (close with ``close``)."""
+    names = []
+    for n in shape:
+      v = self.fresh("j")
+      names.append(v)
+      self.emit(f"for {v} in range({n}):")
+      self.depth += 1
+    return names
+
+  def close(self, shape) -> None:
+    self.depth -= len(shape)
 
   @contextlib.contextmanager
   def block(self, header: str):
@@ -308,5 +327,7 @@ def loop_source(eqn, clamp: bool) -> Source:
   ret = "".join(f", {o.name}" for o in outs)
   gen.emit(f"return (0{ret},)")
   lines = _dead_stores(gen.prologue, gen.lines)
+  if len(lines) > MAX_LINES:
+    raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
   text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
   return Source(text, gen, [v.kind for v in ins])

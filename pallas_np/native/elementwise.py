@@ -168,13 +168,21 @@ def _int_types(dt):
   return bits, f"np.uint{bits}", f"np.int{bits}"
 
 
+def _shift_in_range(out, bits):
+  """The condition that a shift amount is below the width (XLA shifts a
+  wider or negative amount out completely)."""
+  if out.kind == "i":
+    return lambda s: f"(0 <= {s} < {bits})"
+  return lambda s: f"({s} < {bits})"
+
+
 @scalar_op("shift_left")
 def _shift_left(dts, out, params):
   if out.kind not in "iu":
     raise Refused("shift of a non-integer")
   bits, _, _ = _int_types(out)
   c = _cast(out)
-  ok = (lambda s: f"(0 <= {s} < {bits})") if out.kind == "i" else (lambda s: f"({s} < {bits})")
+  ok = _shift_in_range(out, bits)
   return lambda a, s: c(f"(np.int64({a}) << np.int64({s})) if {ok(s)} else 0") if out.itemsize < 8 \
       else c(f"({a} << {s}) if {ok(s)} else 0")
 
@@ -185,7 +193,7 @@ def _shift_right_logical(dts, out, params):
     raise Refused("shift of a non-integer")
   bits, u, _ = _int_types(out)
   c = _cast(out)
-  ok = (lambda s: f"(0 <= {s} < {bits})") if out.kind == "i" else (lambda s: f"({s} < {bits})")
+  ok = _shift_in_range(out, bits)
   return lambda a, s: c(f"({u}({a}) >> {u}({s})) if {ok(s)} else 0")
 
 
@@ -195,7 +203,7 @@ def _shift_right_arithmetic(dts, out, params):
     raise Refused("shift of a non-integer")
   bits, _, sg = _int_types(out)
   c = _cast(out)
-  ok = (lambda s: f"(0 <= {s} < {bits})") if out.kind == "i" else (lambda s: f"({s} < {bits})")
+  ok = _shift_in_range(out, bits)
   return lambda a, s: c(f"{sg}({a}) >> ({sg}({s}) if {ok(s)} else {sg}({bits - 1}))")
 
 

@@ -96,16 +96,6 @@ def _checked(gen, dyn, k, last, n, site) -> str:
   return i
 
 
-def _loop(gen, shape):
-  names = []
-  for n in shape:
-    v = gen.fresh("j")
-    names.append(v)
-    gen.emit(f"for {v} in range({n}):")
-    gen.depth += 1
-  return names
-
-
 def _flat(js, shape) -> str:
   terms, acc = [], 1
   for j, n in reversed(list(zip(js, shape))):
@@ -118,9 +108,9 @@ def _read(gen, at, shape, dt) -> Val:
   if not shape:
     return gen.scalar(at([]), dt)
   out = gen.array(shape, dt)
-  js = _loop(gen, shape)
+  js = gen.nest(shape)
   gen.emit(f"{out.name}[{_flat(js, shape)}] = {at(js)}")
-  gen.depth -= len(shape)
+  gen.close(shape)
   return out
 
 
@@ -128,12 +118,12 @@ def _write(gen, at, shape, ref: Val, val: Val, combine=None) -> None:
   if val.shape != tuple(shape) or val.kind == "r":
     raise Refused("stored value shape")
   gen.written.add(gen.ref_positions[ref.name])
-  js = _loop(gen, shape)
+  js = gen.nest(shape)
   src = val.at(_flat(js, shape)) if shape else val.name
   if combine is not None:
     src = combine(at(js), src)
   gen.emit(f"{at(js)} = {src}")
-  gen.depth -= len(shape)
+  gen.close(shape)
 
 
 @register("get")

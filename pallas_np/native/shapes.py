@@ -39,29 +39,13 @@ def _linear(terms) -> str:
   return " + ".join(parts)
 
 
-def _nest(gen, shape):
-  """Emit nested ``for`` loops over ``shape``; return (loop variables,
-  the number of blocks opened: close with ``_close``)."""
-  names = []
-  for n in shape:
-    v = gen.fresh("j")
-    names.append(v)
-    gen.emit(f"for {v} in range({n}):")
-    gen.depth += 1
-  return names
-
-
-def _close(gen, shape):
-  gen.depth -= len(shape)
-
-
 def _gather(gen, shape, dt, source):
   """A fresh array of ``shape`` whose element at loop variables ``js`` is
   ``source(js)``."""
   out = gen.array(shape, dt)
-  js = _nest(gen, shape)
+  js = gen.nest(shape)
   gen.emit(f"{out.name}[{_linear(zip(js, _strides(shape)))}] = {source(js)}")
-  _close(gen, shape)
+  gen.close(shape)
   return out
 
 
@@ -183,10 +167,10 @@ def _concatenate(gen, eqn, ins):
   for x in ins:
     if x.kind != "a":
       raise Refused("concatenate of scalars")
-    js = _nest(gen, x.shape)
+    js = gen.nest(x.shape)
     dst = _linear([(j, s) for j, s in zip(js, out_strides)] + [(None, offset * out_strides[dim])])
     gen.emit(f"{out.name}[{dst}] = {x.name}[{_linear(zip(js, _strides(x.shape)))}]")
-    _close(gen, x.shape)
+    gen.close(x.shape)
     offset += x.shape[dim]
   return [out]
 
@@ -251,11 +235,11 @@ def _dynamic_update_slice(gen, eqn, ins):
   st = _clamped_starts(gen, starts, x.shape, upd.shape)
   out = gen.array(x.shape, x.dtype)
   gen.emit(f"{out.name}[:] = {x.name}")
-  js = _nest(gen, upd.shape)
+  js = gen.nest(upd.shape)
   dst = " + ".join(f"({j} + {s}) * {k}" for j, s, k in zip(js, st, _strides(x.shape)))
   src = upd.at(_linear(zip(js, _strides(upd.shape))))
   gen.emit(f"{out.name}[{dst}] = {src}")
-  _close(gen, upd.shape)
+  gen.close(upd.shape)
   return [out]
 
 
@@ -286,17 +270,17 @@ def _reduction(kind):
     out_shape = tuple(x.shape[d] for d in kept)
     in_strides = _strides(x.shape)
     out = None if not out_shape else gen.array(out_shape, dt)
-    ko = _nest(gen, out_shape)
+    ko = gen.nest(out_shape)
     acc = gen.fresh("acc")
     gen.emit(f"{acc} = {init}")
-    kr = _nest(gen, [x.shape[d] for d in axes])
+    kr = gen.nest([x.shape[d] for d in axes])
     idx = _linear([(j, in_strides[d]) for j, d in zip(ko, kept)]
                   + [(j, in_strides[d]) for j, d in zip(kr, axes)])
     gen.emit(f"{acc} = " + step.format(a=acc, x=f"{x.name}[{idx}]"))
-    _close(gen, axes)
+    gen.close(axes)
     if out is not None:
       gen.emit(f"{out.name}[{_linear(zip(ko, _strides(out_shape)))}] = {acc}")
-    _close(gen, out_shape)
+    gen.close(out_shape)
     return [out if out is not None else Val(acc, (), dt, "s")]
   return emit
 
