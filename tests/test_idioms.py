@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np.compiler import idioms
+from benchmarks.small_kernels import collatz_kernel as _collatz_kernel
 from tests.helpers import INLINED, assert_identical
 from tests.kernel_fn import both
 
@@ -97,16 +98,6 @@ def test_look_alike_jit_named_remainder_is_inlined():
   eqn = jax.make_jaxpr(lambda a: remainder(a, 3))(x).jaxpr.eqns[0]
   assert eqn.params["name"] == "remainder"
   assert idioms.integer_division(eqn, np.int32(3)) is None
-
-
-def _collatz_kernel(x_ref, o_ref):
-  def body(c):
-    x, steps = c
-    done = x == 1
-    nxt = jnp.where(x % 2 == 0, x // 2, 3 * x + 1)
-    return jnp.where(done, x, nxt), steps + jnp.where(done, 0, 1)
-  x = x_ref[...]
-  o_ref[...] = lax.while_loop(lambda c: jnp.any(c[0] != 1), body, (x, jnp.zeros_like(x)))[1]
 
 
 @pytest.mark.parametrize("interpret", ["numpy", INLINED], ids=["jit", "inlined"])

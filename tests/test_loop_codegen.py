@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np.compiler import sourcemap
+from benchmarks.small_kernels import bitonic_fori_kernel as _bitonic_kernel
 from tests.helpers import INLINED, assert_identical
 
 
@@ -146,24 +147,6 @@ def test_roll_look_alike_is_not_replaced():
     o_ref[...] = lax.fori_loop(0, 2, lambda i, c: fake_roll(c, i + 5), x_ref[...])
   _both(gen_fake_roll_kernel, (x,), jax.ShapeDtypeStruct(x.shape, x.dtype))
   assert "concatenate" in _loop_eqn_names("gen_fake_roll_kernel")
-
-
-def _bitonic_kernel(x_ref, o_ref):
-  x = x_ref[...]
-  n = x.shape[-1]
-  idx = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-
-  def stage(p, x):
-    k = jnp.left_shift(1, p)
-
-    def step(q, x):
-      j = jnp.right_shift(k, q + 1)
-      lower = (idx & j) == 0
-      partner = jnp.where(lower, jnp.roll(x, -j, axis=1), jnp.roll(x, j, axis=1))
-      take_min = lower == ((idx & k) == 0)
-      return jnp.where(take_min, jnp.minimum(x, partner), jnp.maximum(x, partner))
-    return lax.fori_loop(0, p, step, x)
-  o_ref[...] = lax.fori_loop(1, n.bit_length(), stage, x)
 
 
 @pytest.mark.parametrize("vectorize", [False, True])

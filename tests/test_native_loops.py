@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import pallas_np
+from benchmarks.small_kernels import bitonic_fori_kernel as bitonic_kernel
+from benchmarks.small_kernels import collatz_kernel
 from pallas_np import native
 
 SYNC = pallas_np.InterpretParams(native_loops="sync")
@@ -182,40 +184,12 @@ def test_float32_ops_bit_exact():
 
 
 # -- the loop kernels of benchmarks/small_kernels.py: shapes, reductions, refs ------------
-def collatz_kernel(x_ref, o_ref):
-  def body(c):
-    x, steps = c
-    done = x == 1
-    nxt = jnp.where(x % 2 == 0, x // 2, 3 * x + 1)
-    return jnp.where(done, x, nxt), steps + jnp.where(done, 0, 1)
-  x = x_ref[...]
-  o_ref[...] = lax.while_loop(lambda c: jnp.any(c[0] != 1), body, (x, jnp.zeros_like(x)))[1]
-
-
 def test_while_loop_collatz():
   """A data-dependent while_loop (reduce_or condition, jnp's floor_divide
   and remainder, broadcasts, selects)."""
   x = jnp.asarray(_rng.integers(1, 60, (2, 128)), jnp.int32)
   three_ways(lambda interp: pl.pallas_call(
       collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interp), x)
-
-
-def bitonic_kernel(x_ref, o_ref):
-  x = x_ref[...]
-  n = x.shape[-1]
-  idx = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-
-  def stage(p, x):
-    k = jnp.left_shift(1, p)
-
-    def step(q, x):
-      j = jnp.right_shift(k, q + 1)
-      lower = (idx & j) == 0
-      partner = jnp.where(lower, jnp.roll(x, -j, axis=1), jnp.roll(x, j, axis=1))
-      take_min = lower == ((idx & k) == 0)
-      return jnp.where(take_min, jnp.minimum(x, partner), jnp.maximum(x, partner))
-    return lax.fori_loop(0, p, step, x)
-  o_ref[...] = lax.fori_loop(1, n.bit_length(), stage, x)
 
 
 @pytest.mark.parametrize("vectorize", [None, False])
@@ -367,7 +341,7 @@ def test_numba_not_imported_by_import_or_first_call():
       "from jax.experimental import pallas as pl\n"
       "import pallas_np\n"
       "assert 'numba' not in sys.modules\n"
-      "from tests.test_native_loops import collatz_kernel\n"
+      "from benchmarks.small_kernels import collatz_kernel\n"
       "x = jnp.full((2, 128), 7, jnp.int32)\n"
       "pl.pallas_call(collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),\n"
       "               interpret='numpy')(x)\n"
