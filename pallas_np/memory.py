@@ -95,10 +95,18 @@ def register_allocator(dtype_class, fn):
   _SPECIAL_ALLOCATORS[dtype_class] = fn
 
 
+def _late_allocator(dtype):
+  """The allocator of a non-NumPy dtype whose family registers on first use
+  (Mosaic GPU barriers: ``_compat.families``), or None."""
+  if isinstance(dtype, np.dtype) or not jc.load_imported_families():
+    return None
+  return _SPECIAL_ALLOCATORS.get(type(dtype))
+
+
 def allocate(shape, dtype, params) -> np.ndarray:
   """A fresh buffer (aligned, see ``aligned_empty``) filled with the
   uninitialised value; semaphores are zeroed int64 counters."""
-  special = _SPECIAL_ALLOCATORS.get(type(dtype))
+  special = _SPECIAL_ALLOCATORS.get(type(dtype)) or _late_allocator(dtype)
   if special is not None:
     return special(shape, dtype)
   if jc.is_semaphore_dtype(dtype):
@@ -113,7 +121,7 @@ def allocate(shape, dtype, params) -> np.ndarray:
 def allocator(shape, dtype, params):
   """``allocate(shape, dtype, params)`` as a zero-argument function with the
   dtype lookups done once: for buffers a plan allocates on every call."""
-  special = _SPECIAL_ALLOCATORS.get(type(dtype))
+  special = _SPECIAL_ALLOCATORS.get(type(dtype)) or _late_allocator(dtype)
   if special is not None or jc.is_semaphore_dtype(dtype):
     return functools.partial(allocate, shape, dtype, params)
   dtype = np.dtype(jc.physical_dtype(dtype))

@@ -189,7 +189,10 @@ def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
 
 
 def lookup(prim) -> Rule | None:
-  return _RULES.get(prim)
+  rule = _RULES.get(prim)
+  if rule is None and jc.load_imported_families():  # a family registered on first use
+    rule = _RULES.get(prim)
+  return rule
 
 
 _NO_RULE = Rule(lambda e: None, foldable=False)
@@ -198,8 +201,9 @@ _NO_RULE = Rule(lambda e: None, foldable=False)
 def properties(prim) -> Rule:
   """The registered rule of ``prim`` (properties all off when it has none),
   for analyses that ask about a property: ``properties(p).gemm``."""
-  return _RULES.get(prim, _NO_RULE)
+  return lookup(prim) or _NO_RULE
 
 
 def registered_primitives() -> dict[str, Any]:
+  jc.load_imported_families()
   return {p.name: p for p in _RULES}

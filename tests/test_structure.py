@@ -28,6 +28,11 @@ ALLOWED_LOCAL_IMPORTS = {
         "when --pallas-numpy is given",
     ("pallas_np.pytest_plugin", "pallas_np.params"):
         "as above",
+    ("pallas_np.mosaic_gpu", "pallas_np.mosaic_gpu.rules"):
+        "the Mosaic GPU rules read JAX's plgpu modules (about an `import jax` to import): "
+        "they register with the first Mosaic GPU kernel (_compat.families)",
+    ("pallas_np.mosaic_gpu.entry", "pallas_np.mosaic_gpu.rules"):
+        "as above: the Mosaic GPU executor, imported with the first Mosaic GPU kernel",
 }
 
 

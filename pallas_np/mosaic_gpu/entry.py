@@ -17,8 +17,6 @@ import jax
 from pallas_np import _compat as jc
 from pallas_np import lru
 from pallas_np.errors import UnsupportedError
-from pallas_np.mosaic_gpu.kernel import MeshKernel
-from pallas_np.mosaic_gpu.warps import compile_warp_map, is_warp_map  # noqa: F401 - api.py's
 
 _kernels = lru.LRU(256)
 
@@ -28,11 +26,27 @@ def handles(params) -> bool:
   return bool(meshes) and all(jc.is_mgpu_mesh(m) for m in meshes)
 
 
-def get_kernel(params, interp) -> MeshKernel:
+def is_warp_map(params) -> bool:
+  """Is this mesh-kernel eqn a ``plgpu.warp_map`` (False until plgpu is imported)?"""
+  return jc.is_mgpu_imported() and _executor().warps.is_warp_map(params)
+
+
+def compile_warp_map(e):
+  return _executor().warps.compile_warp_map(e)
+
+
+def _executor():
+  """The executor and rules (``mosaic_gpu.rules``), imported with the first
+  Mosaic GPU kernel: they read JAX's plgpu modules (see ``mosaic_gpu``)."""
+  from pallas_np.mosaic_gpu import rules
+  return rules
+
+
+def get_kernel(params, interp):
   key = (id(params["jaxprs"][0]), interp)
   hit = _kernels.get(key)
   if hit is None:
-    hit = (params["jaxprs"][0], MeshKernel(dict(params), interp))
+    hit = (params["jaxprs"][0], _executor().kernel.MeshKernel(dict(params), interp))
     _kernels.put(key, hit)
   return hit[1]
 
