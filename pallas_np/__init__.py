@@ -13,7 +13,7 @@ from pallas_np import state as _state  # noqa: F401
 from pallas_np import control_flow as _control_flow  # noqa: F401
 from pallas_np.debugging import kernel_errors
 from pallas_np.primitives.tpu import assume_tpu_chip
-from pallas_np.whole_program import jit, install as _install_eager_jit
+from pallas_np.whole_program import jit, install as _install_eager_jit, install_hooks as _install_hooks
 from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpret,
                            unset_numpy_interpret, clear_caches, grid_report,
                            install as _install)
@@ -24,6 +24,7 @@ _install_eager_jit()
 
 if _os.environ.get("PALLAS_NP_FORCE", "").lower() not in ("", "0", "false", "no", "off"):
   set_numpy_interpret()
+  _install_hooks()
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,8 @@ the same evaluator the eager ``pallas_np.pallas_call`` uses: its rule for the
 
 The same happens without ``pallas_np.jit`` when a jitted function is called
 eagerly (``InterpretParams.whole_program``): JAX's eager call of a jit is
-hooked (``_compat.install_jit_call_hook``), and a program whose kernels are
+hooked (``_compat.install_jit_call_hook``; from the first numpy-mode
+kernel traced, ``install``), and a program whose kernels are
 all numpy mode (an eager ``pl.pallas_call(..., interpret="numpy")`` is one:
 JAX wraps the lone primitive in a jit), or any program with a kernel under
 ``force_numpy_interpret``, runs here instead of being compiled by XLA.
@@ -216,8 +217,37 @@ _jit_params_memo = LRU(PLAN_CACHE_SIZE)
 
 
 def install():
-  """Route eager jit calls as ``InterpretParams.whole_program`` says
-  (idempotent)."""
+  """Route eager jit calls as ``InterpretParams.whole_program`` says, from
+  the first numpy-mode kernel on (idempotent).
+
+  JAX's eager jit call is hooked only once a program asks for pallas_np: a
+  kernel traced with ``interpret="numpy"``, or any kernel traced under the
+  force switch (``_asked_for``, watching the kernel primitives' abstract
+  evaluation, which runs while JAX traces the program and so before its
+  eager call reaches the hooks). Until then ``import pallas_np`` replaces
+  nothing that a jitted function without such kernels goes through."""
+  if _hooks_installed:
+    return
+  for prim in _KERNEL_PRIMITIVES:
+    jc.watch_abstract_eval(prim, _asked_for)
+
+
+def install_hooks():
+  """Put the eager-jit hooks in (``install`` does it with the first
+  numpy-mode kernel; ``PALLAS_NP_FORCE`` at import, at once)."""
   jc.install_jit_call_hook(_eager_jit_call)
   jc.install_jit_params_memo(_jit_params_memo, _runs_here)
   jc.install_jit_run_hook(_run_routed)
+  _hooks_installed.append(True)
+  for prim in _KERNEL_PRIMITIVES:
+    jc.unwatch_abstract_eval(prim)
+
+
+_hooks_installed: list = []  # [True] once install_hooks ran
+_KERNEL_PRIMITIVES = (jc.pallas_call_p, *_MESH_KERNELS)
+
+
+def _asked_for(params):
+  """A kernel is being traced: numpy mode (its own, or forced) installs the hooks."""
+  if is_numpy_mode(params.get("interpret")) or is_numpy_mode(jc.interpret_mode_config.value):
+    install_hooks()
