@@ -1,4 +1,4 @@
-"""The eager-jit fast path (issue 33, per-call floor round 2): a warm eager
+"""The eager-jit fast path (issue 33, the per-call floor): a warm eager
 call of a ``jax.jit`` function whose program pallas_np runs whole is
 answered in front of ``pjit._run_python_pjit`` (``_compat.install_jit_run_hook``,
 ``whole_program._run_routed``), skipping JAX's per-argument checks and the

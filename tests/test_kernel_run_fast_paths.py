@@ -1,4 +1,4 @@
-"""The per-call floor, round 3 (issue 33): each fast path against
+"""Fast paths inside one kernel run (issue 33): each against
 interpret=True bit for bit, and checked to be the path taken.
 
 * eager single-kernel runner (``EagerEntry.runner``): outputs straight from
