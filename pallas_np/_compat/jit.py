@@ -14,6 +14,10 @@ from jax._src import tree_util as jax_tree_util
 
 from pallas_np._compat.core import ArrayImpl
 
+# The functions the eager-jit hooks replace (installed later, with the first
+# numpy-mode kernel): a JAX that renamed one fails here, at import, loudly.
+_HOOKED = (jax_pjit._pjit_call_impl_python, jax_pjit._infer_params, jax_pjit._run_python_pjit)
+
 try:
   from jax._src.lib import _jax as _jaxlib_ext
   _JitFunction = _jaxlib_ext.PjitFunction  # what jax.jit returns
