@@ -35,6 +35,7 @@ sequential rule, batched rule and properties sit together:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Sequence
 
 from pallas_np import _compat as jc
@@ -158,15 +159,15 @@ def register(prim, *, needs_ctx: bool = False, foldable: bool = True, batch=None
   """Decorates ``compile(e: EqnInfo) -> callable``: the primitive's rule,
   registered with its properties (see the module docstring)."""
   def deco(compile_fn):
-    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
-                        context_free, gemm, data_movement)
+    _store(prim, Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
+                      context_free, gemm, data_movement))
     return compile_fn
   return deco
 
 
 def register_numpy(prim, fn: Callable, *, foldable: bool = True, batch=None,
                    data_movement: bool = False):
-  _RULES[prim] = Rule(lambda e: fn, False, foldable, batch, data_movement=data_movement)
+  _store(prim, Rule(lambda e: fn, False, foldable, batch, data_movement=data_movement))
   return fn
 
 
@@ -182,10 +183,37 @@ def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
       def compile_fn(e):
         bound = {p: e.params[p] for p in params}
         return lambda *args: fn(*args, **bound)
-    _RULES[prim] = Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
-                        context_free, gemm, data_movement)
+    _store(prim, Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
+                      context_free, gemm, data_movement))
     return fn
   return deco
+
+
+def _store(prim, rule: Rule) -> None:
+  """Register ``rule``; a ``LazyPrimitive`` key (a Triton primitive named
+  before JAX's module is imported) waits until that module is imported."""
+  if not isinstance(prim, jc.LazyPrimitive):
+    _RULES[prim] = rule
+    return
+  real = prim.resolve()
+  if real is not None:
+    _RULES[real] = rule
+    return
+  if not any(p.module == prim.module for p, _ in _LAZY):
+    jc.on_first_use(prim.module, _resolve_lazy)
+  _LAZY.append((prim, rule))
+
+
+_LAZY: list = []  # (LazyPrimitive, Rule) whose module is not imported yet
+
+
+def _resolve_lazy() -> None:
+  for entry in list(_LAZY):
+    real = entry[0].resolve()
+    if real is not None or entry[0].module in sys.modules:
+      _LAZY.remove(entry)
+      if real is not None:
+        _RULES[real] = entry[1]
 
 
 def lookup(prim) -> Rule | None:

@@ -2,8 +2,8 @@
 subprocesses: it leaves JAX's eager jit path as it is until a numpy-mode
 kernel is traced (then the whole-program hooks are in, and run that kernel
 with no XLA compilation), and it does not import JAX's Mosaic GPU modules
-(about an ``import jax`` of import time), whose rules register with the
-first Mosaic GPU kernel instead."""
+(about an ``import jax`` of import time) or Triton primitives, whose rules
+register once user code imports them (``_compat.families``)."""
 import os
 import pathlib
 import subprocess
@@ -68,12 +68,13 @@ def test_eager_numpy_kernel_runs_without_xla_on_its_first_call():
   assert out == "0 2.0", out
 
 
-def test_import_does_not_import_mosaic_gpu():
+def test_import_does_not_import_mosaic_gpu_or_triton():
   out = _run("""
       import sys
       import pallas_np
       heavy = ("jax._src.pallas.mosaic_gpu.core", "jax._src.pallas.mosaic_gpu.primitives",
-               "jax.experimental.mosaic.gpu", "pallas_np.mosaic_gpu.rules")
+               "jax.experimental.mosaic.gpu", "pallas_np.mosaic_gpu.rules",
+               "jax._src.pallas.triton.primitives")
       print([m for m in heavy if m in sys.modules])
       """)
   assert out == "[]", out

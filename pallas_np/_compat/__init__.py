@@ -12,7 +12,7 @@ jc`` and uses the names re-exported here. One submodule per concern:
 * ``tpu``: Mosaic TPU primitives, meshes, chip info, PRNG keys;
 * ``mosaic_gpu``: plgpu, never imported here (predicates read
   ``sys.modules``; its rules register on first use, ``families``);
-* ``triton``: the Pallas Triton primitives;
+* ``triton``: the Pallas Triton primitives, named lazily (``LazyPrimitive``);
 * ``lowering``: lowering rules, host callbacks, CUDA cross-lowering;
 * ``jit``: tracing jitted functions and the hooks on JAX's eager jit call;
 * ``arrays``: NumPy arrays to jax.Arrays and back on the per-call floor;
@@ -50,7 +50,7 @@ from pallas_np._compat.mosaic_gpu import (  # noqa: F401
     barrier_arrivals, is_barrier_dtype, is_layout_only_transform, is_mgpu_compiler_params,
     is_mgpu_imported, is_mgpu_mesh, is_peer_transform, is_wgmma_acc_aval, mgpu_primitive)
 from pallas_np._compat import mosaic_gpu as _mosaic_gpu
-from pallas_np._compat.triton import triton_primitives  # noqa: F401
+from pallas_np._compat.triton import LazyPrimitive, triton_primitives  # noqa: F401
 from pallas_np._compat.lowering import (  # noqa: F401
     cuda_lowering_target, emit_host_callback, lower_fun, lowering_rule,
     mesh_spans_processes, original_pallas_call_lowering, register_lowering,
