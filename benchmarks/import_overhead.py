@@ -12,8 +12,11 @@ all modes alike); the table gives each figure's median over the rounds:
                         call first: pallas_np's eager-jit hooks are in
                         (whole_program.install_hooks), the cost a program
                         that uses pallas_np pays on its other jitted calls
-Columns: import (s; for the pallas_np modes, ``import jax`` plus ``import
-pallas_np``), the first call of ``jax.jit(lambda x: x + 1)`` on a (8,)
+Bytecode is cached as for an installed package (``PYTHONDONTWRITEBYTECODE``
+is dropped and one process imports everything first): otherwise every
+process would compile pallas_np's sources, which JAX's installed modules
+never pay. Columns: import (s; for the pallas_np modes, ``import jax`` plus
+``import pallas_np``), the first call of ``jax.jit(lambda x: x + 1)`` on a (8,)
 float32 array (trace, compile, run; ms), and a warm call (µs, the median of
 20 batches of 500 calls).
 """
@@ -70,6 +73,9 @@ MODES = (("jax", "jax"), ("pallas_np", "jax + pallas_np"), ("kernel", "... after
 def run(rounds: int) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("PALLAS_NP_FORCE", None)
+  env.pop("PYTHONDONTWRITEBYTECODE", None)
+  subprocess.run([sys.executable, "-c", _CHILD, "kernel"], env=env, cwd=ROOT, check=True,
+                 capture_output=True)  # writes the bytecode caches
   results = {m: [] for m, _ in MODES}
   for _ in range(rounds):
     for mode, _ in MODES:

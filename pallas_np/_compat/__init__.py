@@ -31,7 +31,9 @@ from pallas_np._compat.core import (  # noqa: F401
     subjaxprs, trace_to_jaxpr, tree_unflatten)
 from pallas_np._compat.versions import (  # noqa: F401
     bf16_to_bool_flushes_denormals, call_hi_primitive_p, digamma_at_zero,
-    hi_primitive_expansion, jaxlib_at_least, scan_counts)
+    composite_body, copy_has_barrier, has_user_predicate, hi_primitive_expansion,
+    jaxlib_at_least, mesh_kernel_bodies, mesh_kernel_meshes, scan_counts, static_wait_count,
+    tmem_load_reduction, tpu_bitcast_dim)
 from pallas_np._compat.state import (  # noqa: F401
     AbstractRef, AccumEffect, BitcastTransform, NDIndexer, ReadEffect, RefBitcaster,
     RefReshaper, ReshapeTransform, Slice, TransformedRef, TransposeTransform, WriteEffect,

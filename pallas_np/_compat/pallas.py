@@ -14,6 +14,7 @@ from jax._src.pallas.mosaic import primitives as mosaic_primitives
 
 from pallas_np._compat.core import optional_primitive, source_summary
 from pallas_np._compat.state import AbstractRef, memory_space_of
+from pallas_np._compat.versions import mesh_kernel_bodies
 
 pallas_call_p = pallas_call_mod.pallas_call_p
 GridMapping = pallas_core.GridMapping
@@ -66,7 +67,7 @@ def mesh_kernel_sources(params) -> list[str]:
   """'fn at file:line' of the body jaxpr(s) of a mesh-kernel eqn's params;
   where the body is JAX's own wrapper (a discharged core_map), the user
   line of its first eqn."""
-  bodies = params.get("jaxprs") or (params.get("jaxpr"),)
+  bodies = mesh_kernel_bodies(params)
   out = []
   for j in bodies:
     j = getattr(j, "jaxpr", j)

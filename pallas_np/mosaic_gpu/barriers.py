@@ -17,7 +17,7 @@ _UNBATCHED = registry.unbatched("barriers synchronise the warpgroups of one bloc
 
 
 def _has_predicate(e) -> bool:
-  return bool(e.params.get("has_user_predicate"))
+  return jc.has_user_predicate(e.params)
 
 
 def arrive_on(ctx, view, idx):

@@ -40,7 +40,7 @@ def _completed(land, det, key):
                    batch=_UNBATCHED)
 def _copy_gmem_to_smem(e):
   p = e.params
-  has_barrier = p.get("has_barrier", True)  # False: a cp.async copy (wait_gmem_to_smem)
+  has_barrier = jc.copy_has_barrier(p)  # False: a cp.async copy (wait_gmem_to_smem)
   pos = 3 if has_barrier else 2
   get_src, pos = operands.ref_accessor(e, 0, p["src_transforms_treedef"], pos)
   get_dst, pos = operands.ref_accessor(e, 1, p["dst_transforms_treedef"], pos)
@@ -145,7 +145,7 @@ def _copy_smem_to_gmem(e):
 @registry.register(jc.mgpu_primitive("wait_smem_to_gmem_p"), needs_ctx=True, foldable=False,
                    batch=_UNBATCHED)
 def _wait_smem_to_gmem(e):
-  static_n = e.params.get("n")  # JAX 0.10: an operand
+  static_n = jc.static_wait_count(e.params)  # None: JAX 0.10 passes it as an operand
 
   def wait(ctx, *args):
     n = int(args[0]) if static_n is None else int(static_n)

@@ -22,7 +22,7 @@ _kernels = lru.LRU(256)
 
 
 def handles(params) -> bool:
-  meshes = params.get("meshes") or (params.get("mesh"),)
+  meshes = jc.mesh_kernel_meshes(params)
   return bool(meshes) and all(jc.is_mgpu_mesh(m) for m in meshes)
 
 

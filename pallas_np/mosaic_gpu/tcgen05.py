@@ -121,7 +121,7 @@ def _tcgen05_mma(e):
                    foldable=False, batch=_UNBATCHED)
 def _tcgen05_commit_arrive(e):
   get, end = operands.ref_accessor(e, 0, e.params.get("barrier_transforms_tree"), 1)
-  pred_pos = end if e.params.get("has_user_predicate") else None
+  pred_pos = end if jc.has_user_predicate(e.params) else None
   axis = e.params.get("collective_axis")
   where = e.source
 
@@ -153,7 +153,7 @@ _LOAD_REDUCE = {"max": lambda x: np.max(x, -1), "min": lambda x: np.min(x, -1),
 @registry.register(jc.mgpu_primitive("async_load_tmem_p"), foldable=False, batch=_UNBATCHED)
 def _async_load_tmem(e):
   get, _ = operands.ref_accessor(e, 0, e.params["tree"], 1)
-  reduce = e.params.get("reduce")
+  reduce = jc.tmem_load_reduction(e.params)
   if reduce is not None and str(reduce) not in _LOAD_REDUCE:
     raise e.unsupported(f"async_load_tmem with reduce={reduce!r}")
   reducer = _LOAD_REDUCE.get(str(reduce))

@@ -19,7 +19,7 @@ from pallas_np.mosaic_gpu import operands, threads
 
 
 def _warp_mesh(params):
-  meshes = params.get("meshes") or (params.get("mesh"),)
+  meshes = jc.mesh_kernel_meshes(params)
   core = jc.mgpu_core
   if core is None or getattr(core, "WarpMesh", None) is None or len(meshes) != 1:
     return None

@@ -73,7 +73,7 @@ def _wgmma_accumulator_store(e):
 @registry.register(jc.mgpu_primitive("wgmma_wait_p"), foldable=False, batch=registry.unbatched(
     "a fence: nothing to batch"))
 def _wgmma_wait(e):
-  keep = e.params.get("n")
+  keep = jc.static_wait_count(e.params)
 
   def wait(*args):
     det = race_clocks.current()

@@ -76,7 +76,7 @@ if _composite_p is not None:
   @registry.register(_composite_p, needs_ctx=True, context_free=True, batch=registry.unbatched(
       "a call of a sub-jaxpr XLA may decompose; not batched (the grid runs sequentially)"))
   def _composite(e):
-    return e.compiler.compile(e.params["jaxpr"]).fn
+    return e.compiler.compile(jc.composite_body(e.params)).fn
 
 
 _random_clone_p = jc.optional_primitive("random", "random_clone_p")

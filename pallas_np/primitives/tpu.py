@@ -50,7 +50,7 @@ def _bitcast(e):
   ``plsc.bitcast`` is ``dim=-1``). With that dim moved minormost it is
   ``ndarray.view`` (see JAX 0.12's lowering of ``bitcast_p``)."""
   dst = np_dtype(e.params["ty"])
-  dim = e.params.get("dim")
+  dim = jc.tpu_bitcast_dim(e.params)
   dim = len(e.in_avals[0].shape) - 2 if dim is None else int(dim)
   return lambda x: minor_view(x, dim, dst)
 
