@@ -225,25 +225,21 @@ def install():
   force switch (``_asked_for``, watching the kernel primitives' abstract
   evaluation, which runs while JAX traces the program and so before its
   eager call reaches the hooks). Until then ``import pallas_np`` replaces
-  nothing that a jitted function without such kernels goes through."""
-  if _hooks_installed:
-    return
+  nothing that a jitted function without such kernels goes through. The
+  watch stays (one check per kernel traced): hooks that something else took
+  out (a test's monkeypatch undone) come back with the next kernel."""
   for prim in _KERNEL_PRIMITIVES:
     jc.watch_abstract_eval(prim, _asked_for)
 
 
 def install_hooks():
   """Put the eager-jit hooks in (``install`` does it with the first
-  numpy-mode kernel; ``PALLAS_NP_FORCE`` at import, at once)."""
+  numpy-mode kernel; ``PALLAS_NP_FORCE`` at import, at once). Idempotent."""
   jc.install_jit_call_hook(_eager_jit_call)
   jc.install_jit_params_memo(_jit_params_memo, _runs_here)
   jc.install_jit_run_hook(_run_routed)
-  _hooks_installed.append(True)
-  for prim in _KERNEL_PRIMITIVES:
-    jc.unwatch_abstract_eval(prim)
 
 
-_hooks_installed: list = []  # [True] once install_hooks ran
 _KERNEL_PRIMITIVES = (jc.pallas_call_p, *_MESH_KERNELS)
 
 

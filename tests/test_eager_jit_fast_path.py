@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import _compat as jc
+from pallas_np import whole_program
 from tests.helpers import assert_identical
 
 rng = np.random.default_rng(331)
@@ -30,6 +31,7 @@ def slow_path(monkeypatch):
   """Every eager jit call that reaches JAX's ``_pjit_call_impl_python``
   (the jit call hook): warm calls on the fast path never do."""
   seen = []
+  whole_program.install_hooks()  # (in with the first numpy-mode kernel; this may run first)
   orig = jc.jax_pjit._pjit_call_impl_python
 
   def counted(*args, **params):

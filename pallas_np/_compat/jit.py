@@ -140,7 +140,7 @@ def infer_argnums_and_argnames(fun, static_argnums, static_argnames):
 
 def watch_abstract_eval(prim, watcher) -> None:
   """Call ``watcher(params)`` each time ``prim`` is traced (its abstract
-  evaluation), before JAX's own rule, until ``unwatch_abstract_eval``: how
+  evaluation), before JAX's own rule: how
   pallas_np notices the first numpy-mode kernel of a program while JAX
   traces it, before JAX runs or compiles the program. Idempotent."""
   current = prim.abstract_eval
@@ -151,12 +151,5 @@ def watch_abstract_eval(prim, watcher) -> None:
     watcher(params)
     return current(*avals, **params)
   abstract_eval.pallas_np_watcher = watcher
-  abstract_eval.pallas_np_wrapped = current
   prim.abstract_eval = abstract_eval
 
-
-def unwatch_abstract_eval(prim) -> None:
-  """Put back the abstract evaluation ``watch_abstract_eval`` wrapped."""
-  wrapped = getattr(prim.abstract_eval, "pallas_np_wrapped", None)
-  if wrapped is not None:
-    prim.abstract_eval = wrapped
