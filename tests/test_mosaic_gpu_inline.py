@@ -6,6 +6,8 @@ launch of a plgpu mesh (JAX's lowering: Pallas grid reversed into x/y/z,
 axes beyond the minor two squashed into z, each axis scaled by the cluster)."""
 from __future__ import annotations
 
+import inspect
+
 import math
 
 import jax
@@ -27,6 +29,13 @@ from jax._src.lib.mlir.dialects import gpu as gpu_dialect  # noqa: E402
 from jax._src.lib.mlir.dialects import memref as memref_dialect  # noqa: E402
 
 I32 = jnp.int32
+
+def _load(ref, **kwargs):
+  """``plgpu.load`` of the whole ref (JAX 0.10 takes an index, 0.12 not)."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), **kwargs)
+  return plgpu.load(ref, **kwargs)
+
 
 
 def _cuda_coordinates():
@@ -97,8 +106,8 @@ def test_splat_arithmetic_and_broadcast_of_layout_args():
       del ctx
       one = mgpu.FragmentedArray.splat(mgpu.c(1.5, ir.F32Type.get()), (64, 32))
       return ss.broadcast_in_dim((64, 32), [0], layout=None) * xs - one + xs / xs
-    o_ref[...] = fn(plgpu.load(x_ref, (), layout=layout, optimized=False),
-                    plgpu.load(s_ref, (), layout=layout.reduce(1), optimized=False))
+    o_ref[...] = fn(_load(x_ref, layout=layout, optimized=False),
+                    _load(s_ref, layout=layout.reduce(1), optimized=False))
 
   with pallas_np.force_numpy_interpret():
     out = np.asarray(kernel(x, s))

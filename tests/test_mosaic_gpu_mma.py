@@ -4,6 +4,8 @@ with products and sums in the accumulator's type. Expected values: NumPy
 in int32 as the hardware's do)."""
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,13 @@ import pallas_np
 
 if not hasattr(plgpu, "mma"):
   pytest.skip("this JAX has no plgpu.mma", allow_module_level=True)
+
+def _load(ref, **kwargs):
+  """``plgpu.load`` of the whole ref (JAX 0.10 takes an index, 0.12 not)."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), **kwargs)
+  return plgpu.load(ref, **kwargs)
+
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8])
@@ -28,8 +37,8 @@ def test_mma_adds_product_to_accumulator(dtype):
   @plgpu.kernel(out_type=jax.ShapeDtypeStruct((m, n), acc_dtype))
   def kernel(a_ref, b_ref, c_ref, o_ref):
     acc = plgpu.layout_cast(c_ref[...], plgpu.Layout.MMA_ACC(dtype))
-    a = plgpu.load(a_ref, (), layout=plgpu.Layout.MMA_LHS(dtype), optimized=False)
-    b = plgpu.load(b_ref.T, (), layout=plgpu.Layout.MMA_RHS(dtype), optimized=False)
+    a = _load(a_ref, layout=plgpu.Layout.MMA_LHS(dtype), optimized=False)
+    b = _load(b_ref.T, layout=plgpu.Layout.MMA_RHS(dtype), optimized=False)
     o_ref[...] = plgpu.mma(acc, a, b)
 
   rng = np.random.default_rng(0)
