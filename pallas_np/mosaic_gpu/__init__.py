@@ -8,4 +8,4 @@ from pallas_np import _compat as jc
 
 if jc.mgpu_core is not None:
   from pallas_np.mosaic_gpu import (atomics, barriers, cluster, collectives, copies,  # noqa: F401
-                                    inline, layout, tcgen05, wgmma)
+                                    inline, layout, smem_stores, tcgen05, wgmma)
