@@ -268,6 +268,8 @@ class RefAccess:
         width = t.transform_type(jc.ShapedArray(shape, ref_dtype)).shape[-1]
         steps.append(("subcore_slice", width, shape))
         shape = (*shape[:-1], width)
+      elif peer_refs.is_cluster_transform(t):  # plgpu.cluster_ref
+        steps.append(("cluster", t, shape))
       elif aliased_refs.is_alias(t):  # a plgpu.RefUnion member
         steps.append(("alias", aliased_refs.alias_step(t, transforms[i + 1:], shape, ref_dtype),
                       shape))
@@ -337,6 +339,8 @@ class RefAccess:
         fns.append(_subcore_slice_view(arg))
       elif kind == "peer":
         fns.append(peer_refs.peer_view(arg, _Dyn))
+      elif kind == "cluster":
+        fns.append(peer_refs.cluster_view(arg, _Dyn))
       elif kind == "alias":
         fns.append(aliased_refs.alias_view(arg))
     else:
