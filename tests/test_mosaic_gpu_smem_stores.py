@@ -1,5 +1,6 @@
 """``plgpu.async_store_smem`` (a register array stored into the SMEM of a
-block of the cluster, completing the destination block's barrier) and
+block of the cluster, completing the destination block's barrier),
+``plgpu.cluster_ref`` (reads and writes of a peer block's SMEM) and
 ``plgpu.barrier_test`` (in a warp). Expected values: NumPy written from the
 semantics (each block of a 2-block cluster stores into the other's SMEM)."""
 from __future__ import annotations
@@ -87,3 +88,35 @@ def test_barrier_test_outside_a_warp_is_refused():
   with pytest.raises((UnsupportedError, KernelError), match="outside a warp"):
     with pallas_np.force_numpy_interpret():
       kernel()
+
+
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+def test_cluster_ref_reads_and_writes_the_peer_blocks_smem(cluster):
+  axis = "x" if cluster[0] == 2 else "y"
+  shape = (2, 64, 32)
+
+  @plgpu.kernel(out_type=(jax.ShapeDtypeStruct(shape, jnp.float32),) * 2,
+                scratch_types=[plgpu.SMEM((64, 32), jnp.float32, transforms=TILED),
+                               plgpu.SMEM((64, 32), jnp.float32),
+                               plgpu.Barrier(),
+                               plgpu.ClusterBarrier(collective_axes=(axis,)),
+                               plgpu.ClusterBarrier(collective_axes=(axis,))],
+                cluster=cluster, cluster_names=("x", "y"))
+  def kernel(x_ref, read_ref, written_ref, smem, inbox, bar, ready, written):
+    me = jax.lax.axis_index(axis)
+    plgpu.copy_gmem_to_smem(x_ref.at[me], smem, bar)
+    plgpu.barrier_wait(bar)
+    plgpu.barrier_arrive(ready)
+    plgpu.barrier_wait(ready)
+    peer = plgpu.cluster_ref(smem, {axis: 1 - me})
+    read_ref[me] = peer[...]
+    plgpu.cluster_ref(inbox, {axis: 1 - me})[...] = smem[...] * 2  # a DSMEM store
+    plgpu.barrier_arrive(written)
+    plgpu.barrier_wait(written)
+    written_ref[me] = inbox[...]
+
+  x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  with pallas_np.force_numpy_interpret():
+    read, written = (np.asarray(o) for o in kernel(x))
+  np.testing.assert_array_equal(read, x[::-1])
+  np.testing.assert_array_equal(written, 2 * x[::-1])
