@@ -182,3 +182,46 @@ def test_pallas_call_grid_registers_are_refused():
                       compiler_params=plgpu.CompilerParams())
   with pytest.raises((UnsupportedError, KernelError), match="gpu.grid_dim"):
     fn()
+
+
+def test_warp_body_returning_an_array_is_refused_as_by_jax():
+  @plgpu.kernel(out_type=jax.ShapeDtypeStruct((), I32))
+  def kernel(o_ref):
+    @plgpu.warp_map
+    def _(warp_id):
+      @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct(
+          (128,), I32, layout=plgpu.Layout.WG_SPLAT((128,))))
+      def fn(ctx):
+        del ctx
+        return mgpu.FragmentedArray.splat(mgpu.c(1, ir.IntegerType.get_signless(32)), (128,),
+                                          is_signed=True)
+      @pl.when(warp_id == 0)
+      def _():
+        o_ref[...] = fn()[0]
+
+  with pytest.raises(ValueError, match="single-warp context only supports scalar"):
+    with pallas_np.force_numpy_interpret():
+      kernel()
+
+
+def test_warp_body_returning_a_scalar_reads_its_argument():
+  @plgpu.kernel(out_type=(jax.ShapeDtypeStruct((), I32), jax.ShapeDtypeStruct((), I32)))
+  def kernel(y_ref, z_ref):
+    @plgpu.warp_map
+    def _(warp_id):
+      @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT),
+                         return_type=plgpu.ShapeDtypeStruct((), I32,
+                                                            layout=plgpu.Layout.WG_SPLAT))
+      def write(ctx, ref, wid):
+        del ctx
+        memref_dialect.store(wid.registers.item(), ref, [])
+        ten = mgpu.FragmentedArray.splat(mgpu.c(10, ir.IntegerType.get_signless(32)), (),
+                                         is_signed=True)
+        return wid + ten
+      @pl.when(warp_id == 2)
+      def _():
+        z_ref[...] = write(y_ref, warp_id)
+
+  with pallas_np.force_numpy_interpret():
+    y, z = kernel()
+  assert (int(y), int(z)) == (2, 12)

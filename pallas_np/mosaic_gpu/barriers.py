@@ -96,12 +96,6 @@ if jc.mgpu_primitive("barrier_arrive_and_wait_p") is not None:
     return arrive_and_wait
 
 
-def _in_warp(ctx, state) -> bool:
-  slot = ctx.extra.get(threads.SLOT_KEY)
-  per_wg = getattr(state, "slots_per_wg", 1)
-  return slot is not None and per_wg > 1 and slot % per_wg != 0
-
-
 def _hand_on_once():
   """A predicate false on its first call, then true: waiting on it hands
   the baton round the other threads once (a failed ``barrier_test`` in a
@@ -128,7 +122,7 @@ if jc.mgpu_primitive("barrier_test_p") is not None:
 
     def test(ctx, *args):
       st = operands.block_of(ctx)
-      if not _in_warp(ctx, st):
+      if not operands.in_warp(ctx):
         raise e.unsupported("barrier_test outside a warp (plgpu.warp_map): JAX's lowering "
                             "refuses it too (Unimplemented primitive in Pallas Mosaic GPU "
                             "lowering)")

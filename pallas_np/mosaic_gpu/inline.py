@@ -26,6 +26,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.mosaic_gpu import inline_values as iv
+from pallas_np.mosaic_gpu import operands
 
 # RunContext.extra: the plgpu.Mesh of the running mesh kernel (set by
 # pallas_np.mosaic_gpu.kernel), for the special registers.
@@ -156,7 +157,12 @@ if jc.mgpu_primitive("inline_mgpu_p") is not None:
     if not isinstance(fn, types.FunctionType):
       raise e.unsupported(f"inline_mgpu ({_body_name(fn)}): the body is not a Python function")
 
+    array_returns = [tuple(r.shape) for r in e.params.get("flat_ret_ty") or () if r.shape]
+
     def inline_mgpu(ctx, *args):
+      if array_returns and operands.in_warp(ctx):  # as JAX's lowering
+        raise ValueError("inline_mgpu in a single-warp context only supports scalar return "
+                         f"types. Got shape={array_returns[0]}.")
       try:
         body = _with_stand_ins(fn, _special(ctx))
         return _results(e, body(iv.LaunchContext(), *_arguments(e, args)))
