@@ -77,7 +77,7 @@ def _with_stand_ins(fn, special):
   env = dict(fn.__globals__)
   for k, kind in kinds.items():
     if kind == "other":
-      env[k] = iv._Namespace(modules[k].__name__)
+      env[k] = iv.Namespace(modules[k].__name__)
     elif kind is not None:
       env[k] = stand_ins[kind]
   for cell in fn.__closure__ or ():

@@ -44,7 +44,7 @@ def _missing(owner: str, name: str):
   refuse(f"{owner}.{name}")
 
 
-class _Namespace:
+class Namespace:
   """A module stand-in: known names, and a refusal for any other."""
 
   def __init__(self, module_name: str, **names):
@@ -84,17 +84,17 @@ def type_of(dtype) -> MlirType:
 
 
 def _float_type(dtype):
-  return _Namespace("ir.FloatType", get=lambda *a: MlirType("f", np.dtype(dtype).itemsize * 8,
+  return Namespace("ir.FloatType", get=lambda *a: MlirType("f", np.dtype(dtype).itemsize * 8,
                                                             np.dtype(dtype)))
 
 
 def _ir_namespace():
   import ml_dtypes
-  return _Namespace(
+  return Namespace(
       "ir",
-      IntegerType=_Namespace("ir.IntegerType",
+      IntegerType=Namespace("ir.IntegerType",
                              get_signless=lambda w, *a: MlirType("i", int(w))),
-      IndexType=_Namespace("ir.IndexType", get=lambda *a: MlirType("index", 64)),
+      IndexType=Namespace("ir.IndexType", get=lambda *a: MlirType("index", 64)),
       F32Type=_float_type(np.float32), F16Type=_float_type(np.float16),
       F64Type=_float_type(np.float64), BF16Type=_float_type(ml_dtypes.bfloat16))
 
@@ -153,7 +153,7 @@ def _constant(type_, value):
 
 
 def _arith_namespace():
-  return _Namespace(
+  return Namespace(
       "arith",
       addi=_int_op(np.add), subi=_int_op(np.subtract), muli=_int_op(np.multiply),
       divui=_int_op(_div, signed=False), remui=_int_op(_rem, signed=False),
@@ -194,7 +194,7 @@ def _gpu_namespace(special: Special | None, dimension_enum):
         refuse(f"gpu.{name} outside a plgpu mesh kernel (plgpu.kernel / pl.core_map)")
       return Scalar(getattr(special, name)[int(getattr(dim, "value", dim))], MlirType("index", 64))
     return read
-  return _Namespace("gpu", Dimension=dimension_enum, block_id=reader("block_id"),
+  return Namespace("gpu", Dimension=dimension_enum, block_id=reader("block_id"),
                     grid_dim=reader("grid_dim"), cluster_block_id=reader("cluster_block_id"),
                     cluster_dim=reader("cluster_dim"))
 
@@ -206,7 +206,7 @@ def _memref_namespace():
   def load(ref, indices):
     buf = _as_ref(ref).buffer
     return Scalar(buf[_indices(indices)], type_of(buf.dtype))
-  return _Namespace("memref", store=store, load=load)
+  return Namespace("memref", store=store, load=load)
 
 
 def _indices(indices):
@@ -326,9 +326,9 @@ def _c(value, type_):
 
 
 def _mgpu_namespace(real_mgpu):
-  fragmented = _Namespace("mgpu.FragmentedArray", splat=Fragmented.splat)
-  utils = _Namespace("mgpu.utils", is_signed=getattr(real_mgpu.utils, "is_signed", None))
-  return _Namespace("mgpu", FragmentedArray=fragmented, c=_c, utils=utils,
+  fragmented = Namespace("mgpu.FragmentedArray", splat=Fragmented.splat)
+  utils = Namespace("mgpu.utils", is_signed=getattr(real_mgpu.utils, "is_signed", None))
+  return Namespace("mgpu", FragmentedArray=fragmented, c=_c, utils=utils,
                     WGSplatFragLayout=getattr(real_mgpu, "WGSplatFragLayout", None))
 
 
