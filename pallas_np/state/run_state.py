@@ -107,3 +107,18 @@ def _mosaic_gpu_results(returned, finals, is_ref):
   values) handed out in order to the discharged (non-ref) operands."""
   seq = iter([*returned, *(f for f, r in zip(finals, is_ref) if not r)])
   return [f if r else np.array(next(seq)) for f, r in zip(finals, is_ref)]
+
+
+def _discharged(e, jaxpr, is_initialized):
+  closed = jc.discharge_run_state(jaxpr)
+  plan = e.compiler.compile(closed).fn
+  if all(is_initialized):
+    return plan
+  avals = [v.aval for v in getattr(closed, "jaxpr", closed).invars]
+
+  def run_state(ctx, *args):
+    it = iter(args)
+    full = [next(it) if init else np.zeros(a.shape, a.dtype)
+            for init, a in zip(is_initialized, avals)]
+    return plan(ctx, *full)
+  return run_state
