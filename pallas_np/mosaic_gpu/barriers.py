@@ -1,10 +1,13 @@
-"""``plgpu.Barrier`` scratch, ``barrier_arrive`` and ``barrier_wait``.
+"""``plgpu.Barrier`` scratch, ``barrier_arrive``, ``barrier_wait`` and
+``barrier_test``.
 
 A barrier ref is an object array of ``threads.Barrier``. A wait observes the
 next phase of its thread: it blocks (hands the baton to another warpgroup)
 until that phase completes, then writes the copies issued on that phase.
 A wait that can never complete raises (``threads.BarrierDeadlock``)."""
 from __future__ import annotations
+
+import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import memory, registry
@@ -91,3 +94,44 @@ if jc.mgpu_primitive("barrier_arrive_and_wait_p") is not None:
       barrier_wait(ctx, operands.one_barrier(view, idx), source)
       return []
     return arrive_and_wait
+
+
+def _hand_on_once():
+  """A predicate false on its first call, then true: waiting on it hands
+  the baton round the other threads once (a failed ``barrier_test`` in a
+  spin loop lets the threads that would complete the phase run)."""
+  calls = []
+
+  def predicate():
+    calls.append(None)
+    return len(calls) > 1
+  return predicate
+
+
+if jc.mgpu_primitive("barrier_test_p") is not None:
+  @registry.register(jc.mgpu_primitive("barrier_test_p"), needs_ctx=True, foldable=False,
+                     batch=_UNBATCHED)
+  def _barrier_test(e):
+    """``plgpu.barrier_test``: has the phase this warp waits for next
+    completed? If so the warp has observed it (as a wait would: the copies
+    of that phase land); if not, the other threads get a turn. Only in a
+    warp (``plgpu.warp_map``), as JAX's lowering (elsewhere: "Unimplemented
+    primitive in Pallas Mosaic GPU lowering")."""
+    get, _ = operands.ref_accessor(e, 0, e.params["transforms_treedef"], 1)
+    source = e.source
+
+    def test(ctx, *args):
+      st = operands.block_of(ctx)
+      if not operands.in_warp(ctx):
+        raise e.unsupported("barrier_test outside a warp (plgpu.warp_map): JAX's lowering "
+                            "refuses it too (Unimplemented primitive in Pallas Mosaic GPU "
+                            "lowering)")
+      bar = operands.one_barrier(*get(args))
+      t = operands.thread_of(ctx)
+      target = bar.observed.get(t, 0) + 1
+      if bar.phase >= target:
+        barrier_wait(ctx, bar, source)
+        return np.bool_(True)
+      st.wait_until(ctx, _hand_on_once(), "barrier_test", source)
+      return np.bool_(False)
+    return test

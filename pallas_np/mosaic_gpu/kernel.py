@@ -22,7 +22,8 @@ from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import KernelError, UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
 from pallas_np.mosaic_gpu import cluster as cluster_mod
-from pallas_np.mosaic_gpu import collectives, device_blocks, race_clocks, threads, warps
+from pallas_np.mosaic_gpu import (cluster_refs, collectives, device_blocks, inline, race_clocks,
+                                  threads, warps)
 from pallas_np.params import InterpretParams
 from pallas_np.state.refs import PRIVATE_SCOPE_KEY, SHARED_SCOPE_KEY
 
@@ -155,6 +156,8 @@ class MeshKernel:
       ctx.grid_point = block
       ctx.extra["mesh_axes"] = {n: np.int32(c) for n, c in zip(sizes, coords)}
       ctx.extra["mesh_sizes"] = sizes
+      ctx.extra[inline.MESH_KEY] = self.mesh  # special registers of inline_mgpu bodies
+      cluster_refs.activate(state)
       ctx.extra[threads.BLOCK_KEY] = state
       ctx.extra[threads.THREAD_KEY] = t
       ctx.extra[threads.SLOT_KEY] = (b * self.num_threads + t) * self.slots_per_wg
@@ -176,6 +179,8 @@ class MeshKernel:
         raise
       except Exception as e:
         raise self._error(e, block, t) from e
+      finally:
+        cluster_refs.activate(None)
 
     fns = []
     for b, c in enumerate(cluster_coords):

@@ -155,3 +155,11 @@ def thread_of(ctx) -> int:
 def thread_name(ctx) -> str:
   task = ctx.extra.get(threads.TASK_KEY)
   return task.name if task is not None else f"warpgroup {thread_of(ctx)}"
+
+
+def in_warp(ctx) -> bool:
+  """Is this thread a warp of a ``plgpu.warp_map`` (not a warpgroup)?"""
+  slot = ctx.extra.get(threads.SLOT_KEY)
+  state = ctx.extra.get(threads.BLOCK_KEY)
+  per_wg = getattr(state, "slots_per_wg", 1)
+  return slot is not None and per_wg > 1 and slot % per_wg != 0

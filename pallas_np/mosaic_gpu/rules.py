@@ -2,4 +2,4 @@
 is imported) and the executor they need; imported by
 ``pallas_np.mosaic_gpu`` with the first Mosaic GPU kernel."""
 from pallas_np.mosaic_gpu import (atomics, barriers, cluster, collectives, copies,  # noqa: F401
-                                  inline, kernel, layout, tcgen05, wgmma, warps)
+                                  inline, kernel, layout, smem_stores, tcgen05, wgmma, warps)

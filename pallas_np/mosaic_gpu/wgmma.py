@@ -1,5 +1,6 @@
 """Warpgroup matrix multiply: ``wgmma`` into an accumulator ref,
-``wgmma_wait``, reading/writing the accumulator.
+``wgmma_wait``, reading/writing the accumulator; ``plgpu.mma`` (Ampere's
+register-level MMA, JAX >= 0.11).
 
 The product runs when issued (``acc += a @ b`` with products and sums in the
 accumulator's type, f32 for f16/bf16 operands as on Hopper); ``wgmma_wait``
@@ -81,3 +82,19 @@ def _wgmma_wait(e):
       det.wgmma_wait(int(args[0]) if keep is None else int(keep))
     return []
   return wait
+
+
+if jc.mgpu_primitive("mma_p") is not None:  # JAX >= 0.11: plgpu.mma
+  @registry.register(jc.mgpu_primitive("mma_p"), batch=registry.unbatched(
+      "a warpgroup's register-level MMA"), gemm=True)
+  def _mma(e):
+    """``plgpu.mma(acc, a, b)``: ``acc + a @ b`` on register values (Ampere
+    ``mma.sync``), synchronous; products and sums in the accumulator's type,
+    as ``wgmma`` (int32 for integer operands, wrapping)."""
+    acc_dt = np.dtype(e.out_avals[0].dtype)
+
+    def mma(acc, a, b):
+      with np.errstate(over="ignore"):
+        prod = np.matmul(np.asarray(a).astype(acc_dt), np.asarray(b).astype(acc_dt))
+        return (np.asarray(acc, acc_dt) + prod).astype(acc_dt, copy=False)
+    return mma

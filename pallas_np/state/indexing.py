@@ -28,7 +28,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
 from pallas_np.dtypes import bit_width
-from pallas_np.state import lens, peer_refs
+from pallas_np.state import aliased_refs, lens, peer_refs
 
 
 class _Dyn:
@@ -225,7 +225,7 @@ class RefAccess:
     # Walk the transforms, tracking the ref's shape/dtype.
     shape = tuple(ref_shape)
     steps = []
-    for t in transforms:
+    for i, t in enumerate(transforms):
       if jc.is_peer_transform(t):
         # It commutes with every other transform (JAX's commute_ndindexer):
         # the peer's copy of the whole ref, then the rest.
@@ -268,6 +268,12 @@ class RefAccess:
         width = t.transform_type(jc.ShapedArray(shape, ref_dtype)).shape[-1]
         steps.append(("subcore_slice", width, shape))
         shape = (*shape[:-1], width)
+      elif peer_refs.is_cluster_transform(t):  # plgpu.cluster_ref
+        steps.append(("cluster", t, shape))
+      elif aliased_refs.is_alias(t):  # a plgpu.RefUnion member
+        steps.append(("alias", aliased_refs.alias_step(t, transforms[i + 1:], shape, ref_dtype),
+                      shape))
+        shape, ref_dtype = tuple(t.shape), t.dtype
       elif jc.is_layout_only_transform(t):
         # Mosaic GPU tiling/swizzling: layout only, the buffer is kept in
         # its logical shape (pallas_np.mosaic_gpu), so no view changes.
@@ -333,6 +339,10 @@ class RefAccess:
         fns.append(_subcore_slice_view(arg))
       elif kind == "peer":
         fns.append(peer_refs.peer_view(arg, _Dyn))
+      elif kind == "cluster":
+        fns.append(peer_refs.cluster_view(arg, _Dyn))
+      elif kind == "alias":
+        fns.append(aliased_refs.alias_view(arg))
     else:
       final = None
     self._prefix_fns = fns if final is not None else None
