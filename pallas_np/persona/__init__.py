@@ -81,6 +81,7 @@ class emulate_device:
         jax_gates.patch_test_util(ps, self.spec)
         jax_gates.patch_devices(ps, self.spec)
         jax_gates.patch_cannot_emulate(ps)
+      jax_gates.patch_interpret_state(ps, self.params.detect_races)
     except BaseException:
       ps.undo()
       raise

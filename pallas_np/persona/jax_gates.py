@@ -16,6 +16,7 @@ import unittest
 
 import jax
 
+from pallas_np.errors import UnsupportedError
 from pallas_np.persona.devices import DeviceSpec
 from pallas_np.persona.patches import PatchSet
 
@@ -190,3 +191,38 @@ def patch_cannot_emulate(ps: PatchSet) -> None:
           _skip("profiler")
       return __init__
     ps.wrap(params_cls, "__init__", init_or_skip)
+
+
+class RaceState:
+  """What JAX's interpreters' ``get_races()`` returns, answered by pallas_np:
+  ``races_found`` is False when every kernel since the persona was entered
+  ran under pallas_np's race detection (a race raises ``RaceError`` from
+  the kernel call itself, so a test that reaches ``get_races()`` saw none)."""
+
+  def __init__(self, races_found: bool):
+    self.races_found = races_found
+
+  def __repr__(self):
+    return f"pallas_np.RaceState(races_found={self.races_found})"
+
+
+def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
+  """JAX's GPU/TPU interpreters' race state (``get_races``, the reset
+  functions) answered from pallas_np, which runs the kernels under the
+  persona: with race detection on, no race seen; with it off, an error
+  saying how to turn it on (pallas_np checked nothing it could report)."""
+  def get_races():
+    if not detect_races:
+      raise UnsupportedError(
+          "pallas_np device persona: get_races() asks for the race detector's result, and "
+          "pallas_np ran these kernels without race detection: run with "
+          "pytest --pallas-numpy-races (or emulate_device(NAME, detect_races=True)); a race "
+          "then raises pallas_np.RaceError from the kernel call")
+    return RaceState(False)
+
+  for module_name in ("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call",
+                      "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks",
+                      "jax._src.pallas.mosaic.interpret.interpret_pallas_call"):
+    module = _optional_module(module_name)
+    if module is not None and hasattr(module, "get_races"):
+      ps.set(module, "get_races", get_races)
