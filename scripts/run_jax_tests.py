@@ -37,8 +37,21 @@ DEFAULT_MIRROR = "/work/.mirror/jax-ml+jax/repo"
 # Written next to the extracted tests and loaded with ``-p``: one JSON line per
 # test report (the call phase, or setup when it failed or skipped).
 REPORTER = '''
-import json, os
+import importlib.util, json, os, sys
 _OUT = os.environ["RUN_JAX_TESTS_LOG"]
+
+# JAX's test helpers that its wheel does not ship (jax._src.hypothesis_test_util),
+# extracted from the mirror at the same tag: loaded under their module names.
+_SHIMS = os.environ.get("RUN_JAX_TESTS_SHIMS", "")
+if _SHIMS:
+  import jax._src
+  for _file in sorted(os.listdir(_SHIMS)):
+    _name = "jax._src." + _file[:-3]
+    _spec = importlib.util.spec_from_file_location(_name, os.path.join(_SHIMS, _file))
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules[_name] = _mod
+    _spec.loader.exec_module(_mod)
+    setattr(jax._src, _file[:-3], _mod)
 
 def _first_line(report):
   if report.passed:
@@ -79,6 +92,26 @@ def extract_tests(mirror: str, tag: str, dest: str) -> str:
   return os.path.join(dest, "tests")
 
 
+# jax._src modules JAX's tests import that the wheel may lack.
+TEST_HELPERS = ("hypothesis_test_util",)
+
+
+def extract_helpers(python: str, mirror: str, tag: str, dest: str) -> str:
+  """The missing ``TEST_HELPERS`` at ``tag`` into ``dest`` (for the reporter
+  plugin to load); returns ``dest``."""
+  os.makedirs(dest, exist_ok=True)
+  for name in TEST_HELPERS:
+    probe = subprocess.run([python, "-c", f"import jax._src.{name}"], capture_output=True)
+    if probe.returncode == 0:
+      continue
+    src = subprocess.run(["git", "-C", mirror, "show", f"{tag}:jax/_src/{name}.py"],
+                         capture_output=True)
+    if src.returncode == 0:
+      with open(os.path.join(dest, name + ".py"), "wb") as f:
+        f.write(src.stdout)
+  return dest
+
+
 def find_file(tests_dir: str, name: str) -> str:
   for candidate in (os.path.join(tests_dir, name), os.path.join(tests_dir, "pallas", name)):
     if os.path.isfile(candidate):
@@ -110,6 +143,7 @@ def run_file(args, tests_dir, path, log_dir) -> dict:
   name = os.path.basename(path)
   log = os.path.join(log_dir, name + ".jsonl")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, log_dir]), RUN_JAX_TESTS_LOG=log,
+             RUN_JAX_TESTS_SHIMS=args.shims,
              PALLAS_NP_PROGRESS="0", JAX_PLATFORMS="cpu")
   env.pop("PALLAS_NP_FORCE", None)
   cwd = os.path.dirname(tests_dir)
@@ -195,6 +229,7 @@ def main(argv=None) -> None:
   os.makedirs(log_dir, exist_ok=True)
   with open(os.path.join(log_dir, "run_jax_tests_report.py"), "w") as f:
     f.write(REPORTER)
+  args.shims = extract_helpers(args.python, args.mirror, tag, os.path.join(work, "_shims"))
   print(f"JAX tests at {tag} in {tests_dir}; device persona {args.device}; "
         f"python {args.python}", flush=True)
   for name in args.files:
