@@ -77,10 +77,26 @@ def pytest_runtest_logreport(report):
 '''
 
 
-def installed_jax_tag(python: str) -> str:
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in re.findall(r"\d+", text))
+
+
+def installed_jax_tag(python: str, mirror: str) -> str:
+  """``jax-v<installed version>``, or the mirror's newest tag below it (a
+  newer JAX than the mirror knows: said on stdout)."""
   out = subprocess.run([python, "-c", "import jax; print(jax.__version__)"],
                        capture_output=True, text=True, check=True)
-  return "jax-v" + out.stdout.strip()
+  version = out.stdout.strip()
+  tags = subprocess.run(["git", "-C", mirror, "tag", "-l", "jax-v*"], capture_output=True,
+                        text=True, check=True).stdout.split()
+  if "jax-v" + version in tags:
+    return "jax-v" + version
+  older = [t for t in tags if _version(t) <= _version(version)]
+  if not older:
+    raise SystemExit(f"run_jax_tests: no jax-v* tag at or below JAX {version} in {mirror}")
+  tag = max(older, key=_version)
+  print(f"note: JAX {version} has no tag in the mirror; using {tag}'s tests")
+  return tag
 
 
 def extract_tests(mirror: str, tag: str, dest: str) -> str:
@@ -220,7 +236,7 @@ def main(argv=None) -> None:
   ap.add_argument("--pytest-args", default="", help="more pytest arguments (one string)")
   args = ap.parse_args(argv)
   args.pytest_args = args.pytest_args.split()
-  tag = args.tag or installed_jax_tag(args.python)
+  tag = args.tag or installed_jax_tag(args.python, args.mirror)
   work = args.keep or tempfile.mkdtemp(prefix="run_jax_tests_")
   tests_dir = os.path.join(work, "tests")
   if not os.path.isdir(tests_dir):
