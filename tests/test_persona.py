@@ -230,3 +230,22 @@ def test_pytest_option(tmp_path):
     outs[bool(opt)] = p.stdout
   assert "1 skipped" in outs[False], outs[False]
   assert "1 passed" in outs[True], outs[True]
+
+
+def test_jax_interpreter_state_answered():
+  """get_races() of JAX's GPU interpreter answers from pallas_np (which ran
+  the kernels); JAX-interpreter-only options skip with the reason."""
+  gpu_interpret = pytest.importorskip(
+      "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+  params_mod = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+  original = gpu_interpret.get_races
+  with pallas_np.emulate_device("cpu", detect_races=True):
+    assert gpu_interpret.get_races().races_found is False
+    with pytest.raises(unittest.SkipTest, match="skip_floating_point_ops"):
+      params_mod.InterpretGPUParams(skip_floating_point_ops=True)
+    params_mod.InterpretGPUParams(detect_races=True)  # other options build as usual
+  with pallas_np.emulate_device("cpu"):
+    with pytest.raises(pallas_np.UnsupportedError, match="pallas-numpy-races"):
+      gpu_interpret.get_races()
+  assert gpu_interpret.get_races is original
+  params_mod.InterpretGPUParams(skip_floating_point_ops=True)

@@ -82,6 +82,7 @@ class emulate_device:
         jax_gates.patch_devices(ps, self.spec)
         jax_gates.patch_cannot_emulate(ps)
       jax_gates.patch_interpret_state(ps, self.params.detect_races)
+      jax_gates.patch_interpreter_options(ps)
     except BaseException:
       ps.undo()
       raise

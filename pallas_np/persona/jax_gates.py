@@ -30,6 +30,9 @@ CANNOT_EMULATE = {
               "device persona the kernel is a host callback, which cannot be exported",
     "profiler": "Mosaic GPU's in-kernel profiler (profile_space) records device clock "
                 "stamps: it cannot be emulated",
+    "skip_fp": "skip_floating_point_ops is a debugging option of JAX's own interpreters "
+               "(float results come out as inf by design); pallas_np, which runs the kernels "
+               "under the persona, computes them",
 }
 
 # Custom-call targets of host callbacks (the io_callback a numpy-mode kernel
@@ -226,3 +229,26 @@ def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
     module = _optional_module(module_name)
     if module is not None and hasattr(module, "get_races"):
       ps.set(module, "get_races", get_races)
+
+
+def patch_interpreter_options(ps: PatchSet) -> None:
+  """JAX's interpret params whose meaning is specific to JAX's own
+  interpreters (``skip_floating_point_ops``) make the test that builds them
+  skip, with the reason: pallas_np runs the kernels and computes the floats."""
+  for module_name, cls_name in (("jax._src.pallas.mosaic_gpu.interpret.params",
+                                 "InterpretGPUParams"),
+                                ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+                                 "InterpretParams")):
+    module = _optional_module(module_name)
+    cls = getattr(module, cls_name, None) if module is not None else None
+    if cls is None or "skip_floating_point_ops" not in getattr(cls, "__dataclass_fields__", {}):
+      continue
+
+    def init_or_skip(original):
+      @functools.wraps(original)
+      def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "skip_floating_point_ops", False):
+          _skip("skip_fp")
+      return __init__
+    ps.wrap(cls, "__init__", init_or_skip)
