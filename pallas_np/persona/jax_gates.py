@@ -210,10 +210,11 @@ class RaceState:
 
 
 def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
-  """JAX's GPU/TPU interpreters' race state (``get_races``, the reset
-  functions) answered from pallas_np, which runs the kernels under the
-  persona: with race detection on, no race seen; with it off, an error
-  saying how to turn it on (pallas_np checked nothing it could report)."""
+  """JAX's GPU/TPU interpreters' race state (``get_races``) answered from
+  pallas_np, which runs the kernels under the persona: with race detection
+  on, no race seen; with it off, an error saying how to turn it on
+  (pallas_np checked nothing it could report). The reset functions stay
+  JAX's (they clear JAX's own state, harmless here)."""
   def get_races():
     if not detect_races:
       raise UnsupportedError(
