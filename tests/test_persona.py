@@ -249,3 +249,12 @@ def test_jax_interpreter_state_answered():
       gpu_interpret.get_races()
   assert gpu_interpret.get_races is original
   params_mod.InterpretGPUParams(skip_floating_point_ops=True)
+  tpu_interpret = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
+  if hasattr(tpu_interpret, "races"):  # the TPU interpreter keeps it as a module attribute
+    before = tpu_interpret.races
+    with pallas_np.emulate_device("tpu-v5e", detect_races=True):
+      assert tpu_interpret.races.races_found is False
+    with pallas_np.emulate_device("tpu-v5e"):
+      with pytest.raises(pallas_np.UnsupportedError):
+        tpu_interpret.races.races_found  # noqa: B018
+    assert tpu_interpret.races is before

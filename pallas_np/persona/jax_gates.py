@@ -196,17 +196,32 @@ def patch_cannot_emulate(ps: PatchSet) -> None:
     ps.wrap(params_cls, "__init__", init_or_skip)
 
 
-class RaceState:
-  """What JAX's interpreters' ``get_races()`` returns, answered by pallas_np:
-  ``races_found`` is False when every kernel since the persona was entered
-  ran under pallas_np's race detection (a race raises ``RaceError`` from
-  the kernel call itself, so a test that reaches ``get_races()`` saw none)."""
+def _races_unchecked():
+  return UnsupportedError(
+      "pallas_np device persona: the race detector's result was asked for, and pallas_np "
+      "ran these kernels without race detection: run with pytest --pallas-numpy-races (or "
+      "emulate_device(NAME, detect_races=True)); a race then raises pallas_np.RaceError "
+      "from the kernel call")
 
-  def __init__(self, races_found: bool):
-    self.races_found = races_found
+
+class RaceState:
+  """What JAX's interpreters' ``get_races()`` (GPU) or ``races`` (TPU)
+  hold, answered by pallas_np: ``races_found`` is False when every kernel
+  since the persona was entered ran under pallas_np's race detection (a race
+  raises ``RaceError`` from the kernel call itself, so a test that reads it
+  afterwards saw none); without race detection, reading it raises."""
+
+  def __init__(self, checked: bool):
+    self._checked = checked
+
+  @property
+  def races_found(self) -> bool:
+    if not self._checked:
+      raise _races_unchecked()
+    return False
 
   def __repr__(self):
-    return f"pallas_np.RaceState(races_found={self.races_found})"
+    return f"pallas_np.RaceState(checked={self._checked})"
 
 
 def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
@@ -215,14 +230,12 @@ def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
   on, no race seen; with it off, an error saying how to turn it on
   (pallas_np checked nothing it could report). The reset functions stay
   JAX's (they clear JAX's own state, harmless here)."""
+  state = RaceState(detect_races)
+
   def get_races():
     if not detect_races:
-      raise UnsupportedError(
-          "pallas_np device persona: get_races() asks for the race detector's result, and "
-          "pallas_np ran these kernels without race detection: run with "
-          "pytest --pallas-numpy-races (or emulate_device(NAME, detect_races=True)); a race "
-          "then raises pallas_np.RaceError from the kernel call")
-    return RaceState(False)
+      raise _races_unchecked()
+    return state
 
   for module_name in ("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call",
                       "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks",
@@ -230,6 +243,8 @@ def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
     module = _optional_module(module_name)
     if module is not None and hasattr(module, "get_races"):
       ps.set(module, "get_races", get_races)
+    if module is not None and hasattr(module, "races"):  # TPU: a module attribute
+      ps.set(module, "races", state)
 
 
 def patch_interpreter_options(ps: PatchSet) -> None:
