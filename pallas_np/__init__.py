@@ -18,6 +18,7 @@ from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpr
                            unset_numpy_interpret, clear_caches, grid_report,
                            install as _install)
 from pallas_np.explainer import explain
+from pallas_np.persona import emulate_device, set_emulated_device, unset_emulated_device
 
 _install()
 _install_eager_jit()
@@ -31,4 +32,5 @@ __version__ = "0.1.0"
 __all__ = ["pallas_call", "jit", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",
            "PallasNumpyError", "KernelError", "UnsupportedError", "RaceError",
-           "kernel_errors", "assume_tpu_chip", "grid_report", "explain"]
+           "kernel_errors", "assume_tpu_chip", "grid_report", "explain",
+           "emulate_device", "set_emulated_device", "unset_emulated_device"]

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     session = ExplainSession(first_run_only=True)
     options.update(explain=session, vectorize=False, num_threads=1)
   pallas_np.set_numpy_interpret(default_params(**options))
+  # PALLAS_NP_DEVICE=NAME: the device persona (docs/persona.md), same options.
+  pallas_np.persona.from_environment(**options)
   try:
     if argv[0] == "-m":
       sys.argv = argv[1:]

@@ -72,6 +72,13 @@ class InterpretParams:
       ``"sync"``: compiled at its first run, in the caller; ``"off"``: never.
       ``PALLAS_NP_NATIVE_LOOPS=0`` turns it off everywhere. Never under
       ``pdb``, ``detect_races``, ``explain``, ``check_avals`` or ``trace``.
+    loop_watchdog_s: wall-clock seconds one execution of a ``while_loop``
+      in a kernel may run before it raises ``LoopWatchdogError`` naming the
+      loop's line and the grid point (a condition that never becomes false
+      would otherwise hang the program). ``None`` (default): no watchdog, no
+      cost. The device persona (``pallas_np.emulate_device``) sets 120.
+      While it is on, loops run their NumPy path (no native tier, no
+      single-function loop codegen).
     explain: set by ``pallas_np.explain`` only: the session that records
       every grid step's block indices and ref accesses (the run goes point by
       point, like ``detect_races``). ``None`` (default): nothing recorded.
@@ -91,6 +98,7 @@ class InterpretParams:
   inline_jit: bool | None = None
   explain: Any = None
   native_loops: Literal["background", "sync", "off"] = "background"
+  loop_watchdog_s: float | None = None
 
   @property
   def records_accesses(self) -> bool:
@@ -105,6 +113,8 @@ class InterpretParams:
     if self.native_loops not in ("background", "sync", "off"):
       raise ValueError("native_loops must be 'background', 'sync' or 'off', "
                        f"got {self.native_loops!r}")
+    if self.loop_watchdog_s is not None and not float(self.loop_watchdog_s) > 0:
+      raise ValueError(f"loop_watchdog_s must be None or > 0, got {self.loop_watchdog_s!r}")
     if self.num_threads is not None and int(self.num_threads) < 1:
       raise ValueError(f"num_threads must be None or >= 1, got {self.num_threads!r}")
     if self.parallel_axes is not None:  # hashable: the params are a cache key

@@ -11,10 +11,20 @@ def pytest_addoption(parser):
                   help="route every pallas_call to the pallas_np NumPy interpreter")
   group.addoption("--pallas-numpy-races", action="store_true", default=False,
                   help="--pallas-numpy with race detection on parallel grid axes")
+  group.addoption("--pallas-device", default=None, metavar="NAME",
+                  help="--pallas-numpy as a stand-in for device NAME (h100, b200, tpu-v5e, "
+                       "...: pallas_np.emulate_device): JAX's device gates and hardware "
+                       "queries answer as NAME, kernel loops have a watchdog")
 
 
 def pytest_configure(config):
   races = config.getoption("--pallas-numpy-races", default=False)
+  device = config.getoption("--pallas-device", default=None)
+  if device:
+    import pallas_np  # (imported only when asked for, as below)
+    pallas_np.set_emulated_device(device, detect_races=races)
+    config._pallas_np_device = device
+    return
   if races or config.getoption("--pallas-numpy", default=False):
     # Imported only when asked for: suites not using the option skip pallas_np's set-up.
     import pallas_np
@@ -24,6 +34,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+  if getattr(config, "_pallas_np_device", None):
+    import pallas_np  # already imported by pytest_configure
+    pallas_np.unset_emulated_device()
   if getattr(config, "_pallas_np_forced", False):
     import pallas_np  # already imported by pytest_configure
     pallas_np.unset_numpy_interpret()

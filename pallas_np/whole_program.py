@@ -133,6 +133,9 @@ def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
     if not all(is_numpy_mode(k) and resolve(k).whole_program for k in kernels):
       return None
     interp = resolve(kernels[0])
+  if any(jc.is_extended_dtype(getattr(a, "dtype", None))
+         for a in (*closed.in_avals, *closed.out_avals)):
+    return None  # typed PRNG keys in or out: XLA holds them (as their key data)
   if not all(jc.is_unspecified_sharding(s)
              for s in (*jit_params["in_shardings"], *jit_params["out_shardings"])):
     return None  # placement the caller asked for: XLA's business

@@ -4,6 +4,7 @@ still active (lane groups)."""
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from pallas_np import _compat as jc
 from pallas_np import batching, native, registry
 from pallas_np.compiler import loop_codegen
 from pallas_np.control_flow import lane_groups
-from pallas_np.errors import NotBatchable
+from pallas_np.errors import NotBatchable, PallasNumpyError
 from pallas_np.dtypes import np_dtype
 
 
@@ -31,6 +32,48 @@ def _inlined(compiler) -> bool:
   return not compiler.params.pdb
 
 
+class LoopWatchdogError(PallasNumpyError, TimeoutError):
+  """A kernel's ``while_loop`` ran past ``InterpretParams.loop_watchdog_s``
+  (its condition likely never becomes false in the interpreter)."""
+
+
+def _watchdog(compiler):
+  """The loop watchdog's seconds, or None (off: loops compile as before)."""
+  return getattr(compiler.params, "loop_watchdog_s", None)
+
+
+def _timed_out(seconds, source, ctx, iterations):
+  """The error a watched loop raises (the grid executor adds the kernel,
+  the grid point and the primitive's line around it)."""
+  return LoopWatchdogError(
+      f"pallas_np loop watchdog: the while_loop at {source} ran for more than "
+      f"{seconds:g} s ({iterations} iterations) at program ids "
+      f"{tuple(np.asarray(p).tolist() for p in ctx.program_ids)} and was stopped: its "
+      "condition never became false here (on the hardware such a kernel hangs, or fails "
+      "to compile where a lowering error was expected); raise "
+      "InterpretParams(loop_watchdog_s=...) for a legitimately long loop, or None to "
+      "turn the watchdog off")
+
+
+def _watched_while(seconds, source, nc, nb, cond_fn, body_fn, lift=None):
+  """A while loop over plans that checks the wall clock every iteration
+  (a ``time.monotonic`` call: noise next to a plan call). ``lift`` maps a
+  body's carries back to the loop's batching (a vectorized pass)."""
+  def while_loop(ctx, *args):
+    cconsts, bconsts, carry = args[:nc], args[nc:nc + nb], args[nc + nb:]
+    deadline = time.monotonic() + seconds
+    iterations = 0
+    while cond_fn(ctx, *cconsts, *carry)[0]:
+      carry = body_fn(ctx, *bconsts, *carry)
+      if lift is not None:
+        carry = lift(ctx, carry)
+      iterations += 1
+      if time.monotonic() > deadline:
+        raise _timed_out(seconds, source, ctx, iterations)
+    return tuple(carry)
+  return while_loop
+
+
 def _native(e, fn, in_batched=None, out_batched=None):
   """``fn`` (a loop's NumPy path) with its native tier (``pallas_np.native``)
   where the loop may be compiled: an outermost loop (a nested one is
@@ -38,7 +81,9 @@ def _native(e, fn, in_batched=None, out_batched=None):
   lanes first and every ref operand lane-stacked (each lane then runs the
   compiled loop on its own operands, as the sequential grid would)."""
   compiler = e.compiler
-  if compiler.loop_depth or not native.enabled(compiler.params):
+  if compiler.loop_depth or not native.enabled(compiler.params) or _watchdog(compiler):
+    # (the watchdog runs in the NumPy path's loops: a compiled loop, or a
+    # compiled scan around a while, would not stop)
     return fn
   if in_batched is not None:
     if compiler.lanes_last or any(isinstance(a, jc.AbstractRef) and not b
@@ -76,9 +121,20 @@ def _while_batched_numpy(bc, rule, info, in_batched):
   if any(carry_is_ref):
     raise NotBatchable("refs in a while carry")
 
+  seconds = _watchdog(bc)
   if not pred_b:
     body_fn, cond_fn = body.fn, cond.fn
     body_lift = tuple(body.out_batched)
+    if seconds is not None:
+      def lift_carry(ctx, carry):
+        return batching.lift(carry, body_lift, carry_b, ctx.batch_size)
+      watched = _watched_while(seconds, info.source, nc, nb, cond_fn, body_fn,
+                               None if body_lift == carry_b else lift_carry)
+
+      def while_watched(ctx, *args):
+        carry = batching.lift(args[nc + nb:], carry0, carry_b, ctx.batch_size)
+        return watched(ctx, *args[:nc + nb], *carry)
+      return while_watched, True, carry_b
     if body_lift == carry_b and _inlined(bc):
       loop = loop_codegen.loop_function(
           "while_loop", bc.name, cond=cond, n_cond_consts=nc, body=body, n_body_consts=nb,
@@ -117,10 +173,16 @@ def _while_batched_numpy(bc, rule, info, in_batched):
     carry = [np.array(batching.to_lanes(v, n)) if not b else np.array(v)
              for v, b in zip(args[nc + nb:], carry0)]
     pid_b = lane_groups.pid_batched(bc, ctx)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    iterations = 0
     while True:
       pred = np.asarray(cond_fn(ctx, *cconsts, *carry)[0])
       if not pred.any():
         return carry
+      if deadline is not None:
+        iterations += 1
+        if time.monotonic() > deadline:
+          raise _timed_out(seconds, info.source, ctx, iterations)
       if pred.all():
         new = body_fn(ctx, *bconsts, *carry)
         carry = [np.array(v) for v in batching.lift(new, body_lift, carry_b, n)]
@@ -142,6 +204,9 @@ def _while(e):
   body = _hot(e.compiler, p["body_jaxpr"])
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
   n_carry = len(e.in_avals) - nc - nb
+  seconds = _watchdog(e.compiler)
+  if seconds is not None:
+    return _watched_while(seconds, e.source, nc, nb, cond.fn, body.fn)
   if _inlined(e.compiler):
     return _native(e, loop_codegen.loop_function(
         "while_loop", e.compiler.name, cond=cond, n_cond_consts=nc, body=body,

@@ -54,6 +54,10 @@ def _random_fold_in(e):
   keys_aval, msgs_aval = e.in_avals
   impl = keys_aval.dtype._impl
   fn = prng.iterated_vmap_binary_bcast(keys_aval.shape, msgs_aval.shape, impl.fold_in)
+  if jc.is_pallas_tpu_key(keys_aval.dtype):
+    # pltpu's fold_in takes the typed key (it reads its words with
+    # unwrap_pallas_seed, prng_split below) and returns one (prng_join).
+    return _compile_traced(e, fn, [keys_aval, msgs_aval])
   return _compile_traced(e, fn, [jc.physical_aval(keys_aval), msgs_aval])
 
 
@@ -103,3 +107,29 @@ def threefry2x32(k1, k2, x1, x2):
 
 
 registry.register(jc.jax_threefry.threefry2x32_p, batch=registry.ELEMENTWISE)(lambda e: threefry2x32)
+
+
+# pltpu's key <-> scalars (``unwrap_pallas_seed``/``wrap_pallas_seed``): a
+# pallas_tpu key's data is uint32[..., 1, N]; the scalars are its N words.
+_split_key_p = getattr(jc.mosaic_primitives, "split_key_p", None)
+_join_key_p = getattr(jc.mosaic_primitives, "join_key_p", None)
+_SCALAR_KEYS = registry.unbatched("pltpu key words: scalars of one key, run lane by lane")
+
+if _split_key_p is not None:
+  @registry.register(_split_key_p, batch=_SCALAR_KEYS)
+  def _split_key(e):
+    n = len(e.out_avals)
+
+    def split_key(key):
+      words = np.asarray(key, np.uint32).reshape(-1)
+      return tuple(np.uint32(words[i]) for i in range(n))
+    return split_key
+
+if _join_key_p is not None:
+  @registry.register(_join_key_p, batch=_SCALAR_KEYS)
+  def _join_key(e):
+    shape = tuple(jc.physical_aval(e.out_aval).shape)
+
+    def join_key(*words):
+      return np.asarray(words, np.uint32).reshape(shape)
+    return join_key
