@@ -340,11 +340,16 @@ def _dma_wait(e):
   nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
   what = f"DMA wait at {e.source}"
   if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
-    get_src, itemsize = _ref_operand(e, src), np_dtype(dtype).itemsize
+    # Only the descriptor's byte count matters: a wait never dereferences
+    # its addresses, so one wait for several DMAs may name a region larger
+    # than the ref (``buf.at[0, pl.ds(0, total)]``), as TPU interpret mode
+    # (product of the transformed shape times the item size) allows.
+    itemsize = np_dtype(dtype).itemsize
+    runtime_shape = acc.runtime_shape
+    dyn = [leaves[k].k for k in acc.dynamic_positions]
 
     def dma_wait(ctx, *args):
-      view, idx = get_src(args)
-      n = view[idx].size * itemsize
+      n = int(np.prod(runtime_shape([args[p] for p in dyn]), dtype=np.int64)) * itemsize
       dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), n, what=what)
       return []
     return dma_wait

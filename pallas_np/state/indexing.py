@@ -232,8 +232,19 @@ class RefAccess:
         steps.insert(0, ("peer", t, tuple(ref_shape)))
       elif isinstance(t, jc.NDIndexer):
         dims = []
+        broadcast = []  # (dim position, size) of the stride-0 slices
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
-          if isinstance(ix, jc.Slice):
+          if isinstance(ix, jc.Slice) and int(ix.stride) == 0:
+            # ``pl.ds(start, size, 0)``: a zero-stride (sublane broadcast)
+            # load, ``size`` copies of element ``start`` (Mosaic's
+            # strided load with stride 0). Indexed as the one row, then
+            # broadcast by a step of its own: a read-only view.
+            if not is_static(ix.size):
+              raise UnsupportedError(
+                  "pallas_np: a zero-stride pl.ds with a traced size is not supported")
+            broadcast.append((axis, int(ix.size)))
+            dims.append(DimSlice(ix.start, 1, 1, n))
+          elif isinstance(ix, jc.Slice):
             dims.append(DimSlice(ix.start, ix.size, int(ix.stride), n))
           elif ix.ndim == 0 if isinstance(ix, _Dyn) else np.ndim(ix) == 0:
             dims.append(_DimInt(_wrap_static(ix, n), n))
@@ -250,6 +261,13 @@ class RefAccess:
         self.dynamic_size = any(isinstance(d, DimSlice) and not is_static(d.size)
                                 for d in dims)
         shape = _indexed_shape(dims, self._final_layout)
+        if broadcast:
+          slice_axes = self._final_layout[2]
+          wide = list(shape)
+          for pos, size in broadcast:
+            wide[slice_axes[pos]] = size
+          steps.append(("broadcast", tuple(wide), shape))
+          shape = tuple(wide)
       elif self.dynamic_size:
         raise UnsupportedError(  # JAX refuses these at trace time too
             f"pallas_np: ref transform {t!r} after a dynamically sized slice is not supported")
@@ -331,6 +349,8 @@ class RefAccess:
         fns.append(_transpose_view(arg))
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
+      elif kind == "broadcast":
+        fns.append(_broadcast_view(arg))
       elif kind == "peer":
         fns.append(peer_refs.peer_view(arg, _Dyn))
     else:
@@ -423,6 +443,24 @@ class RefAccess:
       return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
     build = self._build_dim
     return lambda leaves: build(d, axis, shape, leaves)
+
+  def runtime_shape(self, leaves) -> tuple:
+    """The accessed shape for these index values, with no bounds check and
+    no memory touched: a traced ``pl.ds`` size replaces its axis' bound in
+    ``result_shape``. A DMA wait needs only this (its descriptor's byte
+    count; Mosaic never dereferences a wait's addresses)."""
+    if not self.dynamic_size:
+      return self.result_shape
+    dims = self.steps[-1][1]
+    _, _, slice_axes = self._final_layout
+    shape = list(self.result_shape)
+    for d, axis in zip(dims, slice_axes):
+      if isinstance(d, DimSlice) and not is_static(d.size):
+        size = int(leaves[d.size.k])
+        if size < 0:
+          raise ValueError(f"negative pl.ds size {size} in a DMA descriptor")
+        shape[axis] = size
+    return tuple(shape)
 
   def unchecked_coords(self, ref, leaves):
     """``(view, coords)`` of the last indexer without bounds checks.
@@ -658,6 +696,14 @@ def _bitcast_view(dtype):
         view.dtype.itemsize != dtype.itemsize and view.ndim >= 2):
       return lens.bitcast(view, dtype)
     return view.view(dtype)
+  return f
+
+
+def _broadcast_view(shape):
+  """A zero-stride slice: the one row broadcast, a read-only view (a store
+  through it raises NumPy's "assignment destination is read-only")."""
+  def f(view, leaves):
+    return np.broadcast_to(lens.value(view), shape)
   return f
 
 
