@@ -1,0 +1,185 @@
+"""Idioms real TPU kernel libraries rely on (tokamax, tpu-inference), each
+reproduced by a small kernel of our own: a DMA wait whose descriptor runs past
+its ref, zero-stride loads, speculative loads past a ref, indexed DMAs through
+a sliced index ref, width-changing bitcasts of big refs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_np
+from tests.tpu_helpers import compare, numpy_mode, tpu_interpret
+
+f32, i32 = jnp.float32, jnp.int32
+
+
+# -- 1. a DMA wait only counts bytes ----------------------------------------------------
+def _one_wait_for_three_kernel(n_ref, x_hbm, o_ref, buf, sem):
+  """Three row DMAs into buf[i] on one semaphore, then one wait whose
+  descriptor, buf.at[0, pl.ds(0, 3 * n)], is three times the axis it slices
+  (causal_conv1d / conv1d_gdn decode kernels)."""
+  n = n_ref[0]
+  for i in range(3):
+    pltpu.make_async_copy(x_hbm.at[pl.ds(i * 4, 4)], buf.at[i], sem).start()
+  total = n * 3
+  pltpu.make_async_copy(buf.at[0, pl.ds(0, total)], buf.at[0, pl.ds(0, total)], sem).wait()
+  o_ref[...] = buf[...].reshape(12, 128)
+
+
+def _one_wait_call(n):
+  x = jnp.arange(12 * 128, dtype=f32).reshape(12, 128)
+  fn = lambda: pl.pallas_call(
+      _one_wait_for_three_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, f32),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(1,),
+          in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+          out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+          scratch_shapes=[pltpu.VMEM((3, 4, 128), f32), pltpu.SemaphoreType.DMA]),
+  )(jnp.array([n], i32), x)
+  return x, fn
+
+
+def test_a_dma_wait_descriptor_larger_than_its_ref_only_counts_bytes():
+  x, fn = _one_wait_call(4)
+  got = compare(fn, oracle=tpu_interpret)  # TPU interpret mode: bytes of the shape
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+
+
+def test_a_dma_wait_for_more_bytes_than_were_sent_deadlocks():
+  _, fn = _one_wait_call(5)  # waits for 15 rows' bytes, 12 were sent
+  with numpy_mode(), pytest.raises(Exception, match="deadlock"):
+    jax.block_until_ready(fn())
+
+
+# -- 2. zero-stride loads ----------------------------------------------------------------
+@pytest.mark.parametrize("start", [0, 3, 15])
+def test_a_zero_stride_load_broadcasts_one_row(start):
+  """x_ref[pl.ds(start, 8, stride=0)]: 8 copies of row ``start`` (sublane
+  broadcast; gmm_v2 int8/fp8 scales). interpret=True ignores the stride."""
+  x = jnp.arange(16 * 128, dtype=f32).reshape(16, 128)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(start, 8, stride=0), :] * 2.0
+  with numpy_mode():
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32))(x)
+  want = np.broadcast_to(np.asarray(x)[start] * 2.0, (8, 128))
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_zero_stride_load_with_a_dynamic_start_and_an_int_index():
+  x = jnp.arange(2 * 16 * 128, dtype=f32).reshape(2, 16, 128)
+
+  def kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[1, pl.ds(s_ref[0], 8, stride=0), pl.ds(0, 128)]
+  with numpy_mode():
+    got = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+    )(jnp.array([5], i32), x)
+  np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x)[1, 5], (8, 128)))
+
+
+# -- 3. speculative loads past a ref ----------------------------------------------------
+def _look_ahead_kernel(ids_ref, x_ref, o_ref):
+  """Sums ids[i + 1] for every i, reading ids[n] (one past the end) as the
+  not-taken side of a select, as look-ahead pipelines do."""
+  n = ids_ref.shape[0]
+
+  def body(i, acc):
+    return acc + jax.lax.select(i + 1 < n, ids_ref[i + 1], 0)
+  tot = jax.lax.fori_loop(0, n, body, 0)
+  o_ref[...] = x_ref[...] + tot.astype(f32)
+
+
+def _look_ahead_call(kernel=_look_ahead_kernel):
+  ids, x = jnp.array([3, 5, 7, 9], i32), jnp.zeros((8, 128), f32)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+  )(ids, x)
+
+
+def test_a_load_past_a_ref_raises_by_default_and_names_oob_reads():
+  with numpy_mode(), pytest.raises(Exception, match="oob_reads='fill'"):
+    jax.block_until_ready(_look_ahead_call())
+
+
+@pytest.mark.parametrize("native", ["off", "sync"])
+def test_oob_reads_fill_runs_a_discarded_look_ahead_load(native):
+  with numpy_mode(oob_reads="fill", native_loops=native):
+    for _ in range(4):  # (past the native tier's hot-run count)
+      got = np.asarray(_look_ahead_call())
+  np.testing.assert_array_equal(got, np.full((8, 128), 5 + 7 + 9, np.float32))
+
+
+def test_oob_reads_fill_reads_the_fill_where_a_used_load_runs_past():
+  """A value read past the ref and *used* shows up: NaN for floats, the
+  minimum for ints; the in-bounds part is read as usual."""
+  x = jnp.arange(8 * 128, dtype=f32).reshape(8, 128)
+
+  def kernel(s_ref, x_ref, o_ref, oi_ref):
+    o_ref[...] = x_ref[pl.ds(s_ref[0], 4), :]
+    oi_ref[0] = s_ref[s_ref[1]]
+  with numpy_mode(oob_reads="fill"):
+    got, got_i = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((4, 128), f32), jax.ShapeDtypeStruct((1,), i32)),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)),
+    )(jnp.array([6, -1], i32), x)
+  got = np.asarray(got)
+  np.testing.assert_array_equal(got[:2], np.asarray(x)[6:8])
+  assert np.isnan(got[2:]).all()
+  assert int(np.asarray(got_i)[0]) == np.iinfo(np.int32).min
+
+
+def test_oob_reads_fill_still_raises_for_stores_and_dmas():
+  def store_kernel(s_ref, o_ref):
+    o_ref[s_ref[0]] = 1
+  with numpy_mode(oob_reads="fill"), pytest.raises(Exception, match="out-of-bounds"):
+    jax.block_until_ready(pl.pallas_call(
+        store_kernel, out_shape=jax.ShapeDtypeStruct((4,), i32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.SMEM))(jnp.array([4], i32)))
+
+  def dma_kernel(s_ref, x_hbm, o_ref, sem):
+    pltpu.make_async_copy(x_hbm.at[pl.ds(s_ref[0], 8)], o_ref, sem).start()
+    pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], o_ref, sem).wait()
+  with numpy_mode(oob_reads="fill"), pytest.raises(Exception, match="out-of-bounds"):
+    jax.block_until_ready(pl.pallas_call(
+        dma_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            scratch_shapes=[pltpu.SemaphoreType.DMA]),
+    )(jnp.array([12], i32), jnp.zeros((16, 128), f32)))
+
+
+# -- 5. an indexed DMA through a slice of the index ref ------------------------------------
+def test_indexed_dma_through_a_sliced_index_ref():
+  """x_hbm.at[idx_vmem.at[pl.ds(8, 8)]]: the second half of each subcore's
+  indices gathers its rows (tokamax SparseCore top_k, JAX's SparseCore
+  tutorial)."""
+  plsc = pytest.importorskip("jax.experimental.pallas.tpu_sc")
+  pallas_np.assume_tpu_chip("v5p")  # meshes ask the chip for its SparseCores (tracing only)
+  try:
+    mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=1, num_subcores=2)
+    table = jnp.arange(64 * 128, dtype=f32).reshape(64, 128)
+    idx = jnp.array(np.random.RandomState(0).randint(0, 64, size=32), i32)
+
+    def body(x_hbm, idx_hbm, o_hbm, idx_vmem, rows):
+      s = jax.lax.axis_index("subcore")
+      pltpu.sync_copy(idx_hbm.at[pl.ds(s * 16, 16)], idx_vmem)
+      pltpu.sync_copy(x_hbm.at[idx_vmem.at[pl.ds(8, 8)]], rows)
+      pltpu.sync_copy(rows, o_hbm.at[pl.ds(s * 8, 8)])
+    k = pl.kernel(body, out_type=jax.ShapeDtypeStruct((16, 128), f32), mesh=mesh,
+                  interpret="numpy",
+                  scratch_types=[pltpu.VMEM((16,), i32), pltpu.VMEM((8, 128), f32)])
+    got = np.asarray(k(table, idx))
+  finally:
+    pallas_np.assume_tpu_chip("v5e")
+  want = np.asarray(table)[np.asarray(idx).reshape(2, 16)[:, 8:].reshape(-1)]
+  np.testing.assert_array_equal(got, want)
