@@ -183,3 +183,67 @@ def test_indexed_dma_through_a_sliced_index_ref():
     pallas_np.assume_tpu_chip("v5e")
   want = np.asarray(table)[np.asarray(idx).reshape(2, 16)[:, 8:].reshape(-1)]
   np.testing.assert_array_equal(got, want)
+
+
+# -- 6. width-changing bitcasts of big refs, indexed through --------------------------------
+ROWS_BIG = 4096
+
+
+def _bitcast_gather_kernel(idx_ref, x_hbm, o_hbm, buf, sem):
+  """Gathers 4-row groups of a bf16 HBM ref seen as int32 (2 bf16 rows per
+  int32 row, csa_gather style) into VMEM, bumps them, and writes them to
+  an int32 view of the output: both bitcasts are indexed, never copied."""
+  x32, o32 = x_hbm.bitcast(i32), o_hbm.bitcast(i32)
+  for k in range(3):
+    pltpu.make_async_copy(x32.at[pl.ds(idx_ref[k], 4)], buf, sem).start()
+    pltpu.make_async_copy(x32.at[pl.ds(idx_ref[k], 4)], buf, sem).wait()
+    buf[...] = buf[...] + 1
+    pltpu.make_async_copy(buf, o32.at[pl.ds(k * 4, 4)], sem).start()
+    pltpu.make_async_copy(buf, o32.at[pl.ds(k * 4, 4)], sem).wait()
+  sub = x32.at[pl.ds(8, 8)]  # a view of a view of the bitcast
+  pltpu.sync_copy(sub.at[pl.ds(2, 4)], o32.at[pl.ds(12, 4)])
+  pltpu.sync_copy(o32.at[pl.ds(0, 4)], buf)  # read back what the first DMA wrote
+  pltpu.sync_copy(buf, o32.at[pl.ds(16, 4)])
+
+
+def _bitcast_gather_call():
+  x = jax.random.normal(jax.random.key(0), (ROWS_BIG, 128), jnp.bfloat16)
+  return pl.pallas_call(
+      _bitcast_gather_kernel, out_shape=jax.ShapeDtypeStruct((40, 128), jnp.bfloat16),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+          out_specs=pl.BlockSpec(memory_space=pl.ANY),
+          scratch_shapes=[pltpu.VMEM((4, 128), i32), pltpu.SemaphoreType.DMA]),
+  )(jnp.array([6, 1000, ROWS_BIG // 2 - 4], i32), x)
+
+
+def test_dmas_through_a_widening_bitcast():
+  """No JAX oracle: interpret=True and TPU interpret mode both refuse a
+  BitcastTransform in a DMA. The reference follows Mosaic's bitcast: int32
+  row m, lane n holds bf16 rows 2m (low half) and 2m + 1 (high half)."""
+  with numpy_mode():
+    got = np.asarray(_bitcast_gather_call()).view(np.uint16)
+  x16 = np.asarray(jax.random.normal(jax.random.key(0), (ROWS_BIG, 128), jnp.bfloat16)).view(np.uint16)
+  x32 = x16[0::2].astype(np.uint32) | (x16[1::2].astype(np.uint32) << 16)
+  o32 = np.zeros((20, 128), np.uint32)
+  for k, start in enumerate([6, 1000, ROWS_BIG // 2 - 4]):
+    o32[4 * k:4 * k + 4] = x32[start:start + 4] + np.uint32(1)
+  o32[12:16] = x32[10:14]
+  o32[16:20] = o32[0:4]
+  want = np.empty((40, 128), np.uint16)
+  want[0::2], want[1::2] = o32 & 0xFFFF, o32 >> 16
+  np.testing.assert_array_equal(got, want)
+
+
+def test_indexing_through_a_bitcast_converts_only_the_rows_it_touches(monkeypatch):
+  from pallas_np.state import lens
+  sizes = []
+  real = lens.tpu_bitcast
+
+  def recording(x, dtype):
+    sizes.append(x.size)
+    return real(x, dtype)
+  monkeypatch.setattr(lens, "tpu_bitcast", recording)
+  with numpy_mode():
+    jax.block_until_ready(_bitcast_gather_call())
+  assert sizes and max(sizes) <= 16 * 128, max(sizes)  # never the 4096-row input

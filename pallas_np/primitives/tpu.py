@@ -193,7 +193,7 @@ def _index_ref_slices(e, transforms):
 
           def read(args, get=get):
             view, idx = get(args)
-            return np.asarray(lens.value(view)[idx] if idx is not Ellipsis else lens.value(view))
+            return np.asarray(view[idx] if idx is not Ellipsis else lens.value(view))
           index_refs[k] = (atom, read)
           ix = _Pos(k)
         indices.append(ix)
