@@ -247,3 +247,29 @@ def test_indexing_through_a_bitcast_converts_only_the_rows_it_touches(monkeypatc
   with numpy_mode():
     jax.block_until_ready(_bitcast_gather_call())
   assert sizes and max(sizes) <= 16 * 128, max(sizes)  # never the 4096-row input
+
+
+# -- 3b. Triton: an unmasked block load that runs past the array, rows dropped at the store --
+def test_oob_reads_fill_runs_a_triton_over_read_whose_rows_the_store_masks():
+  """tokamax ragged_dot (Triton): ``load(a_ref.at[pl.ds(start, 64)])`` with
+  no mask (the block is not bounds-checked) runs past the 100-row array; the
+  rows past it are dropped by the masked store."""
+  from jax.experimental.pallas import triton as plgpu
+  m, block = 100, 64
+  x = jnp.arange(m * 8, dtype=f32).reshape(m, 8)
+
+  def kernel(x_ref, o_ref):
+    start = pl.program_id(0) * block
+    rows = plgpu.load(x_ref.at[pl.ds(start, block)])
+    mask = (start + jnp.arange(block) < m)[:, None]
+    plgpu.store(o_ref.at[pl.ds(start, block)], rows * 2.0, mask=mask)
+
+  def call():
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct((m, 8), f32), grid=(2,),
+                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(x)
+  with numpy_mode(), pytest.raises(Exception, match="oob_reads='fill'"):
+    jax.block_until_ready(call())
+  for vec in (False, True):
+    with numpy_mode(oob_reads="fill", vectorize=vec):
+      got = np.asarray(call())
+    np.testing.assert_array_equal(got, np.asarray(x) * 2.0)
