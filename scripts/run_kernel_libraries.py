@@ -223,6 +223,8 @@ def main(argv=None):
   ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
   ap.add_argument("--max-tests", type=int, default=6, help="tests per kernel (0: all)")
   ap.add_argument("--python", default=sys.executable)
+  ap.add_argument("--pallas-np", default=REPO_ROOT,
+                  help="the directory whose pallas_np package is tested (default: this checkout)")
   ap.add_argument("--stub-vllm", action=argparse.BooleanOptionalAction, default=True)
   ap.add_argument("--json", default=None, help="write all results here")
   args = ap.parse_args(argv)
@@ -257,7 +259,7 @@ def main(argv=None):
           env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads, KL_CHIP=args.chip,
                      KL_TIMEOUT=str(args.timeout), JAX_PLATFORMS="cpu",
                      KL_RESULTS=os.path.join(tmp, f"{lib}-{kernel}-{mode}.jsonl"),
-                     PYTHONPATH=os.pathsep.join([REPO_ROOT, plugin_dir, root]))
+                     PYTHONPATH=os.pathsep.join([args.pallas_np, plugin_dir, root]))
           t0 = time.time()
           try:
             ids = pick(collect(args.python, root, test_file, env, 600), args.max_tests)
