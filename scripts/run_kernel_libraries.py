@@ -21,7 +21,7 @@ the run assumes ``--chip`` (default v6e; ``pallas_np.assume_tpu_chip``).
 Library dependencies (PyPI): tokamax needs Python >= 3.12 (PEP 695 syntax)
 and absl-py, einshape, jaxtyping, pydantic, qwix, immutabledict,
 typeguard==2.13.3, chex; tpu-inference's kernel tests need absl-py, requests,
-and import ``vllm.logger`` only for a logger: ``--stub-vllm`` (default on)
+parameterized, torchax (ragged_kv_cache_update_v2) and import ``vllm.logger`` only for a logger: ``--stub-vllm`` (default on)
 puts a two-line stand-in for that module on the path, nothing else.
 
 Example:
