@@ -273,3 +273,25 @@ def test_oob_reads_fill_runs_a_triton_over_read_whose_rows_the_store_masks():
     with numpy_mode(oob_reads="fill", vectorize=vec):
       got = np.asarray(call())
     np.testing.assert_array_equal(got, np.asarray(x) * 2.0)
+
+
+@pytest.mark.parametrize("dtype,to", [(np.uint8, np.int32), (np.int32, np.int8), (np.uint16, np.uint32)])
+def test_a_bitcast_lens_indexed_through_equals_the_whole_bitcast_indexed(dtype, to):
+  """``BitcastLens[idx]`` (only the touched row groups converted) against
+  the whole-ref conversion (``lens.tpu_bitcast``, checked against
+  interpret=True in test_ref_transforms), for reads and writes."""
+  from pallas_np.state import lens
+  rng = np.random.RandomState(0)
+  parent = rng.randint(0, 200, size=(6, 8, 16, 128)).astype(dtype)
+  rows = np.array([4, 0, 5, 2])
+  view_rows = lens.bitcast(parent.copy(), to).shape[-2]
+  for idx in [(rows,), (1, slice(2, 5)), (rows, slice(None), slice(1, view_rows - 1), slice(0, 64)),
+              (Ellipsis, 3, slice(None)), (slice(0, 6, 2), 7, slice(0, view_rows, 2))]:
+    want = lens.tpu_bitcast(parent, to)[idx]
+    np.testing.assert_array_equal(lens.bitcast(parent.copy(), to)[idx], want)
+    p2 = parent.copy()
+    new = rng.randint(0, 100, size=want.shape).astype(want.dtype)
+    lens.bitcast(p2, to)[idx] = new
+    whole = lens.tpu_bitcast(parent, to)
+    whole[idx] = new
+    np.testing.assert_array_equal(p2, lens.tpu_bitcast(whole, dtype))

@@ -102,7 +102,8 @@ class BitcastLens(LensView):
 
   def _window(self, idx):
     """(parent index, index into the converted window) for an index of
-    ints and step-1-or-more slices; None for anything else."""
+    ints, slices of positive step and at most one 1-D integer array off
+    the second-minor dim; None for anything else."""
     shape = self.shape
     nd = len(shape)
     if not isinstance(idx, tuple):
@@ -115,7 +116,17 @@ class BitcastLens(LensView):
       return None
     a, b = self.parent.dtype.itemsize, self.dtype.itemsize
     parent_idx, local = [], []
+    arrays = 0
     for axis, (ix, n) in enumerate(zip(idx, shape)):
+      if isinstance(ix, np.ndarray) and ix.ndim == 1 and axis != nd - 2 and ix.dtype.kind in "iu":
+        # One 1-D integer array (an indexed DMA's rows) off the second-minor
+        # dim: the parent's rows, gathered in place, then all of them.
+        arrays += 1
+        if arrays > 1:
+          return None
+        parent_idx.append(ix)
+        local.append(slice(None))
+        continue
       if isinstance(ix, (int, np.integer)):
         i = int(ix) + (n if ix < 0 else 0)
         if not 0 <= i < n:
