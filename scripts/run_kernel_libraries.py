@@ -130,7 +130,8 @@ PLUGIN = textwrap.dedent('''
       if report.failed:
         text = str(report.longrepr)
         lines = [l for l in text.splitlines() if l.startswith("E ")]
-        errs = [l for l in lines if "Error" in l or "Mismatch" in l or "Not equal" in l]
+        lines = [l for l in lines if "For simplicity, JAX" not in l]
+        errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l]
         msg = ((errs or lines)[-1] if lines else text.splitlines()[-1] if text else "")[:300]
       elif report.skipped:
         msg = str(report.longrepr)[-200:]
