@@ -25,6 +25,13 @@ class InterpretParams:
       ``"nan"`` (default, same values as interpret=True: NaN for floats,
       the dtype minimum for signed ints, 0 for unsigned/semaphores, False for
       bool) or ``"zero"``.
+    oob_reads: what a *load* (``x_ref[i]``, ``ref.at[...][...]``) past the
+      end of a ref does. ``"raise"`` (default): ``IndexError``, like every
+      out-of-bounds access. ``"fill"``: the out-of-bounds elements read the
+      ``uninitialized`` fill (NaN, int min), as a TPU reads whatever memory
+      follows the ref; for kernels that load speculatively and discard the
+      value (``lax.select`` evaluates both sides). Stores, DMAs and masked
+      Triton loads still raise (see docs/debugging.md).
     check_avals: after every eqn, check that the NumPy value has the shape and
       dtype of the eqn's abstract value (slow; used by the test-suite).
     vectorize: evaluate independent grid points in one batched pass.
@@ -85,6 +92,7 @@ class InterpretParams:
   """
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
+  oob_reads: Literal["raise", "fill"] = "raise"
   check_avals: bool = False
   vectorize: bool | None = None
   detect_races: bool = False
@@ -108,6 +116,8 @@ class InterpretParams:
   def __post_init__(self):
     if self.bounds_check not in ("raise", "clamp"):
       raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
+    if self.oob_reads not in ("raise", "fill"):
+      raise ValueError(f"oob_reads must be 'raise' or 'fill', got {self.oob_reads!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
     if self.native_loops not in ("background", "sync", "off"):

@@ -53,7 +53,8 @@ def enabled(params) -> bool:
     return False
   mode = getattr(params, "native_loops", "off")
   return (mode != "off" and not params.pdb and not params.detect_races
-          and params.explain is None and not params.check_avals and params.trace is None)
+          and params.explain is None and not params.check_avals and params.trace is None
+          and getattr(params, "oob_reads", "raise") == "raise")  # (fill: state/past_end.py)
 
 
 def stats() -> dict:

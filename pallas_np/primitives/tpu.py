@@ -13,6 +13,7 @@ from pallas_np import registry
 from pallas_np.dtypes import np_dtype
 from pallas_np.errors import UnsupportedError
 from pallas_np.state import dma as dma_mod
+from pallas_np.state import lens
 from pallas_np.state.indexing import RefAccess
 
 mp = jc.mosaic_primitives
@@ -146,16 +147,68 @@ def _ref_operand(e, node, transforms=()):
     fn = lambda args: (args[ref_pos], Ellipsis)
     fn.shape = tuple(aval.shape)
     return fn
+  transforms, index_refs = _index_ref_slices(e, transforms)
   leaves, tree = jax.tree_util.tree_flatten(transforms)
-  access = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,
-                            ref_dtype=aval.dtype,
+  atoms = [index_refs[l.k][0] if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
+           for l in leaves]
+  access = RefAccess.shared(tree, atoms, aval.shape, ref_dtype=aval.dtype,
                             clamp=e.compiler.params.bounds_check == "clamp")
   dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
+  if index_refs:  # the index arrays read from their index refs' slices first
+    reads = {k: read for k, (_, read) in index_refs.items()}
+
+    def fn(args):
+      return resolve(args[ref_pos],
+                     [reads[p](args) if p in reads else args[p] for p in dyn])
+    fn.shape = None if access.dynamic_size else tuple(access.result_shape)
+    return fn
   fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
   # static: the operand's shape; None for a traced pl.ds size (known at run time)
   fn.shape = None if access.dynamic_size else tuple(access.result_shape)
   return fn
+
+
+def _index_ref_slices(e, transforms):
+  """Indexers whose index is itself a transformed ref (an indexed DMA
+  through a slice of the index ref, ``out.at[idx_ref.at[pl.ds(0, n)]]``,
+  as SparseCore kernels write): each such index is replaced by a fresh
+  ``_Pos`` numbered past the eqn's invars, mapped to ``(atom, read)``,
+  an atom with the slice's aval and ``read(args)`` its current values."""
+  index_refs = {}
+  out = []
+  for t in transforms:
+    if isinstance(t, jc.NDIndexer) and any(
+        isinstance(ix, jc.TransformedRef) for ix in t.indices):
+      indices = []
+      for ix in t.indices:
+        if isinstance(ix, jc.TransformedRef):
+          get = _ref_operand(e, ix)
+          if get.shape is None:
+            raise UnsupportedError(
+                f"pallas_np: an index ref sliced with a traced size at {e.source}")
+          k = len(e.eqn.invars) + len(index_refs)
+          dtype = _operand_dtype(e, ix)
+          atom = _IndexAtom(get.shape, dtype)
+
+          def read(args, get=get):
+            view, idx = get(args)
+            return np.asarray(view[idx] if idx is not Ellipsis else lens.value(view))
+          index_refs[k] = (atom, read)
+          ix = _Pos(k)
+        indices.append(ix)
+      t = dataclasses.replace(t, indices=tuple(indices))
+    out.append(t)
+  return tuple(out), index_refs
+
+
+class _IndexAtom:
+  """Stands for an index array read from a sliced index ref: RefAccess
+  needs only its aval (the rank of the index)."""
+  __slots__ = ("aval",)
+
+  def __init__(self, shape, dtype):
+    self.aval = jax.core.ShapedArray(tuple(shape), dtype)
 
 
 def _arg(e, leaf):
@@ -328,10 +381,12 @@ def _dma_wait(e):
     shape, dtype = aval.shape, aval.dtype
   else:
     src, _ = _split_indices(src, f"DMA wait at {e.source}")
-    leaves, tree = jax.tree_util.tree_flatten(src.transforms)
+    transforms, index_refs = _index_ref_slices(e, src.transforms)
+    leaves, tree = jax.tree_util.tree_flatten(transforms)
     aval = e.in_avals[src.ref.k]
-    acc = RefAccess.shared(tree, [_atom(e, l) for l in leaves], aval.shape,
-                           ref_dtype=aval.dtype, clamp=True)
+    atoms = [index_refs[l.k][0] if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
+             for l in leaves]
+    acc = RefAccess.shared(tree, atoms, aval.shape, ref_dtype=aval.dtype, clamp=True)
     shape = acc.result_shape
     dtype = aval.dtype
     for t in src.transforms:
@@ -340,11 +395,18 @@ def _dma_wait(e):
   nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
   what = f"DMA wait at {e.source}"
   if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
-    get_src, itemsize = _ref_operand(e, src), np_dtype(dtype).itemsize
+    # Only the descriptor's byte count matters: a wait never dereferences
+    # its addresses, so one wait for several DMAs may name a region larger
+    # than the ref (``buf.at[0, pl.ds(0, total)]``), as TPU interpret mode
+    # (product of the transformed shape times the item size) allows.
+    itemsize = np_dtype(dtype).itemsize
+    runtime_shape = acc.runtime_shape
+    dyn = [leaves[k].k for k in acc.dynamic_positions]
+    reads = {k: read for k, (_, read) in index_refs.items()}
 
     def dma_wait(ctx, *args):
-      view, idx = get_src(args)
-      n = view[idx].size * itemsize
+      values = [reads[p](args) if p in reads else args[p] for p in dyn]
+      n = int(np.prod(runtime_shape(values), dtype=np.int64)) * itemsize
       dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), n, what=what)
       return []
     return dma_wait

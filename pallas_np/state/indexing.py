@@ -29,6 +29,7 @@ from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
 from pallas_np.dtypes import bit_width
 from pallas_np.state import aliased_refs, lens, peer_refs
+from pallas_np.state.bounds import check_array, check_int, check_slice
 
 
 class _Dyn:
@@ -89,30 +90,7 @@ class DimArray:
     self.value, self.dim = value, dim
 
 
-def _wrapped(i, dim):
-  """What interpret=True does with a dynamic index: XLA's dynamic_slice and
-  jnp gathers add the axis size to a negative index once."""
-  return i + dim if i < 0 else i
-
-
-def _oob(what, value, dim, axis, shape, jax_index=None):
-  if jax_index is None:
-    jax_does = "interpret=True would silently clamp it"
-  else:
-    jax_does = (f"interpret=True would silently use {jax_index} instead (it adds the axis "
-                "size to a negative index, then clamps)")
-  negative = "-" in str(value).split(":")[0]
-  return IndexError(
-      f"out-of-bounds ref access: {what} {value} on axis {axis} of a ref of shape "
-      f"{tuple(shape)} (axis size {dim})"
-      + (". pallas_np does not wrap dynamic negative indices or negative pl.ds starts "
-         "around (on a TPU/GPU they address memory before the ref; a static negative "
-         "integer index such as x_ref[-1] counts from the end, as in NumPy)"
-         if negative else "")
-      + f". {jax_does}; pass InterpretParams(bounds_check='clamp') to do the same.")
-
-
-def _wrap_static(v, dim):
+def wrap_static(v, dim):
   """A static (literal) index counts from the end when negative, as in NumPy
   and interpret=True; below -dim it stays out of bounds."""
   if isinstance(v, _Dyn):
@@ -122,67 +100,6 @@ def _wrap_static(v, dim):
     return v
   a = np.where((a < 0) & (a >= -dim), a + dim, a).astype(a.dtype)
   return int(a) if a.ndim == 0 else a
-
-
-def _check_int(i, dim, axis, shape, clamp):
-  i = int(i)
-  if 0 <= i < dim:
-    return i
-  jax_i = min(max(_wrapped(i, dim), 0), dim - 1)
-  if clamp:
-    return jax_i
-  raise _oob("index", i, dim, axis, shape, jax_i if i < 0 else None)
-
-
-def _check_slice(start, size, stride, dim, axis, shape, clamp):
-  start = int(start)
-  size = int(size)
-  if size < 0 or (size - 1) * stride + 1 > dim:  # only a traced size can be
-    fits = (dim - 1) // stride + 1 if dim else 0
-    if not clamp:
-      raise IndexError(
-          f"out-of-bounds ref access: slice pl.ds(start={start}, size={size}"
-          + (f", stride={stride}" if stride != 1 else "") + f") on axis {axis} of a "
-          f"ref of shape {tuple(shape)}: its dynamic size is "
-          + ("negative" if size < 0 else f"larger than the axis ({dim})")
-          + f". bounds_check='clamp' clamps the size to [0, {fits}] (and then the "
-          "start, as lax.dynamic_slice does); TPU interpret mode raises.")
-    size = min(max(size, 0), fits)
-  extent = (size - 1) * stride + 1 if size > 0 else 0
-  if start < 0 or start + extent > dim:
-    jax_start = min(max(_wrapped(start, dim), 0), max(dim - extent, 0))
-    if clamp:
-      start = jax_start
-    else:
-      raise _oob(f"slice pl.ds(start={start}, size={size}"
-                 + (f", stride={stride}" if stride != 1 else "") + ")",
-                 f"[{start}:{start + extent}]", dim, axis, shape,
-                 f"start {jax_start}" if start < 0 else None)
-  if size == 0:
-    return slice(start, start)
-  return slice(start, start + extent, stride)
-
-
-_UNSIGNED = {np.dtype(t): np.dtype(u) for t, u in
-             ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
-              (np.int64, np.uint64))}
-
-
-def _check_array(a, dim, axis, shape, clamp):
-  a = np.asarray(a)
-  if a.size:
-    # One reduction, not two: seen unsigned, a negative index is huge.
-    unsigned = _UNSIGNED.get(a.dtype)
-    if unsigned is not None and int(a.view(unsigned).max()) < dim:
-      return a
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi >= dim:
-      if clamp:
-        return np.clip(np.where(a < 0, a + dim, a), 0, dim - 1)
-      bad = lo if lo < 0 else hi
-      raise _oob("array index", bad, dim, axis, shape,
-                 min(max(_wrapped(bad, dim), 0), dim - 1) if bad < 0 else None)
-  return a
 
 
 _SHARED: dict = {}  # see RefAccess.shared
@@ -232,13 +149,24 @@ class RefAccess:
         steps.insert(0, ("peer", t, tuple(ref_shape)))
       elif isinstance(t, jc.NDIndexer):
         dims = []
+        broadcast = []  # (dim position, size) of the stride-0 slices
         for axis, (ix, n) in enumerate(zip(t.indices, shape)):
-          if isinstance(ix, jc.Slice):
+          if isinstance(ix, jc.Slice) and int(ix.stride) == 0:
+            # ``pl.ds(start, size, 0)``: a zero-stride (sublane broadcast)
+            # load, ``size`` copies of element ``start`` (Mosaic's
+            # strided load with stride 0). Indexed as the one row, then
+            # broadcast by a step of its own: a read-only view.
+            if not is_static(ix.size):
+              raise UnsupportedError(
+                  "pallas_np: a zero-stride pl.ds with a traced size is not supported")
+            broadcast.append((axis, int(ix.size)))
+            dims.append(DimSlice(ix.start, 1, 1, n))
+          elif isinstance(ix, jc.Slice):
             dims.append(DimSlice(ix.start, ix.size, int(ix.stride), n))
           elif ix.ndim == 0 if isinstance(ix, _Dyn) else np.ndim(ix) == 0:
-            dims.append(_DimInt(_wrap_static(ix, n), n))
+            dims.append(_DimInt(wrap_static(ix, n), n))
           else:
-            dims.append(DimArray(_wrap_static(ix, n), n))
+            dims.append(DimArray(wrap_static(ix, n), n))
         if self.dynamic_size:
           raise UnsupportedError(
               "pallas_np: indexing a dynamically sized ref slice again is not supported")
@@ -250,6 +178,13 @@ class RefAccess:
         self.dynamic_size = any(isinstance(d, DimSlice) and not is_static(d.size)
                                 for d in dims)
         shape = _indexed_shape(dims, self._final_layout)
+        if broadcast:
+          slice_axes = self._final_layout[2]
+          wide = list(shape)
+          for pos, size in broadcast:
+            wide[slice_axes[pos]] = size
+          steps.append(("broadcast", tuple(wide), shape))
+          shape = tuple(wide)
       elif self.dynamic_size:
         raise UnsupportedError(  # JAX refuses these at trace time too
             f"pallas_np: ref transform {t!r} after a dynamically sized slice is not supported")
@@ -337,6 +272,8 @@ class RefAccess:
         fns.append(_transpose_view(arg))
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
+      elif kind == "broadcast":
+        fns.append(_broadcast_view(arg))
       elif kind == "peer":
         fns.append(peer_refs.peer_view(arg, _Dyn))
       elif kind == "cluster":
@@ -413,7 +350,7 @@ class RefAccess:
     clamp = self.clamp
     if isinstance(d, _DimInt):
       k, n = d.value.k, d.dim
-      return lambda leaves: _check_int(leaves[k], n, axis, shape, clamp)
+      return lambda leaves: check_int(leaves[k], n, axis, shape, clamp)
     if isinstance(d, DimSlice) and isinstance(d.start, _Dyn) and is_static(d.size):
       k, size, stride, n = d.start.k, d.size, d.stride, d.dim
       size = int(size)
@@ -425,14 +362,32 @@ class RefAccess:
           start = int(leaves[k])
           if 0 <= start <= last:
             return slice(start, start + extent, stride)
-          return _check_slice(start, size, stride, n, axis, shape, clamp)
+          return check_slice(start, size, stride, n, axis, shape, clamp)
         # (leaf, last in-bounds start, extent, stride): accesses with this one
         # dynamic dim may build the slice themselves (refs._one_slice_access)
         dim_slice.in_bounds = (k, last, extent, stride)
         return dim_slice
-      return lambda leaves: _check_slice(leaves[k], size, stride, n, axis, shape, clamp)
+      return lambda leaves: check_slice(leaves[k], size, stride, n, axis, shape, clamp)
     build = self._build_dim
     return lambda leaves: build(d, axis, shape, leaves)
+
+  def runtime_shape(self, leaves) -> tuple:
+    """The accessed shape for these index values, with no bounds check and
+    no memory touched: a traced ``pl.ds`` size replaces its axis' bound in
+    ``result_shape``. A DMA wait needs only this (its descriptor's byte
+    count; Mosaic never dereferences a wait's addresses)."""
+    if not self.dynamic_size:
+      return self.result_shape
+    dims = self.steps[-1][1]
+    _, _, slice_axes = self._final_layout
+    shape = list(self.result_shape)
+    for d, axis in zip(dims, slice_axes):
+      if isinstance(d, DimSlice) and not is_static(d.size):
+        size = int(leaves[d.size.k])
+        if size < 0:
+          raise ValueError(f"negative pl.ds size {size} in a DMA descriptor")
+        shape[axis] = size
+    return tuple(shape)
 
   def unchecked_coords(self, ref, leaves):
     """``(view, coords)`` of the last indexer without bounds checks.
@@ -528,12 +483,12 @@ class RefAccess:
     if isinstance(d, DimSlice):
       start = leaves[d.start.k] if isinstance(d.start, _Dyn) else d.start
       size = leaves[d.size.k] if isinstance(d.size, _Dyn) else d.size
-      return _check_slice(start, size, d.stride, d.dim, axis, shape, clamp)
+      return check_slice(start, size, d.stride, d.dim, axis, shape, clamp)
     if isinstance(d, _DimInt):
       v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
-      return _check_int(v, d.dim, axis, shape, clamp)
+      return check_int(v, d.dim, axis, shape, clamp)
     v = leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value
-    return _check_array(v, d.dim, axis, shape, clamp)
+    return check_array(v, d.dim, axis, shape, clamp)
 
 
 _running = threading.local()  # .vector_subcore: the SparseCore subcore this thread runs
@@ -668,6 +623,14 @@ def _bitcast_view(dtype):
         view.dtype.itemsize != dtype.itemsize and view.ndim >= 2):
       return lens.bitcast(view, dtype)
     return view.view(dtype)
+  return f
+
+
+def _broadcast_view(shape):
+  """A zero-stride slice: the one row broadcast, a read-only view (a store
+  through it raises NumPy's "assignment destination is read-only")."""
+  def f(view, leaves):
+    return np.broadcast_to(lens.value(view), shape)
   return f
 
 

@@ -11,6 +11,14 @@ of a non-contiguous view) is a ``LensView``: ``lens[idx]`` reads a fresh copy,
 ``lens[idx] = v`` (and ``+=``) writes the whole view back through its parent.
 Every element of the parent maps to exactly one element of the view, so the
 write-back loses nothing.
+
+A bitcast only mixes rows along the second-minor dim, in groups (``r``
+view rows per parent row when narrowing, ``r`` parent rows per view row
+when widening), so indexing one with ints and slices goes through the
+parent: only the rows groups the index touches are converted
+(``BitcastLens``), not the whole ref. A DMA of a few rows through the
+bitcast of a large HBM ref (DeepSeek-V4 ``csa_gather``) then costs what
+the rows cost.
 """
 from __future__ import annotations
 
@@ -44,10 +52,11 @@ def value(v) -> np.ndarray:
 class LensView:
   """A view computed from ``parent`` by ``get``; ``put(parent, new)`` writes
   a whole new value back."""
-  __slots__ = ("parent", "get", "put", "dtype")
+  __slots__ = ("parent", "get", "put", "dtype", "_shape")
 
-  def __init__(self, parent, get, put, dtype):
+  def __init__(self, parent, get, put, dtype, shape=None):
     self.parent, self.get, self.put, self.dtype = parent, get, put, np.dtype(dtype)
+    self._shape = shape
 
   def value(self) -> np.ndarray:
     return self.get(value(self.parent))
@@ -67,7 +76,9 @@ class LensView:
 
   @property
   def shape(self):
-    return self.value().shape
+    if self._shape is None:
+      self._shape = self.value().shape
+    return self._shape
 
   @property
   def ndim(self):
@@ -78,18 +89,128 @@ class LensView:
     return int(np.prod(self.shape, dtype=np.int64))
 
 
+def bitcast_shape(shape, src, dst) -> tuple:
+  a, b = np.dtype(src).itemsize, np.dtype(dst).itemsize
+  *lead, m, n = shape
+  return (*lead, m * a // b, n)
+
+
+class BitcastLens(LensView):
+  """A width-changing bitcast of a ref of rank >= 2, indexed through its
+  parent: ``lens[idx]`` converts only the row groups ``idx`` touches."""
+  __slots__ = ()
+
+  def _window(self, idx):
+    """(parent index, index into the converted window) for an index of
+    ints, slices of positive step and at most one 1-D integer array off
+    the second-minor dim; None for anything else."""
+    shape = self.shape
+    nd = len(shape)
+    if not isinstance(idx, tuple):
+      idx = (idx,)
+    if any(i is Ellipsis for i in idx):
+      k = idx.index(Ellipsis)
+      idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
+    idx = idx + (slice(None),) * (nd - len(idx))
+    if len(idx) != nd:
+      return None
+    a, b = self.parent.dtype.itemsize, self.dtype.itemsize
+    parent_idx, local = [], []
+    arrays = 0
+    for axis, (ix, n) in enumerate(zip(idx, shape)):
+      if isinstance(ix, np.ndarray) and ix.ndim == 1 and axis != nd - 2 and ix.dtype.kind in "iu":
+        # One 1-D integer array (an indexed DMA's rows) off the second-minor
+        # dim: the parent's rows, gathered in place, then all of them.
+        arrays += 1
+        if arrays > 1:
+          return None
+        parent_idx.append(ix)
+        local.append(slice(None))
+        continue
+      if isinstance(ix, (int, np.integer)):
+        i = int(ix) + (n if ix < 0 else 0)
+        if not 0 <= i < n:
+          return None
+        ix = slice(i, i + 1)
+        keep = 0
+      elif isinstance(ix, slice):
+        keep = None
+      else:
+        return None
+      start, stop, step = ix.indices(n)
+      if step < 1:
+        return None
+      if axis != nd - 2:
+        parent_idx.append(slice(start, stop, step))
+        local.append(slice(None) if keep is None else keep)
+        continue
+      if stop <= start:  # an empty window
+        lo = hi = 0
+        plo = phi = 0
+      elif a > b:  # narrowing: r view rows per parent row
+        r = a // b
+        plo, phi = start // r, -(-stop // r)
+        lo = plo * r
+      else:  # widening: r parent rows per view row
+        r = b // a
+        plo, phi = start * r, stop * r
+        lo = start
+      parent_idx.append(slice(plo, phi))
+      local.append(slice(start - lo, stop - lo, step) if keep is None else start - lo)
+    return tuple(parent_idx), tuple(local)
+
+  def __getitem__(self, idx):
+    w = self._window(idx)
+    if w is None:
+      return LensView.__getitem__(self, idx)
+    parent_idx, local = w
+    out = tpu_bitcast(np.asarray(self.parent[parent_idx]), self.dtype)[local]
+    return out.copy() if isinstance(out, np.ndarray) else out
+
+  def __setitem__(self, idx, val):
+    w = self._window(idx)
+    if w is None:
+      return LensView.__setitem__(self, idx, val)
+    parent_idx, local = w
+    src = self.parent.dtype
+    window = tpu_bitcast(np.asarray(self.parent[parent_idx]), self.dtype)
+    window[local] = val
+    self.parent[parent_idx] = tpu_bitcast(window, src)
+
+
 def bitcast(parent, dtype) -> LensView:
   src = parent.dtype
 
   def put(p, new):
     p[...] = tpu_bitcast(new, src)
-  return LensView(parent, lambda a: tpu_bitcast(a, dtype), put, dtype)
+  if len(parent.shape) < 2:  # (a 1-D lens: the whole value, bitcast as a view)
+    return LensView(parent, lambda a: tpu_bitcast(a, dtype), put, dtype)
+  return BitcastLens(parent, lambda a: tpu_bitcast(a, dtype), put, dtype,
+                     bitcast_shape(parent.shape, src, dtype))
 
 
 def indexed(parent, idx) -> LensView:
+  """``parent[idx]``; through a ``BitcastLens`` only the indexed rows are
+  converted (reads and writes go through ``parent[idx]``)."""
   def put(p, new):
     p[idx] = new
-  return LensView(parent, lambda a: a[idx], put, parent.dtype)
+  shape = np.broadcast_to(np.empty((), bool), parent.shape)[idx].shape
+  if isinstance(parent, BitcastLens):
+    return _Through(parent, idx, put, parent.dtype, shape)
+  return LensView(parent, lambda a: a[idx], put, parent.dtype, shape)
+
+
+class _Through(LensView):
+  """``parent[idx]`` of a lens that indexes through its own parent: its
+  value is ``parent[idx]``, computed without the parent's whole value."""
+  __slots__ = ("idx",)
+
+  def __init__(self, parent, idx, put, dtype, shape):
+    LensView.__init__(self, parent, None, put, dtype, shape)
+    self.idx = idx
+
+  def value(self) -> np.ndarray:
+    return self.parent[self.idx]
 
 
 def reshaped(parent, shape) -> LensView:

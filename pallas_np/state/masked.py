@@ -160,6 +160,8 @@ def _lane_ref_args(args, ref_pos):
 
 
 def _load_batched(bc, rule, info, in_batched):
+  if info.compiler.params.oob_reads == "fill":  # (each lane may read past the ref)
+    return batching.lane_loop(rule, info, in_batched)
   (ref_pos, _, mask_pos, other_pos), acc, _, lane_acc = _access_for_lanes(
       info, in_batched)
   dtype = np.dtype(jc.physical_dtype(info.out_aval.dtype))
@@ -225,6 +227,9 @@ def _masked_load(e):
   dtype = np.dtype(jc.physical_dtype(e.out_aval.dtype))
 
   select = mask_pos is not None and other_pos is not None
+  # oob_reads="fill": lanes past the ref read the fill, masked on or not
+  # (state/past_end.py); masked-off lanes then take ``other``.
+  reads_past = e.compiler.params.oob_reads == "fill"
 
   def load(*args):
     hit = acc.resolve(args)
@@ -238,11 +243,14 @@ def _masked_load(e):
           return np.array(view[idx], dtype=dtype)  # every lane on (interior blocks)
         return np.where(mask, view[idx], args[other_pos]).astype(dtype, copy=False)
       val = np.array(view[idx], dtype=dtype)
-    elif mask_pos is None:
+    elif mask_pos is None and not reads_past:
       acc.access.resolve(args[ref_pos], acc.leaves(args))  # raises IndexError
       raise AssertionError("unreachable")
     else:
-      view, safe, in_bounds, mask = acc.lanes(args, args[mask_pos])
+      view, safe, in_bounds, mask = acc.lanes(
+          args, np.False_ if reads_past or mask_pos is None else args[mask_pos])
+      if reads_past:  # (what the race detector sees read: the masked-on lanes)
+        mask = np.True_ if mask_pos is None else np.asarray(args[mask_pos], bool)
       if acc.note is not None:
         acc.note(view, safe, "read", mask & in_bounds)
       val = acc.gather(view, safe, in_bounds)

@@ -20,6 +20,7 @@ from pallas_np import batching, races, registry
 from pallas_np.errors import NotBatchable, UnsupportedError
 from pallas_np.memory import allocate
 from pallas_np.shared_outputs import active as shared_outputs
+from pallas_np.state import past_end
 from pallas_np.state.indexing import RefAccess, static_atoms
 from pallas_np.state.lane_access import (
     LaneIndexed, count_lane_bytes, dyn_flags, lane_index, lanes_of, trailing_slices, tracked)
@@ -66,6 +67,8 @@ def _read_lanes_last(x):
 
 
 def _get_batched(bc, rule, info, in_batched):
+  if info.compiler.params.oob_reads == "fill":  # (each lane may read past the ref)
+    return batching.lane_loop(rule, info, in_batched)
   access = _access(info, info.in_avals[0], info.eqn.invars[1:], info.params["tree"])
   ref_b, leaf_b = in_batched[0], dyn_flags(access, in_batched[1:])
   resolve = access.resolve
@@ -105,6 +108,14 @@ def _get_batched(bc, rule, info, in_batched):
 def _get(e):
   ref_aval = e.in_avals[0]
   access = _access(e, ref_aval, e.eqn.invars[1:], e.params["tree"], "read")
+  get = _get_rule(e, access)
+  if e.compiler.params.oob_reads == "fill":  # loads past the ref read the fill
+    return past_end.filling_reads(get, access, lambda leaves: _dyn(access, leaves),
+                                  e.compiler.params, e.out_avals[0].dtype)
+  return get
+
+
+def _get_rule(e, access):
   resolve = access.resolve
   if access.num_dynamic == 0:
     view_idx = None
