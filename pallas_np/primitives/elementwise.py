@@ -95,8 +95,17 @@ for _p, _f in [(lax.add_p, np.add), (lax.sub_p, np.subtract), (lax.mul_p, np.mul
                (lax.eq_p, np.equal), (lax.ne_p, np.not_equal), (lax.lt_p, np.less),
                (lax.le_p, np.less_equal), (lax.gt_p, np.greater),
                (lax.ge_p, np.greater_equal), (lax.neg_p, np.negative),
-               (lax.is_finite_p, np.isfinite), (lax.nextafter_p, np.nextafter)]:
+               (lax.is_finite_p, np.isfinite)]:
   reg(_p, _f)
+
+
+@registry.register(lax.nextafter_p, batch=registry.ELEMENTWISE)
+def _nextafter(e):
+  # C's nextafter (XLA's) returns y when x == y, so nextafter(-0.0, +0.0) is
+  # +0.0; NumPy's float16 loop returns x there (float32/bf16 return y).
+  if _in_dtype(e) != np.float16:
+    return np.nextafter
+  return lambda x, y: np.where(x == y, y, np.nextafter(x, y))[()]
 
 
 def _minmax(ufunc, is_max):
@@ -172,9 +181,15 @@ def _sign(e):
   dt = _in_dtype(e)
   if dt.kind == "u":
     return lambda x: (x != 0).astype(dt)
-  if is_low_precision_float(dt):
-    return unary_float(np.sign)(e)
-  return np.sign
+  if dt.kind == "i":
+    return np.sign
+  # XLA: sign(±0.0) is the zero itself, NaN stays NaN; np.sign gives +0.0
+  # for both zeros. The sign copied back fixes -0.0 and changes nothing else.
+  return unary_float(_float_sign)(e)
+
+
+def _float_sign(x):
+  return np.copysign(np.sign(x), x)
 
 
 @registry.register(lax.div_p, batch=registry.ELEMENTWISE)
@@ -361,7 +376,9 @@ def _round(e):
 def _round_away_from_zero(x):
   t = np.trunc(x)
   frac = np.abs(x - t)  # exact in floating point
-  return t + np.sign(x) * (frac >= 0.5)
+  # x's sign copied back: -0.0 and (-0.5, 0] round to -0.0, as in XLA
+  # (t + 0 * ... would make -0.0 of them +0.0).
+  return np.copysign(t + np.sign(x) * (frac >= 0.5), x)
 
 
 # -- comparisons/logic on bool ------------------------------------------------
@@ -448,7 +465,21 @@ def _select_n(e):
 
 @registry.register(lax.clamp_p, batch=registry.ELEMENTWISE)
 def _clamp(e):
-  return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
+  # XLA: min(max(x, lo), hi) with its max/min (+0.0 above -0.0, NaN
+  # propagates), so clamp(-0.0, -0.0, +0.0) is -0.0 where NumPy's pair
+  # may return either zero.
+  dt = _in_dtype(e)
+  if dt.kind in "iub":
+    return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
+  return lambda lo, x, hi: _exact_min(_exact_max(x, lo), hi)
+
+
+def _exact_max(x, y):
+  return _fix_zero(np.maximum(x, y), x, y, lambda a, b: a + b)
+
+
+def _exact_min(x, y):
+  return _fix_zero(np.minimum(x, y), x, y, lambda a, b: -((-a) + (-b)))
 
 
 # -- shifts (XLA defines over-wide shifts) -----------------------------------
