@@ -129,8 +129,8 @@ def _sign(dts, out, params):
     return lambda a: c(f"1 if {a} != 0 else 0")
   if out.kind == "i":
     return lambda a: c(f"1 if {a} > 0 else (-1 if {a} < 0 else 0)")
-  if out.kind == "f":  # NaN is kept; either zero gives +0.0 (np.sign)
-    return lambda a: c(f"{a} if {a} != {a} else (1.0 if {a} > 0 else (-1.0 if {a} < 0 else 0.0))")
+  if out.kind == "f":  # NaN and either zero are kept (XLA's sign)
+    return lambda a: c(f"{a} if ({a} != {a} or {a} == 0) else (1.0 if {a} > 0 else -1.0)")
   raise Refused("sign")
 
 
