@@ -16,6 +16,7 @@ import numpy as np
 
 from pallas_np.native import shapes
 from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+from pallas_np.primitives.elementwise import RECIPROCAL_DTYPES, float_reciprocal
 
 # name -> make(in dtypes, out dtype, params) -> expr(*operand exprs)
 SCALAR: dict = {}
@@ -290,6 +291,11 @@ def _elementwise(gen, eqn, ins):
   params = eqn.params
   if name == "convert_element_type" and np.dtype(params["new_dtype"]) != out_dt:
     raise Refused("convert_element_type")
+  if name == "div" and out_dt in RECIPROCAL_DTYPES and ins[1].glob and not ins[0].glob:
+    # x / constant is x * (1 / constant) in XLA (primitives/elementwise.py)
+    recip = float_reciprocal(np.reshape(gen.globals[ins[1].name], ins[1].shape), out_dt)
+    ins = [ins[0], gen.constant(recip, out_dt)]
+    make = SCALAR["mul"]
   expr = make([v.dtype for v in ins], out_dt, params)
   if any(v.kind == "r" for v in ins):
     raise Refused(f"{name} of a ref")

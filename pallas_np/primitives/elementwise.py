@@ -52,7 +52,8 @@ def unary_float(fn):
   return compile_rule
 
 
-def _binary_float(fn):
+def binary_float(fn):
+  """``unary_float`` for binary rules."""
   def compile_rule(e):
     dt = _in_dtype(e)
     if is_low_precision_float(dt):
@@ -207,7 +208,38 @@ def _div(e):
       y_safe = np.where(zero, one, y)
       return np.where(zero, minus_one, _trunc_div(x, y_safe)).astype(dt, copy=False)[()]
     return registry.const_specialised(int_div, lambda consts: _int_by_const(_trunc_div, consts))
-  return _binary_float(np.true_divide)(e)
+  div = binary_float(np.true_divide)(e)
+  if dt not in RECIPROCAL_DTYPES:
+    return div
+  return registry.const_specialised(div, lambda consts: _float_by_const(consts, dt))
+
+
+# Where XLA's CPU backend divides by a constant as a multiplication by its
+# reciprocal rounded to the dtype (measured: float32 and float16; bf16
+# divisions are indistinguishable from a true division in float32 there).
+RECIPROCAL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def float_reciprocal(c, dt):
+  """``1 / c`` rounded to ``dt`` (XLA's InvertConstant, computed in ``dt``)."""
+  with np.errstate(divide="ignore"):
+    return (np.ones((), dt) / np.asarray(c, dt)).astype(dt)
+
+
+def _float_by_const(consts, dt):
+  """XLA's algebraic simplifier rewrites ``x / c`` for a constant (or
+  broadcast constant) ``c`` and non-constant ``x`` as ``x * (1 / c)``, the
+  reciprocal rounded to the dtype: up to 1 ulp from a true division on most
+  elements (``x / 3.0``). Constants meet constants in constant folding
+  (a true division), as in XLA."""
+  x, y = consts
+  if y is None or x is not None:
+    return None
+  recip = float_reciprocal(y, dt)
+  if dt == np.float16:
+    f32 = np.float32
+    return lambda x, y: np.multiply(np.asarray(x, f32), np.asarray(recip, f32)).astype(dt)[()]
+  return lambda x, y: np.multiply(x, recip)
 
 
 def _trunc_div(x, y):
@@ -242,18 +274,7 @@ def _rem(e):
       y_safe = np.where(zero, one, y)
       return np.where(zero, x, np.fmod(x, y_safe)).astype(dt, copy=False)[()]
     return registry.const_specialised(int_rem, lambda consts: _int_by_const(np.fmod, consts))
-  return _binary_float(np.fmod)(e)
-
-
-@registry.register(lax.pow_p, batch=registry.ELEMENTWISE)
-def _pow(e):
-  dt = _in_dtype(e)
-  if dt.kind in "iu":
-    return np.power
-  y_dt = np_dtype(e.in_avals[1].dtype)
-  if y_dt.kind in "iu":
-    return _binary_float(lambda x, y: np.power(x, y.astype(x.dtype)))(e)
-  return _binary_float(np.power)(e)
+  return binary_float(np.fmod)(e)
 
 
 @registry.register(lax.integer_pow_p, batch=registry.ELEMENTWISE)
@@ -292,13 +313,12 @@ def _reg_unary(prim, fn):
   registry.register(prim, batch=registry.ELEMENTWISE)(unary_float(fn))
 
 
-for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
-               (lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
-               (lax.sin_p, np.sin), (lax.cos_p, np.cos), (lax.tan_p, np.tan),
-               (lax.asin_p, np.arcsin), (lax.acos_p, np.arccos), (lax.atan_p, np.arctan),
-               (lax.sinh_p, np.sinh), (lax.cosh_p, np.cosh), (lax.asinh_p, np.arcsinh),
+# (exp, exp2, cosh, sin, cos, tan, asin, acos, atan, atan2, cbrt, pow: in
+# xla_math.py, XLA's formulas and C library calls)
+for _p, _f in [(lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
+               (lax.sinh_p, np.sinh), (lax.asinh_p, np.arcsinh),
                (lax.acosh_p, np.arccosh), (lax.atanh_p, np.arctanh),
-               (lax.sqrt_p, np.sqrt), (lax.cbrt_p, np.cbrt),
+               (lax.sqrt_p, np.sqrt),
                (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
                (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
                (lax.lgamma_p, scipy.special.gammaln),
@@ -320,18 +340,7 @@ _reg_unary(lax.digamma_p, _digamma)
 
 
 # -- primitives of newer JAX versions (registered where they exist) -----------
-_LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
-if hasattr(lax, "log2_p"):
-  @registry.register(lax.log2_p, batch=registry.ELEMENTWISE)
-  def _log2(e):
-    log = unary_float(np.log)(e)
-    dt = _in_dtype(e)
-    scale = np.asarray(_LOG2_E, dt)
-    if is_low_precision_float(dt):
-      f32 = np.float32
-      return lambda x: _cast(np.multiply(np.asarray(log(x), f32), np.asarray(scale, f32)), dt)
-    return lambda x: np.multiply(log(x), scale)
-
+# (log2: xla_math.py)
 _one_minus_square_p = getattr(jc.lax_internal, "one_minus_square_p", None)
 if _one_minus_square_p is not None:
   @registry.register(_one_minus_square_p, batch=registry.ELEMENTWISE)
@@ -350,18 +359,8 @@ if _one_minus_square_p is not None:
         return (one + x) * (one - x)
     return one_minus_square
 
-@registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
-def _exp2(e):
-  # XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's dtype.
-  dt = _in_dtype(e)
-  ln2 = np.asarray(np.log(2.0), dt)
-  exp = unary_float(np.exp)(e)
-  return lambda x: exp(np.multiply(x, ln2, dtype=dt))
-
-
 _reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
 _reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
-registry.register(lax.atan2_p, batch=registry.ELEMENTWISE)(_binary_float(np.arctan2))
 
 
 @registry.register(lax.round_p, batch=registry.ELEMENTWISE)
@@ -593,12 +592,12 @@ def _conj(e):
 for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
                   ("zeta_p", scipy.special.zeta)]:
   if hasattr(lax, _name):
-    registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(_binary_float(_f))
+    registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(binary_float(_f))
 
 
 if hasattr(lax, "polygamma_p"):
   registry.register(lax.polygamma_p, batch=registry.ELEMENTWISE)(
-      _binary_float(scipy.special.polygamma))
+      binary_float(scipy.special.polygamma))
 
 
 if hasattr(lax, "regularized_incomplete_beta_p"):

@@ -18,13 +18,65 @@ from jax import lax
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
-from pallas_np.primitives.elementwise import unary_float
+from pallas_np.primitives import libm
+from pallas_np.primitives.elementwise import binary_float, unary_float
 
 _F32 = np.float32
 
 
 def _fma(a, b, c):
   return (np.asarray(a, np.float64) * b + c).astype(_F32)
+
+
+_MID_MASK, _MID = np.uint64((1 << 29) - 1), np.uint64(1 << 28)
+
+
+def fma_f32(a, b, c):
+  """A float32 fused multiply-add, correctly rounded (what the CPU's FMA
+  instruction gives). The product of two float32s is exact in float64; the
+  float64 sum rounds once more, which can only change the float32 result
+  when it lands exactly on a float32 rounding midpoint (29 low bits
+  100...0): there the exact sum's error (Knuth's TwoSum) decides the
+  direction (round to odd), so the result is the true FMA's."""
+  p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+  c = np.asarray(c, np.float64)
+  with np.errstate(invalid="ignore", over="ignore"):
+    s = p + c
+    mid = (np.asarray(s).view(np.uint64) & _MID_MASK) == _MID
+    if mid.any():
+      bp = s - p
+      err = (p - (s - bp)) + (c - bp)  # p + c == s + err exactly
+      nudge = np.where(mid & (err != 0), np.where((err > 0) == (s > 0), 1, -1), 0)
+      s = (np.asarray(s).view(np.int64) + nudge).view(np.float64)
+    return np.asarray(s).astype(_F32)
+
+
+def _bits_f32(u):
+  return np.uint32(u).view(_F32)
+
+
+# XLA's float32 exp (its CPU intrinsic, read from the LLVM IR XLA emits):
+# Cephes' polynomial after n = floor(x log2(e) + 1/2), every multiply-add
+# contracted to an FMA (as XLA compiles it on FMA machines).
+_EXP_C1, _EXP_C2 = _bits_f32(0x3F318000), _bits_f32(0xB95E8083)
+_EXP_P = [_bits_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA)]
+
+
+def exp_f32(x):
+  x = np.asarray(x, _F32)
+  with np.errstate(all="ignore"):
+    x = np.minimum(np.maximum(x, _F32(-87.8)), _F32(88.8))  # NaN stays NaN
+    n = np.floor(fma_f32(x, _bits_f32(0x3FB8AA3B), _F32(0.5)))
+    n = np.minimum(np.maximum(n, _F32(-127)), _F32(127))
+    r = fma_f32(-n, _EXP_C1, x)
+    r = fma_f32(-n, _EXP_C2, r)
+    z = fma_f32(r, _EXP_P[0], _EXP_P[1])
+    for c in _EXP_P[2:] + [_F32(0.5)]:
+      z = fma_f32(z, r, c)
+    z = fma_f32(z, r * r, r) + _F32(1)
+    # 2^n from its exponent bits; n = -127 gives +0.0 (XLA's flush).
+    pow2 = ((n.astype(np.int32) + 127) << 23).view(_F32)
+    return z * pow2
 
 
 def _horner(x, coeffs):
@@ -52,7 +104,7 @@ def log1p_f32(x):
   with np.errstate(all="ignore"):
     small = _horner(x, _LOG1P_NUM) / _horner(x, _LOG1P_DEN)
     small = x + _fma(_F32(-0.5), x2, (x * x2) * small)
-    large = np.log1p(x)
+    large = log_f32(x + _F32(1))
   return np.where(np.abs(x) < _F32(0.41421356237309504880), small, large)
 
 
@@ -76,24 +128,145 @@ def erf_inv_f32(x):
     return np.where(np.abs(x) == 1, x * _F32(np.inf), p * x).astype(_F32)
 
 
+# XLA's float32 log (its CPU intrinsic: Cephes' polynomial as in Eigen's
+# plog, read from the LLVM IR XLA emits), FMAs where XLA's code has them.
+_LOG_P = [_bits_f32(b) for b in (0x3D9021BB, 0xBDEBD1B8, 0x3DEF251A, 0xBDFE5D4F, 0x3E11E9BF,
+                                 0xBE2AAE50, 0x3E4CCEAC, 0xBE7FFFFC, 0x3EAAAAAA)]
+
+
+def log_f32(x0):
+  x0 = np.asarray(x0, _F32)
+  with np.errstate(all="ignore"):
+    x = np.where(x0 > _F32(1.17549435e-38), x0, _F32(1.17549435e-38))  # NaN -> tiny
+    bits = x.view(np.int32)
+    m = ((bits & np.int32(-2139095041)) | np.int32(0x3F000000)).view(_F32)  # in [0.5, 1)
+    e = ((bits >> 23) - 127).astype(_F32) + _F32(1)
+    small = m < _bits_f32(0x3F3504F3)  # sqrt(1/2)
+    e = e - np.where(small, _F32(1), _F32(0))
+    x = (m - _F32(1)) + np.where(small, m, _F32(0))
+    x2 = x * x
+    x3 = x2 * x
+    p = _LOG_P
+    y = fma_f32(fma_f32(x, p[0], p[1]), x, p[2])
+    y1 = fma_f32(fma_f32(x, p[3], p[4]), x, p[5])
+    y2 = fma_f32(fma_f32(x, p[6], p[7]), x, p[8])
+    y = fma_f32(fma_f32(fma_f32(y, x3, y1), x3, y2), x3, _EXP_C2 * e)
+    r = fma_f32(_EXP_C1, e, fma_f32(_F32(-0.5), x2, x) + y)
+    r = np.where(x0 > 0, r, _F32(np.nan))
+    r = np.where(x0 == 0, _F32(-np.inf), r)
+    return np.where(x0 == np.inf, _F32(np.inf), r)
+
+
+def _asin_acos(is_asin):
+  """XLA's asin/acos, expanded before its float normalisation, so in
+  bf16/f16 every step is rounded to the dtype (``dt``):
+  asin(x) = 2 atan2(x, 1 + sqrt((1 - x)(1 + x))),
+  acos(x) = atan2(sqrt((1 - x)(1 + x)), x), atan2 from the C library."""
+  def fn(x, dt=_F32):
+    r = (lambda v: v) if dt == _F32 else (lambda v: np.asarray(v, dt).astype(_F32))
+    x = np.asarray(x, _F32)
+    one = _F32(1)
+    with np.errstate(invalid="ignore"):
+      root = r(np.sqrt(r(r(one - x) * r(one + x))))
+      if not is_asin:
+        return libm.call("atan2f", root, x)
+      a = r(libm.call("atan2f", x, r(one + root)))
+      return a + a
+  return fn
+
+
+asin_f32, acos_f32 = _asin_acos(True), _asin_acos(False)
+
+
+_MINUS_LN2 = _bits_f32(0xBF317218)
+
+
+def cosh_f32(x):
+  """XLA's cosh: exp(x - ln 2) + exp(-ln 2 - x), with XLA's exp."""
+  x = np.asarray(x, _F32)
+  with np.errstate(over="ignore"):
+    return exp_f32(x + _MINUS_LN2) + exp_f32(_MINUS_LN2 - x)
+
+
 def _f32_rule(f32_fn, fallback):
   """float32 (and bf16/f16/fp8 through float32) use XLA's formula; other
   dtypes (float64) keep ``fallback``."""
   def compile_rule(e):
     dt = np_dtype(e.in_avals[0].dtype)
     if dt == np.float32:
-      return lambda x: f32_fn(x)[()]
+      return lambda *xs: f32_fn(*xs)[()]
     if is_low_precision_float(dt):
-      return lambda x: f32_fn(np.asarray(x, _F32)).astype(dt)[()]
+      if f32_fn in (asin_f32, acos_f32):
+        return lambda x: f32_fn(x, dt).astype(dt)[()]
+      return lambda *xs: f32_fn(*[np.asarray(x, _F32) for x in xs]).astype(dt)[()]
     return fallback(e)
   return compile_rule
 
 
+def _pow_f32(x, y):
+  return libm.call("powf", x, y)
+
+
+@registry.register(lax.pow_p, batch=registry.ELEMENTWISE)
+def _pow(e):
+  """Float pow is the C library's powf (float32 and through it bf16/f16);
+  an integer exponent is converted to the base's type first (as JAX lowers
+  it); integer pow is NumPy's (exact, wrapping)."""
+  dt = np_dtype(e.in_avals[0].dtype)
+  if dt.kind in "iu":
+    return np.power
+  if np_dtype(e.in_avals[1].dtype).kind in "iu":
+    return _f32_rule(lambda x, y: _pow_f32(x, np.asarray(y, _F32)),
+                     binary_float(lambda x, y: np.power(x, y.astype(x.dtype))))(e)
+  return _f32_rule(_pow_f32, binary_float(np.power))(e)
+
+
+# Primitive -> (float32 rule, float64 rule): the float32 rule is XLA's own
+# expansion (written out above) or the C library's function XLA calls
+# (``libm``); neither depends on NumPy's CPU-dispatched SIMD code.
+FLOAT32_RULES = {
+    lax.erf_inv_p: (erf_inv_f32, unary_float(scipy.special.erfinv)),
+    lax.log1p_p: (log1p_f32, unary_float(np.log1p)),
+    lax.exp_p: (exp_f32, unary_float(np.exp)),
+    lax.log_p: (log_f32, unary_float(np.log)),
+    lax.cosh_p: (cosh_f32, unary_float(np.cosh)),
+    lax.asin_p: (asin_f32, unary_float(np.arcsin)),
+    lax.acos_p: (acos_f32, unary_float(np.arccos)),
+    lax.sin_p: (libm.unary("sinf"), unary_float(np.sin)),
+    lax.cos_p: (libm.unary("cosf"), unary_float(np.cos)),
+    lax.tan_p: (libm.unary("tanf"), unary_float(np.tan)),
+    lax.atan_p: (libm.unary("atanf"), unary_float(np.arctan)),
+    lax.cbrt_p: (libm.unary("cbrtf"), unary_float(np.cbrt)),
+    lax.atan2_p: (libm.binary("atan2f"), binary_float(np.arctan2)),
+}
+
+
+@registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
+def _exp2(e):
+  """XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's
+  dtype, then its exp."""
+  dt = np_dtype(e.in_avals[0].dtype)
+  ln2 = np.asarray(np.log(2.0), dt)
+  exp = _f32_rule(exp_f32, unary_float(np.exp))(e)
+  return lambda x: exp(np.multiply(x, ln2, dtype=dt))
+
+
+_LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
+if hasattr(lax, "log2_p"):
+  @registry.register(lax.log2_p, batch=registry.ELEMENTWISE)
+  def _log2(e):
+    log = _f32_rule(log_f32, unary_float(np.log))(e)
+    dt = np_dtype(e.in_avals[0].dtype)
+    scale = np.asarray(_LOG2_E, dt)
+    if is_low_precision_float(dt):
+      f32 = np.float32
+      return lambda x: np.multiply(np.asarray(log(x), f32), np.asarray(scale, f32)).astype(dt)[()]
+    return lambda x: np.multiply(log(x), scale)
+
+
 def register():
-  registry.register(lax.erf_inv_p, batch=registry.ELEMENTWISE)(
-      _f32_rule(erf_inv_f32, unary_float(scipy.special.erfinv)))
-  registry.register(lax.log1p_p, batch=registry.ELEMENTWISE)(
-      _f32_rule(log1p_f32, unary_float(np.log1p)))
+  for prim, (f32_fn, fallback) in FLOAT32_RULES.items():
+    registry.register(prim, batch=registry.ELEMENTWISE)(_f32_rule(f32_fn, fallback))
 
 
 register()
