@@ -1,13 +1,18 @@
-"""Transcendentals that follow XLA's own fixed formulas, for bit-exactness.
+"""Transcendentals that follow XLA's own fixed formulas, for bit-exactness on
+every CPU.
 
-XLA expands some functions into polynomials in the operand's type (float32;
-bf16/f16 are upcast to float32 and rounded back). Where NumPy/SciPy compute
-a more accurate value, results differ by a few ulp; these rules reproduce
-XLA's expansion op for op instead. XLA's CPU backend contracts ``a*b + c``
-into a fused multiply-add; ``_fma`` gets that from one float64 multiply-add
-(the product of two float32s is exact in float64), rounded once more to
-float32 (double rounding can differ from a true FMA in rare halfway cases).
-Measured agreement is in ``pallas_np.conformance``.
+XLA's CPU backend expands some functions into polynomials in the operand's
+type (float32; bf16/f16 are upcast to float32 and rounded back); the formulas
+here were read from the LLVM IR that XLA emits (``XLA_FLAGS=--xla_dump_to``)
+and are followed op for op. XLA's CPU backend contracts ``a*b + c`` into a
+fused multiply-add: ``exp``/``log`` are written in LLVM IR with
+``llvm.fma.f32`` and compiled (``libm.define``); the NumPy-side formulas use
+``fma_f32`` (exact) or ``_fma`` (one float64 multiply-add rounded to float32:
+double rounding can differ from a true FMA in rare halfway cases; measured
+bit-exact). Functions XLA leaves to the C library (sin, cos, tan, atan,
+atan2, cbrt, pow) call it the same way (``libm.py``). None of these uses a
+NumPy ufunc whose float32 loop is chosen by the CPU. Claims and measurements:
+``pallas_np.conformance``.
 """
 from __future__ import annotations
 
@@ -62,40 +67,62 @@ _EXP_C1, _EXP_C2 = _bits_f32(0x3F318000), _bits_f32(0xB95E8083)
 _EXP_P = [_bits_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA)]
 
 
-def exp_f32(x):
-  x = np.asarray(x, _F32)
-  with np.errstate(all="ignore"):
-    x = np.minimum(np.maximum(x, _F32(-87.8)), _F32(88.8))  # NaN stays NaN
-    n = np.floor(fma_f32(x, _bits_f32(0x3FB8AA3B), _F32(0.5)))
-    n = np.minimum(np.maximum(n, _F32(-127)), _F32(127))
-    r = fma_f32(-n, _EXP_C1, x)
-    r = fma_f32(-n, _EXP_C2, r)
-    z = fma_f32(r, _EXP_P[0], _EXP_P[1])
-    for c in _EXP_P[2:] + [_F32(0.5)]:
-      z = fma_f32(z, r, c)
-    z = fma_f32(z, r * r, r) + _F32(1)
-    # 2^n from its exponent bits; n = -127 gives +0.0 (XLA's flush).
-    pow2 = ((n.astype(np.int32) + 127) << 23).view(_F32)
-    return z * pow2
+class _Ssa:
+  """Writes a scalar LLVM IR function, one SSA line per call."""
+
+  def __init__(self, name, nargs):
+    self.name, self.k = name, 0
+    self.args = [f"%a{i}" for i in range(nargs)]
+    self.lines = []
+
+  def __call__(self, text):
+    self.k += 1
+    self.lines.append(f"  %t{self.k} = {text}")
+    return f"%t{self.k}"
+
+  def fma(self, a, b, c):
+    return self(f"call float @llvm.fma.f32(float {a}, float {b}, float {c})")
+
+  def select(self, cond, a, b):
+    return self(f"select i1 {cond}, float {a}, float {b}")
+
+  def define(self, result):
+    params = ", ".join(f"float {a}" for a in self.args)
+    body = "\n".join(self.lines)
+    libm.define(self.name, len(self.args),
+                f"define internal float @{self.name}({params}) {{\n{body}\n  ret float {result}\n}}")
+    return libm.unary(self.name) if len(self.args) == 1 else libm.binary(self.name)
 
 
-def _horner(x, coeffs):
-  p = np.full(np.shape(x), coeffs[0], _F32)
-  for c in coeffs[1:]:
-    p = _fma(p, x, c)
-  return p
+def _c(v):
+  """A float32 constant in LLVM IR (the double-precision hex of its value)."""
+  return "0x%016X" % np.float64(_F32(v)).view(np.uint64)
 
 
-# XLA ElementalIrEmitter::EmitLog1p: the Cephes rational approximation for
-# |x| < sqrt(2) - 1 (bit-exact); above, XLA takes its own log(1 + x), for
-# which NumPy's log1p is the closest stand-in measured (97% exact, <= 2 ulp).
-_LOG1P_NUM = _F32([4.5270000862445199635215E-5, 4.9854102823193375972212E-1,
-                   6.5787325942061044846969E0, 2.9911919328553073277375E1,
-                   6.0949667980987787057556E1, 5.7112963590585538103336E1,
-                   2.0039553499201281259648E1])
-_LOG1P_DEN = _F32([1., 1.5062909083469192043167E1, 8.3047565967967209469434E1,
-                   2.2176239823732856465394E2, 3.0909872225312059774938E2,
-                   2.1642788614495947685003E2, 6.0118660497603843919306E1])
+def _exp_ir():
+  b = _Ssa("xla_expf", 1)
+  x0 = b.args[0]
+  x = b.select(b(f"fcmp uge float {x0}, {_c(-87.8)}"), x0, _c(-87.8))  # NaN stays NaN
+  x = b.select(b(f"fcmp ule float {x}, {_c(88.8)}"), x, _c(88.8))
+  n = b(f"call float @llvm.floor.f32(float {b.fma(x, _c(_bits_f32(0x3FB8AA3B)), _c(0.5))})")
+  n = b.select(b(f"fcmp uge float {n}, {_c(-127)}"), n, _c(-127))
+  n = b.select(b(f"fcmp ule float {n}, {_c(127)}"), n, _c(127))
+  minus_n = b(f"fneg float {n}")
+  r = b.fma(minus_n, _c(_EXP_C2), b.fma(minus_n, _c(_EXP_C1), x))
+  z = b.fma(r, _c(_EXP_P[0]), _c(_EXP_P[1]))
+  for c in _EXP_P[2:] + [_F32(0.5)]:
+    z = b.fma(z, r, _c(c))
+  z = b(f"fadd float {b.fma(z, b(f'fmul float {r}, {r}'), r)}, {_c(1)}")
+  # 2^n from its exponent bits (n = -127: +0.0, XLA's flush); NaN: n = 0.
+  n = b.select(b(f"fcmp uno float {n}, 0.0"), "0.0", n)
+  n_int = b(f"fptosi float {n} to i32")
+  bits = b(f"shl i32 {b(f'add i32 {n_int}, 127')}, 23")
+  return b.define(b(f"fmul float {z}, {b(f'bitcast i32 {bits} to float')}"))
+
+
+exp_f32 = _exp_ir()
+exp_f32.__doc__ = """XLA's float32 exp, compiled (libm.define): Cephes' polynomial after
+n = floor(x log2(e) + 1/2), every multiply-add an FMA, as XLA's IR has it."""
 
 
 def log1p_f32(x):
@@ -134,27 +161,37 @@ _LOG_P = [_bits_f32(b) for b in (0x3D9021BB, 0xBDEBD1B8, 0x3DEF251A, 0xBDFE5D4F,
                                  0xBE2AAE50, 0x3E4CCEAC, 0xBE7FFFFC, 0x3EAAAAAA)]
 
 
-def log_f32(x0):
-  x0 = np.asarray(x0, _F32)
-  with np.errstate(all="ignore"):
-    x = np.where(x0 > _F32(1.17549435e-38), x0, _F32(1.17549435e-38))  # NaN -> tiny
-    bits = x.view(np.int32)
-    m = ((bits & np.int32(-2139095041)) | np.int32(0x3F000000)).view(_F32)  # in [0.5, 1)
-    e = ((bits >> 23) - 127).astype(_F32) + _F32(1)
-    small = m < _bits_f32(0x3F3504F3)  # sqrt(1/2)
-    e = e - np.where(small, _F32(1), _F32(0))
-    x = (m - _F32(1)) + np.where(small, m, _F32(0))
-    x2 = x * x
-    x3 = x2 * x
-    p = _LOG_P
-    y = fma_f32(fma_f32(x, p[0], p[1]), x, p[2])
-    y1 = fma_f32(fma_f32(x, p[3], p[4]), x, p[5])
-    y2 = fma_f32(fma_f32(x, p[6], p[7]), x, p[8])
-    y = fma_f32(fma_f32(fma_f32(y, x3, y1), x3, y2), x3, _EXP_C2 * e)
-    r = fma_f32(_EXP_C1, e, fma_f32(_F32(-0.5), x2, x) + y)
-    r = np.where(x0 > 0, r, _F32(np.nan))
-    r = np.where(x0 == 0, _F32(-np.inf), r)
-    return np.where(x0 == np.inf, _F32(np.inf), r)
+def _log_ir():
+  b = _Ssa("xla_logf", 1)
+  x0 = b.args[0]
+  tiny = _c(1.17549435e-38)
+  x = b.select(b(f"fcmp ogt float {x0}, {tiny}"), x0, tiny)  # NaN -> tiny
+  bits = b(f"bitcast float {x} to i32")
+  mantissa = b(f"and i32 {bits}, -2139095041")
+  m = b(f"bitcast i32 {b(f'or i32 {mantissa}, 1056964608')} to float")  # in [0.5, 1)
+  exponent = b(f"lshr i32 {bits}, 23")
+  e = b(f"sitofp i32 {b(f'sub i32 {exponent}, 127')} to float")
+  e = b(f"fadd float {e}, {_c(1)}")
+  small = b(f"fcmp olt float {m}, {_c(_bits_f32(0x3F3504F3))}")  # sqrt(1/2)
+  e = b(f"fsub float {e}, {b.select(small, _c(1), '0.0')}")
+  x = b(f"fadd float {b(f'fsub float {m}, {_c(1)}')}, {b.select(small, m, '0.0')}")
+  x2 = b(f"fmul float {x}, {x}")
+  x3 = b(f"fmul float {x2}, {x}")
+  p = [_c(v) for v in _LOG_P]
+  y = b.fma(b.fma(x, p[0], p[1]), x, p[2])
+  y1 = b.fma(b.fma(x, p[3], p[4]), x, p[5])
+  y2 = b.fma(b.fma(x, p[6], p[7]), x, p[8])
+  y = b.fma(b.fma(b.fma(y, x3, y1), x3, y2), x3, b(f"fmul float {_c(_EXP_C2)}, {e}"))
+  r = b.fma(_c(_EXP_C1), e, b(f"fadd float {b.fma(_c(-0.5), x2, x)}, {y}"))
+  r = b.select(b(f"fcmp ogt float {x0}, 0.0"), r, "0x7FF8000000000000")
+  r = b.select(b(f"fcmp oeq float {x0}, 0.0"), "0xFFF0000000000000", r)
+  return b.define(b.select(b(f"fcmp oeq float {x0}, 0x7FF0000000000000"),
+                           "0x7FF0000000000000", r))
+
+
+log_f32 = _log_ir()
+log_f32.__doc__ = """XLA's float32 log, compiled (libm.define): Cephes' polynomial as in
+Eigen's plog, FMAs where XLA's IR has them; -inf at ±0, NaN below 0."""
 
 
 def _asin_acos(is_asin):
