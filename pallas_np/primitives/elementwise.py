@@ -5,7 +5,10 @@ operands (lax never mixes dtypes), so those register ``np.*`` directly. The
 rest are the places NumPy and XLA disagree: integer division/remainder
 (truncating, and x/0), shifts wider than the type, rounding, and low
 precision floats (bf16/f16/fp8 are computed in float32 and rounded back, as
-XLA's CPU backend does). Conversions live in ``casts.py``.
+XLA's CPU backend does), signed zeros (sign, round, clamp, nextafter) and
+XLA's rewrite of a division by a constant. Conversions live in ``casts.py``;
+transcendentals in ``xla_math.py``/``libm.py`` (XLA's formulas, the C
+library as XLA calls it) and ``special.py`` (NumPy/SciPy, a few ulp off).
 
 Every rule here is elementwise with NumPy broadcasting, registered with
 ``batch=registry.ELEMENTWISE``: a vectorized grid runs it on lane-stacked
@@ -16,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.special
 
 from jax import lax
 
@@ -309,50 +311,8 @@ def _square(e):
   return unary_float(np.square)(e) if is_low_precision_float(_in_dtype(e)) else np.square
 
 
-def _reg_unary(prim, fn):
-  registry.register(prim, batch=registry.ELEMENTWISE)(unary_float(fn))
-
-
-# (exp, exp2, cosh, sin, cos, tan, asin, acos, atan, atan2, cbrt, pow: in
-# xla_math.py, XLA's formulas and C library calls)
-def in_float64(fn):
-  """``fn`` (a NumPy ufunc whose float32 loop takes a CPU-dependent SIMD
-  path) computed in float64 and rounded once to float32: the float32 result
-  is the correctly rounded value unless the exact value lies within
-  float64's error (an ulp of float64, ~2^-29 of a float32 ulp) of a float32
-  rounding midpoint, so the bits no longer depend on the CPU in practice.
-  These are XLA's own expansions, which this does not reproduce: their
-  measured distance to XLA is in pallas_np.conformance."""
-  def f(x):
-    dt = np.asarray(x).dtype
-    if dt != np.float32:
-      return fn(x)
-    return fn(np.asarray(x, np.float64)).astype(np.float32)
-  return f
-
-
-for _p, _f in [(lax.expm1_p, in_float64(np.expm1)), (lax.tanh_p, in_float64(np.tanh)),
-               (lax.sinh_p, in_float64(np.sinh)), (lax.asinh_p, in_float64(np.arcsinh)),
-               (lax.acosh_p, in_float64(np.arccosh)), (lax.atanh_p, in_float64(np.arctanh)),
-               (lax.sqrt_p, np.sqrt),
-               (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
-               (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
-               (lax.lgamma_p, scipy.special.gammaln),
-               (lax.bessel_i0e_p, scipy.special.i0e),
-               (lax.bessel_i1e_p, scipy.special.i1e)]:
-  _reg_unary(_p, _f)
-
-_DIGAMMA_AT_ZERO = jc.digamma_at_zero()
-
-
-def _digamma(x):
-  # XLA: NaN at the poles (non-positive integers); at ±0 what the installed
-  # XLA gives (see _compat.digamma_at_zero).
-  pole = (x <= 0) & (x == np.floor(x))
-  return np.where(pole, np.where(x == 0, _DIGAMMA_AT_ZERO, np.nan), scipy.special.psi(x))
-
-
-_reg_unary(lax.digamma_p, _digamma)
+# (the transcendentals NumPy/SciPy compute: special.py; XLA's formulas and
+# the C library: xla_math.py, libm.py)
 
 
 # -- primitives of newer JAX versions (registered where they exist) -----------
@@ -374,9 +334,6 @@ if _one_minus_square_p is not None:
       with np.errstate(over="ignore"):
         return (one + x) * (one - x)
     return one_minus_square
-
-_reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
-_reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
 
 
 @registry.register(lax.round_p, batch=registry.ELEMENTWISE)
@@ -602,30 +559,6 @@ def _complex(e):
 def _conj(e):
   out = _out_dtype(e)
   return lambda x, **_: np.conj(x).astype(out)[()]
-
-
-# -- more special functions (scipy.special; XLA agrees within a few ulp) -----
-for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
-                  ("zeta_p", scipy.special.zeta)]:
-  if hasattr(lax, _name):
-    registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(binary_float(_f))
-
-
-if hasattr(lax, "polygamma_p"):
-  registry.register(lax.polygamma_p, batch=registry.ELEMENTWISE)(
-      binary_float(scipy.special.polygamma))
-
-
-if hasattr(lax, "regularized_incomplete_beta_p"):
-  @registry.register(lax.regularized_incomplete_beta_p, batch=registry.ELEMENTWISE)
-  def _betainc(e):
-    dt = _in_dtype(e)
-    work = np.float32 if is_low_precision_float(dt) else dt
-
-    def betainc(a, b, x):
-      a, b, x = (np.asarray(v, work) for v in (a, b, x))
-      return np.asarray(scipy.special.betainc(a, b, x), dt)[()]
-    return betainc
 
 
 # -- mulhi: the upper N bits of the 2N-bit product ------------------------------

@@ -125,6 +125,24 @@ exp_f32.__doc__ = """XLA's float32 exp, compiled (libm.define): Cephes' polynomi
 n = floor(x log2(e) + 1/2), every multiply-add an FMA, as XLA's IR has it."""
 
 
+def _horner(x, coeffs):
+  p = np.full(np.shape(x), coeffs[0], _F32)
+  for c in coeffs[1:]:
+    p = _fma(p, x, c)
+  return p
+
+
+# XLA ElementalIrEmitter::EmitLog1p: the Cephes rational approximation for
+# |x| < sqrt(2) - 1; above, XLA's own log(1 + x) (bit-exact both).
+_LOG1P_NUM = _F32([4.5270000862445199635215E-5, 4.9854102823193375972212E-1,
+                   6.5787325942061044846969E0, 2.9911919328553073277375E1,
+                   6.0949667980987787057556E1, 5.7112963590585538103336E1,
+                   2.0039553499201281259648E1])
+_LOG1P_DEN = _F32([1., 1.5062909083469192043167E1, 8.3047565967967209469434E1,
+                   2.2176239823732856465394E2, 3.0909872225312059774938E2,
+                   2.1642788614495947685003E2, 6.0118660497603843919306E1])
+
+
 def log1p_f32(x):
   x = np.asarray(x, _F32)
   x2 = x * x
