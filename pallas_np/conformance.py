@@ -54,7 +54,8 @@ DOMAINS = {
 _FORMULA, _LIBM, _IEEE = "XLA's formula", "C library call, as XLA", "IEEE correctly rounded"
 BIT_EXACT: dict[str, str] = {
     "exp": _FORMULA, "exp2": _FORMULA, "log": _FORMULA, "log2": _FORMULA, "log1p": _FORMULA,
-    "erf_inv": _FORMULA, "cosh": _FORMULA, "asin": _FORMULA, "acos": _FORMULA,
+    "erf_inv": _FORMULA, "cosh": _FORMULA, "tanh": _FORMULA, "logistic": _FORMULA,
+    "asin": _FORMULA, "acos": _FORMULA,
     "sin": _LIBM, "cos": _LIBM, "tan": _LIBM, "atan": _LIBM, "cbrt": _LIBM, "atan2": _LIBM,
     "pow": _LIBM, "sqrt": _IEEE, "div": _IEEE, "rem": _IEEE,
 }
@@ -73,8 +74,6 @@ def _register(table: str):
 # primitive   float32  bfloat16  float16
 _register("""
 expm1                5         0         2
-tanh                 5         0         0
-logistic             4         2       255
 erf                  5         0         1
 erfc                66         0         0
 lgamma          525186     13568        12

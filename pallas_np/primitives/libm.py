@@ -16,7 +16,7 @@ CPU, and free of NumPy's dispatch. A denormal operand is read as it is (XLA
 runs with denormals flushed: docs/limits.md).
 
 The same machinery compiles the formulas XLA emits itself (``exp``, ``log``:
-``xla_math.py`` writes them with ``define``) with their FMAs as
+``xla_math.py`` writes them with ``define``: exp, log, tanh) with their FMAs as
 ``llvm.fma.f32``, whose result is the exactly rounded FMA on every CPU: one
 vectorised pass, faster than NumPy's own float32 exp/log.
 
@@ -37,7 +37,9 @@ FUNCTIONS = {"sinf": 1, "cosf": 1, "tanf": 1, "atanf": 1, "cbrtf": 1, "atan2f": 
 # name -> (number of float operands, the IR of ``float @name(float ...)``).
 DEFINED: dict = {}
 _INTRINSICS = """declare float @llvm.fma.f32(float, float, float)
-declare float @llvm.floor.f32(float)"""
+declare float @llvm.floor.f32(float)
+declare float @llvm.fabs.f32(float)
+declare float @llvm.copysign.f32(float, float)"""
 
 
 def define(name: str, nargs: int, ir: str):

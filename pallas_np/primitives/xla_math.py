@@ -212,6 +212,37 @@ log_f32.__doc__ = """XLA's float32 log, compiled (libm.define): Cephes' polynomi
 Eigen's plog, FMAs where XLA's IR has them; -inf at ±0, NaN below 0."""
 
 
+_TANH_NUM = [_bits_f32(b) for b in (0xA59F25C0, 0x2A61337E, 0xAEBD37FF, 0x335C0041, 0x3779434A,
+                                     0x3A270DED, 0x3BA059DC)]
+_TANH_DEN = [_bits_f32(b) for b in (0x35A0D3D8, 0x38F895D6, 0x3B14AA05, 0x3BA059DD)]
+
+
+def _tanh_ir():
+  b = _Ssa("xla_tanhf", 1)
+  x0 = b.args[0]
+  ax = b(f"call float @llvm.fabs.f32(float {x0})")
+  lim = _bits_f32(0x40FFF644)
+  x = b.select(b(f"fcmp olt float {x0}, {_c(-lim)}"), _c(-lim), x0)  # NaN stays NaN
+  x = b.select(b(f"fcmp ogt float {x}, {_c(lim)}"), _c(lim), x)
+  x2 = b(f"fmul float {x}, {x}")
+  num = b.fma(x2, _c(_TANH_NUM[0]), _c(_TANH_NUM[1]))
+  for c in _TANH_NUM[2:]:
+    num = b.fma(x2, num, _c(c))
+  den = b.fma(x2, _c(_TANH_DEN[0]), _c(_TANH_DEN[1]))
+  for c in _TANH_DEN[2:]:
+    den = b.fma(x2, den, _c(c))
+  r = b(f"fdiv float {b(f'fmul float {x}, {num}')}, {den}")
+  r = b.select(b(f"fcmp olt float {ax}, {_c(0.0004)}"), x0, r)
+  one = b(f"call float @llvm.copysign.f32(float {_c(1)}, float {x0})")
+  return b.define(b.select(b(f"fcmp oge float {ax}, {_c(20)}"), one, r))
+
+
+tanh_f32 = _tanh_ir()
+tanh_f32.__doc__ = """XLA's float32 tanh, compiled (libm.define): x itself below 4e-4,
+±1 from 20 on, else its rational approximation on x clamped to ±7.9988,
+every multiply-add an FMA."""
+
+
 def _asin_acos(is_asin):
   """XLA's asin/acos, expanded before its float normalisation, so in
   bf16/f16 every step is rounded to the dtype (``dt``):
@@ -233,6 +264,16 @@ def _asin_acos(is_asin):
 asin_f32, acos_f32 = _asin_acos(True), _asin_acos(False)
 
 
+def logistic_f32(x, dt=_F32):
+  """XLA's logistic: 1 / (1 + exp(-x)), with XLA's exp; in bf16/f16 (an
+  expansion before the float normalisation) each step rounded to ``dt``."""
+  r = (lambda v: v) if dt == _F32 else (lambda v: np.asarray(v, dt).astype(_F32))
+  x = np.asarray(x, _F32)
+  one = _F32(1)
+  with np.errstate(over="ignore"):
+    return one / r(one + r(exp_f32(-x)))
+
+
 _MINUS_LN2 = _bits_f32(0xBF317218)
 
 
@@ -251,7 +292,7 @@ def _f32_rule(f32_fn, fallback):
     if dt == np.float32:
       return lambda *xs: f32_fn(*xs)[()]
     if is_low_precision_float(dt):
-      if f32_fn in (asin_f32, acos_f32):
+      if f32_fn in (asin_f32, acos_f32, logistic_f32):
         return lambda x: f32_fn(x, dt).astype(dt)[()]
       return lambda *xs: f32_fn(*[np.asarray(x, _F32) for x in xs]).astype(dt)[()]
     return fallback(e)
@@ -284,6 +325,8 @@ FLOAT32_RULES = {
     lax.log1p_p: (log1p_f32, unary_float(np.log1p)),
     lax.exp_p: (exp_f32, unary_float(np.exp)),
     lax.log_p: (log_f32, unary_float(np.log)),
+    lax.tanh_p: (tanh_f32, unary_float(np.tanh)),
+    lax.logistic_p: (logistic_f32, unary_float(scipy.special.expit)),
     lax.cosh_p: (cosh_f32, unary_float(np.cosh)),
     lax.asin_p: (asin_f32, unary_float(np.arcsin)),
     lax.acos_p: (acos_f32, unary_float(np.arccos)),
