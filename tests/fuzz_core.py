@@ -53,12 +53,12 @@ _UNARY_F = {
     "ceil": (jnp.ceil, "exact"), "round": (jnp.round, "exact"),
     "round_away": (lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), "exact"),
     "sign": (jnp.sign, "exact"), "square": (jnp.square, "ulp"), "sqrt": (jnp.sqrt, "ulp"),
-    "rsqrt": (lax.rsqrt, "transcendental"), "exp": (jnp.exp, "transcendental"),
-    "exp2": (jnp.exp2, "transcendental"),
-    "log": (jnp.log, "transcendental"), "log1p": (jnp.log1p, "transcendental"),
-    "expm1": (jnp.expm1, "transcendental"), "tanh": (jnp.tanh, "transcendental"),
-    "logistic": (jax.nn.sigmoid, "transcendental"), "sin": (jnp.sin, "transcendental"),
-    "cos": (jnp.cos, "transcendental"), "atan": (jnp.arctan, "transcendental"),
+    "rsqrt": (lax.rsqrt, "transcendental"), "exp": (jnp.exp, "exact"),
+    "exp2": (jnp.exp2, "exact"),
+    "log": (jnp.log, "exact"), "log1p": (jnp.log1p, "exact"),
+    "expm1": (jnp.expm1, "transcendental"), "tanh": (jnp.tanh, "exact"),
+    "logistic": (jax.nn.sigmoid, "exact"), "sin": (jnp.sin, "exact"),
+    "cos": (jnp.cos, "exact"), "atan": (jnp.arctan, "exact"),
     "erf": (lax.erf, "transcendental"), "is_finite": (jnp.isfinite, "exact"),
     "ipow2": (lambda x: lax.integer_pow(x, 2), "ulp"),
     "ipow3": (lambda x: lax.integer_pow(x, 3), "ulp"),
@@ -67,8 +67,8 @@ _UNARY_F = {
 _BINARY_F = {
     "add": (jnp.add, "ulp"), "sub": (jnp.subtract, "ulp"), "mul": (jnp.multiply, "ulp"),
     "div": (jnp.divide, "ulp"), "max": (lax.max, "exact"), "min": (lax.min, "exact"),
-    "rem": (lax.rem, "ulp"), "pow": (lax.pow, "transcendental"),
-    "atan2": (jnp.arctan2, "transcendental"), "nextafter": (jnp.nextafter, "exact"),
+    "rem": (lax.rem, "ulp"), "pow": (lax.pow, "exact"),
+    "atan2": (jnp.arctan2, "exact"), "nextafter": (jnp.nextafter, "exact"),
     "eq": (jnp.equal, "exact"), "lt": (jnp.less, "exact"), "ge": (jnp.greater_equal, "exact"),
     "where": (lambda x, y: jnp.where(x > y, x, y * 2), "ulp"),
     "clamp": (lambda x, y: lax.clamp(jnp.minimum(y, 0).astype(x.dtype), x,
@@ -431,8 +431,11 @@ def compare(g, w, kind, x, zero_sign=True) -> str | None:
     i = np.argwhere(np.isnan(gf) != np.isnan(wf))[0]
     return f"NaN mismatch at {tuple(i)}: {gf[tuple(i)]} vs {wf[tuple(i)]}"
   eps = float(ml_dtypes.finfo(g.dtype).eps)
-  ulps = {"exact": 0, "ulp": 1, "transcendental": 2, "sum": 4}[kind]
-  scale = np.abs(wf)
+  # "ulp": IEEE arithmetic, bit-exact since XLA rounds each op as NumPy does
+  # (kept apart from "exact" ops by name only).
+  ulps = {"exact": 0, "ulp": 0, "transcendental": 2, "sum": 4}[kind]
+  # (at least the dtype's smallest normal: a denormal result's ulp is fixed)
+  scale = np.maximum(np.abs(wf), float(ml_dtypes.finfo(g.dtype).tiny))
   if kind == "transcendental" and g.dtype == np.float32:
     ulps = 64
   if kind == "sum":

@@ -111,3 +111,15 @@ def test_fuzz_program_of_zero_sign_ops(dtype):
   import numpy as np
   assert (np.signbit(x) & (x == 0)).any() and (np.signbit(y) & (y == 0)).any()
   _check((dtype, shape, ops, seed))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("seed", [5, 6])
+def test_fuzz_program_of_every_float_op(dtype, seed):
+  """Every unary and binary float op of the catalogue once, on special
+  values and denormals: "exact" ones (the transcendentals XLA computes with
+  its own formulas or the C library, IEEE arithmetic) bit for bit."""
+  ops = [Op(n, lambda x, y, i, f=f: f(x[...]), k, True) for n, (f, k) in sorted(_UNARY_F.items())]
+  ops += [Op(n, lambda x, y, i, f=f: f(x[...], y[...]), k, True)
+          for n, (f, k) in sorted(_BINARY_F.items())]
+  _check((dtype, (8, 32), ops, seed))

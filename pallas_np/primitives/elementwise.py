@@ -285,6 +285,11 @@ def _integer_pow(e):
   dt = _in_dtype(e)
   low = is_low_precision_float(dt)
 
+  def mul(a, b):
+    # bf16/f16: each product of the chain rounded to the dtype (XLA
+    # normalises every multiply of the lowered chain on its own).
+    return np.asarray(a * b, dt).astype(np.float32) if low else a * b
+
   def ipow(x):
     # Same multiplication chain as JAX's lowering (repeated squaring).
     if low:
@@ -296,10 +301,10 @@ def _integer_pow(e):
     base = x
     while n > 0:
       if n & 1:
-        acc = base if acc is None else acc * base
+        acc = base if acc is None else mul(acc, base)
       n >>= 1
       if n > 0:
-        base = base * base
+        base = mul(base, base)
     if y < 0:
       acc = np.asarray(1, acc.dtype) / acc
     return _cast(acc, dt)
