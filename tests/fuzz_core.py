@@ -50,7 +50,7 @@ def _is_float(dt):
 # -- op catalogue ------------------------------------------------------------
 # "exact": bit-exact with XLA of every version CI tests (pallas_np.conformance:
 # exp, exp2, logistic and atan follow JAX 0.10's XLA, a few ulp from newer).
-_UNARY_F = {
+UNARY_F = {
     "neg": (jnp.negative, "exact"), "abs": (jnp.abs, "exact"), "floor": (jnp.floor, "exact"),
     "ceil": (jnp.ceil, "exact"), "round": (jnp.round, "exact"),
     "round_away": (lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), "exact"),
@@ -66,7 +66,7 @@ _UNARY_F = {
     "ipow3": (lambda x: lax.integer_pow(x, 3), "ulp"),
     "recip": (lambda x: 1 / x, "ulp"), "relu": (jax.nn.relu, "exact"),
 }
-_BINARY_F = {
+BINARY_F = {
     "add": (jnp.add, "ulp"), "sub": (jnp.subtract, "ulp"), "mul": (jnp.multiply, "ulp"),
     "div": (jnp.divide, "ulp"), "max": (lax.max, "exact"), "min": (lax.min, "exact"),
     "rem": (lax.rem, "ulp"), "pow": (lax.pow, "exact"),
@@ -121,10 +121,10 @@ def _draw_op(draw, fam, dtype, shape, ndim) -> Op:
   isf = _is_float(dtype)
   axis = draw(st.integers(0, ndim - 1))
   if fam == "unary":
-    name, f, kind = _draw_fn(draw, isf, _UNARY_F, _UNARY_I)
+    name, f, kind = _draw_fn(draw, isf, UNARY_F, _UNARY_I)
     return Op(name, lambda x, y, i, f=f: f(x[...]), kind, True)
   if fam == "binary":
-    name, f, kind = _draw_fn(draw, isf, _BINARY_F, _BINARY_I)
+    name, f, kind = _draw_fn(draw, isf, BINARY_F, _BINARY_I)
     swap = draw(st.booleans())
     if swap:
       return Op(name + "_swapped", lambda x, y, i, f=f: f(y[...], x[...]), kind, True)

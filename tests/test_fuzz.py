@@ -78,7 +78,7 @@ def test_fuzz_masked_views_crossing_the_edge(case):
 
 
 # -- the comparison itself (float-faithful: signed zeros) ------------------------
-from tests.fuzz_core import (_BINARY_F, _UNARY_F, FLOATS, Op, compare,  # noqa: E402
+from tests.fuzz_core import (BINARY_F, UNARY_F, FLOATS, Op, compare,  # noqa: E402
                              make_inputs)
 
 
@@ -101,9 +101,9 @@ def test_fuzz_program_of_zero_sign_ops(dtype):
   round away from zero, clamp, nextafter): fails with any of those fixes
   reverted."""
   names = ["sign", "round_away", "round", "floor", "ceil", "abs", "neg", "relu"]
-  ops = [Op(n, lambda x, y, i, f=_UNARY_F[n][0]: f(x[...]), "exact", True) for n in names]
+  ops = [Op(n, lambda x, y, i, f=UNARY_F[n][0]: f(x[...]), "exact", True) for n in names]
   for n in ["clamp", "nextafter", "max", "min", "mul", "add"]:
-    f, kind = _BINARY_F[n]
+    f, kind = BINARY_F[n]
     ops.append(Op(n, lambda x, y, i, f=f: f(x[...], y[...]), kind, True))
   ops.append(Op("floor_divide", lambda x, y, i: jnp.floor_divide(x[...], y[...]), "exact", True))
   shape, seed = (4, 64), 3
@@ -119,7 +119,7 @@ def test_fuzz_program_of_every_float_op(dtype, seed):
   """Every unary and binary float op of the catalogue once, on special
   values and denormals: "exact" ones (the transcendentals XLA computes with
   its own formulas or the C library, IEEE arithmetic) bit for bit."""
-  ops = [Op(n, lambda x, y, i, f=f: f(x[...]), k, True) for n, (f, k) in sorted(_UNARY_F.items())]
+  ops = [Op(n, lambda x, y, i, f=f: f(x[...]), k, True) for n, (f, k) in sorted(UNARY_F.items())]
   ops += [Op(n, lambda x, y, i, f=f: f(x[...], y[...]), k, True)
-          for n, (f, k) in sorted(_BINARY_F.items())]
+          for n, (f, k) in sorted(BINARY_F.items())]
   _check((dtype, (8, 32), ops, seed))
