@@ -4,8 +4,10 @@ int64, so every result wraps exactly where XLA's does), mirroring the NumPy
 rules in ``pallas_np/primitives/elementwise.py`` and ``casts.py`` bit for
 bit: XLA's truncating integer division and remainder (x/0 = -1 or all
 ones, x%0 = x, INT_MIN/-1 = INT_MIN), over-wide and negative shifts, NaN
-propagation and -0.0 < +0.0 in max/min, float->int saturation (NaN -> 0),
-float32->bool reading denormals as zero.
+propagation and -0.0 < +0.0 in max/min, XLA's sign (either zero kept), a
+float32/float16 division by a constant as XLA's multiplication by its
+reciprocal, float->int saturation (NaN -> 0), float32->bool reading
+denormals as zero.
 
 Not here (refused, the loop stays on NumPy): transcendentals (their libm is
 not NumPy's), low-precision floats, float ``clamp``, ``round``.
