@@ -113,3 +113,36 @@ def test_division_by_a_constant_is_xlas(divisor, dtype):
                                      interpret=interpret)(x))
   d = conformance.ulp_diff(call("numpy"), call(True))
   assert d.max() == 0, (int((d > 0).sum()), x[np.argmax(d)])
+
+
+def test_native_loop_division_by_a_constant():
+  """The native tier's compiled loop divides by a constant as XLA does
+  (x * (1/c)), bit for bit with the NumPy path and interpret=True; its sign
+  keeps either zero."""
+  import jax.numpy as jnp
+  from jax import lax
+
+  import pallas_np
+  from pallas_np import native
+
+  def kernel(x_ref, o_ref):
+    def body(i, x):
+      o_ref[0] = x / 3.0
+      o_ref[1] = jnp.sign(x)
+      o_ref[2] = x / np.float32(0.1)
+      return x * 1.5
+    lax.fori_loop(0, 2, body, x_ref[...])
+
+  x = np.random.default_rng(1).uniform(-100, 100, (8, 128)).astype(F32)
+  x[0, :4] = [0.0, -0.0, np.inf, np.nan]
+
+  def call(interpret):
+    return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3, 8, 128), F32),
+                                     interpret=interpret)(x))
+  before = native.stats()["native_calls"]
+  got = call(pallas_np.InterpretParams(native_loops="sync"))
+  assert native.stats()["native_calls"] > before, "the compiled loop did not run"
+  for other in (call(pallas_np.InterpretParams(native_loops="off")), call(True)):
+    d = conformance.ulp_diff(got, other)
+    assert d.max() == 0, int((d > 0).sum())
+  assert np.signbit(got[1, 0, 1]) and got[1, 0, 1] == 0
