@@ -286,6 +286,7 @@ def test_revisit_after_leaving_block_warns():
 
 # -- pictures -------------------------------------------------------------------
 def test_png_and_svg(tmp_path):
+  pytest.importorskip("matplotlib")  # the viz extra
   ex = pallas_np.explain(quickstart_matmul, arange(8, 4), arange(4, 8))
   png = tmp_path / "k.png"
   svg = tmp_path / "k.svg"
@@ -302,6 +303,7 @@ def test_png_and_svg(tmp_path):
 
 
 def test_pictures_of_every_kind(tmp_path):
+  pytest.importorskip("matplotlib")  # the viz extra
   cases = [(ragged, (arange(10, 7),)), (causal, (arange(6, 4), arange(6, 4))),
            (manual_dma, (arange(8, 4),)), (wrong_out_map, (arange(4, 4),)),
            (acc_matmul, (arange(8, 6), arange(6, 8)))]
@@ -311,7 +313,7 @@ def test_pictures_of_every_kind(tmp_path):
 
 
 def test_figure_does_not_touch_pyplot_state():
-  import matplotlib
+  matplotlib = pytest.importorskip("matplotlib")  # the viz extra
   backend = matplotlib.get_backend()
   ex = pallas_np.explain(ragged, arange(10, 7))
   fig = ex[0].figure()
@@ -336,6 +338,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
 
 # -- python -m pallas_np --explain ----------------------------------------------
 def test_cli_explain_writes_pngs(tmp_path, capsys):
+  pytest.importorskip("matplotlib")  # the viz extra
   script = tmp_path / "prog.py"
   script.write_text(textwrap.dedent("""
       import jax, jax.numpy as jnp

@@ -6,6 +6,8 @@ CI runs a deterministic slice (derandomized, fixed examples). The long run
 """
 import os
 
+import jax.numpy as jnp
+
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
@@ -73,3 +75,51 @@ def test_fuzz_aliases_with_scalar_prefetch(case):
 def test_fuzz_masked_views_crossing_the_edge(case):
   err = run_masked_view_case(*case)
   assert err is None, f"{case}: {err}"
+
+
+# -- the comparison itself (float-faithful: signed zeros) ------------------------
+from tests.fuzz_core import (BINARY_F, UNARY_F, FLOATS, Op, compare,  # noqa: E402
+                             make_inputs)
+
+
+@pytest.mark.parametrize("kind", ["exact", "ulp", "transcendental", "sum"])
+def test_compare_sees_the_sign_of_zero(kind):
+  """-0.0 against +0.0 is a mismatch in every kind; a flushed float32
+  denormal counts as a zero of its own sign. (Before, the denormal flush
+  turned every -0.0 into +0.0 ahead of the sign check.)"""
+  import numpy as np
+  x = np.float32([1.0, 2.0])
+  assert compare(np.float32([-0.0, 1.0]), np.float32([0.0, 1.0]), kind, x)
+  assert compare(np.float32([-1e-40, 1.0]), np.float32([0.0, 1.0]), kind, x)
+  assert compare(np.float32([-1e-40, 1.0]), np.float32([-0.0, 1.0]), kind, x) is None
+  assert compare(np.float32([np.nan, 1.0]), np.float32([-np.nan, 1.0]), kind, x) is None
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_fuzz_program_of_zero_sign_ops(dtype):
+  """One fuzz program of the ops whose zero signs NumPy gets wrong (sign,
+  round away from zero, clamp, nextafter): fails with any of those fixes
+  reverted."""
+  names = ["sign", "round_away", "round", "floor", "ceil", "abs", "neg", "relu"]
+  ops = [Op(n, lambda x, y, i, f=UNARY_F[n][0]: f(x[...]), "exact", True) for n in names]
+  for n in ["clamp", "nextafter", "max", "min", "mul", "add"]:
+    f, kind = BINARY_F[n]
+    ops.append(Op(n, lambda x, y, i, f=f: f(x[...], y[...]), kind, True))
+  ops.append(Op("floor_divide", lambda x, y, i: jnp.floor_divide(x[...], y[...]), "exact", True))
+  shape, seed = (4, 64), 3
+  x, y, _ = make_inputs(seed, dtype, shape)
+  import numpy as np
+  assert (np.signbit(x) & (x == 0)).any() and (np.signbit(y) & (y == 0)).any()
+  _check((dtype, shape, ops, seed))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("seed", [5, 6])
+def test_fuzz_program_of_every_float_op(dtype, seed):
+  """Every unary and binary float op of the catalogue once, on special
+  values and denormals: "exact" ones (the transcendentals XLA computes with
+  its own formulas or the C library, IEEE arithmetic) bit for bit."""
+  ops = [Op(n, lambda x, y, i, f=f: f(x[...]), k, True) for n, (f, k) in sorted(UNARY_F.items())]
+  ops += [Op(n, lambda x, y, i, f=f: f(x[...], y[...]), k, True)
+          for n, (f, k) in sorted(BINARY_F.items())]
+  _check((dtype, (8, 32), ops, seed))

@@ -4,8 +4,10 @@ int64, so every result wraps exactly where XLA's does), mirroring the NumPy
 rules in ``pallas_np/primitives/elementwise.py`` and ``casts.py`` bit for
 bit: XLA's truncating integer division and remainder (x/0 = -1 or all
 ones, x%0 = x, INT_MIN/-1 = INT_MIN), over-wide and negative shifts, NaN
-propagation and -0.0 < +0.0 in max/min, float->int saturation (NaN -> 0),
-float32->bool reading denormals as zero.
+propagation and -0.0 < +0.0 in max/min, XLA's sign (either zero kept), a
+float32/float16 division by a constant as XLA's multiplication by its
+reciprocal, float->int saturation (NaN -> 0), float32->bool reading
+denormals as zero.
 
 Not here (refused, the loop stays on NumPy): transcendentals (their libm is
 not NumPy's), low-precision floats, float ``clamp``, ``round``.
@@ -16,6 +18,7 @@ import numpy as np
 
 from pallas_np.native import shapes
 from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+from pallas_np.primitives.elementwise import RECIPROCAL_DTYPES, float_reciprocal
 
 # name -> make(in dtypes, out dtype, params) -> expr(*operand exprs)
 SCALAR: dict = {}
@@ -129,8 +132,8 @@ def _sign(dts, out, params):
     return lambda a: c(f"1 if {a} != 0 else 0")
   if out.kind == "i":
     return lambda a: c(f"1 if {a} > 0 else (-1 if {a} < 0 else 0)")
-  if out.kind == "f":  # NaN is kept; either zero gives +0.0 (np.sign)
-    return lambda a: c(f"{a} if {a} != {a} else (1.0 if {a} > 0 else (-1.0 if {a} < 0 else 0.0))")
+  if out.kind == "f":  # NaN and either zero are kept (XLA's sign)
+    return lambda a: c(f"{a} if ({a} != {a} or {a} == 0) else (1.0 if {a} > 0 else -1.0)")
   raise Refused("sign")
 
 
@@ -290,6 +293,11 @@ def _elementwise(gen, eqn, ins):
   params = eqn.params
   if name == "convert_element_type" and np.dtype(params["new_dtype"]) != out_dt:
     raise Refused("convert_element_type")
+  if name == "div" and out_dt in RECIPROCAL_DTYPES and ins[1].glob and not ins[0].glob:
+    # x / constant is x * (1 / constant) in XLA (primitives/elementwise.py)
+    recip = float_reciprocal(np.reshape(gen.globals[ins[1].name], ins[1].shape), out_dt)
+    ins = [ins[0], gen.constant(recip, out_dt)]
+    make = SCALAR["mul"]
   expr = make([v.dtype for v in ins], out_dt, params)
   if any(v.kind == "r" for v in ins):
     raise Refused(f"{name} of a ref")

@@ -5,7 +5,10 @@ operands (lax never mixes dtypes), so those register ``np.*`` directly. The
 rest are the places NumPy and XLA disagree: integer division/remainder
 (truncating, and x/0), shifts wider than the type, rounding, and low
 precision floats (bf16/f16/fp8 are computed in float32 and rounded back, as
-XLA's CPU backend does). Conversions live in ``casts.py``.
+XLA's CPU backend does), signed zeros (sign, round, clamp, nextafter) and
+XLA's rewrite of a division by a constant. Conversions live in ``casts.py``;
+transcendentals in ``xla_math.py``/``libm.py`` (XLA's formulas, the C
+library as XLA calls it) and ``special.py`` (NumPy/SciPy, a few ulp off).
 
 Every rule here is elementwise with NumPy broadcasting, registered with
 ``batch=registry.ELEMENTWISE``: a vectorized grid runs it on lane-stacked
@@ -16,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.special
 
 from jax import lax
 
@@ -52,7 +54,8 @@ def unary_float(fn):
   return compile_rule
 
 
-def _binary_float(fn):
+def binary_float(fn):
+  """``unary_float`` for binary rules."""
   def compile_rule(e):
     dt = _in_dtype(e)
     if is_low_precision_float(dt):
@@ -95,8 +98,17 @@ for _p, _f in [(lax.add_p, np.add), (lax.sub_p, np.subtract), (lax.mul_p, np.mul
                (lax.eq_p, np.equal), (lax.ne_p, np.not_equal), (lax.lt_p, np.less),
                (lax.le_p, np.less_equal), (lax.gt_p, np.greater),
                (lax.ge_p, np.greater_equal), (lax.neg_p, np.negative),
-               (lax.is_finite_p, np.isfinite), (lax.nextafter_p, np.nextafter)]:
+               (lax.is_finite_p, np.isfinite)]:
   reg(_p, _f)
+
+
+@registry.register(lax.nextafter_p, batch=registry.ELEMENTWISE)
+def _nextafter(e):
+  # C's nextafter (XLA's) returns y when x == y, so nextafter(-0.0, +0.0) is
+  # +0.0; NumPy's float16 loop returns x there (float32/bf16 return y).
+  if _in_dtype(e) != np.float16:
+    return np.nextafter
+  return lambda x, y: np.where(x == y, y, np.nextafter(x, y))[()]
 
 
 def _minmax(ufunc, is_max):
@@ -172,9 +184,15 @@ def _sign(e):
   dt = _in_dtype(e)
   if dt.kind == "u":
     return lambda x: (x != 0).astype(dt)
-  if is_low_precision_float(dt):
-    return unary_float(np.sign)(e)
-  return np.sign
+  if dt.kind == "i":
+    return np.sign
+  # XLA: sign(±0.0) is the zero itself, NaN stays NaN; np.sign gives +0.0
+  # for both zeros. The sign copied back fixes -0.0 and changes nothing else.
+  return unary_float(_float_sign)(e)
+
+
+def _float_sign(x):
+  return np.copysign(np.sign(x), x)
 
 
 @registry.register(lax.div_p, batch=registry.ELEMENTWISE)
@@ -192,7 +210,38 @@ def _div(e):
       y_safe = np.where(zero, one, y)
       return np.where(zero, minus_one, _trunc_div(x, y_safe)).astype(dt, copy=False)[()]
     return registry.const_specialised(int_div, lambda consts: _int_by_const(_trunc_div, consts))
-  return _binary_float(np.true_divide)(e)
+  div = binary_float(np.true_divide)(e)
+  if dt not in RECIPROCAL_DTYPES:
+    return div
+  return registry.const_specialised(div, lambda consts: _float_by_const(consts, dt))
+
+
+# Where XLA's CPU backend divides by a constant as a multiplication by its
+# reciprocal rounded to the dtype (measured: float32 and float16; bf16
+# divisions are indistinguishable from a true division in float32 there).
+RECIPROCAL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def float_reciprocal(c, dt):
+  """``1 / c`` rounded to ``dt`` (XLA's InvertConstant, computed in ``dt``)."""
+  with np.errstate(divide="ignore"):
+    return (np.ones((), dt) / np.asarray(c, dt)).astype(dt)
+
+
+def _float_by_const(consts, dt):
+  """XLA's algebraic simplifier rewrites ``x / c`` for a constant (or
+  broadcast constant) ``c`` and non-constant ``x`` as ``x * (1 / c)``, the
+  reciprocal rounded to the dtype: up to 1 ulp from a true division on most
+  elements (``x / 3.0``). Constants meet constants in constant folding
+  (a true division), as in XLA."""
+  x, y = consts
+  if y is None or x is not None:
+    return None
+  recip = float_reciprocal(y, dt)
+  if dt == np.float16:
+    f32 = np.float32
+    return lambda x, y: np.multiply(np.asarray(x, f32), np.asarray(recip, f32)).astype(dt)[()]
+  return lambda x, y: np.multiply(x, recip)
 
 
 def _trunc_div(x, y):
@@ -227,18 +276,7 @@ def _rem(e):
       y_safe = np.where(zero, one, y)
       return np.where(zero, x, np.fmod(x, y_safe)).astype(dt, copy=False)[()]
     return registry.const_specialised(int_rem, lambda consts: _int_by_const(np.fmod, consts))
-  return _binary_float(np.fmod)(e)
-
-
-@registry.register(lax.pow_p, batch=registry.ELEMENTWISE)
-def _pow(e):
-  dt = _in_dtype(e)
-  if dt.kind in "iu":
-    return np.power
-  y_dt = np_dtype(e.in_avals[1].dtype)
-  if y_dt.kind in "iu":
-    return _binary_float(lambda x, y: np.power(x, y.astype(x.dtype)))(e)
-  return _binary_float(np.power)(e)
+  return binary_float(np.fmod)(e)
 
 
 @registry.register(lax.integer_pow_p, batch=registry.ELEMENTWISE)
@@ -246,6 +284,11 @@ def _integer_pow(e):
   y = int(e.params["y"])
   dt = _in_dtype(e)
   low = is_low_precision_float(dt)
+
+  def mul(a, b):
+    # bf16/f16: each product of the chain rounded to the dtype (XLA
+    # normalises every multiply of the lowered chain on its own).
+    return np.asarray(a * b, dt).astype(np.float32) if low else a * b
 
   def ipow(x):
     # Same multiplication chain as JAX's lowering (repeated squaring).
@@ -258,10 +301,10 @@ def _integer_pow(e):
     base = x
     while n > 0:
       if n & 1:
-        acc = base if acc is None else acc * base
+        acc = base if acc is None else mul(acc, base)
       n >>= 1
       if n > 0:
-        base = base * base
+        base = mul(base, base)
     if y < 0:
       acc = np.asarray(1, acc.dtype) / acc
     return _cast(acc, dt)
@@ -273,50 +316,12 @@ def _square(e):
   return unary_float(np.square)(e) if is_low_precision_float(_in_dtype(e)) else np.square
 
 
-def _reg_unary(prim, fn):
-  registry.register(prim, batch=registry.ELEMENTWISE)(unary_float(fn))
-
-
-for _p, _f in [(lax.exp_p, np.exp), (lax.exp2_p, np.exp2), (lax.log_p, np.log),
-               (lax.expm1_p, np.expm1), (lax.tanh_p, np.tanh),
-               (lax.sin_p, np.sin), (lax.cos_p, np.cos), (lax.tan_p, np.tan),
-               (lax.asin_p, np.arcsin), (lax.acos_p, np.arccos), (lax.atan_p, np.arctan),
-               (lax.sinh_p, np.sinh), (lax.cosh_p, np.cosh), (lax.asinh_p, np.arcsinh),
-               (lax.acosh_p, np.arccosh), (lax.atanh_p, np.arctanh),
-               (lax.sqrt_p, np.sqrt), (lax.cbrt_p, np.cbrt),
-               (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
-               (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
-               (lax.lgamma_p, scipy.special.gammaln),
-               (lax.bessel_i0e_p, scipy.special.i0e),
-               (lax.bessel_i1e_p, scipy.special.i1e)]:
-  _reg_unary(_p, _f)
-
-_DIGAMMA_AT_ZERO = jc.digamma_at_zero()
-
-
-def _digamma(x):
-  # XLA: NaN at the poles (non-positive integers); at ±0 what the installed
-  # XLA gives (see _compat.digamma_at_zero).
-  pole = (x <= 0) & (x == np.floor(x))
-  return np.where(pole, np.where(x == 0, _DIGAMMA_AT_ZERO, np.nan), scipy.special.psi(x))
-
-
-_reg_unary(lax.digamma_p, _digamma)
+# (the transcendentals NumPy/SciPy compute: special.py; XLA's formulas and
+# the C library: xla_math.py, libm.py)
 
 
 # -- primitives of newer JAX versions (registered where they exist) -----------
-_LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
-if hasattr(lax, "log2_p"):
-  @registry.register(lax.log2_p, batch=registry.ELEMENTWISE)
-  def _log2(e):
-    log = unary_float(np.log)(e)
-    dt = _in_dtype(e)
-    scale = np.asarray(_LOG2_E, dt)
-    if is_low_precision_float(dt):
-      f32 = np.float32
-      return lambda x: _cast(np.multiply(np.asarray(log(x), f32), np.asarray(scale, f32)), dt)
-    return lambda x: np.multiply(log(x), scale)
-
+# (log2: xla_math.py)
 _one_minus_square_p = getattr(jc.lax_internal, "one_minus_square_p", None)
 if _one_minus_square_p is not None:
   @registry.register(_one_minus_square_p, batch=registry.ELEMENTWISE)
@@ -335,19 +340,6 @@ if _one_minus_square_p is not None:
         return (one + x) * (one - x)
     return one_minus_square
 
-@registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
-def _exp2(e):
-  # XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's dtype.
-  dt = _in_dtype(e)
-  ln2 = np.asarray(np.log(2.0), dt)
-  exp = unary_float(np.exp)(e)
-  return lambda x: exp(np.multiply(x, ln2, dtype=dt))
-
-
-_reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
-_reg_unary(lax.logistic_p, lambda x: scipy.special.expit(x))
-registry.register(lax.atan2_p, batch=registry.ELEMENTWISE)(_binary_float(np.arctan2))
-
 
 @registry.register(lax.round_p, batch=registry.ELEMENTWISE)
 def _round(e):
@@ -361,7 +353,9 @@ def _round(e):
 def _round_away_from_zero(x):
   t = np.trunc(x)
   frac = np.abs(x - t)  # exact in floating point
-  return t + np.sign(x) * (frac >= 0.5)
+  # x's sign copied back: -0.0 and (-0.5, 0] round to -0.0, as in XLA
+  # (t + 0 * ... would make -0.0 of them +0.0).
+  return np.copysign(t + np.sign(x) * (frac >= 0.5), x)
 
 
 # -- comparisons/logic on bool ------------------------------------------------
@@ -448,7 +442,21 @@ def _select_n(e):
 
 @registry.register(lax.clamp_p, batch=registry.ELEMENTWISE)
 def _clamp(e):
-  return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
+  # XLA: min(max(x, lo), hi) with its max/min (+0.0 above -0.0, NaN
+  # propagates), so clamp(-0.0, -0.0, +0.0) is -0.0 where NumPy's pair
+  # may return either zero.
+  dt = _in_dtype(e)
+  if dt.kind in "iub":
+    return lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi)
+  return lambda lo, x, hi: _exact_min(_exact_max(x, lo), hi)
+
+
+def _exact_max(x, y):
+  return _fix_zero(np.maximum(x, y), x, y, lambda a, b: a + b)
+
+
+def _exact_min(x, y):
+  return _fix_zero(np.minimum(x, y), x, y, lambda a, b: -((-a) + (-b)))
 
 
 # -- shifts (XLA defines over-wide shifts) -----------------------------------
@@ -556,30 +564,6 @@ def _complex(e):
 def _conj(e):
   out = _out_dtype(e)
   return lambda x, **_: np.conj(x).astype(out)[()]
-
-
-# -- more special functions (scipy.special; XLA agrees within a few ulp) -----
-for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
-                  ("zeta_p", scipy.special.zeta)]:
-  if hasattr(lax, _name):
-    registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(_binary_float(_f))
-
-
-if hasattr(lax, "polygamma_p"):
-  registry.register(lax.polygamma_p, batch=registry.ELEMENTWISE)(
-      _binary_float(scipy.special.polygamma))
-
-
-if hasattr(lax, "regularized_incomplete_beta_p"):
-  @registry.register(lax.regularized_incomplete_beta_p, batch=registry.ELEMENTWISE)
-  def _betainc(e):
-    dt = _in_dtype(e)
-    work = np.float32 if is_low_precision_float(dt) else dt
-
-    def betainc(a, b, x):
-      a, b, x = (np.asarray(v, work) for v in (a, b, x))
-      return np.asarray(scipy.special.betainc(a, b, x), dt)[()]
-    return betainc
 
 
 # -- mulhi: the upper N bits of the 2N-bit product ------------------------------

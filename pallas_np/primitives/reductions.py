@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import numpy as np
 
 from jax import lax
@@ -56,6 +58,11 @@ def _reduce_sum(e):
   acc = _float_acc(dt)
   if dt == np.bool_:
     return lambda x: np.any(x, axis=axes)
+  if dt.kind in "fV" and math.prod(e.in_avals[0].shape[int(a)]  # (unbatched axes)
+                                   for a in e.eqn.params["axes"]) == 1:
+    # XLA simplifies a sum of one element to that element (its sign of
+    # zero kept); NumPy adds it to +0.0 (-0.0 -> +0.0).
+    return lambda x: np.squeeze(x, axis=axes).copy()
   if acc == dt:  # the ufunc method directly: half the cost of np.sum
     return lambda x: np.add.reduce(x, axis=axes, dtype=acc)
   return lambda x: np.asarray(np.add.reduce(x, axis=axes, dtype=acc), dtype=dt)[()]

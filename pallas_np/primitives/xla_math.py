@@ -1,13 +1,18 @@
-"""Transcendentals that follow XLA's own fixed formulas, for bit-exactness.
+"""Transcendentals that follow XLA's own fixed formulas, for bit-exactness on
+every CPU.
 
-XLA expands some functions into polynomials in the operand's type (float32;
-bf16/f16 are upcast to float32 and rounded back). Where NumPy/SciPy compute
-a more accurate value, results differ by a few ulp; these rules reproduce
-XLA's expansion op for op instead. XLA's CPU backend contracts ``a*b + c``
-into a fused multiply-add; ``_fma`` gets that from one float64 multiply-add
-(the product of two float32s is exact in float64), rounded once more to
-float32 (double rounding can differ from a true FMA in rare halfway cases).
-Measured agreement is in ``pallas_np.conformance``.
+XLA's CPU backend expands some functions into polynomials in the operand's
+type (float32; bf16/f16 are upcast to float32 and rounded back); the formulas
+here were read from the LLVM IR that XLA emits (``XLA_FLAGS=--xla_dump_to``)
+and are followed op for op. XLA's CPU backend contracts ``a*b + c`` into a
+fused multiply-add: ``exp``/``log`` are written in LLVM IR with
+``llvm.fma.f32`` and compiled (``libm.define``); the NumPy-side formulas use
+``fma_f32`` (exact) or ``_fma`` (one float64 multiply-add rounded to float32:
+double rounding can differ from a true FMA in rare halfway cases; measured
+bit-exact). Functions XLA leaves to the C library (sin, cos, tan, atan,
+atan2, cbrt, pow) call it the same way (``libm.py``). None of these uses a
+NumPy ufunc whose float32 loop is chosen by the CPU. Claims and measurements:
+``pallas_np.conformance``.
 """
 from __future__ import annotations
 
@@ -18,13 +23,106 @@ from jax import lax
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
-from pallas_np.primitives.elementwise import unary_float
+from pallas_np.primitives import libm
+from pallas_np.primitives.elementwise import binary_float, unary_float
 
 _F32 = np.float32
 
 
 def _fma(a, b, c):
   return (np.asarray(a, np.float64) * b + c).astype(_F32)
+
+
+_MID_MASK, _MID = np.uint64((1 << 29) - 1), np.uint64(1 << 28)
+
+
+def fma_f32(a, b, c):
+  """A float32 fused multiply-add, correctly rounded (what the CPU's FMA
+  instruction gives). The product of two float32s is exact in float64; the
+  float64 sum rounds once more, which can only change the float32 result
+  when it lands exactly on a float32 rounding midpoint (29 low bits
+  100...0): there the exact sum's error (Knuth's TwoSum) decides the
+  direction (round to odd), so the result is the true FMA's."""
+  p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+  c = np.asarray(c, np.float64)
+  with np.errstate(invalid="ignore", over="ignore"):
+    s = p + c
+    mid = (np.asarray(s).view(np.uint64) & _MID_MASK) == _MID
+    if mid.any():
+      bp = s - p
+      err = (p - (s - bp)) + (c - bp)  # p + c == s + err exactly
+      nudge = np.where(mid & (err != 0), np.where((err > 0) == (s > 0), 1, -1), 0)
+      s = (np.asarray(s).view(np.int64) + nudge).view(np.float64)
+    return np.asarray(s).astype(_F32)
+
+
+def _bits_f32(u):
+  return np.uint32(u).view(_F32)
+
+
+# XLA's float32 exp (its CPU intrinsic, read from the LLVM IR XLA emits):
+# Cephes' polynomial after n = floor(x log2(e) + 1/2), every multiply-add
+# contracted to an FMA (as XLA compiles it on FMA machines).
+_EXP_C1, _EXP_C2 = _bits_f32(0x3F318000), _bits_f32(0xB95E8083)
+_EXP_P = [_bits_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA)]
+
+
+class _Ssa:
+  """Writes a scalar LLVM IR function, one SSA line per call."""
+
+  def __init__(self, name, nargs):
+    self.name, self.k = name, 0
+    self.args = [f"%a{i}" for i in range(nargs)]
+    self.lines = []
+
+  def __call__(self, text):
+    self.k += 1
+    self.lines.append(f"  %t{self.k} = {text}")
+    return f"%t{self.k}"
+
+  def fma(self, a, b, c):
+    return self(f"call float @llvm.fma.f32(float {a}, float {b}, float {c})")
+
+  def select(self, cond, a, b):
+    return self(f"select i1 {cond}, float {a}, float {b}")
+
+  def define(self, result):
+    params = ", ".join(f"float {a}" for a in self.args)
+    body = "\n".join(self.lines)
+    libm.define(self.name, len(self.args),
+                f"define internal float @{self.name}({params}) {{\n{body}\n  ret float {result}\n}}")
+    return libm.unary(self.name) if len(self.args) == 1 else libm.binary(self.name)
+
+
+def _c(v):
+  """A float32 constant in LLVM IR (the double-precision hex of its value)."""
+  return "0x%016X" % np.float64(_F32(v)).view(np.uint64)
+
+
+def _exp_ir():
+  b = _Ssa("xla_expf", 1)
+  x0 = b.args[0]
+  x = b.select(b(f"fcmp uge float {x0}, {_c(-87.8)}"), x0, _c(-87.8))  # NaN stays NaN
+  x = b.select(b(f"fcmp ule float {x}, {_c(88.8)}"), x, _c(88.8))
+  n = b(f"call float @llvm.floor.f32(float {b.fma(x, _c(_bits_f32(0x3FB8AA3B)), _c(0.5))})")
+  n = b.select(b(f"fcmp uge float {n}, {_c(-127)}"), n, _c(-127))
+  n = b.select(b(f"fcmp ule float {n}, {_c(127)}"), n, _c(127))
+  minus_n = b(f"fneg float {n}")
+  r = b.fma(minus_n, _c(_EXP_C2), b.fma(minus_n, _c(_EXP_C1), x))
+  z = b.fma(r, _c(_EXP_P[0]), _c(_EXP_P[1]))
+  for c in _EXP_P[2:] + [_F32(0.5)]:
+    z = b.fma(z, r, _c(c))
+  z = b(f"fadd float {b.fma(z, b(f'fmul float {r}, {r}'), r)}, {_c(1)}")
+  # 2^n from its exponent bits (n = -127: +0.0, XLA's flush); NaN: n = 0.
+  n = b.select(b(f"fcmp uno float {n}, 0.0"), "0.0", n)
+  n_int = b(f"fptosi float {n} to i32")
+  bits = b(f"shl i32 {b(f'add i32 {n_int}, 127')}, 23")
+  return b.define(b(f"fmul float {z}, {b(f'bitcast i32 {bits} to float')}"))
+
+
+exp_f32 = _exp_ir()
+exp_f32.__doc__ = """XLA's float32 exp, compiled (libm.define): Cephes' polynomial after
+n = floor(x log2(e) + 1/2), every multiply-add an FMA, as XLA's IR has it."""
 
 
 def _horner(x, coeffs):
@@ -35,8 +133,7 @@ def _horner(x, coeffs):
 
 
 # XLA ElementalIrEmitter::EmitLog1p: the Cephes rational approximation for
-# |x| < sqrt(2) - 1 (bit-exact); above, XLA takes its own log(1 + x), for
-# which NumPy's log1p is the closest stand-in measured (97% exact, <= 2 ulp).
+# |x| < sqrt(2) - 1; above, XLA's own log(1 + x) (bit-exact both).
 _LOG1P_NUM = _F32([4.5270000862445199635215E-5, 4.9854102823193375972212E-1,
                    6.5787325942061044846969E0, 2.9911919328553073277375E1,
                    6.0949667980987787057556E1, 5.7112963590585538103336E1,
@@ -52,7 +149,7 @@ def log1p_f32(x):
   with np.errstate(all="ignore"):
     small = _horner(x, _LOG1P_NUM) / _horner(x, _LOG1P_DEN)
     small = x + _fma(_F32(-0.5), x2, (x * x2) * small)
-    large = np.log1p(x)
+    large = log_f32(x + _F32(1))
   return np.where(np.abs(x) < _F32(0.41421356237309504880), small, large)
 
 
@@ -76,24 +173,198 @@ def erf_inv_f32(x):
     return np.where(np.abs(x) == 1, x * _F32(np.inf), p * x).astype(_F32)
 
 
+# XLA's float32 log (its CPU intrinsic: Cephes' polynomial as in Eigen's
+# plog, read from the LLVM IR XLA emits), FMAs where XLA's code has them.
+_LOG_P = [_bits_f32(b) for b in (0x3D9021BB, 0xBDEBD1B8, 0x3DEF251A, 0xBDFE5D4F, 0x3E11E9BF,
+                                 0xBE2AAE50, 0x3E4CCEAC, 0xBE7FFFFC, 0x3EAAAAAA)]
+
+
+def _log_ir():
+  b = _Ssa("xla_logf", 1)
+  x0 = b.args[0]
+  tiny = _c(1.17549435e-38)
+  x = b.select(b(f"fcmp ogt float {x0}, {tiny}"), x0, tiny)  # NaN -> tiny
+  bits = b(f"bitcast float {x} to i32")
+  mantissa = b(f"and i32 {bits}, -2139095041")
+  m = b(f"bitcast i32 {b(f'or i32 {mantissa}, 1056964608')} to float")  # in [0.5, 1)
+  exponent = b(f"lshr i32 {bits}, 23")
+  e = b(f"sitofp i32 {b(f'sub i32 {exponent}, 127')} to float")
+  e = b(f"fadd float {e}, {_c(1)}")
+  small = b(f"fcmp olt float {m}, {_c(_bits_f32(0x3F3504F3))}")  # sqrt(1/2)
+  e = b(f"fsub float {e}, {b.select(small, _c(1), '0.0')}")
+  x = b(f"fadd float {b(f'fsub float {m}, {_c(1)}')}, {b.select(small, m, '0.0')}")
+  x2 = b(f"fmul float {x}, {x}")
+  x3 = b(f"fmul float {x2}, {x}")
+  p = [_c(v) for v in _LOG_P]
+  y = b.fma(b.fma(x, p[0], p[1]), x, p[2])
+  y1 = b.fma(b.fma(x, p[3], p[4]), x, p[5])
+  y2 = b.fma(b.fma(x, p[6], p[7]), x, p[8])
+  y = b.fma(b.fma(b.fma(y, x3, y1), x3, y2), x3, b(f"fmul float {_c(_EXP_C2)}, {e}"))
+  r = b.fma(_c(_EXP_C1), e, b(f"fadd float {b.fma(_c(-0.5), x2, x)}, {y}"))
+  r = b.select(b(f"fcmp ogt float {x0}, 0.0"), r, "0x7FF8000000000000")
+  r = b.select(b(f"fcmp oeq float {x0}, 0.0"), "0xFFF0000000000000", r)
+  return b.define(b.select(b(f"fcmp oeq float {x0}, 0x7FF0000000000000"),
+                           "0x7FF0000000000000", r))
+
+
+log_f32 = _log_ir()
+log_f32.__doc__ = """XLA's float32 log, compiled (libm.define): Cephes' polynomial as in
+Eigen's plog, FMAs where XLA's IR has them; -inf at ±0, NaN below 0."""
+
+
+_TANH_NUM = [_bits_f32(b) for b in (0xA59F25C0, 0x2A61337E, 0xAEBD37FF, 0x335C0041, 0x3779434A,
+                                     0x3A270DED, 0x3BA059DC)]
+_TANH_DEN = [_bits_f32(b) for b in (0x35A0D3D8, 0x38F895D6, 0x3B14AA05, 0x3BA059DD)]
+
+
+def _tanh_ir():
+  b = _Ssa("xla_tanhf", 1)
+  x0 = b.args[0]
+  ax = b(f"call float @llvm.fabs.f32(float {x0})")
+  lim = _bits_f32(0x40FFF644)
+  x = b.select(b(f"fcmp olt float {x0}, {_c(-lim)}"), _c(-lim), x0)  # NaN stays NaN
+  x = b.select(b(f"fcmp ogt float {x}, {_c(lim)}"), _c(lim), x)
+  x2 = b(f"fmul float {x}, {x}")
+  num = b.fma(x2, _c(_TANH_NUM[0]), _c(_TANH_NUM[1]))
+  for c in _TANH_NUM[2:]:
+    num = b.fma(x2, num, _c(c))
+  den = b.fma(x2, _c(_TANH_DEN[0]), _c(_TANH_DEN[1]))
+  for c in _TANH_DEN[2:]:
+    den = b.fma(x2, den, _c(c))
+  r = b(f"fdiv float {b(f'fmul float {x}, {num}')}, {den}")
+  r = b.select(b(f"fcmp olt float {ax}, {_c(0.0004)}"), x0, r)
+  one = b(f"call float @llvm.copysign.f32(float {_c(1)}, float {x0})")
+  return b.define(b.select(b(f"fcmp oge float {ax}, {_c(20)}"), one, r))
+
+
+tanh_f32 = _tanh_ir()
+tanh_f32.__doc__ = """XLA's float32 tanh, compiled (libm.define): x itself below 4e-4,
+±1 from 20 on, else its rational approximation on x clamped to ±7.9988,
+every multiply-add an FMA."""
+
+
+def _asin_acos(is_asin):
+  """XLA's asin/acos, expanded before its float normalisation, so in
+  bf16/f16 every step is rounded to the dtype (``dt``):
+  asin(x) = 2 atan2(x, 1 + sqrt((1 - x)(1 + x))),
+  acos(x) = atan2(sqrt((1 - x)(1 + x)), x), atan2 from the C library."""
+  def fn(x, dt=_F32):
+    r = (lambda v: v) if dt == _F32 else (lambda v: np.asarray(v, dt).astype(_F32))
+    x = np.asarray(x, _F32)
+    one = _F32(1)
+    with np.errstate(invalid="ignore"):
+      root = r(np.sqrt(r(r(one - x) * r(one + x))))
+      if not is_asin:
+        return libm.call("atan2f", root, x)
+      a = r(libm.call("atan2f", x, r(one + root)))
+      return a + a
+  return fn
+
+
+asin_f32, acos_f32 = _asin_acos(True), _asin_acos(False)
+
+
+def logistic_f32(x, dt=_F32):
+  """XLA's logistic: 1 / (1 + exp(-x)), with XLA's exp; in bf16/f16 (an
+  expansion before the float normalisation) each step rounded to ``dt``."""
+  r = (lambda v: v) if dt == _F32 else (lambda v: np.asarray(v, dt).astype(_F32))
+  x = np.asarray(x, _F32)
+  one = _F32(1)
+  with np.errstate(over="ignore"):
+    return one / r(one + r(exp_f32(-x)))
+
+
+_MINUS_LN2 = _bits_f32(0xBF317218)
+
+
+def cosh_f32(x):
+  """XLA's cosh: exp(x - ln 2) + exp(-ln 2 - x), with XLA's exp."""
+  x = np.asarray(x, _F32)
+  with np.errstate(over="ignore"):
+    return exp_f32(x + _MINUS_LN2) + exp_f32(_MINUS_LN2 - x)
+
+
 def _f32_rule(f32_fn, fallback):
   """float32 (and bf16/f16/fp8 through float32) use XLA's formula; other
   dtypes (float64) keep ``fallback``."""
   def compile_rule(e):
     dt = np_dtype(e.in_avals[0].dtype)
     if dt == np.float32:
-      return lambda x: f32_fn(x)[()]
+      return lambda *xs: f32_fn(*xs)[()]
     if is_low_precision_float(dt):
-      return lambda x: f32_fn(np.asarray(x, _F32)).astype(dt)[()]
+      if f32_fn in (asin_f32, acos_f32, logistic_f32):
+        return lambda x: f32_fn(x, dt).astype(dt)[()]
+      return lambda *xs: f32_fn(*[np.asarray(x, _F32) for x in xs]).astype(dt)[()]
     return fallback(e)
   return compile_rule
 
 
+def _pow_f32(x, y):
+  return libm.call("powf", x, y)
+
+
+@registry.register(lax.pow_p, batch=registry.ELEMENTWISE)
+def _pow(e):
+  """Float pow is the C library's powf (float32 and through it bf16/f16);
+  an integer exponent is converted to the base's type first (as JAX lowers
+  it); integer pow is NumPy's (exact, wrapping)."""
+  dt = np_dtype(e.in_avals[0].dtype)
+  if dt.kind in "iu":
+    return np.power
+  if np_dtype(e.in_avals[1].dtype).kind in "iu":
+    return _f32_rule(lambda x, y: _pow_f32(x, np.asarray(y, _F32)),
+                     binary_float(lambda x, y: np.power(x, y.astype(x.dtype))))(e)
+  return _f32_rule(_pow_f32, binary_float(np.power))(e)
+
+
+# Primitive -> (float32 rule, float64 rule): the float32 rule is XLA's own
+# expansion (written out above) or the C library's function XLA calls
+# (``libm``); neither depends on NumPy's CPU-dispatched SIMD code.
+FLOAT32_RULES = {
+    lax.erf_inv_p: (erf_inv_f32, unary_float(scipy.special.erfinv)),
+    lax.log1p_p: (log1p_f32, unary_float(np.log1p)),
+    lax.exp_p: (exp_f32, unary_float(np.exp)),
+    lax.log_p: (log_f32, unary_float(np.log)),
+    lax.tanh_p: (tanh_f32, unary_float(np.tanh)),
+    lax.logistic_p: (logistic_f32, unary_float(scipy.special.expit)),
+    lax.cosh_p: (cosh_f32, unary_float(np.cosh)),
+    lax.asin_p: (asin_f32, unary_float(np.arcsin)),
+    lax.acos_p: (acos_f32, unary_float(np.arccos)),
+    lax.sin_p: (libm.unary("sinf"), unary_float(np.sin)),
+    lax.cos_p: (libm.unary("cosf"), unary_float(np.cos)),
+    lax.tan_p: (libm.unary("tanf"), unary_float(np.tan)),
+    lax.atan_p: (libm.unary("atanf"), unary_float(np.arctan)),
+    lax.cbrt_p: (libm.unary("cbrtf"), unary_float(np.cbrt)),
+    lax.atan2_p: (libm.binary("atan2f"), binary_float(np.arctan2)),
+}
+
+
+@registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
+def _exp2(e):
+  """XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's
+  dtype, then its exp."""
+  dt = np_dtype(e.in_avals[0].dtype)
+  ln2 = np.asarray(np.log(2.0), dt)
+  exp = _f32_rule(exp_f32, unary_float(np.exp))(e)
+  return lambda x: exp(np.multiply(x, ln2, dtype=dt))
+
+
+_LOG2_E = 1.4426950408889634  # XLA lowers log2(x) as log(x) * (1 / ln 2)
+if hasattr(lax, "log2_p"):
+  @registry.register(lax.log2_p, batch=registry.ELEMENTWISE)
+  def _log2(e):
+    log = _f32_rule(log_f32, unary_float(np.log))(e)
+    dt = np_dtype(e.in_avals[0].dtype)
+    scale = np.asarray(_LOG2_E, dt)
+    if is_low_precision_float(dt):
+      f32 = np.float32
+      return lambda x: np.multiply(np.asarray(log(x), f32), np.asarray(scale, f32)).astype(dt)[()]
+    return lambda x: np.multiply(log(x), scale)
+
+
 def register():
-  registry.register(lax.erf_inv_p, batch=registry.ELEMENTWISE)(
-      _f32_rule(erf_inv_f32, unary_float(scipy.special.erfinv)))
-  registry.register(lax.log1p_p, batch=registry.ELEMENTWISE)(
-      _f32_rule(log1p_f32, unary_float(np.log1p)))
+  for prim, (f32_fn, fallback) in FLOAT32_RULES.items():
+    registry.register(prim, batch=registry.ELEMENTWISE)(_f32_rule(f32_fn, fallback))
 
 
 register()

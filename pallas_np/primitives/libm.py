@@ -1,0 +1,156 @@
+"""Compiled float32 loops: the C library's functions as XLA calls them, and
+XLA's own formulas written in LLVM IR.
+
+XLA's CPU backend does not expand every transcendental itself: ``sin``,
+``cos``, ``tan``, ``atan``, ``atan2`` (so ``asin``/``acos``), ``cbrt`` and
+``pow`` in float32 (and bf16/f16, computed in float32) become calls to the
+process's C library (``sinf``, ``cosf``, ...: glibc on Linux), one element at
+a time. NumPy's float32 ufuncs for the same functions take a SIMD code path
+chosen by the CPU and NumPy version (its own AVX2/AVX-512 kernels, or Intel's
+SVML on AVX-512 machines), which can differ from the C library by an ulp or
+more, so they were bit-exact with XLA on one machine and not on the next.
+Here the C library's own function runs over the array in a loop compiled
+once per process with llvmlite (numba's code generator, a dependency
+already): bit for bit what XLA computes on the same machine, whatever the
+CPU, and free of NumPy's dispatch. A denormal operand is read as it is (XLA
+runs with denormals flushed: docs/limits.md).
+
+The same machinery compiles the formulas XLA emits itself (``exp``, ``log``:
+``xla_math.py`` writes them with ``define``: exp, log, tanh) with their FMAs as
+``llvm.fma.f32``, whose result is the exactly rounded FMA on every CPU: one
+vectorised pass, faster than NumPy's own float32 exp/log.
+
+The loops are built on first use (~0.1-0.5 s, under a lock); each call is
+one ctypes call per array (the GIL is released while it runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+
+import numpy as np
+
+# C name -> number of float operands.
+FUNCTIONS = {"sinf": 1, "cosf": 1, "tanf": 1, "atanf": 1, "cbrtf": 1, "atan2f": 2, "powf": 2}
+# Functions written here in LLVM IR (XLA's own formulas, xla_math.py):
+# name -> (number of float operands, the IR of ``float @name(float ...)``).
+DEFINED: dict = {}
+_INTRINSICS = """declare float @llvm.fma.f32(float, float, float)
+declare float @llvm.floor.f32(float)
+declare float @llvm.fabs.f32(float)
+declare float @llvm.copysign.f32(float, float)"""
+
+
+def define(name: str, nargs: int, ir: str):
+  """Adds a scalar float function in LLVM IR, looped like the C library's
+  (before the first call)."""
+  assert not _loops, "define() after the loops were built"
+  DEFINED[name] = (nargs, ir)
+
+_lock = threading.Lock()
+_loops: dict = {}
+_engine = None  # kept alive: the compiled code lives in it
+
+
+def _loop_ir(name, nargs) -> str:
+  ins = ", ".join(f"float* %in{k}" for k in range(nargs))
+  loads = "\n".join(
+      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n  %v{k} = load float, float* %p{k}"
+      for k in range(nargs))
+  args = ", ".join(f"float %v{k}" for k in range(nargs))
+  return f"""
+define void @loop_{name}({ins}, float* %out, i64 %n) {{
+entry:
+  %empty = icmp sle i64 %n, 0
+  br i1 %empty, label %done, label %body
+body:
+  %i = phi i64 [0, %entry], [%next, %body]
+{loads}
+  %r = call float @{name}({args})
+  %po = getelementptr float, float* %out, i64 %i
+  store float %r, float* %po
+  %next = add i64 %i, 1
+  %more = icmp slt i64 %next, %n
+  br i1 %more, label %body, label %done
+done:
+  ret void
+}}"""
+
+
+def _ir(formulas: bool) -> str:
+  """The C library loops, or (``formulas``) the DEFINED functions and theirs."""
+  if formulas:
+    return "\n".join([_INTRINSICS] + [ir for _, ir in DEFINED.values()]
+                     + [_loop_ir(name, nargs) for name, (nargs, _) in DEFINED.items()])
+  lines = []
+  for name, nargs in FUNCTIONS.items():
+    lines.append(f"declare float @{name}({', '.join(['float'] * nargs)})")
+    lines.append(_loop_ir(name, nargs))
+  return "\n".join(lines)
+
+
+def _build():
+  global _engine
+  import llvmlite.binding as llvm  # (lazily: only these ops pay for it)
+  llvm.initialize_native_target()
+  llvm.initialize_native_asmprinter()
+  libm = ctypes.util.find_library("m")
+  if libm:
+    llvm.load_library_permanently(libm)
+  # The host's CPU features: llvm.fma.f32 becomes the FMA instruction (its
+  # result is the exactly rounded FMA on every CPU, in software without).
+  machine = llvm.Target.from_default_triple().create_target_machine(
+      cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+  # The C library loops get no IR optimisation: each calls the library
+  # function as written (no libcall simplification may swap in another
+  # formula).
+  calls = llvm.parse_assembly(_ir(formulas=False))
+  calls.verify()
+  engine = llvm.create_mcjit_compiler(calls, machine)
+  if DEFINED:
+    # LLVM's -O2 pipeline (loop vectorisation) for the IR-defined formulas:
+    # without fast-math flags every rounding stays as written (no
+    # contraction beyond the FMAs written, no reassociation).
+    formulas = llvm.parse_assembly(_ir(formulas=True))
+    formulas.verify()
+    pto = llvm.create_pipeline_tuning_options(speed_level=2)
+    pto.loop_vectorization = True
+    builder = llvm.create_pass_builder(machine, pto)
+    builder.getModulePassManager().run(formulas, builder)
+    engine.add_module(formulas)
+  engine.finalize_object()
+  loops = {}
+  for name, nargs in {**FUNCTIONS, **{n: k for n, (k, _) in DEFINED.items()}}.items():
+    proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (nargs + 1), ctypes.c_int64)
+    loops[name] = proto(engine.get_function_address(f"loop_{name}"))
+  _engine = engine
+  return loops
+
+
+def _loop(name):
+  if not _loops:
+    with _lock:
+      if not _loops:
+        _loops.update(_build())
+  return _loops[name]
+
+
+def call(name: str, *operands) -> np.ndarray:
+  """``name`` (a C float function of FUNCTIONS, or DEFINED) elementwise over the
+  broadcast float32 operands; a float32 array (0-d for scalars)."""
+  loop = _loop(name)
+  ops = np.broadcast_arrays(*[np.asarray(v, np.float32) for v in operands])
+  ops = [np.ascontiguousarray(v) for v in ops]
+  out = np.empty(ops[0].shape, np.float32)
+  if out.size:
+    loop(*[v.ctypes.data for v in ops], out.ctypes.data, out.size)
+  return out
+
+
+def unary(name: str):
+  return lambda x: call(name, x)
+
+
+def binary(name: str):
+  return lambda x, y: call(name, x, y)
