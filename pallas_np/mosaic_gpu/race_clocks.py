@@ -1,28 +1,36 @@
 """Races in Mosaic GPU kernels: ``InterpretParams(detect_races=True)``.
 
-The vector clocks of mesh kernels (``pallas_np.meshes.programs``) order the
-accesses of one block; blocks are never ordered with each other (only
-atomics share GMEM between blocks safely). Each block has ``3 x num_threads``
-*agents*, each with a clock: warpgroup ``t`` itself, its TMA unit (the
-copies it issues) and its tensor core (its ``wgmma``s). Happens-before
-edges:
+Vector clocks of the clock library (``pallas_np.clocks``) order the accesses
+of the threads of a cluster. Each warpgroup (and warp) of each block has
+four *agents*, each a thread with a clock: itself, its TMA unit (the copies
+it issues), its tensor core (``wgmma``, ``tcgen05_mma``) and its TMEM
+loads. Happens-before edges:
 
 * ``barrier_arrive`` (and a copy's arrival) releases its clock onto the
   barrier's phase; the ``barrier_wait`` that observes the phase acquires it;
+  ``semaphore_signal`` releases onto the semaphore, a returned
+  ``semaphore_wait`` acquires it;
 * issuing an asynchronous copy or ``wgmma`` orders the agent after the
   issuing warpgroup; its completion (the barrier wait, ``wait_smem_to_gmem``,
   ``wait_gmem_to_smem``, ``wgmma_wait``) orders the waiter after the agent.
+
+Clusters of a kernel without semaphore waits run one after another and never
+order each other (only atomics share GMEM between them safely): each has a
+clock space of its own, and an access of another cluster is never ordered.
+In a kernel whose blocks wait on semaphores, clusters overlap and one clock
+space covers the agents of every cluster, so a signal and its wait order
+blocks of different clusters.
 
 An asynchronous copy's destination counts as written by its agent when the
 copy is *issued* (and its source read then), so touching it before the
 completion - by any warpgroup, the issuer included - is reported.
 
 Every buffer an access reaches gets shadow arrays (a ``races`` region): the
-last writer (agent and block) and its clock per element, and per agent the
-block and clock of its last read. A write is a race if an earlier write or
-read of another agent is not ordered before it; a read, if the last write is
-not. GMEM buffers keep their shadows across blocks; SMEM buffers are dropped
-at the block's end."""
+last writer (agent) and its clock per element, and per agent the block and
+clock of its last read. A write is a race if an earlier write or read of
+another agent is not ordered before it; a read, if the last write is not.
+GMEM buffers keep their shadows across clusters; SMEM buffers are dropped at
+their cluster's end."""
 from __future__ import annotations
 
 import weakref
@@ -206,7 +214,10 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
            if other_block != self.block_id and self.run.shared_clocks is None else
            "no semaphore signal/wait orders the two"
            if other_block != self.block_id else
-           "no barrier arrive/wait (or copy/wgmma completion wait) orders the two")
+           "no barrier arrive/wait (or copy/wgmma completion wait) orders the two"
+           if self.run.shared_clocks is None else
+           "no barrier arrive/wait, semaphore signal/wait (or copy/wgmma completion wait) "
+           "orders the two")
     raise RaceError(
         f"data race on {name} in Mosaic GPU kernel '{self.kernel}': "
         f"{self.run.describe(self.block_id, local)} {verb} element {where} that "

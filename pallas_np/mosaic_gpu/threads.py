@@ -1,17 +1,20 @@
-"""One Mosaic GPU cluster: its blocks' warpgroup threads (and the warps of a
-``plgpu.warp_map``), barriers and pending copies.
+"""The one scheduler of Mosaic GPU kernels: its threads (warpgroups of
+blocks, and the warps of a ``plgpu.warp_map``), barriers and pending copies.
 
-Execution model (docs/gpu.md, "Mosaic GPU"): clusters (grid points) run one
-after another. Inside a cluster, each warpgroup of each block (``cluster`` x
-``num_threads``) is a Python thread running the same kernel plan, but only
-one runs at a time: a thread keeps the *baton* until it finishes or blocks on
-a barrier wait, then hands it to the next thread (round robin) that can go
+Execution model (docs/gpu.md, "Mosaic GPU"): each warpgroup of each block of
+a cluster (``cluster`` x ``num_threads``) is a Python thread running the same
+kernel plan, but only one runs at a time: a thread keeps the *baton* until it
+finishes or blocks on a wait (a barrier, a semaphore, the end of its
+``warp_map``), then hands it to the next thread (round robin) that can go
 on. ``plgpu.warp_map`` adds the 4 warps of its warpgroup as threads for the
-duration of the call (the warpgroup waits for them). So the interleaving is
-deterministic, barrier state needs no locks, and a deadlock is exact: when no
-unfinished thread can go on, no arrival can ever come, and every blocked
-thread raises naming its kernel line, block, warpgroup (and warp), instead of
-hanging.
+duration of the call. Clusters run one after another, or, in kernels that
+wait on semaphores, overlap: the next one starts whenever no started thread
+can go on (``device_blocks`` builds the clusters and their threads' run
+contexts). So the interleaving is deterministic, barrier state needs no
+locks, and a deadlock is exact: when no unfinished thread can go on, no
+cluster can start and no other device can help, no arrival or signal can
+ever come, and every blocked thread raises naming its kernel line, block,
+warpgroup (and warp), instead of hanging.
 
 Asynchronous copies (``copy_gmem_to_smem`` and ``copy_smem_to_gmem``) read
 their source when issued and write their destination only when the
@@ -42,7 +45,7 @@ SLOTS_PER_WARPGROUP = 1 + WARPS_PER_WARPGROUP  # the warpgroup, then its warps
 
 
 class BarrierDeadlock(PallasNumpyError, RuntimeError):
-  """A Mosaic GPU barrier wait that can never complete."""
+  """A Mosaic GPU barrier (or semaphore) wait that can never complete."""
 
 
 class Aborted(BaseException):
