@@ -1,5 +1,5 @@
-"""Threads, vector clocks and happens-before: the clock library every race
-detector uses (mesh kernels' programs, ``pallas_np.meshes.programs``; Mosaic
+"""Threads, vector clocks, happens-before and shadow memory: the library
+every race detector uses (mesh kernels' programs, ``pallas_np.meshes.programs``; Mosaic
 GPU warpgroups and their asynchronous agents,
 ``pallas_np.mosaic_gpu.race_clocks``; devices of a multi-device run,
 ``pallas_np.device_races``).
@@ -24,6 +24,10 @@ detector may keep one space per unit that never synchronises with the
 others (a Mosaic GPU cluster of a kernel without semaphores), and threads
 outside the space are never ordered with it (``knows`` is 0 for them; steps
 start at 1).
+
+Shadow memory (``Shadow``): per element of a buffer, the last writer and its
+step; ``accessed_elements`` maps an access (any view, index and mask) to the
+element numbers of its buffer.
 
 This is the model of JAX's own TPU and GPU interpreters
 (``jax/_src/pallas/mosaic/interpret/vector_clock.py``), one array row per
@@ -93,7 +97,71 @@ class VectorClocks:
     return np.where(inside, mine[np.clip(local, 0, mine.size - 1)], 0)
 
 
+  def knows_in_units(self, row: int, unit, local, per_unit: int) -> np.ndarray:
+    """``knows`` for ids ``unit * per_unit + local`` (threads grouped in
+    units of ``per_unit``: a cluster's agents; ``local`` may broadcast
+    against ``unit``), without building the ids: the checks of many
+    elements stay a few NumPy passes."""
+    mine = self.program[row]
+    first, count = self.base // per_unit, mine.size // per_unit
+    if count == 1:  # a space of one unit
+      return np.where(unit == first, mine[local], 0)
+    u = unit - first
+    inside = (u >= 0) & (u < count)
+    return np.where(inside, mine[np.clip(u, 0, count - 1) * per_unit + local], 0)
+
+
 def ordered(steps: np.ndarray, known: np.ndarray) -> np.ndarray:
   """Per access: does an access at ``steps`` happen before a thread that
   knows ``known`` of its thread?"""
   return steps <= known
+
+
+# -- shadow memory ---------------------------------------------------------------------
+class Shadow:
+  """The shadow of one buffer: per element, the thread that last wrote it
+  (``group``: a parallel group of a grid, a program, a Mosaic GPU agent) and
+  that thread's step then (``step``); both -1 until written, allocated at the
+  first write (``ensure``). ``scratch``: private to a core on hardware."""
+  __slots__ = ("name", "start", "end", "itemsize", "shape", "size", "step",
+               "group", "scratch", "written")
+
+  def __init__(self, name, arr: np.ndarray, scratch: bool):
+    self.name = name
+    self.start = arr.__array_interface__["data"][0]
+    self.end = self.start + arr.nbytes
+    self.itemsize = arr.itemsize
+    self.shape = arr.shape
+    self.size = arr.size
+    self.step = self.group = None  # allocated at the first write
+    self.scratch = scratch
+    self.written = False
+
+  def ensure(self):
+    if not self.written:
+      self.written = True
+      self.step = np.full(self.size, -1, np.int32)   # last writer's grid step
+      self.group = np.full(self.size, -1, np.int32)  # last writer's parallel group
+
+
+def byte_offsets(view: np.ndarray) -> np.ndarray:
+  """Byte offset of each element of ``view`` from its first element."""
+  off = np.zeros((), np.int64)
+  for d, (n, s) in enumerate(zip(view.shape, view.strides)):
+    shape = [1] * view.ndim
+    shape[d] = n
+    off = off + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+  return np.broadcast_to(off, view.shape)
+
+
+def accessed_elements(view, index, mask, ptr: int, start: int, itemsize: int) -> np.ndarray:
+  """Element numbers (``itemsize`` units from ``start``) of the elements an
+  access ``view[index]`` (where ``mask``) touches; ``ptr`` is ``view``'s
+  address. Works for any view: strided, bitcast, broadcast."""
+  offsets = byte_offsets(view)
+  if index is not Ellipsis:
+    offsets = offsets[index]
+  offsets = np.asarray(offsets)
+  if mask is not None:
+    offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
+  return ((ptr - start) + offsets.ravel()) // itemsize

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_np.clocks import VectorClocks, ordered
+from pallas_np.clocks import VectorClocks, byte_offsets, ordered
 from pallas_np.errors import RaceError
-from pallas_np.races import byte_offsets
 
 
 class _Write:

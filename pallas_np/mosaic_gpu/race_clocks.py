@@ -56,7 +56,7 @@ def _coordinates(region, view, elem) -> tuple:
   """The index of shadow element ``elem`` in ``view`` (a buffer may be a
   typed view of raw bytes: report in the kernel's terms)."""
   offset = elem * region.itemsize + region.start - view.__array_interface__["data"][0]
-  hits = np.argwhere(races.byte_offsets(view) == offset)
+  hits = np.argwhere(clocks.byte_offsets(view) == offset)
   if len(hits):
     return tuple(int(i) for i in hits[0])
   return tuple(int(i) for i in np.unravel_index(elem, region.shape))
@@ -93,9 +93,7 @@ class KernelRaces:
       self._add(_root(buf), name)
 
   def _add(self, root, name, owner=None):
-    shadow = races.RaceDetector(self.kernel, (), ())
-    shadow.track(name, root)
-    region = shadow.regions[0]
+    region = clocks.Shadow(name, root, scratch=False)
     region.ensure()
     readers = (np.full((self.agents, root.size), -1, np.int32),  # block of the last read
                np.zeros((self.agents, root.size), np.int32))  # clock of the last read
@@ -174,7 +172,7 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
       return
     root, region, (read_block, read_clock), _ = hit
     ptr = view.__array_interface__["data"][0]
-    elems = races.accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
+    elems = clocks.accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
     if elems.size == 0:
       return
     n = self.run.agents
@@ -184,14 +182,16 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     clock = space.step(row)
     writer = region.group[elems]
     when = region.step[elems]
-    unordered = (writer >= 0) & (writer != me) & ~clocks.ordered(when, space.knows(row, writer))
+    known = space.knows_in_units(row, writer // n, writer % n, n)
+    unordered = (writer >= 0) & (writer != me) & ~clocks.ordered(when, known)
     if unordered.any():
       k = int(np.argmax(unordered))
       self._report(region, view, int(elems[k]), int(writer[k]), kind, "wrote", local)
     if kind != "read":
       rb, rc = read_block[:, elems], read_clock[:, elems]
-      reader = rb * n + np.arange(n)[:, None]
-      bad = (rb >= 0) & (reader != me) & ~clocks.ordered(rc, space.knows(row, reader))
+      known = space.knows_in_units(row, rb, np.arange(n)[:, None], n)
+      bad = (rb >= 0) & ~clocks.ordered(rc, known)
+      bad[local] &= rb[local] != self.block_id  # its own earlier reads
       if bad.any():
         j, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
         other = int(rb[j, k]) * n + int(j)
