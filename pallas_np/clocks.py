@@ -97,18 +97,20 @@ class VectorClocks:
     return np.where(inside, mine[np.clip(local, 0, mine.size - 1)], 0)
 
 
-  def knows_in_units(self, row: int, unit, local, per_unit: int) -> np.ndarray:
-    """``knows`` for ids ``unit * per_unit + local`` (threads grouped in
-    units of ``per_unit``: a cluster's agents; ``local`` may broadcast
-    against ``unit``), without building the ids: the checks of many
-    elements stay a few NumPy passes."""
+  def unordered_in_units(self, row: int, unit, local, per_unit: int, steps) -> np.ndarray:
+    """Per access of thread ``unit * per_unit + local`` at ``steps``: is it
+    *not* ordered before the thread at ``row``? (Threads grouped in units of
+    ``per_unit``: a cluster's agents; ``local`` may broadcast against
+    ``unit``.) The ids are never built, so the check of many elements stays
+    a few NumPy passes."""
     mine = self.program[row]
     first, count = self.base // per_unit, mine.size // per_unit
-    if count == 1:  # a space of one unit
-      return np.where(unit == first, mine[local], 0)
+    if count == 1:  # a space of one unit: other units are never ordered
+      return (unit != first) | (steps > mine[local])
     u = unit - first
     inside = (u >= 0) & (u < count)
-    return np.where(inside, mine[np.clip(u, 0, count - 1) * per_unit + local], 0)
+    known = np.where(inside, mine[np.clip(u, 0, count - 1) * per_unit + local], 0)
+    return ~ordered(steps, known)
 
 
 def ordered(steps: np.ndarray, known: np.ndarray) -> np.ndarray:

@@ -182,15 +182,14 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
     clock = space.step(row)
     writer = region.group[elems]
     when = region.step[elems]
-    known = space.knows_in_units(row, writer // n, writer % n, n)
-    unordered = (writer >= 0) & (writer != me) & ~clocks.ordered(when, known)
+    unordered = (writer >= 0) & (writer != me) & space.unordered_in_units(
+        row, writer // n, writer % n, n, when)
     if unordered.any():
       k = int(np.argmax(unordered))
       self._report(region, view, int(elems[k]), int(writer[k]), kind, "wrote", local)
     if kind != "read":
       rb, rc = read_block[:, elems], read_clock[:, elems]
-      known = space.knows_in_units(row, rb, np.arange(n)[:, None], n)
-      bad = (rb >= 0) & ~clocks.ordered(rc, known)
+      bad = (rb >= 0) & space.unordered_in_units(row, rb, np.arange(n)[:, None], n, rc)
       bad[local] &= rb[local] != self.block_id  # its own earlier reads
       if bad.any():
         j, k = np.unravel_index(int(np.argmax(bad)), bad.shape)

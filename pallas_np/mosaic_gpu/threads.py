@@ -348,7 +348,11 @@ class Scheduler:
     self._groups = iter(groups)
     if self.overlap:
       with self.lock:
-        self._hand_over(None)
+        try:
+          self._hand_over(None)
+        except BaseException as err:  # a cluster that failed to start: stop the others
+          self._fail(err)
+          raise
         while not self._finished():
           self.lock.wait(timeout=1.0)
       for th in self._pythreads:
