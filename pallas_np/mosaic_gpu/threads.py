@@ -178,21 +178,17 @@ class Scheduler:
     self._pythreads: list = []  # overlap mode: every thread started
 
   # -- the baton (self.lock held) ------------------------------------------------
-  @staticmethod
-  def _can_run(task) -> bool:
-    if task.done:
-      return False
-    w = task.waiting
-    return w is None or w[0]()
-
   def _next(self, me):
     """The next thread that can go on (``me`` included, last); None if none."""
     order = self.order
     n = len(order)
-    start = order.index(me) if me in order else -1
+    try:
+      start = order.index(me)
+    except ValueError:  # None (nobody holds the baton) or a finished warp
+      start = -1
     for step in range(1, n + 1):
       t = order[(start + step) % n]
-      if self._can_run(t):
+      if not t.done and (t.waiting is None or t.waiting[0]()):
         return t
     return None
 
@@ -266,7 +262,8 @@ class Scheduler:
         task.waiting = None
         self._fail(err)
         raise
-      self._park(task)
+      while self.turn is not task and self.failed is None:  # parked (the lock is held)
+        task.cv.wait()
       task.waiting = None
       if self.failed is not None:
         raise self.failed if isinstance(self.failed, BarrierDeadlock) else Aborted()
