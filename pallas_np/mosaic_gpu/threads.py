@@ -374,11 +374,7 @@ class Scheduler:
       self._body(group.tasks[0], group.fns[0], False)
       return
     group.pythreads = [self._thread(t, fn) for t, fn in zip(group.tasks, group.fns)]
-    with self.lock:
-      while not group.ended and not (self.failed is not None
-                                     and all(t.done for t in group.tasks)):
-        self.lock.wait(timeout=1.0)
-    for th in group.pythreads:
+    for th in group.pythreads:  # the last one to finish ends the group
       th.join()
 
   def spawn(self, parent: Task, named_fns, where: str):
