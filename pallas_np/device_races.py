@@ -5,12 +5,12 @@ DMAs race unless a chain of semaphore signals and waits orders the two
 writes (on a TPU the DMAs land in any order). We keep happens-before with
 vector clocks, as TPU interpret mode does (``mosaic/interpret/``):
 
-* every device has a vector clock; a remote write or a remote signal ticks
-  the sender's own entry;
+* every device is a thread of the clock library (``pallas_np.clocks``) with
+  a vector clock; a remote write ticks the sender's own entry;
 * a signal (a remote ``semaphore_signal``, a remote DMA counting the peer's
-  receive semaphore and its own send semaphore) joins the sender's clock
-  into the semaphore's clock;
-* a satisfied wait joins the semaphore's clock into the waiter's clock;
+  receive semaphore and its own send semaphore) releases the sender's clock
+  onto the semaphore;
+* a satisfied wait acquires the semaphore's clock;
 * each element written remotely remembers its writer and the writer's clock
   entry at that time; a later remote write to it by another device, or a
   read or write by its owner, whose clock has not seen that entry is a race
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pallas_np.clocks import VectorClocks, byte_offsets, ordered
 from pallas_np.errors import RaceError
-from pallas_np.races import byte_offsets
 
 
 class _Write:
@@ -68,30 +68,25 @@ class DeviceRaces:
 
   def __init__(self, n: int, kernel: str):
     self.kernel = kernel
-    self.clocks = np.zeros((n, n), np.int64)
-    self.sem_clocks: dict[int, np.ndarray] = {}
+    self.clocks = VectorClocks(n)  # the devices' clocks; semaphores are sync objects
     # id(buffer) -> _Shadow
     self.shadows: dict[int, _Shadow] = {}
     self.writes: list[_Write] = []
 
   def tick(self, dev: int) -> int:
-    self.clocks[dev, dev] += 1
-    return int(self.clocks[dev, dev])
+    return self.clocks.tick(dev)
 
   def signal(self, dev: int, sem_address: int):
     """``dev`` signals the semaphore at ``sem_address``."""
-    self.tick(dev)
-    clock = self.sem_clocks.get(sem_address)
-    if clock is None:
-      self.sem_clocks[sem_address] = self.clocks[dev].copy()
-    else:
-      np.maximum(clock, self.clocks[dev], out=clock)
+    self.clocks.release(dev, sem_address)
 
   def waited(self, dev: int, sem_address: int):
     """``dev``'s wait on the semaphore at ``sem_address`` was satisfied."""
-    clock = self.sem_clocks.get(sem_address)
-    if clock is not None:
-      np.maximum(self.clocks[dev], clock, out=self.clocks[dev])
+    self.clocks.acquire(dev, sem_address)
+
+  def _knows(self, dev: int, writer: int, step: int) -> bool:
+    """Has ``dev`` learnt of ``writer``'s access at ``step``?"""
+    return bool(ordered(step, self.clocks.program[dev, writer]))
 
   def _shadow(self, buffer: np.ndarray) -> _Shadow:
     entry = self.shadows.get(id(buffer))
@@ -111,11 +106,10 @@ class DeviceRaces:
       return
     clock = self.tick(dev)
     point = tuple(int(p) for p in grid_point)
-    mine = self.clocks[dev]
     seen = shadow.record[elems]
     for k in np.unique(seen[seen >= 0]):
       w = self.writes[int(k)]
-      if w.device != dev and mine[w.device] < w.clock:
+      if w.device != dev and not self._knows(dev, w.device, w.clock):
         where = self._where(buffer, elems[int(np.argmax(seen == k))])
         raise RaceError(
             f"data race across devices in kernel '{self.kernel}': device {dev} writes "
@@ -125,7 +119,7 @@ class DeviceRaces:
             "either may land last",
             buffer=name, grid_points=(w.grid_point, point), element=where)
     if owner_dev != dev:
-      unseen = shadow.owner_clock[elems] > mine[owner_dev]
+      unseen = ~ordered(shadow.owner_clock[elems], self.clocks.program[dev, owner_dev])
       if unseen.any():
         where = self._where(buffer, elems[int(np.argmax(unseen))])
         raise RaceError(
@@ -146,10 +140,9 @@ class DeviceRaces:
     shadow = self._shadow(buffer)
     seen = shadow.record[elems]
     if (seen >= 0).any():
-      mine = self.clocks[dev]
       for k in np.unique(seen[seen >= 0]):
         w = self.writes[int(k)]
-        if w.device != dev and mine[w.device] < w.clock:
+        if w.device != dev and not self._knows(dev, w.device, w.clock):
           where = self._where(buffer, elems[int(np.argmax(seen == k))])
           verb = "reads" if kind == "read" else "writes"
           raise RaceError(

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pallas_np.clocks import Shadow, accessed_elements, byte_offsets  # noqa: F401 - races.*'s
 from pallas_np.errors import RaceError
 
 _state = threading.local()
@@ -64,28 +65,6 @@ def is_gpu(compiler_params) -> bool:
   return "triton" in module or "mosaic_gpu" in module
 
 
-class _Region:
-  __slots__ = ("name", "start", "end", "itemsize", "shape", "size", "step",
-               "group", "scratch", "written")
-
-  def __init__(self, name, arr: np.ndarray, scratch: bool):
-    self.name = name
-    self.start = arr.__array_interface__["data"][0]
-    self.end = self.start + arr.nbytes
-    self.itemsize = arr.itemsize
-    self.shape = arr.shape
-    self.size = arr.size
-    self.step = self.group = None  # allocated at the first write
-    self.scratch = scratch
-    self.written = False
-
-  def ensure(self):
-    if not self.written:
-      self.written = True
-      self.step = np.full(self.size, -1, np.int32)   # last writer's grid step
-      self.group = np.full(self.size, -1, np.int32)  # last writer's parallel group
-
-
 class RaceDetector:
   """Shadow memory for one run of one kernel over its grid."""
 
@@ -96,7 +75,7 @@ class RaceDetector:
     self.group_axes = tuple(group_axes)
     self.group_shape = tuple(self.grid[a] for a in self.group_axes)
     self.semantics_note = semantics_note
-    self.regions: list[_Region] = []
+    self.regions: list[Shadow] = []
     self.step = 0
     self.point: tuple[int, ...] = ()
     self.group = 0
@@ -114,7 +93,7 @@ class RaceDetector:
 
   def track(self, name: str, arr: np.ndarray, *, scratch: bool = False):
     if isinstance(arr, np.ndarray) and arr.size:
-      self.regions.append(_Region(name, arr, scratch))
+      self.regions.append(Shadow(name, arr, scratch))
 
   def begin(self, step: int, point: Sequence[int], block_indices=()):
     """Enter grid point ``point``; ``block_indices[b]`` is operand b's
@@ -217,7 +196,7 @@ class RaceDetector:
       region.step[elems] = self.step
       region.group[elems] = self.group
 
-  def _report(self, region: _Region, elem: int, other_step: int, kind: str):
+  def _report(self, region: Shadow, elem: int, other_step: int, kind: str):
     other = self._point_of(other_step)
     where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
     verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
@@ -237,7 +216,7 @@ def _is_basic(index) -> bool:
   return not any(isinstance(i, np.ndarray) or isinstance(i, (list, tuple)) for i in items)
 
 
-def _shadow_views(region: _Region, ptr: int, view: np.ndarray):
+def _shadow_views(region: Shadow, ptr: int, view: np.ndarray):
   """(group, step) shadow arrays laid out like ``view`` (same shape, strides
   scaled), so ``shadow[index]`` selects exactly what ``view[index]`` does;
   None when the view's element size differs from the buffer's (bitcasts)."""
@@ -249,29 +228,6 @@ def _shadow_views(region: _Region, ptr: int, view: np.ndarray):
   as_strided = np.lib.stride_tricks.as_strided
   return (as_strided(region.group[start:], view.shape, strides),
           as_strided(region.step[start:], view.shape, strides))
-
-
-def byte_offsets(view: np.ndarray) -> np.ndarray:
-  """Byte offset of each element of ``view`` from its first element."""
-  off = np.zeros((), np.int64)
-  for d, (n, s) in enumerate(zip(view.shape, view.strides)):
-    shape = [1] * view.ndim
-    shape[d] = n
-    off = off + (np.arange(n, dtype=np.int64) * s).reshape(shape)
-  return np.broadcast_to(off, view.shape)
-
-
-def accessed_elements(view, index, mask, ptr: int, start: int, itemsize: int) -> np.ndarray:
-  """Element numbers (``itemsize`` units from ``start``) of the elements an
-  access ``view[index]`` (where ``mask``) touches; ``ptr`` is ``view``'s
-  address. Works for any view: strided, bitcast, broadcast."""
-  offsets = byte_offsets(view)
-  if index is not Ellipsis:
-    offsets = offsets[index]
-  offsets = np.asarray(offsets)
-  if mask is not None:
-    offsets = offsets[np.broadcast_to(np.asarray(mask, bool), offsets.shape)]
-  return ((ptr - start) + offsets.ravel()) // itemsize
 
 
 def note(view, index, kind: str, mask=None):

@@ -356,19 +356,3 @@ def test_error_in_a_warp_names_it():
   f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32), compiler_params=WG)
   with pytest.raises(KernelError, match=r"warp 3 .*test_mosaic_gpu_cluster\.py"):
     _run(f, _x((16, 128), 0))
-
-
-def test_semaphore_kernel_with_a_cluster_raises():
-  """Kernels whose blocks wait on semaphores run on the device scheduler,
-  which has no clusters yet: a 2-block cluster there raises instead of
-  running its blocks without cluster state."""
-  def body(o_ref):
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
-    pl.semaphore_signal(sem)
-    pl.semaphore_wait(sem, 1)
-    o_ref[...] = jnp.ones_like(o_ref)
-
-  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32), cluster=(2,),
-                   cluster_names=("x",))
-  with pytest.raises(pallas_np.UnsupportedError, match="clusters of more than one block"):
-    _run(f)

@@ -118,14 +118,6 @@ def test_wait_between_blocks_never_signalled_raises():
   assert "test_mosaic_gpu_devices.py" in msg and "block (0,)" in msg
 
 
-def test_detect_races_with_semaphores_is_unsupported():
-  x = jnp.ones((16, 128), jnp.float32)
-  params = pallas_np.InterpretParams(detect_races=True)
-  with pallas_np.force_numpy_interpret(params), pytest.raises(UnsupportedError,
-                                                              match="detect_races"):
-    _blocks_handshake(x)
-
-
 def test_remote_ref_outside_shard_map():
   """Device 0 is the only device: a remote ref to it is the ref itself; to
   device 1, UnsupportedError."""

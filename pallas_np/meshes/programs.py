@@ -21,6 +21,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import devices, races
+from pallas_np.clocks import VectorClocks, ordered
 from pallas_np.errors import KernelError, RaceError, UnsupportedError
 from pallas_np.grid import KernelPlan
 from pallas_np.memory import allocate
@@ -177,17 +178,6 @@ def _unsupported(msg):
 
 
 # -- races ---------------------------------------------------------------------------
-class VectorClocks:
-  """Vector clocks of the programs and of the semaphores (shared)."""
-
-  def __init__(self, n):
-    self.lock = threading.Lock()
-    self.program = np.zeros((n, n), np.int64)
-    np.fill_diagonal(self.program, 1)
-    self.semaphore: dict[int, np.ndarray] = {}
-    self.detectors: list = []
-
-
 def track_shared(name, buffers):
   """Track buffers programs share that appear while they run (collective
   run_scoped allocations) in the active mesh race detector, if any."""
@@ -226,23 +216,13 @@ class ProgramRaceDetector(races.RaceDetector):
 
   def begin(self, step, point, block_indices=()):
     self.group = self.me
-    self.step = int(self.clocks.program[self.me, self.me])
+    self.step = self.clocks.step(self.me)
 
   def release(self, semaphore_key):
-    c = self.clocks
-    with c.lock:
-      mine = c.program[self.me]
-      old = c.semaphore.get(semaphore_key)
-      c.semaphore[semaphore_key] = mine.copy() if old is None else np.maximum(old, mine)
-      mine[self.me] += 1
-      self.step = int(mine[self.me])
+    self.step = self.clocks.release(self.me, semaphore_key)
 
   def acquire(self, semaphore_key):
-    c = self.clocks
-    with c.lock:
-      sem = c.semaphore.get(semaphore_key)
-      if sem is not None:
-        np.maximum(c.program[self.me], sem, out=c.program[self.me])
+    self.clocks.acquire(self.me, semaphore_key)
 
   def _access_general(self, region, ptr, view, index, kind, mask):
     elems = races.accessed_elements(view, index, mask, ptr, region.start, region.itemsize)
@@ -250,8 +230,8 @@ class ProgramRaceDetector(races.RaceDetector):
       return
     writer = region.group[elems]
     when = region.step[elems]
-    known = self.clocks.program[self.me][np.maximum(writer, 0)]
-    unordered = (writer >= 0) & (writer != self.me) & (when > known)
+    known = self.clocks.knows(self.me, writer)
+    unordered = (writer >= 0) & (writer != self.me) & ~ordered(when, known)
     if (kind != "write" or not region.scratch) and unordered.any():
       k = int(np.argmax(unordered))
       self._report_programs(region, int(elems[k]), int(writer[k]), kind)

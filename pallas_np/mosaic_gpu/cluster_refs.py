@@ -1,8 +1,8 @@
 """``plgpu.cluster_ref(ref, {axis: index})``: the same SMEM buffer in
 another block of the cluster (distributed shared memory), read and written
 in place. Ref accessors have no run context, so the block a warpgroup
-thread runs in is kept per thread (``activate``), set by the executor
-(``pallas_np.mosaic_gpu.kernel``); the buffer's peer is found through the
+thread runs in is kept per thread (``activate``), set by the one context
+builder (``pallas_np.mosaic_gpu.device_blocks``); the buffer's peer is found through the
 allocation site (``cluster.ClusterState.peer_view``). Not seen by
 ``detect_races``; not available inside ``plgpu.warp_map`` warps."""
 from __future__ import annotations

@@ -1,46 +1,35 @@
-"""Mosaic GPU kernels whose blocks wait on semaphores, or that run on the
-devices of a ``shard_map`` (``plgpu.remote_ref``, multimem, semaphores
-signalled across devices): one kernel instance per device.
+"""One Mosaic GPU kernel instance (one device): its clusters, blocks and
+warpgroup threads on the one scheduler (``threads.Scheduler``), and the run
+context each thread gets (``Launch.context``: the one context builder).
 
-Such a kernel may make a block wait for another block (``pl.get_global``
-semaphores: JAX's collective matmul waits until every block of the
-neighbour device has sent its part) or for another device. So the blocks
-of a device do not run one after another: every block's warpgroups are
-threads of one scheduler with one *baton*. The baton holder runs until it
-finishes or waits (a barrier, a semaphore), then hands the baton to the
-next thread that can go on, round robin over the started blocks; when none
-can, the next block starts (blocks start in order, as many as the waits
-need). When no thread of the device can go on and every block has started,
-only another device can help: the device waits on its multi-device session
-(``pallas_np.devices``), which raises on a deadlock across devices, naming
-every waiting warpgroup with its block, kernel line and device.
+Clusters (points of ``grid``) come from the launch queue
+(``cluster.WorkQueue``: a ``try_cluster_cancel`` claims later ones); each is
+a ``threads.Group`` of every warpgroup of each of its blocks. A kernel that
+waits on semaphores (``pl.semaphore_wait``, ``pl.get_global``) or talks to
+other devices (``plgpu.remote_ref``, multimem, semaphores signalled across
+devices, a ``shard_map``) may make a block wait for a later block or for
+another device, so its clusters *overlap*: the next one starts whenever no
+started thread can go on, and the instance joins a multi-device session
+(``pallas_np.devices``; a one-device session outside ``shard_map``) whose
+lock its semaphores use. Other kernels run their clusters one after
+another, without a session.
 
 Memory: GMEM refs are the kernel's operands and outputs on each device
 (symmetric, as on GPUs: ``remote_ref``, ``multimem_*`` and semaphores on a
 peer name its copy of the same ref); ``run_scoped`` semaphores are per block
-(the same block on a peer), ``pl.get_global`` ones per device. A kernel run
-outside ``shard_map`` gets a one-device session, so waits between its own
-blocks deadlock-check the same way."""
+(the same block on a peer), ``pl.get_global`` ones per device."""
 from __future__ import annotations
 
 import itertools
-import threading
-from types import SimpleNamespace
 
 import numpy as np
 
-from pallas_np import _compat as jc
-from pallas_np import devices
+from pallas_np import blas, devices, races
 from pallas_np.compiler import RunContext
 from pallas_np.errors import KernelError, UnsupportedError
-from pallas_np.mosaic_gpu import peers, threads
-from pallas_np.state.refs import SHARED_SCOPE_KEY
-
-_KEY = "mgpu_thread_key"  # RunContext.extra: (block number, warpgroup)
-
-
-class _Aborted(BaseException):
-  """Another thread of the device failed: stop this one (not an error of its own)."""
+from pallas_np.mosaic_gpu import cluster as cluster_mod
+from pallas_np.mosaic_gpu import cluster_refs, inline, peers, race_clocks, threads
+from pallas_np.state.refs import PRIVATE_SCOPE_KEY, SHARED_SCOPE_KEY
 
 
 class BlockDevice(devices.DeviceContext):
@@ -65,164 +54,100 @@ class BlockDevice(devices.DeviceContext):
     return super().scoped_semaphore(("global", key), fresh)
 
   def wait_in_turn(self, ctx, pred, what):
-    self.scheduler.wait(ctx, pred, what, None)
+    """A semaphore wait (``devices.block_until``): through the scheduler."""
+    self.scheduler.wait_until(ctx.extra[threads.TASK_KEY], pred, what, None)
 
 
-def _semaphore_positions(eqn) -> list[int]:
-  avals = [getattr(v.aval, "inner_aval", v.aval) for v in eqn.params["jaxpr"].invars]
-  return [i for i, a in enumerate(avals) if jc.is_semaphore_dtype(a.dtype)]
+class Launch:
+  """One kernel instance: ``run()`` runs every cluster to its end."""
 
-
-class DeviceBlockState(threads.BlockState):
-  """A block whose waits go through the device's scheduler."""
-
-  def __init__(self, scheduler, describe: str, num_threads: int, kernel_name: str, device):
-    super().__init__(describe, num_threads, kernel_name)
-    self.scheduler = scheduler
-    self.device = device
-
-  def wait_until(self, ctx, predicate, what: str, where: str):
-    self.scheduler.wait(ctx, predicate, what, where)
-
-  def shared_scope(self, ctx, eqn, fresh):
-    t = ctx.extra.get(threads.THREAD_KEY, 0)
-    n = self.entries.get((t, id(eqn)), 0)
-    bufs = super().shared_scope(ctx, eqn, fresh)
-    for i in _semaphore_positions(eqn):  # a peer may signal them
-      bufs[i] = self.device.scoped_semaphore((id(eqn), n, i), bufs[i])
-    return bufs
-
-
-class DeviceScheduler:
-  """The warpgroups of every block of one device instance, one baton."""
-
-  def __init__(self, kernel, device: devices.DeviceContext, ins, outs):
+  def __init__(self, kernel, ins, outs, device=None):
     self.kernel = kernel
-    self.device = device
-    self.cond = device.session.cond
     self.ins, self.outs = ins, outs
-    self.blocks = list(itertools.product(*map(range, kernel.block_shape)))
-    self.n = kernel.num_threads
-    self.started = 0
-    self.order: list = []  # (block number, warpgroup), in start order
-    self.waiting: dict = {}  # key -> (predicate, what, where) while it waits
-    self.done: set = set()
-    self.cvs: dict = {}  # key -> its Condition on the session lock
-    self.states: list = []
-    self.turn = None
-    self.failed: BaseException | None = None
-    self.errors: list = []
-    self.pythreads: list = []
+    self.device = device  # the instance's DeviceContext (overlapping clusters), or None
+    mesh = kernel.mesh
     sizes = dict(zip(kernel.block_names, kernel.block_shape))
     if kernel.thread_name is not None:
-      sizes[kernel.thread_name] = self.n
+      sizes[kernel.thread_name] = kernel.num_threads
     self.sizes = sizes
     self.num_programs = tuple(np.int32(s) for s in sizes.values())
+    self.cluster_shape = tuple(int(c) for c in mesh.cluster)
+    self.cluster_coords = list(itertools.product(*map(range, self.cluster_shape)))
+    self.work = cluster_mod.WorkQueue(tuple(int(g) for g in mesh.grid))
+    self.detection = None
+    overlap = device is not None
+    if kernel.params.detect_races:
+      gmem = [(f"operand {i}", a) for i, a in enumerate(ins)]
+      gmem += [(f"output {i}", o) for i, o in enumerate(outs)
+               if not any(o is a for a in ins)]  # aliased: registered as its operand
+      self.detection = race_clocks.KernelRaces(
+          kernel.name, kernel.num_threads, kernel.thread_name is not None, gmem,
+          self.cluster_coords, kernel.slots_per_wg,
+          clusters=len(self.work.order) if overlap else None)
+    self.names: dict = {}  # cluster number -> its grid point (race reports)
+    lock = device.session.cond if overlap else None
+    self.sched = threads.Scheduler(kernel.name, lock, overlap, device)
+    if overlap:
+      self.sched.describe = "the blocks of this kernel"
 
-  # -- the baton (self.cond held) ------------------------------------------------
-  def _can_run(self, key) -> bool:
-    if key in self.done:
-      return False
-    w = self.waiting.get(key)
-    return w is None or w[0]()
+  def run(self):
+    self.sched.run(self._clusters())
 
-  def _next_runnable(self, me):
-    n = len(self.order)
-    start = self.order.index(me) + 1 if me in self.order else 0
-    for step in range(n):
-      key = self.order[(start + step) % n]
-      if self._can_run(key):
-        return key
-    return None
+  def _clusters(self):
+    for number, point in enumerate(self.work.launch()):
+      yield self._cluster(number, tuple(point))
 
-  def _describe_waits(self) -> str:
-    lines = []
-    for (b, t), (_, what, where) in sorted(self.waiting.items()):
-      wg = f" warpgroup {t}" if self.kernel.thread_name is not None else ""
-      at = f" at {where}" if where else ""
-      lines.append(f"block {self.blocks[b]}{wg}: {what}{at}")
-    return "; ".join(lines)
+  # -- one cluster -------------------------------------------------------------------
+  def _cluster(self, number: int, point) -> threads.Group:
+    """The blocks of the cluster at grid point ``point``, as one group of threads."""
+    kernel = self.kernel
+    multi = len(self.cluster_coords) > 1
+    cl = cluster_mod.ClusterState(kernel.mesh.cluster_names, self.cluster_shape, point,
+                                  self.work) if multi else None
+    blocks = [point + tuple(c) for c in self.cluster_coords]
+    descs = [str(b) for b in blocks]
+    states = []
+    for i, (block, desc) in enumerate(zip(blocks, descs)):
+      dev = BlockDevice(self.device, block, self.sched) if self.device is not None else None
+      st = threads.BlockState(desc, kernel.num_threads, kernel.name, self.sched, cl, i, dev)
+      st.slots_per_wg = kernel.slots_per_wg
+      st.work = self.work
+      st.grid_names = tuple(kernel.mesh.grid_names)
+      st.thread_axis = kernel.thread_name
+      states.append(st)
+    make_detector = None
+    if self.detection is not None:
+      self.names[number] = str(point)
+      make_detector = self.detection.block(number, str(point), self.names, point)
+    named = kernel.thread_name is not None
+    always_block = multi or self.device is not None  # several blocks may be waiting
+    fns = []
+    for b, block in enumerate(blocks):
+      for t in range(kernel.num_threads):
+        who = f"warpgroup {t}" if named else "the block"
+        if always_block:
+          who = f"{who} of block {descs[b]}" if named else f"block {descs[b]}"
+        fns.append((who, self._thread_fn(states[b], block, b, t, make_detector),
+                    self._wrapper(block, t)))
+    name = f"block {descs[0]}" if not multi else f"the cluster of blocks {', '.join(descs)}"
 
-  def _give(self, key):
-    self.turn = key
-    if key is not None:
-      self.cvs[key].notify()
+    def on_end():
+      for st in states:
+        st.finish()  # the blocks' outstanding copies land
+      if self.detection is not None:
+        self.detection.end_block(number)
+    return threads.Group(name, fns, on_end)
 
-  def _hand_over(self, me):
-    """Give the baton to the next thread that can go on; start blocks as
-    needed; when nothing on this device can go on, wait for other devices."""
-    while True:
-      nxt = self._next_runnable(me)
-      if nxt is not None:
-        self._give(nxt)
-        return
-      if self.started < len(self.blocks):
-        self._start_block()
-        continue
-      if not self.waiting:
-        self._give(None)  # every thread finished
-        self.cond.notify_all()
-        return
-      where = SimpleNamespace(device=self.device, grid_point=())
-      devices.block_until(where, lambda: self._next_runnable(me) is not None,
-                          f"Mosaic GPU kernel '{self.kernel.name}': {self._describe_waits()}")
+  def _wrapper(self, block, t):
+    def wrap(err, warp=None):
+      if isinstance(err, KernelError):
+        return err
+      return self.kernel.block_error(err, block, t, warp)
+    return wrap
 
-  def _fail(self, err):
-    if self.failed is None:
-      self.failed = err
-    for cv in self.cvs.values():
-      cv.notify()
-    self.cond.notify_all()
-
-  def wait(self, ctx, pred, what: str, where):
-    """The calling warpgroup waits until ``pred()`` (a barrier phase, a
-    semaphore value), letting the device's other threads run meanwhile."""
-    if pred():
-      return
-    key = ctx.extra[_KEY]
-    with self.cond:
-      self.waiting[key] = (pred, what, where)
-      try:
-        self._hand_over(key)
-      except BaseException as err:
-        self.waiting.pop(key, None)
-        self._fail(err)
-        raise
-      self._park(key)
-      self.waiting.pop(key, None)
-      if self.failed is not None:
-        raise _Aborted()
-
-  def _park(self, key):
-    """Wait until ``key`` holds the baton or the run failed. The wait
-    releases the session lock however deeply the caller holds it (a
-    semaphore wait holds it), so peers and the other threads can go on."""
-    cv = self.cvs[key]
-    with self.cond:
-      while self.turn != key and self.failed is None:
-        cv.wait()
-
-  # -- blocks and threads --------------------------------------------------------
-  def _start_block(self):
-    number = self.started
-    self.started += 1
-    block = self.blocks[number]
-    state = DeviceBlockState(self, str(block), self.n, self.kernel.name, None)
-    state.device = BlockDevice(self.device, block, self)
-    self.states.append(state)
-    for t in range(self.n):
-      key = (number, t)
-      self.order.append(key)
-      self.cvs[key] = threading.Condition(self.cond)
-      th = threading.Thread(target=self._body, args=(key,),
-                            name=f"pallas_np-b{number}-wg{t}", daemon=True)
-      self.pythreads.append(th)
-      th.start()
-
-  def _context(self, key) -> RunContext:
-    number, t = key
-    kernel, block = self.kernel, self.blocks[number]
-    state = self.states[number]
+  def context(self, state, block, b: int, t: int, task, make_detector) -> RunContext:
+    """The run context of warpgroup ``t`` of block ``b`` of a cluster."""
+    kernel = self.kernel
     ctx = RunContext(kernel.name, kernel.params)
     coords = (*block, t) if kernel.thread_name is not None else block
     ctx.program_ids = tuple(np.int32(c) for c in coords)
@@ -230,71 +155,41 @@ class DeviceScheduler:
     ctx.grid_point = block
     ctx.extra["mesh_axes"] = {n: np.int32(c) for n, c in zip(self.sizes, coords)}
     ctx.extra["mesh_sizes"] = self.sizes
+    ctx.extra[inline.MESH_KEY] = kernel.mesh  # special registers of inline_mgpu bodies
     ctx.extra[threads.BLOCK_KEY] = state
     ctx.extra[threads.THREAD_KEY] = t
+    ctx.extra[threads.SLOT_KEY] = (b * kernel.num_threads + t) * kernel.slots_per_wg
+    ctx.extra[threads.TASK_KEY] = task
     ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
-    ctx.extra[_KEY] = key
+    if state.cluster is not None:
+      ctx.extra[PRIVATE_SCOPE_KEY] = state.private_scope
+    ctx.extra[threads.ERROR_KEY] = self._wrapper(block, t)
+    ctx.extra[threads.DETECTOR_KEY] = make_detector
     ctx.device = state.device
     return ctx
 
-  def _body(self, key):
-    number, t = key
-    peers.activate(self.states[number].device)
-    self._park(key)
-    error = None
-    try:
-      if self.failed is None:
-        ctx = self._context(key)
-        try:
-          self.kernel.plan.fn(ctx, *self.ins, *self.outs)
-        except (KernelError, _Aborted):
-          raise
-        except Exception as e:
-          raise self.kernel.block_error(e, self.blocks[number], t) from e
-    except _Aborted:
-      pass
-    except BaseException as err:  # noqa: BLE001 - re-raised by run()
-      error = err
-    with self.cond:
-      if error is not None:
-        self.errors.append(error)
-        self._fail(error)
-      self.done.add(key)
-      if all((number, u) in self.done for u in range(self.n)) and self.failed is None:
-        try:
-          self.states[number].finish()  # the block's outstanding copies land
-        except BaseException as err:  # noqa: BLE001
-          self.errors.append(err)
-          self._fail(err)
-      if self.failed is None and self.turn == key:
-        try:
-          self._hand_over(key)
-        except BaseException as err:  # noqa: BLE001 - a deadlock across devices
-          self.errors.append(self._wrap(err, number, t))
-          self._fail(err)
-      self.cond.notify_all()
+  def _thread_fn(self, state, block, b, t, make_detector):
+    plan = self.kernel.plan.fn
+    args = (*self.ins, *self.outs)
 
-  def _wrap(self, err, number, t):
-    if isinstance(err, KernelError):
-      return err
-    return self.kernel.block_error(err, self.blocks[number], t)
-
-  def _finished(self) -> bool:
-    if self.failed is not None:
-      return len(self.done) == len(self.order)
-    return self.started == len(self.blocks) and len(self.done) == len(self.order)
-
-  def run(self):
-    with self.cond:
-      self._hand_over(None)
-      while not self._finished():
-        self.cond.wait(timeout=1.0)
-    for th in self.pythreads:
-      th.join()
-    if self.errors:
-      raise self.errors[0]
-    if self.failed is not None:
-      raise self.failed
+    def run_thread(task):
+      if state.device is not None:
+        peers.activate(state.device)
+      ctx = self.context(state, block, b, t, task, make_detector)
+      cluster_refs.activate(state)  # plgpu.cluster_ref resolves against this block
+      try:
+        if make_detector is None:
+          plan(ctx, *args)
+        else:
+          with races.activate(make_detector(ctx.extra[threads.SLOT_KEY])):
+            plan(ctx, *args)
+      except (KernelError, threads.Aborted):
+        raise
+      except Exception as e:
+        raise self.kernel.block_error(e, block, t) from e
+      finally:
+        cluster_refs.activate(None)
+    return run_thread
 
 
 def _one_device(placement, targets) -> devices.DeviceContext:
@@ -306,12 +201,19 @@ def _one_device(placement, targets) -> devices.DeviceContext:
   return me
 
 
-def run(kernel, ins, outs, placement, remote: bool):
-  """Run ``kernel`` (a ``MeshKernel``) as one device's instance."""
-  if kernel.params.detect_races:
+def run(kernel, ins, outs, placement, remote: bool, waits: bool):
+  """Run ``kernel`` (a ``MeshKernel``) as one device's instance; clusters
+  overlap when it waits on semaphores or runs across devices."""
+  if not (placement is not None or remote or waits):
+    with blas.kernel_run():  # small GEMMs (wgmma, tcgen05_mma) on one BLAS thread
+      Launch(kernel, ins, outs).run()
+    return outs
+  if kernel.params.detect_races and remote and placement is not None \
+      and placement.num_devices > 1:
     raise UnsupportedError(
-        f"pallas_np: detect_races=True on Mosaic GPU kernel '{kernel.name}', which waits on "
-        "semaphores or talks to other devices: race detection is not supported there yet")
+        f"pallas_np: detect_races=True on Mosaic GPU kernel '{kernel.name}', which runs on "
+        f"{placement.num_devices} devices: races across devices are not detected in Mosaic "
+        "GPU kernels yet (run it outside shard_map, or without detect_races)")
   targets = [*ins, *outs]
   me = devices.enter(placement, targets) if placement is not None and remote else \
       _one_device(placement, targets)
@@ -319,7 +221,7 @@ def run(kernel, ins, outs, placement, remote: bool):
                      *(f"output {i}" for i in range(len(outs)))]
   error = None
   try:
-    DeviceScheduler(kernel, me, ins, outs).run()
+    Launch(kernel, ins, outs, me).run()
   except BaseException as e:
     error = e
     raise

@@ -9,13 +9,15 @@ TMA unit, tensor core and TMEM-load agents under ``detect_races=True``
 theirs)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import races, registry
 from pallas_np.compiler import RunContext
 from pallas_np.errors import KernelError
-from pallas_np.mosaic_gpu import operands, threads
+from pallas_np.mosaic_gpu import operands, peers, threads
 
 
 def _warp_mesh(params):
@@ -59,14 +61,16 @@ def compile_warp_map(e: registry.EqnInfo):
     joins = [object() for _ in range(num_warps)]
     wrap = ctx.extra.get(threads.ERROR_KEY)
 
-    def run_warp(w):
+    def run_warp(w, task):
       wctx = RunContext(ctx.kernel_name, ctx.params, ctx.program_ids, ctx.num_programs)
       wctx.grid_point = ctx.grid_point
       wctx.device = ctx.device
       wctx.extra = dict(ctx.extra)
       wctx.extra["mesh_axes"] = {**ctx.extra.get("mesh_axes", {}), axis: np.int32(w)}
       wctx.extra[threads.SLOT_KEY] = slot + 1 + w
-      wctx.extra[threads.TASK_KEY] = state.sched.turn
+      wctx.extra[threads.TASK_KEY] = task
+      if ctx.device is not None:  # a thread of its own: its device for remote refs
+        peers.activate(ctx.device)
       try:
         if det is None:
           plan(wctx, *args)
@@ -84,7 +88,8 @@ def compile_warp_map(e: registry.EqnInfo):
         raise wrap(err, w) from err
 
     base = parent.name
-    state.sched.spawn(parent, [(f"warp {w} of {base}", (lambda w=w: run_warp(w)))
+    state.sched.spawn(parent, [(f"warp {w} of {base}", functools.partial(run_warp, w),
+                                (lambda err, w=w: wrap(err, w)) if wrap else None)
                                for w in range(num_warps)], where)
     if det is not None:
       for j in joins:
