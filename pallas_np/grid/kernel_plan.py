@@ -14,11 +14,12 @@ Semantics mirrored from ``jax._src.pallas.hlo_interpreter``: edge blocks read
 padding filled with the "uninitialized" value and their writes to padding are
 dropped; outputs start uninitialized unless aliased to an input; scratch
 persists across grid steps; input refs the kernel writes to are private
-copies.
+copies. An aliased input whose ref is the HBM buffer itself (memory space
+ANY/HBM/GMEM, or any block of a GPU kernel) and its output are *one* buffer,
+as on the hardware and in JAX's TPU interpret mode (``shared_aliases``).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
@@ -30,6 +31,7 @@ from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
 from pallas_np.grid import lanes, threads, vectorize
 from pallas_np.grid.blocks import BlockGeometry, index_map_origin
+from pallas_np.grid.buffers import BufferSetup
 from pallas_np.memory import allocate
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
@@ -79,6 +81,14 @@ class KernelPlan:
     written = jc.written_invar_positions(jaxpr)
     self.written_inputs = frozenset(
         i for i in range(self.num_index + self.num_inputs) if i in written)
+    # The one place operands become a run's buffers (padding, private
+    # copies, aliased outputs; pallas_np.grid.buffers).
+    self.setup = BufferSetup(self.blocks, gm.block_mappings, num_index=self.num_index,
+                             num_inputs=self.num_inputs,
+                             out_for_in=self.out_for_in, written=self.written_inputs,
+                             params=params, compiler_params=compiler_params)
+    # output -> operand position of the aliased pairs that are one buffer
+    self.shared_aliases = self.setup.shared
     self.clamp = params.bounds_check == "clamp"
     self.parallel_prefix = _parallel_prefix(compiler_params or {}, len(self.grid))
     if gm.local_grid_env is not None:
@@ -95,7 +105,6 @@ class KernelPlan:
     self._static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
     self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
     # Built on the first run, then reused by every call (the per-call floor):
-    self._preps = None  # how each operand becomes a buffer (_operand_preps)
     self._single = None  # a one-point grid's _SinglePoint, or False (set by run)
     self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
     self._schedules = {}  # grid -> the grid loop's steps, or False (_grid_schedule)
@@ -177,7 +186,7 @@ class KernelPlan:
     finally:
       devices.leave(me, error)
     self.last_mode = "sequential"
-    return self._results(out_bufs)
+    return self.setup.results(out_bufs)
 
   def _run(self, *args) -> list[np.ndarray]:
     cores = self.params.num_cores > 1 and self.parallel_prefix
@@ -192,7 +201,7 @@ class KernelPlan:
     if cores:
       self._run_cores(grid, index_ops, buffers)
       self.last_mode = "sequential"
-      return self._results(out_bufs)
+      return self.setup.results(out_bufs)
     if self._threads is None:
       self._threads = threads.ThreadPlan(self)
     if self._threads.reason is None:
@@ -201,7 +210,7 @@ class KernelPlan:
         failure = threads.run(self, grid, index_ops, buffers, chunks)
         if failure is None:
           self.last_mode = "threaded"
-          return self._results(out_bufs)
+          return self.setup.results(out_bufs)
         fallback = ("threaded", failure)
         grid, index_ops, buffers, out_bufs = self._prepare(args)  # fresh, to re-run
     scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
@@ -214,7 +223,7 @@ class KernelPlan:
     if fallback is not None:  # the fast path failed where this run did not
       check_fallback(fallback[1], fallback[0], self.name)
     self.last_mode = "sequential"
-    return self._results(out_bufs)
+    return self.setup.results(out_bufs)
 
   def _run_vectorized(self, args):
     """(outputs, None, None) of a batched grid (pallas_np.grid.vectorize);
@@ -241,65 +250,28 @@ class KernelPlan:
     if isinstance(out_bufs, vectorize.Declined):
       return None, None, out_bufs.prepared
     self.last_mode = "vectorized"
-    return self._results(out_bufs), None, None
+    return self.setup.results(out_bufs), None, None
 
   def _prepare(self, args):
     """(grid, scalar-prefetch operands, input and output buffers, output
     buffers) of one run: every buffer fresh or read-only (see
-    ``_operand_preps``)."""
+    ``BufferSetup``)."""
     grid = self._static_grid
     if grid is None:
       dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
       dyn_iter = iter(dyn)
       grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
                    for g in self.grid)
-    preps = self._preps
-    if preps is None:
-      preps = self._preps = self._operand_preps()
-    index_preps, in_preps, out_preps = preps
-    num_index = self.num_index
-    assert len(args) == num_index + self.num_inputs, (len(args), num_index, self.num_inputs)
-    index_ops = [prep(a) for prep, a in zip(index_preps, args)]
-    in_bufs = [prep(x) for prep, x in zip(in_preps, args[num_index:])]
-    out_bufs = [prep(args) for prep in out_preps]
-    return grid, index_ops, in_bufs + out_bufs, out_bufs
-
-  def _operand_preps(self):
-    """Per scalar-prefetch operand and input, a function of the caller's
-    array giving the run's buffer: a private copy where the kernel writes
-    it (the caller's array is not ours to mutate), a padded copy where the
-    shape is not a multiple of the block, else a read-only view (refs read
-    from it without copying). Per output, a function of all operands giving
-    a fresh buffer: the aliased input's copy, or uninitialised memory."""
-    params, written = self.params, self.written_inputs
-    index_preps = [_private_copy if i in written else np.asarray
-                   for i in range(self.num_index)]
-    in_preps = []
-    for i, geo in enumerate(self.blocks[:self.num_inputs]):
-      writes = self.num_index + i in written
-      if geo.needs_padding:
-        pad = functools.partial(_padded, geo, params, not writes,
-                                memory.allocator(geo.padded_shape, geo.dtype, params),
-                                geo.unpadded_index())
-      else:
-        pad = _private_copy if writes else _read_only
-      in_preps.append(pad)
-    out_preps = []
-    for o, geo in enumerate(self.blocks[self.num_inputs:]):
-      if o in self.out_for_in:
-        out_preps.append(functools.partial(_aliased_output, self.out_for_in[o], geo, params))
-      else:
-        out_preps.append(_Fresh(memory.allocator(geo.padded_shape, geo.dtype, params)))
-    return index_preps, in_preps, out_preps
+    assert len(args) == self.num_index + self.num_inputs, (
+        len(args), self.num_index, self.num_inputs)
+    return (grid, *self.setup.buffers(args))
 
   def _run_single_point(self, *args):
     """A one-point grid (``_SinglePoint``): the kernel called once on block
     views of fresh buffers, nothing of the grid loop's machinery."""
     single = self._single
     if single.operand_preps is None:
-      preps = self._preps
-      if preps is None:
-        preps = self._preps = self._operand_preps()
+      preps = self.setup.preps()
       single.operand_preps = (*preps[0], *preps[1])
       single.out_preps = preps[2]
     if len(args) != len(single.operand_preps):
@@ -307,7 +279,7 @@ class KernelPlan:
                       f"got {len(args)}")
     # What _prepare does, for the one grid point: every block cut once.
     operands = [prep(a) for prep, a in zip(single.operand_preps, args)]
-    out_bufs = [prep(args) for prep in single.out_preps]
+    out_bufs = [prep(args, operands) for prep in single.out_preps]
     operands += out_bufs
     for b, idx in single.cuts:
       operands[b] = operands[b][idx]
@@ -329,20 +301,7 @@ class KernelPlan:
     except Exception as e:
       raise self._kernel_error(e, single.point) from e
     self.last_mode = "sequential"
-    return self._results(out_bufs) if single.padded_outputs else out_bufs
-
-  def _results(self, out_bufs):
-    results = []
-    for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
-      if geo.needs_padding:
-        view = buf[geo.unpadded_index()]
-        if view.nbytes <= memory.TEMPLATE_MAX_BYTES:  # (as memory.allocator)
-          buf = view.copy()
-        else:
-          buf = memory.aligned_empty(view.shape, view.dtype)
-          buf[...] = view
-      results.append(buf)
-    return results
+    return self.setup.results(out_bufs) if single.padded_outputs else out_bufs
 
   def _run_cores(self, grid, index_ops, buffers):
     """Megacore: the leading 'parallel' grid dims are split into contiguous
@@ -531,7 +490,7 @@ SCHEDULE_MAX_POINTS = 4096
 class _SinglePoint:
   """What every run of a one-point grid shares: the basic index of each
   block that is not its whole buffer, the scratch allocators, the program
-  ids, whether an output is padded (then cut back by ``_results``)."""
+  ids, whether an output is padded (then cut back by ``BufferSetup.results``)."""
   __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs",
                "operand_preps", "out_preps")
 
@@ -562,52 +521,6 @@ class _SinglePoint:
     self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
     self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
     return self
-
-
-class _Fresh:
-  """An output buffer of uninitialised memory (the operands are ignored)."""
-  __slots__ = ("fresh",)
-
-  def __init__(self, fresh):
-    self.fresh = fresh
-
-  def __call__(self, operands):
-    return self.fresh()
-
-
-def _private_copy(x) -> np.ndarray:
-  return np.array(x)
-
-
-def _read_only(x) -> np.ndarray:
-  """A read-only view of ``x`` (refs read from it without copying)."""
-  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
-  if x.flags.writeable:
-    x = x.view()
-    x.flags.writeable = False
-  return x
-
-
-def _padded(geo, params, read_only, fresh, unpadded, x) -> np.ndarray:
-  """A padded copy of ``x`` (uninitialised padding), read-only unless the
-  kernel writes it; ``fresh``: the allocator of the padded buffer,
-  ``unpadded``: the index of ``x`` in it."""
-  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
-  buf = fresh()
-  if buf.dtype == x.dtype:
-    buf[unpadded] = x
-  else:  # (another dtype than the block's: as BlockGeometry.pad does)
-    buf = geo.pad(x, params)
-  if read_only:
-    buf = buf.view()
-    buf.flags.writeable = False
-  return buf
-
-
-def _aliased_output(source, geo, params, operands) -> np.ndarray:
-  """A fresh buffer holding the aliased input (``input_output_aliases``)."""
-  src = np.asarray(operands[source])
-  return geo.pad(src, params) if geo.needs_padding else np.array(src)
 
 
 def may_use_blas(jaxpr) -> bool:
