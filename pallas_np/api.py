@@ -29,6 +29,7 @@ from pallas_np import devices, fp_state, lru, meshes, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
+from pallas_np.grid.plan_key import structural_key
 from pallas_np.mosaic_gpu import entry as mgpu_entry
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
@@ -36,6 +37,9 @@ from pallas_np.tracing import kernel_to_trace
 # -- plan cache ---------------------------------------------------------------
 PLAN_CACHE_SIZE = 256  # the bound of each cache of compiled plans
 _plan_cache = lru.LRU(PLAN_CACHE_SIZE)
+
+
+_structural_plans = lru.LRU(PLAN_CACHE_SIZE)  # structural key -> plan
 
 
 def _plan_key(params: dict, interp: InterpretParams):
@@ -46,14 +50,21 @@ def _plan_key(params: dict, interp: InterpretParams):
 def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   """Compile (or fetch) the plan of one pallas_call eqn's params.
 
-  Keyed by the identity of the kernel jaxpr and grid mapping (the objects are
-  kept alive by the cache entry, so ids are not reused while cached)."""
+  Looked up by the identity of the kernel jaxpr and grid mapping first (the
+  objects are kept alive by the cache entry, so ids are not reused while
+  cached), then by structure (``grid.plan_key``): a re-traced identical
+  kernel reuses its plan instead of compiling it again."""
   key = _plan_key(params, interp)
   hit = _plan_cache.get(key)
   if hit is not None:
     return hit[1]
-  plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
-                                      if k != "interpret"})
+  skey = structural_key(params)
+  plan = None if skey is None else _structural_plans.get((skey, interp))
+  if plan is None:
+    plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
+                                        if k != "interpret"})
+    if skey is not None:
+      _structural_plans.put((skey, interp), plan)
   _plan_cache.put(key, ((params["jaxpr"], params["grid_mapping"]), plan))
   return plan
 
@@ -65,7 +76,7 @@ def grid_report() -> list[dict]:
   (the vectorizer's reason for a sequential run, else None), ``layout``
   (a vectorized run's lanes: "lanes-first" or "lanes-last", else None) and
   ``batched_axes`` (the grid axes a vectorized run batched, else None)."""
-  plans = [entry[1] for entry in _plan_cache.values()]
+  plans = list({id(entry[1]): entry[1] for entry in _plan_cache.values()}.values())
   report = []
   for kp in plans:
     why = None

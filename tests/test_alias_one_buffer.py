@@ -124,23 +124,6 @@ def test_direct_store_through_input_ref():
   assert_same(jax.jit(lambda x: _any_call(_store_input, x, XLA))(x), expected)
 
 
-def test_blocked_vmem_input_writes_stay_private():
-  """A written VMEM block of an aliased input is a copy (never written
-  back on a TPU): the output keeps the aliased input's values, as in
-  interpret=True (TPU interpret mode leaves the never-written output
-  block uninitialised)."""
-  def kernel(x_ref, o_ref):
-    x_ref[...] += 1
-  x = _x()
-  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
-
-  def call(interpret):
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          grid=(2,), in_specs=[spec], out_specs=spec,
-                          input_output_aliases={0: 0}, interpret=interpret)(x)
-  assert_same(call(SEQ), call(True))
-
-
 def test_megacore_dma_through_input_ref():
   """num_cores=2 splits the parallel grid axis between cores: both write
   the one shared buffer through their input refs."""
