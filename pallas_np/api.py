@@ -25,10 +25,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import devices, fp_state, lru, meshes, registry
+from pallas_np import fp_state, lowering, lru, meshes, registry
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
+from pallas_np.grid.plan_key import structural_key
 from pallas_np.mosaic_gpu import entry as mgpu_entry
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
@@ -36,6 +37,9 @@ from pallas_np.tracing import kernel_to_trace
 # -- plan cache ---------------------------------------------------------------
 PLAN_CACHE_SIZE = 256  # the bound of each cache of compiled plans
 _plan_cache = lru.LRU(PLAN_CACHE_SIZE)
+
+
+_structural_plans = lru.LRU(PLAN_CACHE_SIZE)  # structural key -> plan
 
 
 def _plan_key(params: dict, interp: InterpretParams):
@@ -46,14 +50,21 @@ def _plan_key(params: dict, interp: InterpretParams):
 def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   """Compile (or fetch) the plan of one pallas_call eqn's params.
 
-  Keyed by the identity of the kernel jaxpr and grid mapping (the objects are
-  kept alive by the cache entry, so ids are not reused while cached)."""
+  Looked up by the identity of the kernel jaxpr and grid mapping first (the
+  objects are kept alive by the cache entry, so ids are not reused while
+  cached), then by structure (``grid.plan_key``): a re-traced identical
+  kernel reuses its plan instead of compiling it again."""
   key = _plan_key(params, interp)
   hit = _plan_cache.get(key)
   if hit is not None:
     return hit[1]
-  plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
-                                      if k != "interpret"})
+  skey = structural_key(params)
+  plan = None if skey is None else _structural_plans.get((skey, interp))
+  if plan is None:
+    plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
+                                        if k != "interpret"})
+    if skey is not None:
+      _structural_plans.put((skey, interp), plan)
   _plan_cache.put(key, ((params["jaxpr"], params["grid_mapping"]), plan))
   return plan
 
@@ -65,7 +76,7 @@ def grid_report() -> list[dict]:
   (the vectorizer's reason for a sequential run, else None), ``layout``
   (a vectorized run's lanes: "lanes-first" or "lanes-last", else None) and
   ``batched_axes`` (the grid axes a vectorized run batched, else None)."""
-  plans = [entry[1] for entry in _plan_cache.values()]
+  plans = list({id(entry[1]): entry[1] for entry in _plan_cache.values()}.values())
   report = []
   for kp in plans:
     why = None
@@ -107,70 +118,15 @@ def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
   if not is_numpy_mode(interpret):
     return _jax_lowering(ctx, *in_nodes, interpret=interpret, **params)
   interp = resolve(interpret)
-  out_avals = tuple(params["out_avals"])
   plan_params = dict(params, interpret=interpret)
-  result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-
   # Compiled now, at lowering time: an unsupported primitive raises here, as
   # itself, instead of as an XLA runtime error from inside the callback.
   plan = get_kernel_plan(plan_params, interp)
   plan.kernel  # noqa: B018 (the lazily compiled sequential plan)
-
-  # Multi-device kernels (axis_index, remote DMAs, the barrier semaphore):
-  # we are lowering one device's part of a shard_map (or pmap) body.
+  # Multi-device kernels (axis_index, remote DMAs, the barrier semaphore)
+  # inside a shard_map (or pmap) body run one instance per device.
   axis_names, remote = plan.device_features
-  axis_sizes = jc.axis_env_sizes()
-  if (axis_names or remote) and axis_sizes:
-    return _lower_on_devices(ctx, in_nodes, plan, axis_names, remote, axis_sizes)
-
-  def host_run(*args):
-    return plan.run(*args)
-
-  def impl(*args):
-    return jax.experimental.io_callback(host_run, result_shapes, *args,
-                                        ordered=False)
-  return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
-
-
-def _lower_on_devices(ctx, in_nodes, plan, axis_names, remote, axis_sizes):
-  """One device's part of a shard_map/pmap body: the bound axes are known
-  here; each device's coordinates (and, for a kernel that talks to other
-  devices, the call's id) are computed in the lowered program and handed to
-  its callback (pallas_np.devices)."""
-  missing = sorted(set(axis_names) - set(axis_sizes), key=str)
-  if missing:
-    raise UnsupportedError(
-        f"pallas_np: kernel '{plan.name}' reads jax.lax.axis_index of {missing}, not "
-        f"axes bound around the pallas_call (bound: {tuple(axis_sizes)})")
-  if remote and jc.mesh_spans_processes(ctx):
-    raise UnsupportedError(
-        f"pallas_np: kernel '{plan.name}' sends remote DMAs/semaphore signals between "
-        "devices of a mesh that spans several processes (jax.distributed): the devices' "
-        "kernel instances meet in one process's memory, so every device of the mesh must "
-        "be local (jax.local_devices()). axis_index alone works across processes.")
-  names, sizes = tuple(axis_sizes), tuple(axis_sizes.values())
-  key = (id(plan), names, sizes)
-
-  def host_run_on_device(*args):
-    call = args[0] if remote else None
-    coords, args = args[remote:remote + len(names)], args[remote + len(names):]
-    placement = devices.Placement(key, names, sizes, [int(c) for c in coords], call=call)
-    return plan.run(*args, placement=placement)
-
-  def placement_operands():
-    coords = [jax.lax.axis_index(n) for n in names]
-    if not remote:
-      return coords
-    # Pair the devices' instances by call, not by arrival order: one ticket
-    # per device, the mesh-wide max is this call's id (devices.py).
-    ticket = jax.experimental.io_callback(
-        devices.new_ticket, jax.ShapeDtypeStruct((), np.int32), ordered=False)
-    return [jax.lax.pmax(ticket, names), *coords]
-  extra_avals = [jax.core.ShapedArray((), np.int32)] * (int(remote) + len(names))
-  extra = jc.lower_fun(placement_operands, multiple_results=True)(
-      ctx.replace(avals_in=[], avals_out=extra_avals))
-  return jc.emit_host_callback(ctx, host_run_on_device, [*extra, *in_nodes],
-                               [*extra_avals, *ctx.avals_in])
+  return lowering.lower_kernel(ctx, in_nodes, plan, axis_names, remote)
 
 
 def install():
@@ -198,8 +154,7 @@ def _mesh_kernel_lowering(jax_rule, prim):
     if not is_numpy_mode(interpret):
       return jax_rule(ctx, *in_nodes, **params)
     if mgpu_entry.handles(params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
-      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret),
-                              on_devices=_lower_on_devices, **params)
+      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret), **params)
     if prim is not jc.mpmd_map_p:  # a stateful core_map that was not discharged
       raise meshes.mesh_kernel_error(f"an undischarged {prim.name}", params,
                                      jc.lowering_source(ctx))
@@ -210,11 +165,7 @@ def _mesh_kernel_lowering(jax_rule, prim):
           f"pallas_np: mesh kernel {kernel.source} reads jax.lax.axis_index of "
           f"{sorted(map(str, outside))}, not axes of its mesh: mesh kernels that talk to "
           "other devices (inside shard_map) are not supported")
-    result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
-
-    def impl(*args):
-      return jax.experimental.io_callback(kernel.run, result_shapes, *args, ordered=False)
-    return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+    return lowering.lower_kernel(ctx, in_nodes, kernel)
   rule.pallas_np_mesh = True
   return rule
 

@@ -14,23 +14,24 @@ Semantics mirrored from ``jax._src.pallas.hlo_interpreter``: edge blocks read
 padding filled with the "uninitialized" value and their writes to padding are
 dropped; outputs start uninitialized unless aliased to an input; scratch
 persists across grid steps; input refs the kernel writes to are private
-copies.
+copies. An aliased input whose ref is the HBM buffer itself (memory space
+ANY/HBM/GMEM, or any block of a GPU kernel) and its output are *one* buffer,
+as on the hardware and in JAX's TPU interpret mode (``shared_aliases``).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import blas, debugging, devices, fp_state, memory, races, registry
+from pallas_np import blas, debugging, devices, fp_state, memory, registry
 from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
-from pallas_np.errors import UnsupportedError, KernelError, check_fallback, kernel_error_class
-from pallas_np.grid import lanes, threads, vectorize
+from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
+from pallas_np.grid import lanes, run_strategies, threads
 from pallas_np.grid.blocks import BlockGeometry, index_map_origin
-from pallas_np.memory import allocate
+from pallas_np.grid.buffers import BufferSetup
 from pallas_np.params import InterpretParams
 from pallas_np.state import dma
 
@@ -79,6 +80,14 @@ class KernelPlan:
     written = jc.written_invar_positions(jaxpr)
     self.written_inputs = frozenset(
         i for i in range(self.num_index + self.num_inputs) if i in written)
+    # The one place operands become a run's buffers (padding, private
+    # copies, aliased outputs; pallas_np.grid.buffers).
+    self.setup = BufferSetup(self.blocks, gm.block_mappings, num_index=self.num_index,
+                             num_inputs=self.num_inputs,
+                             out_for_in=self.out_for_in, written=self.written_inputs,
+                             params=params, compiler_params=compiler_params)
+    # output -> operand position of the aliased pairs that are one buffer
+    self.shared_aliases = self.setup.shared
     self.clamp = params.bounds_check == "clamp"
     self.parallel_prefix = _parallel_prefix(compiler_params or {}, len(self.grid))
     if gm.local_grid_env is not None:
@@ -92,11 +101,14 @@ class KernelPlan:
     # "vectorized", "threaded" or "sequential": how the last run() went.
     self.last_mode = None
     # The grid when no dimension is dynamic (every _prepare would rebuild it).
-    self._static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
+    self.static_grid = (None if self.num_dynamic else tuple(int(g) for g in self.grid))
     self._num_programs = ((), ())  # (grid, num_programs of the local dims), last used
     # Built on the first run, then reused by every call (the per-call floor):
-    self._preps = None  # how each operand becomes a buffer (_operand_preps)
-    self._single = None  # a one-point grid's _SinglePoint, or False (set by run)
+    # How run() runs (run_strategies: one grid point, megacore or the grid
+    # with its fast paths), chosen on the first run; _single: the
+    # SinglePoint strategy, or False.
+    self.strategy = None
+    self._single = None
     self._uses_blas = None  # whether a run needs blas.kernel_run (may_use_blas)
     self._schedules = {}  # grid -> the grid loop's steps, or False (_grid_schedule)
 
@@ -125,249 +137,46 @@ class KernelPlan:
     # inf/NaN arithmetic is silent, as in XLA: kernels mask with huge
     # negative values on purpose (e.g. paged attention's mask_value).
     new_run()
-    uses_blas = self._uses_blas
-    if uses_blas is None:
-      uses_blas = self._uses_blas = may_use_blas(self.kernel_jaxpr)
-      self._single = _SinglePoint.of(self)
+    strategy = self.strategy
+    if strategy is None:  # chosen once, on the first run (run_strategies.choose)
+      self._uses_blas = may_use_blas(self.kernel_jaxpr)
+      strategy = self.strategy = run_strategies.choose(self)
+      self._single = strategy if isinstance(strategy, run_strategies.SinglePoint) else False
     quiet = fp_state.quiet_floats()  # np.errstate(all="ignore"), cheaply
     try:
       if placement is not None:
         with blas.kernel_run():
-          return self._run_on_device(args, placement)
-      run = self._run_single_point if self._single else self._run
-      if not uses_blas:  # no GEMM: the BLAS thread count is not ours to set
-        return run(*args)
+          return run_strategies.run_on_device(self, args, placement)
+      if not self._uses_blas:  # no GEMM: the BLAS thread count is not ours to set
+        return strategy.run(self, args)
       with blas.kernel_run():
-        return run(*args)
+        return strategy.run(self, args)
     finally:
       fp_state.restore_floats(quiet)
 
-  def _run_on_device(self, args, placement):
-    if self.params.num_cores > 1 and self.parallel_prefix:
-      raise UnsupportedError(
-          f"pallas_np: kernel '{self.name}': num_cores > 1 together with multi-device "
-          "communication (axis_index, remote DMAs) is not supported")
-    grid, index_ops, buffers, out_bufs = self._prepare(args)
-    scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
-    targets = [*index_ops,
-               *(buf if geo.whole else None for geo, buf in zip(self.blocks, buffers)),
-               *scratch]
-    # A kernel that only reads axis_index needs no peers: no session.
-    me = devices.enter(placement, targets) if self.device_features[1] else \
-        devices.DeviceContext(placement, targets)
-    me.target_names = [*(f"scalar prefetch {i}" for i in range(len(index_ops))),
-                       *(str(geo.origin) for geo in self.blocks),
-                       *(f"scratch_operands[{i}]" for i in range(len(scratch)))]
-    error = None
-    try:
-      if self.params.detect_races and me.session is not None:
-        devices.check_races(me, self.name)
-      detector = races.for_run(self, grid, buffers, scratch)
-      if detector is not None and me.session is not None and me.session.races is not None:
-        detector.device_hook = lambda view, index, kind: me.note_local(
-            view, index, kind, detector.point)
-      if detector is None:
-        self.run_grid(grid, index_ops, buffers, scratch, device=me)
-      else:
-        with races.activate(detector):
-          self.run_grid(grid, index_ops, buffers, scratch, detector, device=me)
-    except BaseException as e:
-      error = e
-      raise
-    finally:
-      devices.leave(me, error)
-    self.last_mode = "sequential"
-    return self._results(out_bufs)
+  def prepare(self, args):
+    """``_prepare``: what every run strategy starts from."""
+    return self._prepare(args)
 
-  def _run(self, *args) -> list[np.ndarray]:
-    cores = self.params.num_cores > 1 and self.parallel_prefix
-    fallback = None  # (path, exception) of a fast path that failed
-    prepared = None  # fresh buffers the vectorizer made and did not use
-    if self.params.vectorize is not False and self.several_points and not cores:
-      out, failure, prepared = self._run_vectorized(args)
-      if out is not None:
-        return out
-      fallback = failure and ("vectorized", failure)
-    grid, index_ops, buffers, out_bufs = prepared or self._prepare(args)
-    if cores:
-      self._run_cores(grid, index_ops, buffers)
-      self.last_mode = "sequential"
-      return self._results(out_bufs)
+  def thread_plan(self) -> threads.ThreadPlan:
+    """Whether and how the grid runs on threads (built on first use)."""
     if self._threads is None:
       self._threads = threads.ThreadPlan(self)
-    if self._threads.reason is None:
-      chunks = self._threads.chunks(grid, index_ops)
-      if chunks is not None:
-        failure = threads.run(self, grid, index_ops, buffers, chunks)
-        if failure is None:
-          self.last_mode = "threaded"
-          return self._results(out_bufs)
-        fallback = ("threaded", failure)
-        grid, index_ops, buffers, out_bufs = self._prepare(args)  # fresh, to re-run
-    scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
-    detector = races.for_run(self, grid, buffers, scratch)
-    if detector is None:
-      self.run_grid(grid, index_ops, buffers, scratch)
-    else:
-      with races.activate(detector):
-        self.run_grid(grid, index_ops, buffers, scratch, detector)
-    if fallback is not None:  # the fast path failed where this run did not
-      check_fallback(fallback[1], fallback[0], self.name)
-    self.last_mode = "sequential"
-    return self._results(out_bufs)
-
-  def _run_vectorized(self, args):
-    """(outputs, None, None) of a batched grid (pallas_np.grid.vectorize);
-    (None, failure, prepared) when it does not apply (failure None) or
-    failed (then the sequential run starts again from fresh buffers and
-    reports any error at its exact grid point; if it succeeds instead, the
-    failure was a bug). ``prepared``: the untouched fresh buffers of a pass
-    declined before it ran, else None."""
-    if self.vectorizer is None:
-      self.vectorizer = vectorize.GridVectorizer(self, self.compiler_params)
-    gv = self.vectorizer
-    if gv.reason is not None:
-      return None, None, None
-    try:
-      out_bufs = vectorize.run_vectorized(self, gv, lambda: self._prepare(args))
-    except vectorize.NotBatchable as e:
-      gv.last_failure = e
-      return None, None, None
-    except Exception as e:
-      gv.last_failure = e
-      return None, e, None
-    if out_bufs is None:
-      return None, None, None
-    if isinstance(out_bufs, vectorize.Declined):
-      return None, None, out_bufs.prepared
-    self.last_mode = "vectorized"
-    return self._results(out_bufs), None, None
+    return self._threads
 
   def _prepare(self, args):
     """(grid, scalar-prefetch operands, input and output buffers, output
     buffers) of one run: every buffer fresh or read-only (see
-    ``_operand_preps``)."""
-    grid = self._static_grid
+    ``BufferSetup``)."""
+    grid = self.static_grid
     if grid is None:
       dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
       dyn_iter = iter(dyn)
       grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
                    for g in self.grid)
-    preps = self._preps
-    if preps is None:
-      preps = self._preps = self._operand_preps()
-    index_preps, in_preps, out_preps = preps
-    num_index = self.num_index
-    assert len(args) == num_index + self.num_inputs, (len(args), num_index, self.num_inputs)
-    index_ops = [prep(a) for prep, a in zip(index_preps, args)]
-    in_bufs = [prep(x) for prep, x in zip(in_preps, args[num_index:])]
-    out_bufs = [prep(args) for prep in out_preps]
-    return grid, index_ops, in_bufs + out_bufs, out_bufs
-
-  def _operand_preps(self):
-    """Per scalar-prefetch operand and input, a function of the caller's
-    array giving the run's buffer: a private copy where the kernel writes
-    it (the caller's array is not ours to mutate), a padded copy where the
-    shape is not a multiple of the block, else a read-only view (refs read
-    from it without copying). Per output, a function of all operands giving
-    a fresh buffer: the aliased input's copy, or uninitialised memory."""
-    params, written = self.params, self.written_inputs
-    index_preps = [_private_copy if i in written else np.asarray
-                   for i in range(self.num_index)]
-    in_preps = []
-    for i, geo in enumerate(self.blocks[:self.num_inputs]):
-      writes = self.num_index + i in written
-      if geo.needs_padding:
-        pad = functools.partial(_padded, geo, params, not writes,
-                                memory.allocator(geo.padded_shape, geo.dtype, params),
-                                geo.unpadded_index())
-      else:
-        pad = _private_copy if writes else _read_only
-      in_preps.append(pad)
-    out_preps = []
-    for o, geo in enumerate(self.blocks[self.num_inputs:]):
-      if o in self.out_for_in:
-        out_preps.append(functools.partial(_aliased_output, self.out_for_in[o], geo, params))
-      else:
-        out_preps.append(_Fresh(memory.allocator(geo.padded_shape, geo.dtype, params)))
-    return index_preps, in_preps, out_preps
-
-  def _run_single_point(self, *args):
-    """A one-point grid (``_SinglePoint``): the kernel called once on block
-    views of fresh buffers, nothing of the grid loop's machinery."""
-    single = self._single
-    if single.operand_preps is None:
-      preps = self._preps
-      if preps is None:
-        preps = self._preps = self._operand_preps()
-      single.operand_preps = (*preps[0], *preps[1])
-      single.out_preps = preps[2]
-    if len(args) != len(single.operand_preps):
-      raise TypeError(f"kernel '{self.name}' takes {len(single.operand_preps)} operands, "
-                      f"got {len(args)}")
-    # What _prepare does, for the one grid point: every block cut once.
-    operands = [prep(a) for prep, a in zip(single.operand_preps, args)]
-    out_bufs = [prep(args) for prep in single.out_preps]
-    operands += out_bufs
-    for b, idx in single.cuts:
-      operands[b] = operands[b][idx]
-    for fresh in single.scratch:
-      operands.append(fresh())
-    ctx = RunContext(self.name, self.params)
-    ctx.num_programs = single.num_programs
-    ctx.grid_point = single.point
-    ctx.program_ids = single.program_ids
-    trace = self.params.trace
-    try:
-      if trace is not None:
-        trace(self.name, single.point)
-      self.kernel.fn(ctx, *operands)
-      if ctx.extra:
-        dma.check_finished(ctx)
-    except KernelError:
-      raise
-    except Exception as e:
-      raise self._kernel_error(e, single.point) from e
-    self.last_mode = "sequential"
-    return self._results(out_bufs) if single.padded_outputs else out_bufs
-
-  def _results(self, out_bufs):
-    results = []
-    for buf, geo in zip(out_bufs, self.blocks[self.num_inputs:]):
-      if geo.needs_padding:
-        view = buf[geo.unpadded_index()]
-        if view.nbytes <= memory.TEMPLATE_MAX_BYTES:  # (as memory.allocator)
-          buf = view.copy()
-        else:
-          buf = memory.aligned_empty(view.shape, view.dtype)
-          buf[...] = view
-      results.append(buf)
-    return results
-
-  def _run_cores(self, grid, index_ops, buffers):
-    """Megacore: the leading 'parallel' grid dims are split into contiguous
-    chunks, one per TensorCore (as TPU interpret mode does); each core has its
-    own scratch, scalar-prefetch (SMEM) copies and DMA state."""
-    n_par = self.parallel_prefix
-    par_points = int(np.prod(grid[:n_par], dtype=np.int64))
-    rest = int(np.prod(grid[n_par:], dtype=np.int64))
-    per_core = -(-par_points // self.params.num_cores) * rest
-    points = list(itertools.product(*map(range, grid)))
-    detector = races.for_run(self, grid, buffers, [])
-    for core in range(self.params.num_cores):
-      chunk = points[core * per_core:(core + 1) * per_core]
-      if not chunk:
-        break
-      scratch = [allocate(a.shape, a.dtype, self.params) for a in self.scratch_avals]
-      if detector is None:
-        self.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
-                       points=chunk)
-        continue
-      for i, buf in enumerate(scratch):
-        detector.track(f"scratch_operands[{i}] of core {core}", buf, scratch=True)
-      with races.activate(detector):
-        self.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch,
-                       detector, points=chunk)
+    assert len(args) == self.num_index + self.num_inputs, (
+        len(args), self.num_index, self.num_inputs)
+    return (grid, *self.setup.buffers(args))
 
   def run_grid(self, grid, index_ops, buffers, scratch, detector=None, points=None,
                 progress=True, device=None):
@@ -438,7 +247,7 @@ class KernelPlan:
     except KernelError:
       raise
     except Exception as e:
-      raise self._kernel_error(e, point, device) from e
+      raise self.kernel_error(e, point, device) from e
     finally:
       if own_bar and progress is not None:
         progress.close()
@@ -485,7 +294,9 @@ class KernelPlan:
       steps.append((point, ctx.program_ids, tuple(changes)))
     return tuple(steps)
 
-  def _kernel_error(self, e: Exception, point, device=None) -> Exception:
+  def kernel_error(self, e: Exception, point, device=None) -> Exception:
+    """The KernelError of ``e`` raised at grid ``point`` (naming the kernel
+    line, the primitive and the device)."""
     eqns = failing_eqns(e.__traceback__)
     where = ""
     prim = None
@@ -526,88 +337,6 @@ class KernelPlan:
 # indices per point: a few hundred bytes each) instead of evaluating the
 # index maps at every step of every run.
 SCHEDULE_MAX_POINTS = 4096
-
-
-class _SinglePoint:
-  """What every run of a one-point grid shares: the basic index of each
-  block that is not its whole buffer, the scratch allocators, the program
-  ids, whether an output is padded (then cut back by ``_results``)."""
-  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs",
-               "operand_preps", "out_preps")
-
-  @classmethod
-  def of(cls, kp) -> _SinglePoint | bool:
-    """The recipe of ``kp``'s runs, or False where its grid has more (or a
-    dynamic number of) points, a block's index map is not constant zero,
-    or the run must go through the grid loop (race detection, explain,
-    megacore)."""
-    grid = kp._static_grid
-    params = kp.params
-    if (grid is None or math.prod(grid) != 1 or params.detect_races
-        or params.explain is not None or (params.num_cores > 1 and kp.parallel_prefix)):
-      return False
-    if not all(geo.whole or geo.trivial_index_map for geo in kp.blocks):
-      return False
-    try:
-      indices = [None if geo.whole else geo.zero_block_index(kp.clamp) for geo in kp.blocks]
-    except Exception:  # e.g. a block bigger than its array: the grid loop raises it
-      return False
-    self = cls()
-    self.operand_preps = self.out_preps = None  # the plan's, on the first run
-    # (operand position, basic index): scalar prefetch operands come first.
-    self.cuts = [(b + kp.num_index, idx) for b, idx in enumerate(indices) if idx is not None]
-    self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
-    self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
-    self.point = (0,) * len(grid)
-    self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
-    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
-    return self
-
-
-class _Fresh:
-  """An output buffer of uninitialised memory (the operands are ignored)."""
-  __slots__ = ("fresh",)
-
-  def __init__(self, fresh):
-    self.fresh = fresh
-
-  def __call__(self, operands):
-    return self.fresh()
-
-
-def _private_copy(x) -> np.ndarray:
-  return np.array(x)
-
-
-def _read_only(x) -> np.ndarray:
-  """A read-only view of ``x`` (refs read from it without copying)."""
-  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
-  if x.flags.writeable:
-    x = x.view()
-    x.flags.writeable = False
-  return x
-
-
-def _padded(geo, params, read_only, fresh, unpadded, x) -> np.ndarray:
-  """A padded copy of ``x`` (uninitialised padding), read-only unless the
-  kernel writes it; ``fresh``: the allocator of the padded buffer,
-  ``unpadded``: the index of ``x`` in it."""
-  x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
-  buf = fresh()
-  if buf.dtype == x.dtype:
-    buf[unpadded] = x
-  else:  # (another dtype than the block's: as BlockGeometry.pad does)
-    buf = geo.pad(x, params)
-  if read_only:
-    buf = buf.view()
-    buf.flags.writeable = False
-  return buf
-
-
-def _aliased_output(source, geo, params, operands) -> np.ndarray:
-  """A fresh buffer holding the aliased input (``input_output_aliases``)."""
-  src = np.asarray(operands[source])
-  return geo.pad(src, params) if geo.needs_padding else np.array(src)
 
 
 def may_use_blas(jaxpr) -> bool:

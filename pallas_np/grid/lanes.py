@@ -53,6 +53,8 @@ def order_free_reason(kp) -> str | None:
     return "an option that observes grid order (trace/pdb/detect_races/explain) is on"
   if kp.written_inputs:
     return "the kernel writes an input ref"
+  if kp.shared_aliases:
+    return "an aliased input and its output are one buffer (reads see earlier writes)"
   for geo in kp.blocks[kp.num_inputs:]:
     if "element" in geo.kinds:
       return "an output has Element block dims"

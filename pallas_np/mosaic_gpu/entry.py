@@ -12,10 +12,8 @@ GPU meshes (``plgpu.kernel``, ``pl.core_map(plgpu.Mesh(...))``) run here.
 """
 from __future__ import annotations
 
-import jax
-
 from pallas_np import _compat as jc
-from pallas_np import lru
+from pallas_np import lowering, lru
 from pallas_np.errors import UnsupportedError
 
 _kernels = lru.LRU(256)
@@ -57,22 +55,16 @@ def _check_supported(params):
                            "is not supported in numpy mode yet; use plgpu.kernel")
 
 
-def lower(ctx, *in_nodes, interp, on_devices=None, **params):
-  """``on_devices(ctx, in_nodes, kernel, axis_names, remote, axis_sizes)``:
-  api's lowering of one device's part of a ``shard_map`` body, for kernels
-  that read its axes or talk to other devices."""
+def lower(ctx, *in_nodes, interp, **params):
+  """The traced path: compiled now (unsupported primitives raise from the
+  ``jax.jit`` call), then ``pallas_np.lowering`` (one device's instance per
+  device inside a ``shard_map`` for kernels that read its axes or talk to
+  other devices)."""
   _check_supported(params)
   kernel = get_kernel(params, interp)
   kernel.plan  # noqa: B018 - compiled now: unsupported primitives raise here
   names, remote, _ = kernel.device_features
-  axis_sizes = jc.axis_env_sizes()
-  if (names or remote) and axis_sizes and on_devices is not None:
-    return on_devices(ctx, in_nodes, kernel, names, remote, axis_sizes)
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
-
-  def impl(*args):
-    return jax.experimental.io_callback(kernel.run, shapes, *args, ordered=False)
-  return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+  return lowering.lower_kernel(ctx, in_nodes, kernel, names, remote)
 
 
 def compile_eqn(e, interp):

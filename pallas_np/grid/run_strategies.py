@@ -1,0 +1,249 @@
+"""How a ``KernelPlan`` runs: one strategy per kind of run, chosen once
+(``choose``, on the plan's first run) and kept by the plan.
+
+* ``SinglePoint``: a one-point grid, the kernel called once on block views
+  of fresh buffers, nothing of the grid loop's machinery.
+* ``Megacore``: ``num_cores > 1`` with leading parallel grid dims: the grid
+  loop over each core's chunk of grid points.
+* ``GridRun``: every other grid: a batched pass (``vectorize``), else chunks
+  of grid points on threads (``threads``), else the sequential grid loop; a
+  fast path that fails reruns the loop from fresh buffers.
+* ``run_on_device``: one device's instance of a multi-device kernel (a run
+  with a placement), whatever the plan's strategy.
+
+Every strategy gets its buffers from ``KernelPlan.prepare`` (one place for
+padding and aliasing: ``grid.buffers``) and walks the grid with
+``KernelPlan.run_grid`` (the one grid loop) or the kernel directly.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from pallas_np import devices, memory, races
+from pallas_np.compiler import RunContext
+from pallas_np.errors import KernelError, UnsupportedError, check_fallback
+from pallas_np.grid import threads, vectorize
+from pallas_np.memory import allocate
+from pallas_np.state import dma
+
+
+def choose(kp):
+  """The strategy of ``kp``'s runs."""
+  single = SinglePoint.of(kp)
+  if single:
+    return single
+  if kp.params.num_cores > 1 and kp.parallel_prefix:
+    return Megacore()
+  return GridRun()
+
+
+class GridRun:
+  """A grid of several points (or a dynamic grid): batched, threaded or
+  the sequential loop."""
+  __slots__ = ()
+
+  def run(self, kp, args) -> list[np.ndarray]:
+    fallback = None  # (path, exception) of a fast path that failed
+    prepared = None  # fresh buffers the vectorizer made and did not use
+    if kp.params.vectorize is not False and kp.several_points:
+      out, failure, prepared = _run_vectorized(kp, args)
+      if out is not None:
+        return out
+      fallback = failure and ("vectorized", failure)
+    grid, index_ops, buffers, out_bufs = prepared or kp.prepare(args)
+    thread_plan = kp.thread_plan()
+    if thread_plan.reason is None:
+      chunks = thread_plan.chunks(grid, index_ops)
+      if chunks is not None:
+        failure = threads.run(kp, grid, index_ops, buffers, chunks)
+        if failure is None:
+          kp.last_mode = "threaded"
+          return kp.setup.results(out_bufs)
+        fallback = ("threaded", failure)
+        # fresh buffers (private copies of the caller's arrays), to re-run
+        grid, index_ops, buffers, out_bufs = kp.prepare(args)
+    scratch = [allocate(a.shape, a.dtype, kp.params) for a in kp.scratch_avals]
+    detector = races.for_run(kp, grid, buffers, scratch)
+    if detector is None:
+      kp.run_grid(grid, index_ops, buffers, scratch)
+    else:
+      with races.activate(detector):
+        kp.run_grid(grid, index_ops, buffers, scratch, detector)
+    if fallback is not None:  # the fast path failed where this run did not
+      check_fallback(fallback[1], fallback[0], kp.name)
+    kp.last_mode = "sequential"
+    return kp.setup.results(out_bufs)
+
+
+def _run_vectorized(kp, args):
+  """(outputs, None, None) of a batched grid (pallas_np.grid.vectorize);
+  (None, failure, prepared) when it does not apply (failure None) or
+  failed (then the sequential run starts again from fresh buffers and
+  reports any error at its exact grid point; if it succeeds instead, the
+  failure was a bug). ``prepared``: the untouched fresh buffers of a pass
+  declined before it ran, else None."""
+  if kp.vectorizer is None:
+    kp.vectorizer = vectorize.GridVectorizer(kp, kp.compiler_params)
+  gv = kp.vectorizer
+  if gv.reason is not None:
+    return None, None, None
+  try:
+    out_bufs = vectorize.run_vectorized(kp, gv, lambda: kp.prepare(args))
+  except vectorize.NotBatchable as e:
+    gv.last_failure = e
+    return None, None, None
+  except Exception as e:
+    gv.last_failure = e
+    return None, e, None
+  if out_bufs is None:
+    return None, None, None
+  if isinstance(out_bufs, vectorize.Declined):
+    return None, None, out_bufs.prepared
+  kp.last_mode = "vectorized"
+  return kp.setup.results(out_bufs), None, None
+
+
+class Megacore:
+  """Megacore: the leading 'parallel' grid dims are split into contiguous
+  chunks, one per TensorCore (as TPU interpret mode does); each core has
+  its own scratch, scalar-prefetch (SMEM) copies and DMA state."""
+  __slots__ = ()
+
+  def run(self, kp, args) -> list[np.ndarray]:
+    grid, index_ops, buffers, out_bufs = kp.prepare(args)
+    n_par = kp.parallel_prefix
+    par_points = int(np.prod(grid[:n_par], dtype=np.int64))
+    rest = int(np.prod(grid[n_par:], dtype=np.int64))
+    per_core = -(-par_points // kp.params.num_cores) * rest
+    points = list(itertools.product(*map(range, grid)))
+    detector = races.for_run(kp, grid, buffers, [])
+    for core in range(kp.params.num_cores):
+      chunk = points[core * per_core:(core + 1) * per_core]
+      if not chunk:
+        break
+      scratch = [allocate(a.shape, a.dtype, kp.params) for a in kp.scratch_avals]
+      if detector is None:
+        kp.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch, points=chunk)
+        continue
+      for i, buf in enumerate(scratch):
+        detector.track(f"scratch_operands[{i}] of core {core}", buf, scratch=True)
+      with races.activate(detector):
+        kp.run_grid(grid, [np.array(a) for a in index_ops], buffers, scratch, detector,
+                    points=chunk)
+    kp.last_mode = "sequential"
+    return kp.setup.results(out_bufs)
+
+
+class SinglePoint:
+  """What every run of a one-point grid shares: the basic index of each
+  block that is not its whole buffer, the scratch allocators, the program
+  ids, whether an output is padded (then cut back by ``BufferSetup.results``)."""
+  __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs",
+               "operand_preps", "out_preps")
+
+  @classmethod
+  def of(cls, kp) -> SinglePoint | bool:
+    """The recipe of ``kp``'s runs, or False where its grid has more (or a
+    dynamic number of) points, a block's index map is not constant zero,
+    or the run must go through the grid loop (race detection, explain,
+    megacore)."""
+    grid = kp.static_grid
+    params = kp.params
+    if (grid is None or math.prod(grid) != 1 or params.detect_races
+        or params.explain is not None or (params.num_cores > 1 and kp.parallel_prefix)):
+      return False
+    if not all(geo.whole or geo.trivial_index_map for geo in kp.blocks):
+      return False
+    try:
+      indices = [None if geo.whole else geo.zero_block_index(kp.clamp) for geo in kp.blocks]
+    except Exception:  # e.g. a block bigger than its array: the grid loop raises it
+      return False
+    self = cls()
+    self.operand_preps = self.out_preps = None  # the plan's, on the first run
+    # (operand position, basic index): scalar prefetch operands come first.
+    self.cuts = [(b + kp.num_index, idx) for b, idx in enumerate(indices) if idx is not None]
+    self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
+    self.scratch = [memory.allocator(a.shape, a.dtype, params) for a in kp.scratch_avals]
+    self.point = (0,) * len(grid)
+    self.program_ids = tuple(np.int32(0) for _ in kp.local_dims)
+    self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
+    return self
+
+  def run(self, kp, args) -> list[np.ndarray]:
+    """The kernel called once on block views of fresh buffers."""
+    single = self
+    if single.operand_preps is None:
+      preps = kp.setup.preps()
+      single.operand_preps = (*preps[0], *preps[1])
+      single.out_preps = preps[2]
+    if len(args) != len(single.operand_preps):
+      raise TypeError(f"kernel '{kp.name}' takes {len(single.operand_preps)} operands, "
+                      f"got {len(args)}")
+    # What _prepare does, for the one grid point: every block cut once.
+    operands = [prep(a) for prep, a in zip(single.operand_preps, args)]
+    out_bufs = [prep(args, operands) for prep in single.out_preps]
+    operands += out_bufs
+    for b, idx in single.cuts:
+      operands[b] = operands[b][idx]
+    for fresh in single.scratch:
+      operands.append(fresh())
+    ctx = RunContext(kp.name, kp.params)
+    ctx.num_programs = single.num_programs
+    ctx.grid_point = single.point
+    ctx.program_ids = single.program_ids
+    trace = kp.params.trace
+    try:
+      if trace is not None:
+        trace(kp.name, single.point)
+      kp.kernel.fn(ctx, *operands)
+      if ctx.extra:
+        dma.check_finished(ctx)
+    except KernelError:
+      raise
+    except Exception as e:
+      raise kp.kernel_error(e, single.point) from e
+    kp.last_mode = "sequential"
+    return kp.setup.results(out_bufs) if single.padded_outputs else out_bufs
+
+
+def run_on_device(kp, args, placement) -> list[np.ndarray]:
+  """One device's instance of a multi-device kernel (``KernelPlan.run``'s
+  ``placement``): the sequential grid loop, meeting its peers (devices.py)."""
+  if kp.params.num_cores > 1 and kp.parallel_prefix:
+    raise UnsupportedError(
+        f"pallas_np: kernel '{kp.name}': num_cores > 1 together with multi-device "
+        "communication (axis_index, remote DMAs) is not supported")
+  grid, index_ops, buffers, out_bufs = kp.prepare(args)
+  scratch = [allocate(a.shape, a.dtype, kp.params) for a in kp.scratch_avals]
+  targets = [*index_ops,
+             *(buf if geo.whole else None for geo, buf in zip(kp.blocks, buffers)),
+             *scratch]
+  # A kernel that only reads axis_index needs no peers: no session.
+  me = devices.enter(placement, targets) if kp.device_features[1] else \
+      devices.DeviceContext(placement, targets)
+  me.target_names = [*(f"scalar prefetch {i}" for i in range(len(index_ops))),
+                     *(str(geo.origin) for geo in kp.blocks),
+                     *(f"scratch_operands[{i}]" for i in range(len(scratch)))]
+  error = None
+  try:
+    if kp.params.detect_races and me.session is not None:
+      devices.check_races(me, kp.name)
+    detector = races.for_run(kp, grid, buffers, scratch)
+    if detector is not None and me.session is not None and me.session.races is not None:
+      detector.device_hook = lambda view, index, kind: me.note_local(
+          view, index, kind, detector.point)
+    if detector is None:
+      kp.run_grid(grid, index_ops, buffers, scratch, device=me)
+    else:
+      with races.activate(detector):
+        kp.run_grid(grid, index_ops, buffers, scratch, detector, device=me)
+  except BaseException as e:
+    error = e
+    raise
+  finally:
+    devices.leave(me, error)
+  kp.last_mode = "sequential"
+  return kp.setup.results(out_bufs)
