@@ -124,7 +124,10 @@ def _short_failure_repr(item, excinfo, err, style):
 
   def hide_ours(info):
     base = pytest_filter(info) if pytest_filter is not None else info.traceback.filter(info)
-    return Traceback([entry for entry in base if not is_pallas_np_frame(entry)])
+    kept = [entry for entry in base if not is_pallas_np_frame(entry)]
+    if kept and style == "long":  # the last kept frame in full, as pytest shows its last
+      kept[-1] = kept[-1].with_repr_style("long")
+    return Traceback(kept)
 
   verbosity = item.config.get_verbosity()
   longrepr = excinfo.getrepr(
