@@ -4,7 +4,11 @@
 With ``PALLAS_NP_FORCE=1`` in the environment, importing it also routes every
 pallas_call of the program to the NumPy interpreter (see ``__main__``).
 """
-import os as _os
+__version__ = "0.1.0"  # the one place it is written (pyproject.toml reads it)
+
+# `python -m pallas_np --help` / `--version`: answered here, before JAX loads.
+from pallas_np.cli_args import answer_without_jax as _answer_without_jax
+_answer_without_jax(__version__)
 
 from pallas_np.params import InterpretParams
 from pallas_np.errors import PallasNumpyError, KernelError, UnsupportedError, RaceError
@@ -19,15 +23,14 @@ from pallas_np.api import (pallas_call, force_numpy_interpret, set_numpy_interpr
                            install as _install)
 from pallas_np.explainer import explain
 from pallas_np.persona import emulate_device, set_emulated_device, unset_emulated_device
+from pallas_np.env_switches import env_switch as _env_switch
 
 _install()
 _install_eager_jit()
 
-if _os.environ.get("PALLAS_NP_FORCE", "").lower() not in ("", "0", "false", "no", "off"):
+if _env_switch("PALLAS_NP_FORCE", False):
   set_numpy_interpret()
   _install_hooks()
-
-__version__ = "0.1.0"
 
 __all__ = ["pallas_call", "jit", "InterpretParams", "force_numpy_interpret",
            "set_numpy_interpret", "unset_numpy_interpret", "clear_caches",

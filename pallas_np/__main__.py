@@ -9,29 +9,10 @@ import runpy
 import sys
 
 import pallas_np
+from pallas_np import cli_args
 from pallas_np.explainer import Explanation, KernelExplanation
 from pallas_np.explainer.record import ExplainSession
 from pallas_np.params import default_params
-
-USAGE = """usage: python -m pallas_np [options] [-m module | script.py] [args...]
-
-options (InterpretParams for every pallas_call):
-  --detect-races   report races between grid points on parallel axes
-  --clamp          clamp out-of-bounds indices like interpret=True (default: raise)
-  --zero           zero-fill uninitialised memory (default: NaN / int min)
-  --pdb            drop into pdb at the failing eqn of a kernel
-  --no-progress    no progress bar for long grids
-  --grid-report    at exit, print how each kernel's grid ran and why it was not
-                   batched (pallas_np.grid_report()) to stderr
-  --explain OUTDIR write a picture of each kernel's grid and block accesses
-                   (its first run) to OUTDIR/NN_kernel.png, and the text
-                   summaries to OUTDIR/summary.txt (pallas_np.explain; the
-                   pictures need pip install 'pallas-np[viz]')"""
-
-_FLAGS = {"--detect-races": ("detect_races", True), "--clamp": ("bounds_check", "clamp"),
-          "--zero": ("uninitialized", "zero"), "--pdb": ("pdb", True),
-          "--no-progress": ("progress", False)}
-
 
 def print_grid_report(file=sys.stderr) -> None:
   rows = pallas_np.grid_report()
@@ -44,26 +25,9 @@ def print_grid_report(file=sys.stderr) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  options = {}
-  report = False
-  explain_dir = None
-  while argv and (argv[0] in _FLAGS or argv[0] in ("--grid-report", "--explain")):
-    flag = argv.pop(0)
-    if flag == "--grid-report":
-      report = True
-      continue
-    if flag == "--explain":
-      if not argv:
-        print(USAGE, file=sys.stderr)
-        raise SystemExit(2)
-      explain_dir = argv.pop(0)
-      continue
-    name, value = _FLAGS[flag]
-    options[name] = value
-  if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-    print(USAGE, file=sys.stderr)
-    raise SystemExit(2)
+  command = cli_args.parse(sys.argv[1:] if argv is None else argv, pallas_np.__version__)
+  options = dict(command.options)
+  report, explain_dir, argv = command.grid_report, command.explain_dir, command.program
   session = None
   if explain_dir is not None:
     session = ExplainSession(first_run_only=True)

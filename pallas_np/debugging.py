@@ -8,7 +8,6 @@ is on (or an exception is already being raised).
 from __future__ import annotations
 
 import contextlib
-import os
 import pdb
 import sys
 import threading
@@ -18,6 +17,7 @@ import jax
 
 from pallas_np import _compat as jc
 from pallas_np.compiler import failing_eqns, sourcemap
+from pallas_np.env_switches import env_switch
 
 # Seconds a grid must run before the progress bar appears.
 PROGRESS_AFTER_S = 2.0
@@ -114,7 +114,7 @@ def post_mortem(e: BaseException, plan, point):
 
 # -- progress -------------------------------------------------------------------
 def _progress_enabled() -> bool:
-  return os.environ.get("PALLAS_NP_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
+  return env_switch("PALLAS_NP_PROGRESS", True)
 
 
 def progress_bar(name, total, params):
@@ -157,8 +157,7 @@ class _Progress:
       self.shown = True
       tqdm = _tqdm()
       if tqdm is not None:
-        self.tqdm_bar = tqdm(total=self.total, desc=f"pallas_np {self.name}",
-                             unit="grid point", leave=True)
+        self.tqdm_bar = _started_tqdm(tqdm, self, now)
     done = self.done
     if self.tqdm_bar is not None:
       self.tqdm_bar.update(done - self.tqdm_bar.n)
@@ -179,6 +178,21 @@ class _Progress:
         return
       sys.stderr.write("\n")
       sys.stderr.flush()
+
+
+def _started_tqdm(tqdm, progress, now):
+  """A tqdm bar for ``progress`` whose clock starts when the grid started,
+  not when the bar first shows (PROGRESS_AFTER_S later): tqdm computes
+  elapsed time and rate from ``start_t`` and ``last_print_t`` (its own
+  clock, ``time.time`` by default), so both are moved back by the time the
+  grid has already run."""
+  bar = tqdm(total=progress.total, desc=f"pallas_np {progress.name}",
+             unit="grid point", leave=True)
+  already_ran = now - progress.start
+  for attr in ("start_t", "last_print_t"):
+    if isinstance(getattr(bar, attr, None), (int, float)):
+      setattr(bar, attr, getattr(bar, attr) - already_ran)
+  return bar
 
 
 def _tqdm():

@@ -1,7 +1,7 @@
 """Exceptions that point at the kernel, not at the interpreter."""
 from __future__ import annotations
 
-import os
+from pallas_np.env_switches import env_switch
 
 
 class PallasNumpyError(Exception):
@@ -39,7 +39,7 @@ class FallbackError(PallasNumpyError, AssertionError):
 
 
 def check_fallback(failure: BaseException | None, path: str, kernel: str) -> None:
-  if failure is not None and os.environ.get("PALLAS_NP_STRICT_FALLBACKS") == "1":
+  if failure is not None and env_switch("PALLAS_NP_STRICT_FALLBACKS", False):
     raise FallbackError(
         f"pallas_np: the {path} run of kernel '{kernel}' failed with "
         f"{type(failure).__name__}: {failure}; the sequential grid loop then "

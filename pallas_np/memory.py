@@ -1,9 +1,10 @@
 """Memory: allocating the buffers a run works on, the values uninitialised
 memory is filled with, alignment for zero-copy handoff to XLA, and glibc
-malloc tuning. A leaf: it imports nothing of pallas_np but ``_compat``.
+malloc tuning. A leaf: it imports nothing of pallas_np but ``_compat`` and
+``env_switches``.
 
-glibc malloc tuning for NumPy's temporaries is applied on first use
-(``tune_once``).
+glibc malloc tuning, opt-in (``PALLAS_NP_TUNE_MALLOC=1``): applied when the
+first kernel plan is built (``tune_once``).
 
 A plan allocates and frees block-sized temporaries (hundreds of KiB) at every
 eqn. glibc serves those with mmap/munmap and trims the heap top back to the
@@ -12,21 +13,23 @@ memory (a first call some 15% slower: benchmarks/PERF_LOG.md). Keeping up to
 32 MiB allocations on the heap and trimming only past 256 MiB free trades
 some retained memory for that.
 
-Process-wide, so it happens when the first kernel plan is built (not on
-``import pallas_np``: the pytest plugin imports it in every session), only
-with glibc, and ``PALLAS_NP_TUNE_MALLOC=0`` turns it off.
+Opt-in because ``mallopt`` is process-wide and cannot be scoped to a kernel
+run: glibc has no call that reads the thresholds back, and setting one turns
+off glibc's dynamic mmap threshold for good, so the rest of the program (JAX,
+the user's code) would run with a retuned allocator it did not ask for.
+Only with glibc on Linux.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
-import os
 import sys
 
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.env_switches import env_switch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -38,11 +41,13 @@ tuned = False  # whether the thresholds were set (for tests/diagnostics)
 
 
 def tune_once():
+  """Raise glibc's malloc thresholds once per process, if the user opted in
+  with ``PALLAS_NP_TUNE_MALLOC=1`` (read at the first kernel plan)."""
   global _done, tuned
   if _done:
     return
   _done = True
-  if os.environ.get("PALLAS_NP_TUNE_MALLOC", "1") == "0" or not sys.platform.startswith("linux"):
+  if not env_switch("PALLAS_NP_TUNE_MALLOC", False) or not sys.platform.startswith("linux"):
     return
   try:
     mallopt = ctypes.CDLL("libc.so.6").mallopt

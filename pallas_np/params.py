@@ -7,8 +7,9 @@ primitive's params, so it must be hashable: a frozen dataclass.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Literal
+
+from pallas_np.env_switches import env_switch
 
 NUMPY_MODE_STRINGS = ("numpy", "np")
 
@@ -136,7 +137,7 @@ class InterpretParams:
 
 
 def _default_params() -> InterpretParams:
-  check = os.environ.get("PALLAS_NP_CHECK_AVALS", "") not in ("", "0")
+  check = env_switch("PALLAS_NP_CHECK_AVALS", False)
   return InterpretParams(check_avals=check)
 
 

@@ -92,6 +92,8 @@ def test_gpu_check_names_suite_kernels_and_stops_without_a_gpu():
 
 
 def test_plot_from_results_md(tmp_path):
+  import pytest
+  pytest.importorskip("matplotlib", reason="the viz extra (matplotlib) draws the chart")
   from benchmarks import plot_results
   results = {("a", "numpy"): _run("a", 40.0, 2.0), ("a", "interpret"): _run("a", 800.0, 1.0),
              ("b", "numpy"): _run("b", 10.0, 0.5), ("b", "interpret"): {"error": "boom"}}

@@ -221,8 +221,10 @@ def test_the_graph_sees_the_package():
   edges = graph()
   assert "pallas_np.memory" in edges["pallas_np.grid.kernel_plan"]
   assert "pallas_np.grid" in edges["pallas_np.api"]
-  # A leaf: memory imports nothing of pallas_np but _compat.
-  assert edges["pallas_np.memory"] <= {"pallas_np._compat"}
+  # A leaf: memory imports nothing of pallas_np but _compat (and the
+  # environment-switch parser, itself a leaf).
+  assert edges["pallas_np.memory"] <= {"pallas_np._compat", "pallas_np.env_switches"}
+  assert not edges["pallas_np.env_switches"]
   assert any(i.local for i in imports())  # function bodies are walked
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import threading
 
 import numpy as np
 
 from pallas_np.compiler import sourcemap
+from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
 from pallas_np.native import codegen
 from pallas_np.native.refs import MAX_LEAVES
@@ -33,7 +33,7 @@ log = logging.getLogger("pallas_np.native")
 # compile (~0.3-1 s); a third run means a kernel called in a loop.
 HOT_RUNS = 3
 MODES = ("background", "sync", "off")
-ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # "0"/"off": never compile
+ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 
 _state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0}
 # Compiled loops by generated source, constants and signature: the eager and
@@ -49,7 +49,7 @@ _worker: list = []
 def enabled(params) -> bool:
   """Whether loops of a kernel with these params may be compiled: never
   under the debugging options, whose guarantees the NumPy path keeps."""
-  if os.environ.get(ENV_OFF, "").lower() in ("0", "off", "false", "no"):
+  if not env_switch(ENV_OFF, True):
     return False
   mode = getattr(params, "native_loops", "off")
   return (mode != "off" and not params.pdb and not params.detect_races
