@@ -26,7 +26,7 @@ from pallas_np._compat.core import (  # noqa: F401
     ArrayImpl, ClosedJaxpr, DropVar, JAXPR_TYPES, Jaxpr, JaxprEqn, Literal, Primitive,
     ShapedArray, Tracer, Var, axis_env_sizes, axis_index_p, debug_callback_p, debug_print_p,
     has_effects, internal_module, is_extended_dtype, is_semaphore_dtype, jax_core,
-    lax_internal, lax_reference, lax_slicing, logical_shape, lowering_source,
+    lax_internal, lax_slicing, logical_shape, lowering_source,
     merge_callback_args, optional_primitive, physical_aval, physical_dtype, source_summary,
     subjaxprs, trace_to_jaxpr, tree_unflatten)
 from pallas_np._compat.versions import (  # noqa: F401
@@ -70,9 +70,12 @@ MGPU_MODULE = _mosaic_gpu.CORE_MODULE  # a Mosaic GPU kernel exists only once it
 
 def __getattr__(name):
   """``mgpu_core``/``mgpu_primitives``: JAX's Mosaic GPU modules, imported on
-  first access (see ``mosaic_gpu``); None without plgpu."""
+  first access (see ``mosaic_gpu``); None without plgpu. ``lax_reference``,
+  also imported on first access."""
   if name == "mgpu_core":
     return _mosaic_gpu.core_module()
   if name == "mgpu_primitives":
     return _mosaic_gpu.primitives_module()
+  if name == "lax_reference":  # it imports scipy.special: ~0.5 s of import time
+    return internal_module("lax_reference")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

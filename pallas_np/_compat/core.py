@@ -10,7 +10,6 @@ from jax._src import source_info_util
 from jax._src import tree_util as jax_tree_util
 from jax._src.lax import lax as lax_internal  # noqa: F401  (re-exported)
 from jax._src.lax import slicing as lax_slicing  # noqa: F401
-from jax._src import lax_reference  # noqa: F401
 # jax.Array's concrete type: fast paths test ``type(x) is ArrayImpl``.
 from jax._src.array import ArrayImpl  # noqa: F401
 

@@ -7,13 +7,27 @@ code path: NumPy float32 ufuncs with dispatched loops run in float64
 from __future__ import annotations
 
 import numpy as np
-import scipy.special
 from jax import lax
 
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
 from pallas_np.primitives.elementwise import binary_float, unary_float
+
+
+def scipy_special(name: str):
+  """``scipy.special.<name>``, imported on its first call: ``scipy.special``
+  is ~40% of ``import pallas_np``'s own cost (``python -X importtime``), and
+  most programs never run these primitives."""
+  def call(*args):
+    import scipy.special  # deferred on purpose: see the docstring
+    return getattr(scipy.special, name)(*args)
+  call.__name__ = call.__qualname__ = f"scipy_special_{name}"
+  return call
+
+
+_PSI = scipy_special("psi")
+_BETAINC = scipy_special("betainc")
 
 
 def _reg_unary(prim, fn):
@@ -43,10 +57,10 @@ for _p, _f in [(lax.expm1_p, in_float64(np.expm1)),
                (lax.acosh_p, in_float64(np.arccosh)), (lax.atanh_p, in_float64(np.arctanh)),
                (lax.sqrt_p, np.sqrt),
                (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
-               (lax.erf_p, scipy.special.erf), (lax.erfc_p, scipy.special.erfc),
-               (lax.lgamma_p, scipy.special.gammaln),
-               (lax.bessel_i0e_p, scipy.special.i0e),
-               (lax.bessel_i1e_p, scipy.special.i1e)]:
+               (lax.erf_p, scipy_special("erf")), (lax.erfc_p, scipy_special("erfc")),
+               (lax.lgamma_p, scipy_special("gammaln")),
+               (lax.bessel_i0e_p, scipy_special("i0e")),
+               (lax.bessel_i1e_p, scipy_special("i1e"))]:
   _reg_unary(_p, _f)
 
 _DIGAMMA_AT_ZERO = jc.digamma_at_zero()
@@ -56,7 +70,7 @@ def _digamma(x):
   # XLA: NaN at the poles (non-positive integers); at ±0 what the installed
   # XLA gives (see _compat.digamma_at_zero).
   pole = (x <= 0) & (x == np.floor(x))
-  return np.where(pole, np.where(x == 0, _DIGAMMA_AT_ZERO, np.nan), scipy.special.psi(x))
+  return np.where(pole, np.where(x == 0, _DIGAMMA_AT_ZERO, np.nan), _PSI(x))
 
 
 _reg_unary(lax.digamma_p, _digamma)
@@ -67,15 +81,15 @@ _reg_unary(lax.rsqrt_p, lambda x: np.reciprocal(np.sqrt(x)))
 
 
 # -- more special functions (scipy.special; XLA agrees within a few ulp) -----
-for _name, _f in [("igamma_p", scipy.special.gammainc), ("igammac_p", scipy.special.gammaincc),
-                  ("zeta_p", scipy.special.zeta)]:
+for _name, _f in [("igamma_p", scipy_special("gammainc")), ("igammac_p", scipy_special("gammaincc")),
+                  ("zeta_p", scipy_special("zeta"))]:
   if hasattr(lax, _name):
     registry.register(getattr(lax, _name), batch=registry.ELEMENTWISE)(binary_float(_f))
 
 
 if hasattr(lax, "polygamma_p"):
   registry.register(lax.polygamma_p, batch=registry.ELEMENTWISE)(
-      binary_float(scipy.special.polygamma))
+      binary_float(scipy_special("polygamma")))
 
 
 if hasattr(lax, "regularized_incomplete_beta_p"):
@@ -86,5 +100,5 @@ if hasattr(lax, "regularized_incomplete_beta_p"):
 
     def betainc(a, b, x):
       a, b, x = (np.asarray(v, work) for v in (a, b, x))
-      return np.asarray(scipy.special.betainc(a, b, x), dt)[()]
+      return np.asarray(_BETAINC(a, b, x), dt)[()]
     return betainc

@@ -17,7 +17,6 @@ NumPy ufunc whose float32 loop is chosen by the CPU. Claims and measurements:
 from __future__ import annotations
 
 import numpy as np
-import scipy.special
 from jax import lax
 
 from pallas_np import _compat as jc
@@ -25,6 +24,7 @@ from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
 from pallas_np.primitives import libm
 from pallas_np.primitives.elementwise import binary_float, unary_float
+from pallas_np.primitives.special import scipy_special
 
 _F32 = np.float32
 
@@ -321,12 +321,12 @@ def _pow(e):
 # expansion (written out above) or the C library's function XLA calls
 # (``libm``); neither depends on NumPy's CPU-dispatched SIMD code.
 FLOAT32_RULES = {
-    lax.erf_inv_p: (erf_inv_f32, unary_float(scipy.special.erfinv)),
+    lax.erf_inv_p: (erf_inv_f32, unary_float(scipy_special("erfinv"))),
     lax.log1p_p: (log1p_f32, unary_float(np.log1p)),
     lax.exp_p: (exp_f32, unary_float(np.exp)),
     lax.log_p: (log_f32, unary_float(np.log)),
     lax.tanh_p: (tanh_f32, unary_float(np.tanh)),
-    lax.logistic_p: (logistic_f32, unary_float(scipy.special.expit)),
+    lax.logistic_p: (logistic_f32, unary_float(scipy_special("expit"))),
     lax.cosh_p: (cosh_f32, unary_float(np.cosh)),
     lax.asin_p: (asin_f32, unary_float(np.arcsin)),
     lax.acos_p: (acos_f32, unary_float(np.arccos)),
