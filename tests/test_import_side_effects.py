@@ -68,13 +68,14 @@ def test_eager_numpy_kernel_runs_without_xla_on_its_first_call():
   assert out == "0 2.0", out
 
 
-def test_import_does_not_import_mosaic_gpu_or_triton():
+def test_import_does_not_import_mosaic_gpu_triton_or_scipy_special():
   out = _run("""
       import sys
       import pallas_np
       heavy = ("jax._src.pallas.mosaic_gpu.core", "jax._src.pallas.mosaic_gpu.primitives",
                "jax.experimental.mosaic.gpu", "pallas_np.mosaic_gpu.rules",
-               "jax._src.pallas.triton.primitives")
+               "jax._src.pallas.triton.primitives",
+               "scipy.special", "jax._src.lax_reference")  # ~0.5 s: on first use
       print([m for m in heavy if m in sys.modules])
       """)
   assert out == "[]", out
