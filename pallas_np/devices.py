@@ -181,13 +181,18 @@ class DeviceContext:
     if isinstance(device_id, dict):
       coords = list(pl_.coords)
       for axis, idx in device_id.items():
+        for a in axis if isinstance(axis, tuple) else (axis,):
+          if a not in pl_.names:
+            raise UnsupportedError(f"pallas_np: device id names {a!r}, not a mesh axis "
+                                   f"({pl_.names})")
         if isinstance(axis, tuple):
-          raise UnsupportedError(
-              f"pallas_np: a device id dict keyed by an axis tuple ({axis!r})")
-        if axis not in pl_.names:
-          raise UnsupportedError(f"pallas_np: device id names {axis!r}, not a mesh axis "
-                                 f"({pl_.names})")
-        coords[pl_.names.index(axis)] = int(idx)
+          # One logical axis over several mesh axes (JAX's _device_id_dict_to_mesh):
+          # the index is row-major over them, each coordinate modulo its axis size.
+          sizes = [pl_.sizes[pl_.names.index(a)] for a in axis]
+          for k, a in enumerate(axis):
+            coords[pl_.names.index(a)] = int(idx) // math.prod(sizes[k + 1:]) % sizes[k]
+        else:
+          coords[pl_.names.index(axis)] = int(idx)
       device_id, device_id_type = tuple(coords), jc.DeviceIdType.MESH
     if device_id_type == jc.DeviceIdType.LOGICAL:
       if isinstance(device_id, tuple):

@@ -239,3 +239,19 @@ def test_missing_device_times_out_and_forgets_the_session(monkeypatch):
   for th in threads:
     th.join(timeout=30)
   assert sessions[0] is sessions[1] and sessions[0].failed is None
+
+
+def test_device_id_dict_keyed_by_an_axis_tuple():
+  """``device_id={("x", "y"): i}`` names one logical axis over two mesh axes:
+  ``i`` is row-major over them, each coordinate modulo its size (JAX's
+  ``_device_id_dict_to_mesh``); it raised UnsupportedError before."""
+  from pallas_np import devices as devices_mod
+  placement = devices_mod.Placement("k", ("z", "x", "y"), (2, 2, 3), (1, 0, 2))
+  me = devices_mod.DeviceContext(placement, [])
+  mesh = DeviceIdType.MESH
+  for i in range(2 * 3 + 2):  # past the end wraps, as the modulo does on a TPU
+    x, y = i // 3 % 2, i % 3
+    assert me.target_id({("x", "y"): i}, mesh) == placement.to_logical((1, x, y))
+  assert me.target_id({("x", "y"): 4, "z": 0}, mesh) == placement.to_logical((0, 1, 1))
+  with pytest.raises(pallas_np.UnsupportedError, match="'w', not a mesh axis"):
+    me.target_id({("x", "w"): 1}, mesh)
