@@ -329,6 +329,7 @@ def test_forked_child_gets_its_own_pool(modes):
 def test_one_progress_bar_counts_every_threads_points(modes, monkeypatch, capsys):
   from pallas_np import debugging
   monkeypatch.setattr(debugging, "PROGRESS_AFTER_S", 0.0)
+  monkeypatch.setattr(debugging, "_tqdm", lambda: None)  # the stderr line, tqdm installed or not
   monkeypatch.delenv("PALLAS_NP_PROGRESS", raising=False)
   x = _x((512, 1024), seed=11)
   _wide_call(pallas_np.InterpretParams(num_threads=2, uninitialized="zero"))(x)

@@ -371,7 +371,10 @@ class Compiler:
       zero_srcs = em.zeros.guard_sources(in_atoms_e, info.in_avals, info.out_avals[0])
       if zero_srcs is None:
         fast = None
-    ufunc = fn if fn.__class__ is np.ufunc and fast is None and fn.nout == 1 else None
+    # A ufunc, or a rule's callable that acts as one (``ufunc_like``: takes
+    # ``out=``, has ``nin``/``nout``; XLA's formulas in primitives/xla_math.py).
+    ufunc = fn if (fn.__class__ is np.ufunc or getattr(fn, "ufunc_like", False)) \
+        and fast is None and fn.nout == 1 else None
     if ufunc is None and fast is None and getattr(fn, "into_operand", None) is not None:
       ufunc = fn  # (allocates its result and can write into an operand: see in_place)
     with_out = None if ufunc is not None or fast is not None else getattr(fn, "with_out", None)

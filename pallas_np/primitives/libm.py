@@ -136,21 +136,34 @@ def _loop(name):
   return _loops[name]
 
 
-def call(name: str, *operands) -> np.ndarray:
+def call(name: str, *operands, out=None) -> np.ndarray:
   """``name`` (a C float function of FUNCTIONS, or DEFINED) elementwise over the
-  broadcast float32 operands; a float32 array (0-d for scalars)."""
+  broadcast float32 operands; a float32 array (0-d for scalars). ``out``: a
+  float32 array of the result's shape to write into, as a ufunc's ``out=``
+  (it may be an operand: each element is read before it is written), so the
+  compiler can chain these into a dying operand (``passes.in_place``)."""
   loop = _loop(name)
   ops = np.broadcast_arrays(*[np.asarray(v, np.float32) for v in operands])
   ops = [np.ascontiguousarray(v) for v in ops]
-  out = np.empty(ops[0].shape, np.float32)
-  if out.size:
-    loop(*[v.ctypes.data for v in ops], out.ctypes.data, out.size)
-  return out
+  shape = ops[0].shape
+  direct = out is not None and out.dtype == np.float32 and out.shape == shape \
+      and out.flags.c_contiguous and out.flags.writeable
+  result = out if direct else np.empty(shape, np.float32)
+  if result.size:
+    loop(*[v.ctypes.data for v in ops], result.ctypes.data, result.size)
+  if out is not None and not direct:
+    np.copyto(out, result)
+    return out
+  return result
 
 
 def unary(name: str):
-  return lambda x: call(name, x)
+  fn = lambda x, out=None: call(name, x, out=out)  # noqa: E731
+  fn.ufunc_like, fn.nin, fn.nout = True, 1, 1  # see compiler.Compiler's ufunc lines
+  return fn
 
 
 def binary(name: str):
-  return lambda x, y: call(name, x, y)
+  fn = lambda x, y, out=None: call(name, x, y, out=out)  # noqa: E731
+  fn.ufunc_like, fn.nin, fn.nout = True, 2, 1
+  return fn

@@ -290,6 +290,14 @@ def _f32_rule(f32_fn, fallback):
   def compile_rule(e):
     dt = np_dtype(e.in_avals[0].dtype)
     if dt == np.float32:
+      if getattr(f32_fn, "ufunc_like", False):
+        # Allocates its result and takes ``out=`` as a ufunc does, so the
+        # compiler may write it into a dying operand (passes.in_place):
+        # softmax's exp(x - m) / s reuses one buffer.
+        def rule(*xs, out=None):
+          return f32_fn(*xs, out=out)[()]
+        rule.ufunc_like, rule.nin, rule.nout = True, f32_fn.nin, 1
+        return rule
       return lambda *xs: f32_fn(*xs)[()]
     if is_low_precision_float(dt):
       if f32_fn in (asin_f32, acos_f32, logistic_f32):
