@@ -20,7 +20,7 @@ The same machinery compiles the formulas XLA emits itself (``exp``, ``log``:
 ``llvm.fma.f32``, whose result is the exactly rounded FMA on every CPU: one
 vectorised pass, faster than NumPy's own float32 exp/log.
 
-The loops are built on first use (~0.1-0.5 s, under a lock); each call is
+Each loop is built on its first use (a few ms to tens of ms, under a lock); each call is
 one ctypes call per array (the GIL is released while it runs).
 """
 from __future__ import annotations
@@ -49,8 +49,9 @@ def define(name: str, nargs: int, ir: str):
   DEFINED[name] = (nargs, ir)
 
 _lock = threading.Lock()
-_loops: dict = {}
+_loops: dict = {}  # name -> its compiled loop (ctypes), built on first use
 _engine = None  # kept alive: the compiled code lives in it
+_machine = None
 
 
 def _loop_ir(name, nargs) -> str:
@@ -78,20 +79,19 @@ done:
 }}"""
 
 
-def _ir(formulas: bool) -> str:
-  """The C library loops, or (``formulas``) the DEFINED functions and theirs."""
-  if formulas:
-    return "\n".join([_INTRINSICS] + [ir for _, ir in DEFINED.values()]
-                     + [_loop_ir(name, nargs) for name, (nargs, _) in DEFINED.items()])
-  lines = []
-  for name, nargs in FUNCTIONS.items():
-    lines.append(f"declare float @{name}({', '.join(['float'] * nargs)})")
-    lines.append(_loop_ir(name, nargs))
-  return "\n".join(lines)
+def _module_ir(name: str) -> tuple[str, bool]:
+  """The IR of ``name``'s loop (a DEFINED formula with its function, or a C
+  library call), and whether it gets LLVM's -O2 pipeline (formulas only)."""
+  if name in DEFINED:
+    nargs, ir = DEFINED[name]
+    return "\n".join([_INTRINSICS, ir, _loop_ir(name, nargs)]), True
+  nargs = FUNCTIONS[name]
+  return (f"declare float @{name}({', '.join(['float'] * nargs)})\n"
+          + _loop_ir(name, nargs)), False
 
 
-def _build():
-  global _engine
+def _new_engine():
+  """One MCJIT engine for the process, targeting the host CPU."""
   import llvmlite.binding as llvm  # (lazily: only these ops pay for it)
   llvm.initialize_native_target()
   llvm.initialize_native_asmprinter()
@@ -102,38 +102,45 @@ def _build():
   # result is the exactly rounded FMA on every CPU, in software without).
   machine = llvm.Target.from_default_triple().create_target_machine(
       cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
-  # The C library loops get no IR optimisation: each calls the library
-  # function as written (no libcall simplification may swap in another
-  # formula).
-  calls = llvm.parse_assembly(_ir(formulas=False))
-  calls.verify()
-  engine = llvm.create_mcjit_compiler(calls, machine)
-  if DEFINED:
+  return llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine), machine
+
+
+def _build(name: str):
+  """Compiles ``name``'s loop alone, on its first use: a kernel pays only
+  for the functions it calls (one small module each; all ten at once took
+  ~0.1 s)."""
+  global _engine, _machine
+  import llvmlite.binding as llvm
+  if _engine is None:
+    _engine, _machine = _new_engine()
+  ir, optimise = _module_ir(name)
+  module = llvm.parse_assembly(ir)
+  module.verify()
+  if optimise:
     # LLVM's -O2 pipeline (loop vectorisation) for the IR-defined formulas:
     # without fast-math flags every rounding stays as written (no
-    # contraction beyond the FMAs written, no reassociation).
-    formulas = llvm.parse_assembly(_ir(formulas=True))
-    formulas.verify()
+    # contraction beyond the FMAs written, no reassociation). The C library
+    # loops get none: each calls the library function as written (no
+    # libcall simplification may swap in another formula).
     pto = llvm.create_pipeline_tuning_options(speed_level=2)
     pto.loop_vectorization = True
-    builder = llvm.create_pass_builder(machine, pto)
-    builder.getModulePassManager().run(formulas, builder)
-    engine.add_module(formulas)
-  engine.finalize_object()
-  loops = {}
-  for name, nargs in {**FUNCTIONS, **{n: k for n, (k, _) in DEFINED.items()}}.items():
-    proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (nargs + 1), ctypes.c_int64)
-    loops[name] = proto(engine.get_function_address(f"loop_{name}"))
-  _engine = engine
-  return loops
+    builder = llvm.create_pass_builder(_machine, pto)
+    builder.getModulePassManager().run(module, builder)
+  _engine.add_module(module)
+  _engine.finalize_object()
+  nargs = DEFINED[name][0] if name in DEFINED else FUNCTIONS[name]
+  proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (nargs + 1), ctypes.c_int64)
+  return proto(_engine.get_function_address(f"loop_{name}"))
 
 
 def _loop(name):
-  if not _loops:
+  loop = _loops.get(name)
+  if loop is None:
     with _lock:
-      if not _loops:
-        _loops.update(_build())
-  return _loops[name]
+      loop = _loops.get(name)
+      if loop is None:
+        loop = _loops[name] = _build(name)
+  return loop
 
 
 def call(name: str, *operands, out=None) -> np.ndarray:
