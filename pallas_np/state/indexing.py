@@ -27,8 +27,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.errors import UnsupportedError
-from pallas_np.dtypes import bit_width
-from pallas_np.state import aliased_refs, lens, peer_refs
+from pallas_np.state import aliased_refs, lens, peer_refs, ref_views
 from pallas_np.state.bounds import check_array, check_int, check_slice
 
 
@@ -190,7 +189,7 @@ class RefAccess:
             f"pallas_np: ref transform {t!r} after a dynamically sized slice is not supported")
       elif jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
         steps.append(("bitcast", np.dtype(t.dtype), shape))
-        shape = _bitcast_shape(shape, ref_dtype, t.dtype)
+        shape = ref_views.bitcast_shape(shape, ref_dtype, t.dtype)
         ref_dtype = t.dtype
       elif jc.ReshapeTransform is not None and isinstance(t, jc.ReshapeTransform):
         steps.append(("reshape", tuple(t.shape), shape))
@@ -265,15 +264,15 @@ class RefAccess:
           break
         fns.append(_apply_index(builder))
       elif kind == "bitcast":
-        fns.append(_bitcast_view(arg))
+        fns.append(ref_views.bitcast_view(arg))
       elif kind == "reshape":
-        fns.append(_reshape_view(arg))
+        fns.append(ref_views.reshape_view(arg))
       elif kind == "transpose":
-        fns.append(_transpose_view(arg))
+        fns.append(ref_views.transpose_view(arg))
       elif kind == "subcore_slice":
         fns.append(_subcore_slice_view(arg))
       elif kind == "broadcast":
-        fns.append(_broadcast_view(arg))
+        fns.append(ref_views.broadcast_view(arg))
       elif kind == "peer":
         fns.append(peer_refs.peer_view(arg, _Dyn))
       elif kind == "cluster":
@@ -596,59 +595,3 @@ def _apply_index(builder):
             "pallas_np: integer-array indexing is only supported as the last ref transform")
     return out
   return f
-
-
-def _bitcast_shape(shape, from_dtype, to_dtype):
-  if from_dtype is None:
-    return shape
-  src, dst = np.dtype(jc.physical_dtype(from_dtype)), np.dtype(to_dtype)
-  if bit_width(src) != bit_width(dst) and min(bit_width(src), bit_width(dst)) < 8:
-    raise UnsupportedError(  # NumPy arrays cannot hold packed sub-byte elements
-        f"pallas_np: ref bitcast {src.name} -> {dst.name} (a sub-byte type of another "
-        "width) is not supported")
-  a, b = src.itemsize, dst.itemsize
-  if a == b or not shape:
-    return shape
-  # Pallas/TPU convention: the second-minor dimension absorbs the width change.
-  if len(shape) >= 2:
-    return (*shape[:-2], shape[-2] * a // b, shape[-1])
-  return (shape[0] * a // b,)
-
-
-def _bitcast_view(dtype):
-  """Same width, or a 1-D ref: a NumPy view. A width change packs along the
-  second-minor dim (``lens.tpu_bitcast``), which no strided view can do."""
-  def f(view, leaves):
-    if isinstance(view, lens.LensView) or (
-        view.dtype.itemsize != dtype.itemsize and view.ndim >= 2):
-      return lens.bitcast(view, dtype)
-    return view.view(dtype)
-  return f
-
-
-def _broadcast_view(shape):
-  """A zero-stride slice: the one row broadcast, a read-only view (a store
-  through it raises NumPy's "assignment destination is read-only")."""
-  def f(view, leaves):
-    return np.broadcast_to(lens.value(view), shape)
-  return f
-
-
-def _reshape_view(shape):
-  def f(view, leaves):
-    if isinstance(view, lens.LensView):
-      return lens.reshaped(view, shape)
-    try:
-      return np.reshape(view, shape, copy=False)
-    except ValueError:  # a non-contiguous view: read and written through a copy
-      return lens.reshaped(view, shape)
-  return f
-
-
-def _transpose_view(perm):
-  def f(view, leaves):
-    if isinstance(view, lens.LensView):
-      return lens.transposed(view, perm)
-    return view.transpose(perm)
-  return f
-
