@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
 import threading
 
 import numpy as np
@@ -60,16 +61,24 @@ _lock = threading.Lock()
 _loops: dict = {}  # name -> its compiled loop (ctypes), built on first use
 _addresses: dict = {}  # name -> its loop's address
 _engine = None  # (MCJIT engine, target machine) where the object loader does not apply
+_X86_64 = platform.machine() in ("x86_64", "AMD64")
 
 
 def _loop_ir(name, nargs) -> str:
+  """``out[i] = name(in0[i], ...)`` for i < n. Its loads and stores are one
+  access group, the loop's iterations declared independent
+  (``llvm.loop.parallel_accesses``): true whether ``out`` is one of the
+  inputs or apart from all (``call`` never passes a partial overlap), so the
+  vectoriser needs no overlap check; without it, LLVM's check sent the
+  in-place case (``out`` an input, softmax's exp) to the scalar loop."""
   ins = ", ".join(f"float* %in{k}" for k in range(nargs))
   loads = "\n".join(
-      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n  %v{k} = load float, float* %p{k}"
+      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n"
+      f"  %v{k} = load float, float* %p{k}, !llvm.access.group !1"
       for k in range(nargs))
   args = ", ".join(f"float %v{k}" for k in range(nargs))
   return f"""
-define void @loop_{name}({ins}, float* %out, i64 %n) nounwind {{
+define internal void @each_{name}({ins}, float* %out, i64 %n) nounwind noinline {{
 entry:
   %empty = icmp sle i64 %n, 0
   br i1 %empty, label %done, label %body
@@ -78,11 +87,50 @@ body:
 {loads}
   %r = call float @{name}({args})
   %po = getelementptr float, float* %out, i64 %i
-  store float %r, float* %po
+  store float %r, float* %po, !llvm.access.group !1
   %next = add i64 %i, 1
   %more = icmp slt i64 %next, %n
-  br i1 %more, label %body, label %done
+  br i1 %more, label %body, label %done, !llvm.loop !0
 done:
+  ret void
+}}
+!0 = distinct !{{!0, !2}}
+!1 = distinct !{{}}
+!2 = !{{!"llvm.loop.parallel_accesses", !1}}
+{_flush_denormals(name, nargs)}"""
+
+
+# MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6) bits.
+_FTZ_DAZ = (1 << 15) | (1 << 6)
+
+
+def _flush_denormals(name, nargs) -> str:
+  """``loop_name``: the loop run as XLA runs its CPU code, with denormals
+  flushed (XLA sets MXCSR's FTZ and DAZ around a computation, and the C
+  library functions it calls run under them too: ``cbrtf`` of a denormal is
+  not what it is without). The caller's MXCSR (its flags included) is
+  restored after. The loop is a separate function, not inlined, so no
+  float operation moves across the switch. x86-64 only; elsewhere the loop
+  runs in the caller's mode (denormals kept, docs/limits.md)."""
+  params = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
+  args = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
+  if not _X86_64:
+    return f"""define void @loop_{name}({params}) nounwind {{
+  call void @each_{name}({args})
+  ret void
+}}"""
+  return f"""declare void @llvm.x86.sse.stmxcsr(ptr)
+declare void @llvm.x86.sse.ldmxcsr(ptr)
+define void @loop_{name}({params}) nounwind {{
+  %saved = alloca i32
+  %flushed = alloca i32
+  call void @llvm.x86.sse.stmxcsr(ptr %saved)
+  %mode = load i32, ptr %saved
+  %flush = or i32 %mode, {_FTZ_DAZ}
+  store i32 %flush, ptr %flushed
+  call void @llvm.x86.sse.ldmxcsr(ptr %flushed)
+  call void @each_{name}({args})
+  call void @llvm.x86.sse.ldmxcsr(ptr %saved)
   ret void
 }}"""
 
@@ -225,8 +273,12 @@ def call(name: str, *operands, out=None) -> np.ndarray:
   ops = np.broadcast_arrays(*[np.asarray(v, np.float32) for v in operands])
   ops = [np.ascontiguousarray(v) for v in ops]
   shape = ops[0].shape
+  # (the loop's iterations are independent only if ``out`` is an operand
+  # itself or apart from every operand: a partial overlap goes through a
+  # fresh array)
   direct = out is not None and out.dtype == np.float32 and out.shape == shape \
-      and out.flags.c_contiguous and out.flags.writeable
+      and out.flags.c_contiguous and out.flags.writeable and all(
+          v.ctypes.data == out.ctypes.data or not np.may_share_memory(v, out) for v in ops)
   result = out if direct else np.empty(shape, np.float32)
   if result.size:
     loop(*[v.ctypes.data for v in ops], result.ctypes.data, result.size)

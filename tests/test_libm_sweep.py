@@ -1,0 +1,67 @@
+"""The compiled float32 loops (pallas_np/primitives/libm.py, the formulas of
+xla_math.py) against ``jax.jit`` on this CPU over a dense sweep of float32
+bit patterns: every 4093rd pattern of all 2^32 (both signs, every
+exponent), every denormal exponent range, ±0, ±inf, NaN. The loops run
+with denormals flushed as XLA's code does, so the raw bits must match (NaN
+matches NaN); the functions that combine a loop with NumPy steps
+(logistic, cosh, asin, acos, exp2) are compared with denormal results read
+as zero, as conformance.ulp_diff does (docs/limits.md)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_np import conformance
+from tests.test_conformance import xla_has_the_formulas_read
+
+
+def _sweep():
+  bits = np.arange(0, 1 << 32, 4093, dtype=np.uint64).astype(np.uint32)
+  tiny = np.arange(0, 1 << 23, 997, dtype=np.uint32)  # denormals and zero
+  x = np.concatenate([bits, tiny, tiny | np.uint32(1 << 31)]).view(np.float32)
+  return np.concatenate([x, np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.0, -1.0])])
+
+
+X = _sweep()
+Y = np.roll(X, 12345)  # the second operand of binary functions: every kind against every kind
+
+LOOPS = {"exp": jnp.exp, "log": jnp.log, "tanh": jnp.tanh, "sin": jnp.sin, "cos": jnp.cos,
+         "tan": jnp.tan, "cbrt": jnp.cbrt, "atan2": jnp.arctan2, "pow": lax.pow}
+COMBINED = {"logistic": lax.logistic, "cosh": jnp.cosh, "asin": jnp.arcsin, "acos": jnp.arccos,
+            "exp2": jnp.exp2}
+
+
+def _both(f, nargs):
+  args = (X, Y)[:nargs]
+
+  def kernel(*refs):
+    refs[-1][...] = f(*[r[...] for r in refs[:-1]])
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(X.shape, np.float32),
+                       interpret="numpy")(*args)
+  return np.asarray(got), np.asarray(jax.jit(f)(*args))
+
+
+def _nargs(name):
+  return 2 if name in ("atan2", "pow") else 1
+
+
+@pytest.mark.parametrize("name", sorted(LOOPS))
+def test_loop_bits_match_xla(name):
+  if name == "exp" and not xla_has_the_formulas_read():
+    pytest.xfail("this XLA's exp is not the formula xla_math follows (conformance.NEWER_XLA)")
+  got, want = _both(LOOPS[name], _nargs(name))
+  same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+  bad = np.flatnonzero(~same)
+  assert bad.size == 0, (name, bad.size, X[bad[:5]], got[bad[:5]], want[bad[:5]])
+
+
+@pytest.mark.parametrize("name", sorted(COMBINED))
+def test_combined_match_xla(name):
+  got, want = _both(COMBINED[name], _nargs(name))
+  d = conformance.ulp_diff(got, want)
+  bound = 0
+  if name in conformance.NEWER_XLA and not xla_has_the_formulas_read():
+    bound = conformance.NEWER_XLA[name]["float32"]
+  assert d.max() <= bound, (name, int(d.max()), X[np.argmax(d)])
