@@ -14,7 +14,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_np import conformance
-from tests.test_conformance import xla_has_the_formulas_read
 
 
 def _sweep():
@@ -49,8 +48,6 @@ def _nargs(name):
 
 @pytest.mark.parametrize("name", sorted(LOOPS))
 def test_loop_bits_match_xla(name):
-  if name == "exp" and not xla_has_the_formulas_read():
-    pytest.xfail("this XLA's exp is not the formula xla_math follows (conformance.NEWER_XLA)")
   got, want = _both(LOOPS[name], _nargs(name))
   same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
   bad = np.flatnonzero(~same)
@@ -61,7 +58,4 @@ def test_loop_bits_match_xla(name):
 def test_combined_match_xla(name):
   got, want = _both(COMBINED[name], _nargs(name))
   d = conformance.ulp_diff(got, want)
-  bound = 0
-  if name in conformance.NEWER_XLA and not xla_has_the_formulas_read():
-    bound = conformance.NEWER_XLA[name]["float32"]
-  assert d.max() <= bound, (name, int(d.max()), X[np.argmax(d)])
+  assert d.max() == 0, (name, int(d.max()), X[np.argmax(d)])

@@ -75,31 +75,32 @@ def key(*parts: str) -> str:
   return h.hexdigest()
 
 
-def read(k: str) -> bytes | None:
-  """The cached object of key ``k``, or None (absent, off, or damaged)."""
+def read(k: str, suffix: str = ".o") -> bytes | None:
+  """The cached object (or other ``suffix``) of key ``k``, or None (absent,
+  off, or damaged)."""
   d = directory()
   if d is None:
     return None
   try:
-    data = (d / f"{k}.o").read_bytes()
+    data = (d / f"{k}{suffix}").read_bytes()
   except OSError:
     return None
   digest, obj = data[:32], data[32:]
   return obj if hashlib.sha256(obj).digest() == digest else None
 
 
-def write(k: str, obj: bytes) -> None:
+def write(k: str, obj: bytes, suffix: str = ".o") -> None:
   """Stores ``obj`` under ``k`` (atomically); failures are ignored (no cache)."""
   d = directory()
   if d is None:
     return
   try:
     d.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".o")
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=suffix)
     try:
       with os.fdopen(fd, "wb") as f:
         f.write(hashlib.sha256(obj).digest() + obj)
-      os.replace(tmp, d / f"{k}.o")
+      os.replace(tmp, d / f"{k}{suffix}")
     except BaseException:
       os.unlink(tmp)
       raise
