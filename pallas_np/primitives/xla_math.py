@@ -11,8 +11,10 @@ fused multiply-add: ``exp``/``log`` are written in LLVM IR with
 double rounding can differ from a true FMA in rare halfway cases; measured
 bit-exact). Functions XLA leaves to the C library (sin, cos, tan, atan,
 atan2, cbrt, pow) call it the same way (``libm.py``). None of these uses a
-NumPy ufunc whose float32 loop is chosen by the CPU. Claims and measurements:
-``pallas_np.conformance``.
+NumPy ufunc whose float32 loop is chosen by the CPU. Where XLA or JAX changed
+a formula between versions (exp; asin's lowering) both are here and a probe
+of the installed one picks (``exp_generation``, ``asin_expands_to_atan2``).
+Claims and measurements: ``pallas_np.conformance``.
 """
 from __future__ import annotations
 
