@@ -59,3 +59,13 @@ def test_combined_match_xla(name):
   got, want = _both(COMBINED[name], _nargs(name))
   d = conformance.ulp_diff(got, want)
   assert d.max() == 0, (name, int(d.max()), X[np.argmax(d)])
+
+
+def test_exp_probe_bits_are_the_loops():
+  # xla_math.exp_generation compares XLA's exp of its probe inputs with
+  # these constants instead of compiling both loops: they must be the loops'.
+  from pallas_np.primitives import xla_math
+  for name, loop in (("split", xla_math._exp_split), ("clamped", xla_math._exp_clamped)):
+    got = loop(xla_math._EXP_PROBE).view(np.uint32)
+    np.testing.assert_array_equal(got, xla_math._EXP_PROBE_BITS[name])
+  assert xla_math.exp_generation() in xla_math._EXP_PROBE_BITS
