@@ -69,3 +69,28 @@ def test_exp_probe_bits_are_the_loops():
     got = loop(xla_math._EXP_PROBE).view(np.uint32)
     np.testing.assert_array_equal(got, xla_math._EXP_PROBE_BITS[name])
   assert xla_math.exp_generation() in xla_math._EXP_PROBE_BITS
+
+
+def test_the_callers_float_mode_is_restored():
+  # The loops set MXCSR's FTZ/DAZ for themselves only: NumPy's arithmetic
+  # after them still produces and reads denormals.
+  from pallas_np.primitives import libm
+  tiny = np.float32(2.0 ** -140)  # a denormal, exactly
+  libm.call("xla_logf", np.float32([tiny, 2.0]))
+  libm.call("sinf", np.float32([tiny, 2.0]))
+  assert tiny * np.float32(2) == np.float32(2.0 ** -139)  # not flushed
+  assert np.float32(2.0 ** -126) * np.float32(0.5) == np.float32(2.0 ** -127) != 0
+
+
+def test_out_overlapping_an_operand():
+  from pallas_np.primitives import xla_math
+  base = np.linspace(-5, 5, 4099, dtype=np.float32)
+  want = xla_math.exp_f32(base.copy())
+  same = base.copy()
+  xla_math.exp_f32(same, out=same)  # out is the operand: in place
+  np.testing.assert_array_equal(same.view(np.uint32), want.view(np.uint32))
+  shifted = base.copy()
+  buf = np.concatenate([shifted, np.zeros(3, np.float32)])
+  # out starts 3 elements past the operand's start: a partial overlap
+  xla_math.exp_f32(buf[:-3], out=buf[3:])
+  np.testing.assert_array_equal(buf[3:].view(np.uint32), want.view(np.uint32))
