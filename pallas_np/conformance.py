@@ -60,14 +60,11 @@ BIT_EXACT: dict[str, str] = {
     "pow": _LIBM, "sqrt": _IEEE, "div": _IEEE, "rem": _IEEE,
 }
 
-# XLA changes its own formulas between versions: these follow the XLA of JAX
-# 0.10 (read from its IR) and are bit-exact there; newer XLA (JAX 0.12.0.1)
-# computes them differently, this many ulp away (measured, 2*10^5 samples).
-# tests/test_conformance.py tells the two apart by probing exp.
-NEWER_XLA: dict[str, dict[str, int]] = {
-    name: dict(zip(("float32", "bfloat16", "float16"), ulps)) for name, ulps in {
-        "exp": (5, 0, 0), "exp2": (1, 0, 0), "cosh": (1, 0, 0), "logistic": (2, 0, 0),
-        "asin": (3, 1, 1)}.items()}
+# XLA and JAX change their formulas between versions: exp (so exp2, cosh,
+# logistic) has two generations in XLA (JAX 0.10's and 0.12's) and asin two
+# lowerings in JAX; the rules follow the installed one, told apart by a probe
+# (xla_math.exp_generation, xla_math.asin_expands_to_atan2), so these are
+# bit-exact on both.
 
 # Measured with ``python -m pallas_np.conformance 1000000``; the max over the
 # JAX versions CI tests (0.10.2 and 0.12.0.1: XLA's atan changed in between).
@@ -160,10 +157,6 @@ def measure(name: str, dtype, n: int = 1_000_000, seed: int = 0) -> int:
 
 def describe(name: str) -> str | None:
   """'bit-exact (...)' or 'float32 <= 3 ulp, ...' for the coverage report."""
-  if name in NEWER_XLA:
-    newer = ", ".join(f"{k} <= {v}" for k, v in NEWER_XLA[name].items() if v)
-    return (f"bit-exact with JAX 0.10's XLA (float32, bf16, f16; {BIT_EXACT[name]}); "
-            f"newer XLA: {newer} ulp")
   if name in BIT_EXACT:
     return f"bit-exact (float32, bf16, f16; {BIT_EXACT[name]})"
   row = ULP.get(name)

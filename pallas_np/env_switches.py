@@ -22,6 +22,7 @@ SWITCHES = {
     "PALLAS_NP_NATIVE_LOOPS": "hot loops may be compiled with numba; default on",
     "PALLAS_NP_STRICT_FALLBACKS": "a fast path failing where the grid loop succeeds raises; default off",
     "PALLAS_NP_TUNE_MALLOC": "raise glibc's malloc thresholds at the first kernel plan; default off",
+    "PALLAS_NP_LIBM_CACHE": "compiled float loops cached on disk (primitives/libm_cache.py); default on",
 }
 
 

@@ -11,27 +11,11 @@ from pallas_np import conformance
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-_formula_generation = {}
-
-
-def xla_has_the_formulas_read():
-  """Whether the installed XLA computes exp with the formula xla_math
-  follows (JAX 0.10's XLA; newer XLA changed it and the others of
-  conformance.NEWER_XLA): a probe of the installed XLA, not its version."""
-  if not _formula_generation:
-    _formula_generation["same"] = conformance.measure("exp", np.float32, n=4096, seed=3) == 0
-  return _formula_generation["same"]
-
-
 @pytest.mark.parametrize("name", sorted(conformance.BIT_EXACT))
 def test_bit_exact_here(name):
-  newer = name in conformance.NEWER_XLA and not xla_has_the_formulas_read()
   for dt_name, dt in DTYPES.items():
     got = conformance.measure(name, dt, n=20000, seed=1)
-    if newer:
-      assert got <= conformance.NEWER_XLA[name][dt_name], (name, dt_name, got)
-    else:
-      assert got == 0, (name, dt_name, got)
+    assert got == 0, (name, dt_name, got)
 
 
 @pytest.mark.parametrize("name", sorted(conformance.ULP))

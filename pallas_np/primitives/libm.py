@@ -20,16 +20,25 @@ The same machinery compiles the formulas XLA emits itself (``exp``, ``log``:
 ``llvm.fma.f32``, whose result is the exactly rounded FMA on every CPU: one
 vectorised pass, faster than NumPy's own float32 exp/log.
 
-Each loop is built on its first use (a few ms to tens of ms, under a lock); each call is
-one ctypes call per array (the GIL is released while it runs).
+Each loop is built on its first use (under a lock): on Linux x86-64 its
+object code comes from an on-disk cache (``libm_cache.py``, keyed by the IR,
+llvmlite's version and the CPU level; ``PALLAS_NP_LIBM_CACHE=0`` turns it
+off) and is loaded without LLVM (``libm_loader.py``), so only the first
+process on a machine pays llvmlite's import and LLVM's compile (~0.2 s);
+elsewhere llvmlite's MCJIT compiles it in each process. Each call is one
+ctypes call per array (the GIL is released while it runs); other compiled
+code can call a loop by its address (``address``).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
 import threading
 
 import numpy as np
+
+from pallas_np.primitives import libm_cache, libm_loader
 
 # C name -> number of float operands.
 FUNCTIONS = {"sinf": 1, "cosf": 1, "tanf": 1, "atanf": 1, "cbrtf": 1, "atan2f": 2, "powf": 2}
@@ -50,18 +59,26 @@ def define(name: str, nargs: int, ir: str):
 
 _lock = threading.Lock()
 _loops: dict = {}  # name -> its compiled loop (ctypes), built on first use
-_engine = None  # kept alive: the compiled code lives in it
-_machine = None
+_addresses: dict = {}  # name -> its loop's address
+_engine = None  # (MCJIT engine, target machine) where the object loader does not apply
+_X86_64 = platform.machine() in ("x86_64", "AMD64")
 
 
 def _loop_ir(name, nargs) -> str:
+  """``out[i] = name(in0[i], ...)`` for i < n. Its loads and stores are one
+  access group, the loop's iterations declared independent
+  (``llvm.loop.parallel_accesses``): true whether ``out`` is one of the
+  inputs or apart from all (``call`` never passes a partial overlap), so the
+  vectoriser needs no overlap check; without it, LLVM's check sent the
+  in-place case (``out`` an input, softmax's exp) to the scalar loop."""
   ins = ", ".join(f"float* %in{k}" for k in range(nargs))
   loads = "\n".join(
-      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n  %v{k} = load float, float* %p{k}"
+      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n"
+      f"  %v{k} = load float, float* %p{k}, !llvm.access.group !1"
       for k in range(nargs))
   args = ", ".join(f"float %v{k}" for k in range(nargs))
   return f"""
-define void @loop_{name}({ins}, float* %out, i64 %n) {{
+define internal void @each_{name}({ins}, float* %out, i64 %n) nounwind noinline {{
 entry:
   %empty = icmp sle i64 %n, 0
   br i1 %empty, label %done, label %body
@@ -70,11 +87,50 @@ body:
 {loads}
   %r = call float @{name}({args})
   %po = getelementptr float, float* %out, i64 %i
-  store float %r, float* %po
+  store float %r, float* %po, !llvm.access.group !1
   %next = add i64 %i, 1
   %more = icmp slt i64 %next, %n
-  br i1 %more, label %body, label %done
+  br i1 %more, label %body, label %done, !llvm.loop !0
 done:
+  ret void
+}}
+!0 = distinct !{{!0, !2}}
+!1 = distinct !{{}}
+!2 = !{{!"llvm.loop.parallel_accesses", !1}}
+{_flush_denormals(name, nargs)}"""
+
+
+# MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6) bits.
+_FTZ_DAZ = (1 << 15) | (1 << 6)
+
+
+def _flush_denormals(name, nargs) -> str:
+  """``loop_name``: the loop run as XLA runs its CPU code, with denormals
+  flushed (XLA sets MXCSR's FTZ and DAZ around a computation, and the C
+  library functions it calls run under them too: ``cbrtf`` of a denormal is
+  not what it is without). The caller's MXCSR (its flags included) is
+  restored after. The loop is a separate function, not inlined, so no
+  float operation moves across the switch. x86-64 only; elsewhere the loop
+  runs in the caller's mode (denormals kept, docs/limits.md)."""
+  params = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
+  args = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
+  if not _X86_64:
+    return f"""define void @loop_{name}({params}) nounwind {{
+  call void @each_{name}({args})
+  ret void
+}}"""
+  return f"""declare void @llvm.x86.sse.stmxcsr(ptr)
+declare void @llvm.x86.sse.ldmxcsr(ptr)
+define void @loop_{name}({params}) nounwind {{
+  %saved = alloca i32
+  %flushed = alloca i32
+  call void @llvm.x86.sse.stmxcsr(ptr %saved)
+  %mode = load i32, ptr %saved
+  %flush = or i32 %mode, {_FTZ_DAZ}
+  store i32 %flush, ptr %flushed
+  call void @llvm.x86.sse.ldmxcsr(ptr %flushed)
+  call void @each_{name}({args})
+  call void @llvm.x86.sse.ldmxcsr(ptr %saved)
   ret void
 }}"""
 
@@ -86,51 +142,115 @@ def _module_ir(name: str) -> tuple[str, bool]:
     nargs, ir = DEFINED[name]
     return "\n".join([_INTRINSICS, ir, _loop_ir(name, nargs)]), True
   nargs = FUNCTIONS[name]
-  return (f"declare float @{name}({', '.join(['float'] * nargs)})\n"
+  return (f"declare float @{name}({', '.join(['float'] * nargs)}) nounwind\n"
           + _loop_ir(name, nargs)), False
 
 
-def _new_engine():
-  """One MCJIT engine for the process, targeting the host CPU."""
-  import llvmlite.binding as llvm  # (lazily: only these ops pay for it)
+def _nargs(name: str) -> int:
+  return DEFINED[name][0] if name in DEFINED else FUNCTIONS[name]
+
+
+def _optimise(llvm, module, machine):
+  """LLVM's -O2 pipeline (loop vectorisation) for the IR-defined formulas:
+  without fast-math flags every rounding stays as written (no contraction
+  beyond the FMAs written, no reassociation). The C library loops get none:
+  each calls the library function as written (no libcall simplification
+  may swap in another formula)."""
+  pto = llvm.create_pipeline_tuning_options(speed_level=2)
+  pto.loop_vectorization = True
+  builder = llvm.create_pass_builder(machine, pto)
+  builder.getModulePassManager().run(module, builder)
+
+
+def _llvm():
+  import llvmlite.binding as llvm  # (lazily: ~0.12 s, paid only on a compile)
   llvm.initialize_native_target()
   llvm.initialize_native_asmprinter()
-  libm = ctypes.util.find_library("m")
-  if libm:
-    llvm.load_library_permanently(libm)
-  # The host's CPU features: llvm.fma.f32 becomes the FMA instruction (its
-  # result is the exactly rounded FMA on every CPU, in software without).
-  machine = llvm.Target.from_default_triple().create_target_machine(
-      cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
-  return llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine), machine
+  return llvm
 
 
-def _build(name: str):
-  """Compiles ``name``'s loop alone, on its first use: a kernel pays only
-  for the functions it calls (one small module each; all ten at once took
-  ~0.1 s)."""
-  global _engine, _machine
-  import llvmlite.binding as llvm
+def _object_address(name: str) -> int:
+  """``name``'s loop from its object code: the on-disk cache's
+  (``libm_cache``) or compiled now and cached, loaded without LLVM
+  (``libm_loader``). The object targets an x86-64 level (``x86-64-v3``
+  with AVX2 and FMA) in LLVM's large code model, the form the loader
+  handles."""
+  import llvmlite  # its version only (cheap; llvmlite.binding is not imported)
+  ir, optimise = _module_ir(name)
+  cpu = libm_cache.target_cpu()
+  key = libm_cache.key(ir, llvmlite.__version__, "x86_64-linux-elf", cpu, "large",
+                       "O2" if optimise else "codegen")
+  obj = libm_cache.read(key)
+  if obj is None:
+    llvm = _llvm()
+    machine = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
+        cpu=cpu, features="", opt=2, reloc="static", codemodel="large")
+    module = llvm.parse_assembly(ir)
+    module.verify()
+    if optimise:
+      _optimise(llvm, module, machine)
+    obj = machine.emit_object(module)
+    libm_cache.write(key, obj)
+  return libm_loader.load(obj)[f"loop_{name}"]
+
+
+def _mcjit_address(name: str) -> int:
+  """``name``'s loop compiled by llvmlite's MCJIT for the host CPU (one
+  engine for the process, kept alive: the code lives in it): where the
+  object loader does not apply (not Linux x86-64)."""
+  global _engine
+  llvm = _llvm()
   if _engine is None:
-    _engine, _machine = _new_engine()
+    libm = ctypes.util.find_library("m")
+    if libm:
+      llvm.load_library_permanently(libm)
+    # The host's CPU features: llvm.fma.f32 becomes the FMA instruction (its
+    # result is the exactly rounded FMA on every CPU, in software without).
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+    _engine = (llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine), machine)
+  engine, machine = _engine
   ir, optimise = _module_ir(name)
   module = llvm.parse_assembly(ir)
   module.verify()
   if optimise:
-    # LLVM's -O2 pipeline (loop vectorisation) for the IR-defined formulas:
-    # without fast-math flags every rounding stays as written (no
-    # contraction beyond the FMAs written, no reassociation). The C library
-    # loops get none: each calls the library function as written (no
-    # libcall simplification may swap in another formula).
-    pto = llvm.create_pipeline_tuning_options(speed_level=2)
-    pto.loop_vectorization = True
-    builder = llvm.create_pass_builder(_machine, pto)
-    builder.getModulePassManager().run(module, builder)
-  _engine.add_module(module)
-  _engine.finalize_object()
-  nargs = DEFINED[name][0] if name in DEFINED else FUNCTIONS[name]
-  proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (nargs + 1), ctypes.c_int64)
-  return proto(_engine.get_function_address(f"loop_{name}"))
+    _optimise(llvm, module, machine)
+  engine.add_module(module)
+  engine.finalize_object()
+  return engine.get_function_address(f"loop_{name}")
+
+
+def _build(name: str):
+  """Compiles (or loads from the disk cache) ``name``'s loop alone, on its
+  first use: a kernel pays only for the functions it calls."""
+  address = None
+  if libm_loader.available():
+    try:
+      address = _object_address(name)
+    except libm_loader.LoadError:
+      address = None  # an object the loader does not handle: MCJIT
+  if address is None:
+    address = _mcjit_address(name)
+  _addresses[name] = address
+  proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (_nargs(name) + 1), ctypes.c_int64)
+  return proto(address)
+
+
+def names() -> list[str]:
+  """Every loop ``address`` can give: the C library's and XLA's formulas."""
+  return sorted(FUNCTIONS) + sorted(DEFINED)
+
+
+def address(name: str) -> tuple[int, int]:
+  """A stable accessor for other compiled code (numba's, ``pallas_np/native``):
+  ``(address, nin)`` of ``name``'s loop (one of ``names()``; built or loaded
+  on this call if needed), a C function
+  ``void loop(const float *in_0, ..., const float *in_{nin-1}, float *out, int64_t n)``
+  computing ``out[i] = name(in_0[i], ...)`` for ``0 <= i < n`` (contiguous
+  float32; ``out`` may be one of the inputs). It holds no Python state and
+  needs no GIL; the code stays mapped for the process's life."""
+  _loop(name)
+  return _addresses[name], _nargs(name)
 
 
 def _loop(name):
@@ -153,8 +273,12 @@ def call(name: str, *operands, out=None) -> np.ndarray:
   ops = np.broadcast_arrays(*[np.asarray(v, np.float32) for v in operands])
   ops = [np.ascontiguousarray(v) for v in ops]
   shape = ops[0].shape
+  # (the loop's iterations are independent only if ``out`` is an operand
+  # itself or apart from every operand: a partial overlap goes through a
+  # fresh array)
   direct = out is not None and out.dtype == np.float32 and out.shape == shape \
-      and out.flags.c_contiguous and out.flags.writeable
+      and out.flags.c_contiguous and out.flags.writeable and all(
+          v.ctypes.data == out.ctypes.data or not np.may_share_memory(v, out) for v in ops)
   result = out if direct else np.empty(shape, np.float32)
   if result.size:
     loop(*[v.ctypes.data for v in ops], result.ctypes.data, result.size)

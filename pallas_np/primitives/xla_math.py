@@ -11,18 +11,23 @@ fused multiply-add: ``exp``/``log`` are written in LLVM IR with
 double rounding can differ from a true FMA in rare halfway cases; measured
 bit-exact). Functions XLA leaves to the C library (sin, cos, tan, atan,
 atan2, cbrt, pow) call it the same way (``libm.py``). None of these uses a
-NumPy ufunc whose float32 loop is chosen by the CPU. Claims and measurements:
-``pallas_np.conformance``.
+NumPy ufunc whose float32 loop is chosen by the CPU. Where XLA or JAX changed
+a formula between versions (exp; asin's lowering) both are here and a probe
+of the installed one picks (``exp_generation``, ``asin_expands_to_atan2``).
+Claims and measurements: ``pallas_np.conformance``.
 """
 from __future__ import annotations
 
+import threading
+
+import jax
 import numpy as np
 from jax import lax
 
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
-from pallas_np.primitives import libm
+from pallas_np.primitives import libm, libm_cache
 from pallas_np.primitives.elementwise import binary_float, unary_float
 from pallas_np.primitives.special import scipy_special
 
@@ -99,30 +104,116 @@ def _c(v):
   return "0x%016X" % np.float64(_F32(v)).view(np.uint64)
 
 
-def _exp_ir():
-  b = _Ssa("xla_expf", 1)
+def _exp_ir(name, split_scale):
+  """XLA's float32 exp in LLVM IR. Two generations: JAX 0.10's XLA clamps
+  n to [-127, 127] and multiplies by 2^n built from its exponent bits
+  (Cephes' ln 2 split); newer XLA (JAX 0.12's) clamps n to [-127, 128],
+  reduces with another ln 2 split and scales in two steps (an integer add
+  to the result's exponent, then a multiply by 2^min(n, 127)), so exp(88.7)
+  no longer overflows early. Both read from the code XLA emits
+  (``XLA_FLAGS=--xla_dump_to``)."""
+  b = _Ssa(name, 1)
   x0 = b.args[0]
   x = b.select(b(f"fcmp uge float {x0}, {_c(-87.8)}"), x0, _c(-87.8))  # NaN stays NaN
   x = b.select(b(f"fcmp ule float {x}, {_c(88.8)}"), x, _c(88.8))
   n = b(f"call float @llvm.floor.f32(float {b.fma(x, _c(_bits_f32(0x3FB8AA3B)), _c(0.5))})")
   n = b.select(b(f"fcmp uge float {n}, {_c(-127)}"), n, _c(-127))
-  n = b.select(b(f"fcmp ule float {n}, {_c(127)}"), n, _c(127))
-  minus_n = b(f"fneg float {n}")
-  r = b.fma(minus_n, _c(_EXP_C2), b.fma(minus_n, _c(_EXP_C1), x))
+  n = b.select(b(f"fcmp ule float {n}, {_c(128 if split_scale else 127)}"), n,
+               _c(128 if split_scale else 127))
+  if split_scale:
+    r = b.fma(n, _c(_bits_f32(0xB5BFBE8E)), b.fma(n, _c(_bits_f32(0xBF317200)), x))
+  else:
+    minus_n = b(f"fneg float {n}")
+    r = b.fma(minus_n, _c(_EXP_C2), b.fma(minus_n, _c(_EXP_C1), x))
   z = b.fma(r, _c(_EXP_P[0]), _c(_EXP_P[1]))
   for c in _EXP_P[2:] + [_F32(0.5)]:
     z = b.fma(z, r, _c(c))
   z = b(f"fadd float {b.fma(z, b(f'fmul float {r}, {r}'), r)}, {_c(1)}")
-  # 2^n from its exponent bits (n = -127: +0.0, XLA's flush); NaN: n = 0.
+  # 2^n from its exponent bits (n = -127: +0.0, XLA's flush); NaN: n = 0
+  # (the hardware's conversion gives 0x80000000, whose shift is 0 too).
   n = b.select(b(f"fcmp uno float {n}, 0.0"), "0.0", n)
   n_int = b(f"fptosi float {n} to i32")
   bits = b(f"shl i32 {b(f'add i32 {n_int}, 127')}, 23")
-  return b.define(b(f"fmul float {z}, {b(f'bitcast i32 {bits} to float')}"))
+  if not split_scale:
+    return b.define(b(f"fmul float {z}, {b(f'bitcast i32 {bits} to float')}"))
+  low = b(f"select i1 {b(f'icmp ult i32 {bits}, 2130706432')}, i32 {bits}, i32 2130706432")
+  z_bits = b(f"add i32 {b(f'bitcast float {z} to i32')}, {b(f'sub i32 {bits}, {low}')}")
+  return b.define(b(f"fmul float {b(f'bitcast i32 {z_bits} to float')}, "
+                    f"{b(f'bitcast i32 {low} to float')}"))
 
 
-exp_f32 = _exp_ir()
-exp_f32.__doc__ = """XLA's float32 exp, compiled (libm.define): Cephes' polynomial after
-n = floor(x log2(e) + 1/2), every multiply-add an FMA, as XLA's IR has it."""
+# (the two generations' loops; exp_f32 picks the installed XLA's)
+_exp_clamped, _exp_split = _exp_ir("xla_expf", False), _exp_ir("xla_expf_split", True)
+
+
+def exp_f32(x, out=None):
+  """XLA's float32 exp, compiled (libm.define): Cephes' polynomial after
+  n = floor(x log2(e) + 1/2), every multiply-add an FMA, as XLA's IR has it;
+  the generation the installed XLA computes (``exp_generation``)."""
+  return (_exp_split if exp_generation() == "split" else _exp_clamped)(x, out=out)
+
+
+exp_f32.ufunc_like, exp_f32.nin, exp_f32.nout = True, 1, 1
+
+
+# Inputs where the two generations' bits differ (found by comparing them
+# over a dense float32 sweep), and each generation's exp of them (the bits
+# its loop gives: tests/test_libm_sweep.py checks they still do), so the
+# probe compiles neither loop.
+_EXP_PROBE = np.uint32([0x41ECB14D, 0x426D1935, 0x42B0CC81, 0xC1B187E6]).view(_F32)
+_EXP_PROBE_BITS = {"split": np.uint32([0x54CDB355, 0x6A36EF9B, 0x7F39428C, 0x2F7D49F3]),
+                   "clamped": np.uint32([0x54CDB356, 0x6A36EF9C, 0x7F39428D, 0x2F7D49F2])}
+_generation: list = []
+_generation_lock = threading.Lock()
+
+
+def exp_generation() -> str:
+  """Which of XLA's exp formulas the installed XLA computes, ``"clamped"``
+  (JAX 0.10's) or ``"split"`` (newer): the installed XLA's own exp (jit on
+  the CPU) over ``_EXP_PROBE``, compared with both. Once per process,
+  remembered on disk with the compiled loops (``libm_cache``; keyed by the
+  jaxlib build, so a new jaxlib probes again): a jit costs ~0.1 s of CPU."""
+  if not _generation:
+    with _generation_lock:
+      if not _generation:
+        _generation.append(_probe_exp_generation())
+  return _generation[0]
+
+
+def _probe_exp_generation() -> str:
+  import jaxlib
+  key = libm_cache.key("exp generation", jaxlib.__version__, str(jaxlib.__file__),
+                       _EXP_PROBE.tobytes().hex())
+  cached = libm_cache.read(key, ".txt")
+  if cached in (b"clamped", b"split"):
+    return cached.decode()
+  want = _xla_exp(_EXP_PROBE)
+  if want is None:  # no CPU backend to ask: the newest formula
+    return "split"
+  for name, bits in _EXP_PROBE_BITS.items():
+    if (want.view(np.uint32) == bits).all():
+      libm_cache.write(key, name.encode(), ".txt")
+      return name
+  return "split"  # neither (a newer XLA): the nearer, not cached
+
+
+def _xla_exp(x):
+  """``jax.jit(lax.exp)(x)`` on the CPU, or None where it cannot run. On a
+  thread of its own: outside any trace the caller is in (JAX's trace state
+  is per thread), and a rule running inside an XLA host callback does not
+  wait on XLA's own threads beyond the timeout."""
+  result = []
+
+  def run():
+    try:
+      cpu = jax.devices("cpu")[0]
+      result.append(np.asarray(jax.jit(lax.exp)(jax.device_put(x, cpu))))
+    except Exception:  # noqa: BLE001 (no CPU backend, ...: the caller's default)
+      pass
+  thread = threading.Thread(target=run, name="pallas_np-exp-probe", daemon=True)
+  thread.start()
+  thread.join(60)
+  return result[0] if result else None
 
 
 def _horner(x, coeffs):
@@ -245,9 +336,11 @@ every multiply-add an FMA."""
 
 def _asin_acos(is_asin):
   """XLA's asin/acos, expanded before its float normalisation, so in
-  bf16/f16 every step is rounded to the dtype (``dt``):
-  asin(x) = 2 atan2(x, 1 + sqrt((1 - x)(1 + x))),
-  acos(x) = atan2(sqrt((1 - x)(1 + x)), x), atan2 from the C library."""
+  bf16/f16 every step is rounded to the dtype (``dt``), with
+  root = sqrt((1 - x)(1 + x)): acos(x) = atan2(root, x);
+  asin(x) = 2 atan2(x, 1 + root) where JAX lowers asin to ``chlo.asin``
+  (JAX 0.10), atan2(x, root) where JAX expands it so itself (JAX 0.12:
+  ``asin_expands_to_atan2``); atan2 is the C library's."""
   def fn(x, dt=_F32):
     r = (lambda v: v) if dt == _F32 else (lambda v: np.asarray(v, dt).astype(_F32))
     x = np.asarray(x, _F32)
@@ -256,9 +349,25 @@ def _asin_acos(is_asin):
       root = r(np.sqrt(r(r(one - x) * r(one + x))))
       if not is_asin:
         return libm.call("atan2f", root, x)
+      if asin_expands_to_atan2():
+        return libm.call("atan2f", x, root)
       a = r(libm.call("atan2f", x, r(one + root)))
       return a + a
   return fn
+
+
+_asin_lowering: list = []
+
+
+def asin_expands_to_atan2() -> bool:
+  """Whether JAX lowers float asin itself as atan2(x, sqrt((1-x)(1+x)))
+  (JAX 0.12 on CPU) rather than to ``chlo.asin`` (which XLA expands as
+  2 atan2(x, 1 + sqrt(...))): read from the installed JAX's lowering of a
+  float32 asin (its StableHLO text; no compilation), once per process."""
+  if not _asin_lowering:
+    text = jax.jit(lax.asin).lower(jax.ShapeDtypeStruct((), np.float32)).as_text()
+    _asin_lowering.append("chlo.asin" not in text and "atan2" in text)
+  return _asin_lowering[0]
 
 
 asin_f32, acos_f32 = _asin_acos(True), _asin_acos(False)
