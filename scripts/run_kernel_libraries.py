@@ -17,8 +17,10 @@ version has it, for comparison) or ``both``. ``--oob-reads fill`` runs
 pallas_np with ``InterpretParams(oob_reads="fill")`` (loads past a ref read
 the fill, as a TPU reads past it). Each kernel runs under a device persona
 (``pallas_np.emulate_device``; the table's ``devices``, else ``--device``,
-default tpu-v6e): the tests' gates (``jax.default_backend()``, patched in the
-test process, ``device_kind``, ``pltpu.get_tpu_info()``) see that device.
+default tpu-v6e): the tests' gates and the ops' ``supported_on`` checks
+(``jax.default_backend()`` and ``device.platform``, both patched in the test
+process, the latter for the library's own modules only; ``device_kind``,
+``pltpu.get_tpu_info()``) see that device, while XLA runs on the CPU.
 
 Library dependencies (PyPI): tokamax needs Python >= 3.12 (PEP 695 syntax)
 and absl-py, einshape, jaxtyping, pydantic, qwix, immutabledict,
@@ -50,6 +52,7 @@ LIBRARIES = {
     "tokamax": {
         "mirror": "openxla+tokamax",
         "paths": ["tokamax"],
+        "packages": ["tokamax"],  # the library's modules (and its tests')
         "kernels": {  # kernel -> test files (the first that exists at the commit)
             "conv1d_gdn": ["tokamax/_src/ops/causal_conv1d_gated_delta_rule/pallas_mosaic_tpu_test.py",
                            "tokamax/_src/ops/experimental/causal_conv1d_gated_delta_rule/gdn_attention_test.py"],
@@ -85,6 +88,7 @@ LIBRARIES = {
     "tpu-inference": {
         "mirror": "vllm-project+tpu-inference",
         "paths": ["tpu_inference", "tests"],
+        "packages": ["tpu_inference", "tests"],
         "kernels": {
             "causal_conv1d": ["tests/kernels/causal_conv1d_test.py"],
             "gmm_v2": ["tests/kernels/gmm_test.py"],
@@ -129,6 +133,7 @@ PLUGIN = textwrap.dedent('''
         import jax
         platform = "tpu" if device.startswith("tpu") else "gpu"
         jax.default_backend = lambda: platform
+        _device_platform_for_library(type(jax.devices()[0]), platform)
       else:
         from jax.experimental import pallas as pl
         force = getattr(pl, "force_interpret_mode", None)
@@ -136,6 +141,23 @@ PLUGIN = textwrap.dedent('''
           raise SystemExit("this JAX has no pl.force_interpret_mode")
         _ctx = force(True)
       _ctx.__enter__()
+
+
+    def _device_platform_for_library(cls, platform):
+      """``device.platform`` answers ``platform`` to the library's own code
+      (its ``supported_on`` checks and test gates read it) and ``cpu`` to
+      everything else: JAX lowers and runs the code around the kernels for
+      the CPU. The caller is told apart by its module's name."""
+      import sys
+      prefixes = tuple(os.environ["KL_PACKAGES"].split(","))
+      orig = next(c.__dict__["platform"] for c in cls.__mro__ if "platform" in c.__dict__)
+
+      def get(self):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith(prefixes):
+          return platform
+        return orig.__get__(self, cls)
+      cls.platform = property(get)
 
 
     class _Timeout(Exception):
@@ -305,6 +327,7 @@ def main(argv=None):
           continue
         for mode in modes:
           env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads, KL_DEVICE=spec["devices"].get(kernel, args.device),
+                     KL_PACKAGES=",".join(spec["packages"]),
                      KL_TIMEOUT=str(args.timeout), JAX_PLATFORMS="cpu",
                      KL_RESULTS=os.path.join(tmp, f"{lib}-{kernel}-{mode}.jsonl"),
                      PYTHONPATH=os.pathsep.join([args.pallas_np, plugin_dir, root]))
