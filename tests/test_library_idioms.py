@@ -51,3 +51,35 @@ def test_a_gather_along_the_packed_dim_converts_only_the_gathered_groups(monkeyp
   want = parent.reshape(4096, 4, 8).astype(np.uint32)
   want = want[:, 0] | want[:, 1] << 8 | want[:, 2] << 16 | want[:, 3] << 24  # little-endian bytes
   np.testing.assert_array_equal(got.view(np.uint32), want[rows])
+
+
+# -- pltriton.approx_tanh (tokamax's Triton attention and GLU kernels) ------------------
+def _approx_tanh_call(x):
+  import jax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = pltriton.approx_tanh(x_ref[...])
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_approx_tanh_is_xlas_float32_tanh_on_every_cpu(dtype):
+  """The GPU's tanh.approx is specified only to ~2**-11 and interpret=True
+  has no rule for its asm; numpy mode gives XLA's float32 tanh (what
+  ``lax.tanh`` gives, the same bits on any CPU; NumPy's float32 tanh, whose
+  SIMD path depends on the CPU, differed from it in the last bit on most of
+  these inputs), rounded to bf16/f16."""
+  import jax
+  import jax.numpy as jnp
+  from tests.tpu_helpers import numpy_mode
+  special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e-4, -5e-4, 19.9, -20.5, 7.99, 8.1]
+  x32 = np.concatenate([np.linspace(-9, 9, 4096 - len(special)), special]).astype(np.float32)
+  x = jnp.asarray(x32).astype(dtype).reshape(32, 128)
+  with numpy_mode():
+    got = np.asarray(_approx_tanh_call(x))
+  want = np.asarray(jax.jit(lambda v: jnp.tanh(v.astype(jnp.float32)).astype(v.dtype))(x))
+  bits = np.uint32 if dtype == "float32" else np.uint16
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))
