@@ -83,3 +83,34 @@ def test_approx_tanh_is_xlas_float32_tanh_on_every_cpu(dtype):
   want = np.asarray(jax.jit(lambda v: jnp.tanh(v.astype(jnp.float32)).astype(v.dtype))(x))
   bits = np.uint32 if dtype == "float32" else np.uint16
   np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+# -- the zero signs of a float cumsum ----------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape,axis", [((8, 16), 1), ((8, 16), 0), ((8, 1), 1), ((1, 128), 0)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_zero_signs_follow_xla(dtype, shape, axis, reverse):
+  """XLA sums each prefix as a reduce-window from +0.0, so no partial sum is
+  -0.0 (NumPy's cumsum starts from the first element and keeps it); along
+  an axis of length 1 XLA's simplifier drops the window (the input comes
+  back, -0.0 kept) except in bf16. Bits against interpret=True, whose
+  cumsum is XLA's."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from tests.tpu_helpers import hlo_interpret, numpy_mode
+  rng = np.random.RandomState(sum(shape) + axis)
+  x = jnp.asarray(rng.choice(np.float32([-0.0, -0.0, 0.0, 1.0, -1.0]), size=shape), dtype)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.cumsum(x_ref[...], axis=axis, reverse=reverse)
+
+  def call():
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct(shape, x.dtype))(x)
+  with numpy_mode():
+    got = np.asarray(call())
+  with hlo_interpret():
+    want = np.asarray(call())
+  bits = np.uint32 if dtype == "float32" else np.uint16
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))
