@@ -15,7 +15,9 @@ Modes (``--mode``): ``numpy`` (pallas_np, the default), ``interpret``
 (JAX's ``interpret=True`` through ``force_interpret_mode`` where the JAX
 version has it, for comparison) or ``both``. ``--oob-reads fill`` runs
 pallas_np with ``InterpretParams(oob_reads="fill")`` (loads past a ref read
-the fill, as a TPU reads past it). Each kernel runs under a device persona
+the fill, as a TPU reads past it); ``--buffer-bounds padded`` with
+``InterpretParams(buffer_bounds="padded")`` (DMAs may run into the buffer's
+tile padding past the array's end, as on a TPU). Each kernel runs under a device persona
 (``pallas_np.emulate_device``; the table's ``devices``, else ``--device``,
 default tpu-v6e): the tests' gates and the ops' ``supported_on`` checks
 (``jax.default_backend()`` and ``device.platform``, both patched in the test
@@ -124,10 +126,9 @@ PLUGIN = textwrap.dedent('''
         if device.startswith("tpu-"):
           pallas_np.assume_tpu_chip({"tpu-v7x": "7x"}.get(device, device[4:]))
         if hasattr(pallas_np, "emulate_device"):  # the persona: gates and device queries
-          _ctx = pallas_np.emulate_device(device, oob_reads=os.environ.get("KL_OOB", "raise"))
+          _ctx = pallas_np.emulate_device(device, **_options())
         else:
-          _ctx = pallas_np.force_numpy_interpret(
-              pallas_np.InterpretParams(oob_reads=os.environ.get("KL_OOB", "raise")))
+          _ctx = pallas_np.force_numpy_interpret(pallas_np.InterpretParams(**_options()))
         # The libraries gate their TPU/GPU tests on jax.default_backend(); the
         # persona keeps XLA on the CPU (JAX's own code calls xla_bridge's).
         import jax
@@ -141,6 +142,13 @@ PLUGIN = textwrap.dedent('''
           raise SystemExit("this JAX has no pl.force_interpret_mode")
         _ctx = force(True)
       _ctx.__enter__()
+
+
+    def _options():
+      opts = dict(oob_reads=os.environ.get("KL_OOB", "raise"))
+      if os.environ.get("KL_BUFFER_BOUNDS", "logical") != "logical":
+        opts["buffer_bounds"] = os.environ["KL_BUFFER_BOUNDS"]
+      return opts
 
 
     def _device_platform_for_library(cls, platform):
@@ -281,6 +289,8 @@ def main(argv=None):
   ap.add_argument("--before", default=None, help="last commit before this date (e.g. 2026-08-01)")
   ap.add_argument("--mode", choices=("numpy", "interpret", "both"), default="numpy")
   ap.add_argument("--oob-reads", choices=("raise", "fill"), default="raise")
+  ap.add_argument("--buffer-bounds", choices=("logical", "padded"), default="logical",
+                  help="InterpretParams.buffer_bounds: 'padded' lets DMAs run into the tile padding")
   ap.add_argument("--device", default="tpu-v6e",
                   help="persona for kernels the table does not place (tpu-v6e, tpu-v7x, h100, ...)")
   ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
@@ -326,7 +336,7 @@ def main(argv=None):
           print(f"  {kernel}: no test file at this commit")
           continue
         for mode in modes:
-          env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads, KL_DEVICE=spec["devices"].get(kernel, args.device),
+          env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads, KL_BUFFER_BOUNDS=args.buffer_bounds, KL_DEVICE=spec["devices"].get(kernel, args.device),
                      KL_PACKAGES=",".join(spec["packages"]),
                      KL_TIMEOUT=str(args.timeout), JAX_PLATFORMS="cpu",
                      KL_RESULTS=os.path.join(tmp, f"{lib}-{kernel}-{mode}.jsonl"),

@@ -114,3 +114,61 @@ def test_cumsum_zero_signs_follow_xla(dtype, shape, axis, reverse):
     want = np.asarray(call())
   bits = np.uint32 if dtype == "float32" else np.uint16
   np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+# -- DMAs into the tile padding past an array's end (tokamax gmm_v2 n=500, tgmm k=n=255) ---
+def _padded_dma_call(cols_window, rows=13, cols=500, row_window=(8, 8)):
+  """DMAs a window of a (13, 500) HBM array that runs past its end (into
+  the (16, 512) tile padding) into VMEM, doubles it, DMAs it back through
+  the same window of the output, and returns what VMEM held there."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  r0, nr = row_window
+
+  def kernel(x_hbm, o_hbm, seen_ref, buf, sem):
+    zero = pl.program_id(0)  # traced starts: JAX checks static ones at trace time
+    window = (pl.ds(zero + r0, nr), pl.ds(zero, cols_window))
+    pltpu.async_copy(x_hbm.at[window], buf, sem).wait()
+    buf[...] = buf[...] * 2.0
+    seen_ref[...] = buf[...]
+    pltpu.async_copy(buf, o_hbm.at[window], sem).wait()
+  x = jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols)
+  return pl.pallas_call(
+      kernel, grid=(1,),
+      out_shape=(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
+                 jax.ShapeDtypeStruct((nr, cols_window), jnp.float32)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pltpu.VMEM)),
+      scratch_shapes=[pltpu.VMEM((nr, cols_window), jnp.float32), pltpu.SemaphoreType.DMA],
+      input_output_aliases={0: 0})(x)
+
+
+@pytest.mark.parametrize("window", [dict(cols_window=512), dict(cols_window=512, row_window=(8, 8)),
+                                    dict(cols_window=256, row_window=(12, 4))])
+def test_a_dma_into_the_tile_padding_follows_tpu_interpret_mode(window):
+  """buffer_bounds='padded': the window reads NaN (the uninitialized fill)
+  past the end and its writes there are dropped, as TPU interpret mode with
+  buffer_bounds='padded' does; the default raises and names the option."""
+  import jax
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  from tests.tpu_helpers import numpy_mode
+  pallas_np.assume_tpu_chip("v5e")  # TPU interpret mode's padding asks the chip (v4+: the same)
+  with numpy_mode(), pytest.raises(Exception, match="buffer_bounds='padded'"):
+    jax.block_until_ready(_padded_dma_call(**window))
+  with numpy_mode(buffer_bounds="padded"):
+    got = [np.asarray(a) for a in _padded_dma_call(**window)]
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(buffer_bounds="padded")):
+    want = [np.asarray(a) for a in _padded_dma_call(**window)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert np.isnan(got[1]).any()  # the padding was read
+
+
+def test_a_dma_past_the_tile_padding_still_raises():
+  import jax
+  from tests.tpu_helpers import numpy_mode
+  with numpy_mode(buffer_bounds="padded"), pytest.raises(Exception, match="out-of-bounds"):
+    jax.block_until_ready(_padded_dma_call(cols_window=640))
