@@ -337,7 +337,8 @@ def main(argv=None):
           continue
         for mode in modes:
           env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads,
-                     KL_BUFFER_BOUNDS=args.buffer_bounds, KL_DEVICE=spec["devices"].get(kernel, args.device),
+                     KL_BUFFER_BOUNDS=args.buffer_bounds,
+                     KL_DEVICE=spec["devices"].get(kernel, args.device),
                      KL_PACKAGES=",".join(spec["packages"]),
                      KL_TIMEOUT=str(args.timeout), JAX_PLATFORMS="cpu",
                      KL_RESULTS=os.path.join(tmp, f"{lib}-{kernel}-{mode}.jsonl"),
