@@ -196,7 +196,8 @@ PLUGIN = textwrap.dedent('''
         text = str(report.longrepr)
         lines = [l for l in text.splitlines() if l.startswith("E ")]
         lines = [l for l in lines if "For simplicity, JAX" not in l]
-        errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l]
+        errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l
+                or "took longer than" in l]
         msg = ((errs or lines)[-1] if lines else text.splitlines()[-1] if text else "")[:300]
       elif report.skipped:
         msg = str(report.longrepr)[-200:]
