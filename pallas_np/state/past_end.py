@@ -120,7 +120,8 @@ def padded_dma_operand(resolve, access, dtype, params):
             f"shape {limit}): the hardware accepts such a DMA; "
             "InterpretParams(buffer_bounds='padded') reads the uninitialized fill there "
             "and drops writes there, as TPU interpret mode's buffer_bounds='padded'.") from None
-      return PaddedWindow(view, coords, tuple(access.result_shape), fill), Ellipsis
+      shape = np.broadcast_shapes(*(np.shape(c) for c in coords))  # (a traced size's too)
+      return PaddedWindow(view, coords, shape, fill), Ellipsis
   return resolve_padded
 
 
