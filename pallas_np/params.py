@@ -33,6 +33,12 @@ class InterpretParams:
       follows the ref; for kernels that load speculatively and discard the
       value (``lax.select`` evaluates both sides). Stores, DMAs and masked
       Triton loads still raise (see docs/debugging.md).
+    buffer_bounds: what bounds a TPU DMA (TPU interpret mode's option of that
+      name). ``"logical"`` (default): the array's shape. ``"padded"``: the
+      buffer's tile-padded shape (the hardware stores arrays in (8, 128)
+      tiles): a DMA window past the logical end inside the padding reads the
+      ``uninitialized`` fill there and its writes there are dropped
+      (``state/past_end.py``).
     check_avals: after every eqn, check that the NumPy value has the shape and
       dtype of the eqn's abstract value (slow; used by the test-suite).
     vectorize: evaluate independent grid points in one batched pass.
@@ -94,6 +100,7 @@ class InterpretParams:
   bounds_check: Literal["raise", "clamp"] = "raise"
   uninitialized: Literal["nan", "zero"] = "nan"
   oob_reads: Literal["raise", "fill"] = "raise"
+  buffer_bounds: Literal["logical", "padded"] = "logical"
   check_avals: bool = False
   vectorize: bool | None = None
   detect_races: bool = False
@@ -119,6 +126,8 @@ class InterpretParams:
       raise ValueError(f"bounds_check must be 'raise' or 'clamp', got {self.bounds_check!r}")
     if self.oob_reads not in ("raise", "fill"):
       raise ValueError(f"oob_reads must be 'raise' or 'fill', got {self.oob_reads!r}")
+    if self.buffer_bounds not in ("logical", "padded"):
+      raise ValueError(f"buffer_bounds must be 'logical' or 'padded', got {self.buffer_bounds!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
     if self.native_loops not in ("background", "sync", "off"):

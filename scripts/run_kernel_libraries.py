@@ -15,12 +15,20 @@ Modes (``--mode``): ``numpy`` (pallas_np, the default), ``interpret``
 (JAX's ``interpret=True`` through ``force_interpret_mode`` where the JAX
 version has it, for comparison) or ``both``. ``--oob-reads fill`` runs
 pallas_np with ``InterpretParams(oob_reads="fill")`` (loads past a ref read
-the fill, as a TPU reads past it). TPU tests ask the chip for its TpuInfo:
-the run assumes ``--chip`` (default v6e; ``pallas_np.assume_tpu_chip``).
+the fill, as a TPU reads past it); ``--buffer-bounds padded`` with
+``InterpretParams(buffer_bounds="padded")`` (DMAs may run into the buffer's
+tile padding past the array's end, as on a TPU). Each kernel runs under a device persona
+(``pallas_np.emulate_device``; the table's ``devices``, else ``--device``,
+default tpu-v6e): the tests' gates and the ops' ``supported_on`` checks
+(``jax.default_backend()`` and ``device.platform``, both patched in the test
+process, the latter for the library's own modules only; ``device_kind``,
+``pltpu.get_tpu_info()``) see that device, while XLA runs on the CPU.
 
 Library dependencies (PyPI): tokamax needs Python >= 3.12 (PEP 695 syntax)
 and absl-py, einshape, jaxtyping, pydantic, qwix, immutabledict,
-typeguard==2.13.3, chex; tpu-inference's kernel tests need absl-py, requests,
+typeguard==2.13.3, chex, tqdm, flax, tensorboardX (xprof, which its
+benchmarking module imports for one profiler tool, is stubbed by ``--stub-xprof``,
+default on); tpu-inference's kernel tests need absl-py, requests,
 parameterized, torchax (ragged_kv_cache_update_v2) and import ``vllm.logger`` only for a logger: ``--stub-vllm`` (default on)
 puts a two-line stand-in for that module on the path, nothing else.
 
@@ -46,6 +54,7 @@ LIBRARIES = {
     "tokamax": {
         "mirror": "openxla+tokamax",
         "paths": ["tokamax"],
+        "packages": ["tokamax"],  # the library's modules (and its tests')
         "kernels": {  # kernel -> test files (the first that exists at the commit)
             "conv1d_gdn": ["tokamax/_src/ops/causal_conv1d_gated_delta_rule/pallas_mosaic_tpu_test.py",
                            "tokamax/_src/ops/experimental/causal_conv1d_gated_delta_rule/gdn_attention_test.py"],
@@ -54,13 +63,34 @@ LIBRARIES = {
             "ragged_dot_tpu": ["tokamax/_src/ops/ragged_dot/pallas_mosaic_tpu_test.py"],
             "ragged_dot_tpu_v2": ["tokamax/_src/ops/ragged_dot/pallas_mosaic_tpu_v2_test.py"],
             "ragged_dot_triton": ["tokamax/_src/ops/ragged_dot/pallas_triton_test.py"],
+            "ragged_dot_mgpu": ["tokamax/_src/ops/ragged_dot/pallas_mosaic_gpu_test.py"],
             "linear_softmax_ce": ["tokamax/_src/ops/linear_softmax_cross_entropy_loss/pallas_mosaic_tpu_kernel_test.py"],
             "top_k_sparsecore": ["tokamax/_src/ops/experimental/tpu/topk/pallas_mosaic_tpu_test.py"],
+            "attention_tpu": ["tokamax/_src/ops/attention/pallas_mosaic_tpu_test.py"],
+            "attention_triton": ["tokamax/_src/ops/attention/pallas_triton_test.py"],
+            "attention_mgpu": ["tokamax/_src/ops/attention/pallas_mosaic_gpu_test.py"],
+            "splash_attention": ["tokamax/_src/ops/experimental/tpu/splash_attention/splash_attention_kernel_test.py"],
+            "mla_tpu": ["tokamax/_src/ops/experimental/mla/pallas_mosaic_tpu_kernel_test.py"],
+            "flex_attention_triton": ["tokamax/_src/ops/flex_attention/pallas_triton_test.py"],
+            "glu_triton": ["tokamax/_src/ops/gated_linear_unit/pallas_triton_test.py"],
+            "glu_mgpu": ["tokamax/_src/ops/gated_linear_unit/pallas_mosaic_gpu_test.py"],
+            "normalization_triton": ["tokamax/_src/ops/normalization/pallas_triton_test.py"],
+            "ragged_gather_tpu": ["tokamax/_src/ops/ragged_gather/pallas_mosaic_tpu_test.py"],
+            "ragged_gather_tpu_v2": ["tokamax/_src/ops/ragged_gather/pallas_mosaic_v2_tpu_test.py"],
+        },
+        # The device each kernel's tests gate on (a pallas_np persona name);
+        # unlisted: --device. Tests asking for a TPU7x name it in device_kind.
+        "devices": {
+            "ragged_dot_triton": "h100", "ragged_dot_mgpu": "h100", "attention_triton": "h100",
+            "attention_mgpu": "h100", "flex_attention_triton": "h100", "glu_triton": "h100",
+            "glu_mgpu": "h100", "normalization_triton": "h100",
+            "mla_tpu": "tpu-v7x", "ragged_gather_tpu": "tpu-v7x", "ragged_gather_tpu_v2": "tpu-v7x",
         },
     },
     "tpu-inference": {
         "mirror": "vllm-project+tpu-inference",
         "paths": ["tpu_inference", "tests"],
+        "packages": ["tpu_inference", "tests"],
         "kernels": {
             "causal_conv1d": ["tests/kernels/causal_conv1d_test.py"],
             "gmm_v2": ["tests/kernels/gmm_test.py"],
@@ -72,6 +102,7 @@ LIBRARIES = {
             "dsv4_sparse_mla": ["tests/kernels/deepseek_v4/sparse_mla_test.py"],
             "dsv4_compress_and_store": ["tests/kernels/deepseek_v4/compress_store_test.py"],
         },
+        "devices": {},
     },
 }
 
@@ -89,11 +120,21 @@ PLUGIN = textwrap.dedent('''
     def pytest_configure(config):
       global _ctx
       mode = os.environ.get("KL_MODE", "numpy")
+      device = os.environ.get("KL_DEVICE", "tpu-v6e")
       if mode == "numpy":
         import pallas_np
-        pallas_np.assume_tpu_chip(os.environ.get("KL_CHIP", "v6e"))
-        _ctx = pallas_np.force_numpy_interpret(
-            pallas_np.InterpretParams(oob_reads=os.environ.get("KL_OOB", "raise")))
+        if device.startswith("tpu-"):
+          pallas_np.assume_tpu_chip({"tpu-v7x": "7x"}.get(device, device[4:]))
+        if hasattr(pallas_np, "emulate_device"):  # the persona: gates and device queries
+          _ctx = pallas_np.emulate_device(device, **_options())
+        else:
+          _ctx = pallas_np.force_numpy_interpret(pallas_np.InterpretParams(**_options()))
+        # The libraries gate their TPU/GPU tests on jax.default_backend(); the
+        # persona keeps XLA on the CPU (JAX's own code calls xla_bridge's).
+        import jax
+        platform = "tpu" if device.startswith("tpu") else "gpu"
+        jax.default_backend = lambda: platform
+        _device_platform_for_library(type(jax.devices()[0]), platform)
       else:
         from jax.experimental import pallas as pl
         force = getattr(pl, "force_interpret_mode", None)
@@ -101,6 +142,30 @@ PLUGIN = textwrap.dedent('''
           raise SystemExit("this JAX has no pl.force_interpret_mode")
         _ctx = force(True)
       _ctx.__enter__()
+
+
+    def _options():
+      opts = dict(oob_reads=os.environ.get("KL_OOB", "raise"))
+      if os.environ.get("KL_BUFFER_BOUNDS", "logical") != "logical":
+        opts["buffer_bounds"] = os.environ["KL_BUFFER_BOUNDS"]
+      return opts
+
+
+    def _device_platform_for_library(cls, platform):
+      """``device.platform`` answers ``platform`` to the library's own code
+      (its ``supported_on`` checks and test gates read it) and ``cpu`` to
+      everything else: JAX lowers and runs the code around the kernels for
+      the CPU. The caller is told apart by its module's name."""
+      import sys
+      prefixes = tuple(os.environ["KL_PACKAGES"].split(","))
+      orig = next(c.__dict__["platform"] for c in cls.__mro__ if "platform" in c.__dict__)
+
+      def get(self):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith(prefixes):
+          return platform
+        return orig.__get__(self, cls)
+      cls.platform = property(get)
 
 
     class _Timeout(Exception):
@@ -131,7 +196,8 @@ PLUGIN = textwrap.dedent('''
         text = str(report.longrepr)
         lines = [l for l in text.splitlines() if l.startswith("E ")]
         lines = [l for l in lines if "For simplicity, JAX" not in l]
-        errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l]
+        errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l
+                or "took longer than" in l]
         msg = ((errs or lines)[-1] if lines else text.splitlines()[-1] if text else "")[:300]
       elif report.skipped:
         msg = str(report.longrepr)[-200:]
@@ -142,6 +208,10 @@ PLUGIN = textwrap.dedent('''
 
 VLLM_LOGGER_STUB = ("import logging\n_VllmLogger = logging.Logger\n"
                     "def init_logger(name):\n  return logging.getLogger(name)\n")
+# tokamax's benchmarking module imports one profiler tool at import time (only
+# its xprof timing method calls it); xprof itself pulls in a cloud SDK.
+XPROF_TOOLS_STUB = ("def get_kernel_stats_tool(*args, **kwargs):\n"
+                    "  raise RuntimeError('xprof is stubbed by run_kernel_libraries.py')\n")
 
 
 def resolve_commit(mirror: str, commit: str, before: str | None) -> str:
@@ -220,13 +290,17 @@ def main(argv=None):
   ap.add_argument("--before", default=None, help="last commit before this date (e.g. 2026-08-01)")
   ap.add_argument("--mode", choices=("numpy", "interpret", "both"), default="numpy")
   ap.add_argument("--oob-reads", choices=("raise", "fill"), default="raise")
-  ap.add_argument("--chip", default="v6e")
+  ap.add_argument("--buffer-bounds", choices=("logical", "padded"), default="logical",
+                  help="InterpretParams.buffer_bounds: 'padded' lets DMAs run into the tile padding")
+  ap.add_argument("--device", default="tpu-v6e",
+                  help="persona for kernels the table does not place (tpu-v6e, tpu-v7x, h100, ...)")
   ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
   ap.add_argument("--max-tests", type=int, default=6, help="tests per kernel (0: all)")
   ap.add_argument("--python", default=sys.executable)
   ap.add_argument("--pallas-np", default=REPO_ROOT,
                   help="the directory whose pallas_np package is tested (default: this checkout)")
   ap.add_argument("--stub-vllm", action=argparse.BooleanOptionalAction, default=True)
+  ap.add_argument("--stub-xprof", action=argparse.BooleanOptionalAction, default=True)
   ap.add_argument("--json", default=None, help="write all results here")
   args = ap.parse_args(argv)
   wanted = {k for k in args.kernels.split(",") if k}
@@ -242,6 +316,12 @@ def main(argv=None):
       open(os.path.join(plugin_dir, "vllm", "__init__.py"), "w").close()
       with open(os.path.join(plugin_dir, "vllm", "logger.py"), "w") as f:
         f.write(VLLM_LOGGER_STUB)
+    if args.stub_xprof:
+      os.makedirs(os.path.join(plugin_dir, "xprof", "cli"))
+      open(os.path.join(plugin_dir, "xprof", "__init__.py"), "w").close()
+      open(os.path.join(plugin_dir, "xprof", "cli", "__init__.py"), "w").close()
+      with open(os.path.join(plugin_dir, "xprof", "cli", "tools.py"), "w") as f:
+        f.write(XPROF_TOOLS_STUB)
     for lib in args.libs.split(","):
       spec = LIBRARIES[lib]
       mirror = os.path.join(args.mirrors, spec["mirror"], "repo")
@@ -257,7 +337,10 @@ def main(argv=None):
           print(f"  {kernel}: no test file at this commit")
           continue
         for mode in modes:
-          env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads, KL_CHIP=args.chip,
+          env = dict(os.environ, KL_MODE=mode, KL_OOB=args.oob_reads,
+                     KL_BUFFER_BOUNDS=args.buffer_bounds,
+                     KL_DEVICE=spec["devices"].get(kernel, args.device),
+                     KL_PACKAGES=",".join(spec["packages"]),
                      KL_TIMEOUT=str(args.timeout), JAX_PLATFORMS="cpu",
                      KL_RESULTS=os.path.join(tmp, f"{lib}-{kernel}-{mode}.jsonl"),
                      PYTHONPATH=os.pathsep.join([args.pallas_np, plugin_dir, root]))

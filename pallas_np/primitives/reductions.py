@@ -173,24 +173,43 @@ registry.register(lax.argmax_p, batch=_BY_AXES)(_arg(np.argmax))
 registry.register(lax.argmin_p, batch=_BY_AXES)(_arg(np.argmin))
 
 
-def _cumulative(accumulate):
+def _cumulative(accumulate, init_zero=False):
+  """``init_zero``: a sum, which XLA computes as a reduce-window whose every
+  window starts from (and is padded with) +0.0: no float partial sum is -0.0
+  (``_plus_zero``)."""
   def compile_rule(e):
     axis = int(e.params["axis"])
     reverse = bool(e.params["reverse"])
     dt = np_dtype(e.in_avals[0].dtype)
     low = is_low_precision_float(dt)
+    plus_zeros = init_zero and (low or dt.kind == "f")
 
     def f(x):
+      plus_zeros_here = plus_zeros and _window_kept(np.shape(x)[axis], dt)
       if low:
-        return _low_precision_scan(x, axis, reverse, accumulate, dt)
+        y = _low_precision_scan(x, axis, reverse, accumulate, dt)
+        return _plus_zero(y, dt) if plus_zeros_here else y
       if reverse:
         x = np.flip(x, axis)
       y = accumulate(x, axis, dt if not low else np.float32)
       if reverse:
         y = np.flip(y, axis)
-      return np.asarray(y, dtype=dt)
+      y = np.asarray(y, dtype=dt)
+      return _plus_zero(y, dt) if plus_zeros_here else y
     return f
   return compile_rule
+
+
+def _window_kept(n, dt) -> bool:
+  """XLA's simplifier turns a reduce-window of size 1 (a scan along an
+  axis of length 1) into its operand, -0.0 kept; bf16's window is widened to
+  float32 first and survives (checked against jax.jit on the CPU)."""
+  return n != 1 or dt.name == "bfloat16"
+
+
+def _plus_zero(y, dt):
+  """-0.0 -> +0.0, everything else (NaN included) unchanged."""
+  return np.add(y, np.zeros((), dt), dtype=dt)
 
 
 def _low_precision_scan(x, axis, reverse, accumulate, dt):
@@ -226,7 +245,7 @@ def _low_precision_scan(x, axis, reverse, accumulate, dt):
 
 registry.register(lax.cumsum_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.cumsum(x, axis=axis, dtype=dt) if dt != np.bool_
-    else np.logical_or.accumulate(x, axis=axis)))
+    else np.logical_or.accumulate(x, axis=axis), init_zero=True))
 registry.register(lax.cumprod_p, batch=_BY_AXIS)(_cumulative(
     lambda x, axis, dt: np.cumprod(x, axis=axis, dtype=dt)))
 registry.register(lax.cummax_p, batch=_BY_AXIS)(_cumulative(

@@ -13,7 +13,7 @@ from pallas_np import registry
 from pallas_np.dtypes import np_dtype
 from pallas_np.errors import UnsupportedError
 from pallas_np.state import dma as dma_mod
-from pallas_np.state import lens
+from pallas_np.state import lens, past_end
 from pallas_np.state.indexing import RefAccess
 
 mp = jc.mosaic_primitives
@@ -130,7 +130,7 @@ def _atom(e, leaf):
   return jc.Literal(leaf, None)  # a static index baked into the tree
 
 
-def _ref_operand(e, node, transforms=()):
+def _ref_operand(e, node, transforms=(), dma=False):
   """``node`` is a ``_Pos`` or a TransformedRef of ``_Pos``/statics (from
   ``_positions``), or a ``_Pos`` plus ``transforms``: compile it into
   ``fn(args) -> (view, idx)``, with the operand's static shape as
@@ -155,6 +155,8 @@ def _ref_operand(e, node, transforms=()):
                             clamp=e.compiler.params.bounds_check == "clamp")
   dyn = [leaves[k].k for k in access.dynamic_positions]
   resolve = access.resolve
+  if dma:  # a DMA window may run into the buffer's tile padding
+    resolve = past_end.padded_dma_operand(resolve, access, aval.dtype, e.compiler.params)
   if index_refs:  # the index arrays read from their index refs' slices first
     reads = {k: read for k, (_, read) in index_refs.items()}
 
@@ -321,7 +323,7 @@ def _dma_start(e):
   dst, dst_ignored = _split_indices(dst, what)
   if src_ignored and dst_ignored:
     raise UnsupportedError(f"pallas_np: {what}: ignored indices on both sides")
-  get_src, get_dst = _ref_operand(e, src), _ref_operand(e, dst)
+  get_src, get_dst = _ref_operand(e, src, dma=True), _ref_operand(e, dst, dma=True)
   get_dst_sem, get_src_sem = _ref_operand(e, dst_sem), _ref_operand(e, src_sem)
   target = _device_target(e, device_id)
   add = bool(e.params.get("add", False))

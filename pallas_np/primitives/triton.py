@@ -3,9 +3,12 @@ debug barrier and ``approx_tanh``'s inline PTX.
 
 Hints and barriers cannot change results of a sequential interpreter, so they
 are identities/no-ops. Inline assembly is opaque; only the ``tanh.approx``
-instructions ``pltriton.approx_tanh`` emits are understood (evaluated as an
-exact tanh: the PTX approximation's error is ~2**-11, so results agree with
-the GPU to that tolerance). Any other asm raises UnsupportedError.
+instructions ``pltriton.approx_tanh`` emits are understood. The GPU's
+``tanh.approx`` (MUFU.TANH) is specified only to a relative error of about
+2**-11 and its bits are not published, and JAX's interpret=True has no rule
+for the asm at all: it is evaluated as XLA's float32 tanh (``lax.tanh`` in a
+kernel; bf16/f16 rounded from it), so results are the same on every CPU and
+agree with the GPU to that tolerance. Any other asm raises UnsupportedError.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
+from pallas_np.primitives import xla_math
 from pallas_np.primitives.shape import broadcast, lane_broadcast
 
 tp = jc.triton_primitives
@@ -36,10 +40,11 @@ if tp is not None:
       raise e.unsupported(f"inline assembly {asm!r} (only pltriton.approx_tanh's "
                           "tanh.approx is understood)")
     out_dtype = np_dtype(e.out_avals[0].dtype)
+    if out_dtype.itemsize > 4:  # f64: ROCm's __ocml_tanh_f64 (CUDA refuses it)
+      return lambda x: [np.tanh(x)]
 
-    def approx_tanh(x):
-      return [np.tanh(np.asarray(x, dtype=np.float32)
-                      if out_dtype.itemsize < 4 else x).astype(out_dtype)]
+    def approx_tanh(x):  # XLA's float32 tanh: the same bits on every CPU
+      return [xla_math.tanh_f32(np.asarray(x, dtype=np.float32)).astype(out_dtype)]
     return approx_tanh
 
 

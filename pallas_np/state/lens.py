@@ -102,8 +102,8 @@ class BitcastLens(LensView):
 
   def _window(self, idx):
     """(parent index, index into the converted window) for an index of
-    ints, slices of positive step and at most one 1-D integer array off
-    the second-minor dim; None for anything else."""
+    ints, slices of positive step and at most one 1-D integer array; None
+    for anything else."""
     shape = self.shape
     nd = len(shape)
     if not isinstance(idx, tuple):
@@ -118,14 +118,22 @@ class BitcastLens(LensView):
     parent_idx, local = [], []
     arrays = 0
     for axis, (ix, n) in enumerate(zip(idx, shape)):
-      if isinstance(ix, np.ndarray) and ix.ndim == 1 and axis != nd - 2 and ix.dtype.kind in "iu":
-        # One 1-D integer array (an indexed DMA's rows) off the second-minor
-        # dim: the parent's rows, gathered in place, then all of them.
+      if isinstance(ix, np.ndarray) and ix.ndim == 1 and ix.dtype.kind in "iu":
+        # One 1-D integer array (an indexed DMA's rows): off the second-minor
+        # dim the parent's rows, gathered in place, then all of them; on it
+        # the row groups holding the rows (``_gathered_groups``).
         arrays += 1
         if arrays > 1:
           return None
-        parent_idx.append(ix)
-        local.append(slice(None))
+        if axis != nd - 2:
+          parent_idx.append(ix)
+          local.append(slice(None))
+          continue
+        groups = _gathered_groups(ix, n, a, b)
+        if groups is None:
+          return None
+        parent_idx.append(groups[0])
+        local.append(groups[1])
         continue
       if isinstance(ix, (int, np.integer)):
         i = int(ix) + (n if ix < 0 else 0)
@@ -176,6 +184,23 @@ class BitcastLens(LensView):
     window = tpu_bitcast(np.asarray(self.parent[parent_idx]), self.dtype)
     window[local] = val
     self.parent[parent_idx] = tpu_bitcast(window, src)
+
+
+def _gathered_groups(rows, n, a, b):
+  """(parent rows, rows of their converted window) for gathering view rows
+  ``rows`` of a bitcast from itemsize ``a`` to ``b`` along the second-minor
+  dim (``n`` view rows). Each parent row group is taken once, so a write of
+  two view rows of one group lands in one converted copy; None when a row
+  is out of range (the whole-value path raises the usual error)."""
+  if rows.size and (rows.min() < 0 or rows.max() >= n):
+    return None
+  if a > b:  # narrowing: view row v is byte v % r of parent row v // r
+    r = a // b
+    parents, which = np.unique(rows // r, return_inverse=True)
+    return parents, which.reshape(-1) * r + rows % r
+  r = b // a  # widening: view row v is parent rows r*v .. r*v + r-1
+  groups, which = np.unique(rows, return_inverse=True)
+  return (groups[:, None] * r + np.arange(r)).reshape(-1), which.reshape(-1)
 
 
 def bitcast(parent, dtype) -> LensView:

@@ -1,0 +1,179 @@
+"""Constructs of public kernel libraries' kernels (tokamax, tpu-inference),
+each reproduced by a small kernel or call of our own (CI has no mirror of
+the libraries): what the hardware / XLA does, against a reference written
+from the semantics or JAX's own interpreters."""
+import numpy as np
+import pytest
+
+
+# -- an indexed gather of rows through a width-changing ref bitcast --------------------
+# DeepSeek-V4 csa_gather (tpu-inference): ``pl.Indirect`` block specs gather
+# rows of ``cache_u8.bitcast(jnp.int32)`` by a token index array: the index
+# array sits on the second-minor dim, the one the bitcast packs along.
+@pytest.mark.parametrize("dtype,to", [(np.uint8, np.int32), (np.int32, np.int8),
+                                      (np.uint16, np.uint32), (np.uint32, np.uint16)])
+def test_a_gather_along_the_packed_dim_of_a_bitcast_lens(dtype, to):
+  """Reads and writes of ``lens[rows]`` (rows with duplicates and rows of
+  one packed group) against the whole ref converted and indexed
+  (``lens.tpu_bitcast``, checked against interpret=True in
+  test_ref_transforms)."""
+  from pallas_np.state import lens
+  rng = np.random.RandomState(1)
+  parent = rng.randint(0, 200, size=(64, 16)).astype(dtype)
+  view_rows = lens.bitcast(parent.copy(), to).shape[0]
+  rows = np.array([5, 4, view_rows - 1, 0, 5, 6, 7, 1], np.int32)
+  for idx in [(rows,), (rows, slice(2, 9)), (rows, 3)]:
+    want = lens.tpu_bitcast(parent, to)[idx]
+    np.testing.assert_array_equal(lens.bitcast(parent.copy(), to)[idx], want)
+    new = rng.randint(0, 100, size=want.shape).astype(want.dtype)
+    got_parent = parent.copy()
+    lens.bitcast(got_parent, to)[idx] = new
+    whole = lens.tpu_bitcast(parent, to)
+    whole[idx] = new  # NumPy: the last of duplicate rows wins
+    np.testing.assert_array_equal(got_parent, lens.tpu_bitcast(whole, dtype))
+
+
+def test_a_gather_along_the_packed_dim_converts_only_the_gathered_groups(monkeypatch):
+  """The csa_gather slow path: a gather of 16 rows of a 4096-row bitcast
+  converted the whole ref on every DMA (minutes per test)."""
+  from pallas_np.state import lens
+  sizes = []
+  real = lens.tpu_bitcast
+
+  def recording(x, dtype):
+    sizes.append(x.size)
+    return real(x, dtype)
+  monkeypatch.setattr(lens, "tpu_bitcast", recording)
+  parent = np.arange(4 * 4096 * 8, dtype=np.int64).astype(np.uint8).reshape(4 * 4096, 8)
+  rows = np.arange(0, 4096, 256, dtype=np.int32)
+  got = lens.bitcast(parent, np.int32)[rows]
+  assert max(sizes) <= 16 * 4 * 8, max(sizes)
+  want = parent.reshape(4096, 4, 8).astype(np.uint32)
+  want = want[:, 0] | want[:, 1] << 8 | want[:, 2] << 16 | want[:, 3] << 24  # little-endian bytes
+  np.testing.assert_array_equal(got.view(np.uint32), want[rows])
+
+
+# -- pltriton.approx_tanh (tokamax's Triton attention and GLU kernels) ------------------
+def _approx_tanh_call(x):
+  import jax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = pltriton.approx_tanh(x_ref[...])
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_approx_tanh_is_xlas_float32_tanh_on_every_cpu(dtype):
+  """The GPU's tanh.approx is specified only to ~2**-11 and interpret=True
+  has no rule for its asm; numpy mode gives XLA's float32 tanh (what
+  ``lax.tanh`` gives, the same bits on any CPU; NumPy's float32 tanh, whose
+  SIMD path depends on the CPU, differed from it in the last bit on most of
+  these inputs), rounded to bf16/f16."""
+  import jax
+  import jax.numpy as jnp
+  from tests.tpu_helpers import numpy_mode
+  special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e-4, -5e-4, 19.9, -20.5, 7.99, 8.1]
+  x32 = np.concatenate([np.linspace(-9, 9, 4096 - len(special)), special]).astype(np.float32)
+  x = jnp.asarray(x32).astype(dtype).reshape(32, 128)
+  with numpy_mode():
+    got = np.asarray(_approx_tanh_call(x))
+  want = np.asarray(jax.jit(lambda v: jnp.tanh(v.astype(jnp.float32)).astype(v.dtype))(x))
+  bits = np.uint32 if dtype == "float32" else np.uint16
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+# -- the zero signs of a float cumsum ----------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape,axis", [((8, 16), 1), ((8, 16), 0), ((8, 1), 1), ((1, 128), 0)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_zero_signs_follow_xla(dtype, shape, axis, reverse):
+  """XLA sums each prefix as a reduce-window from +0.0, so no partial sum is
+  -0.0 (NumPy's cumsum starts from the first element and keeps it); along
+  an axis of length 1 XLA's simplifier drops the window (the input comes
+  back, -0.0 kept) except in bf16. Bits against interpret=True, whose
+  cumsum is XLA's."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from tests.tpu_helpers import hlo_interpret, numpy_mode
+  rng = np.random.RandomState(sum(shape) + axis)
+  x = jnp.asarray(rng.choice(np.float32([-0.0, -0.0, 0.0, 1.0, -1.0]), size=shape), dtype)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.cumsum(x_ref[...], axis=axis, reverse=reverse)
+
+  def call():
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct(shape, x.dtype))(x)
+  with numpy_mode():
+    got = np.asarray(call())
+  with hlo_interpret():
+    want = np.asarray(call())
+  bits = np.uint32 if dtype == "float32" else np.uint16
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+# -- DMAs into the tile padding past an array's end (tokamax gmm_v2 n=500, tgmm k=n=255) ---
+def _padded_dma_call(cols_window, rows=13, cols=500, row_window=(8, 8), traced_size=False):
+  """DMAs a window of a (13, 500) HBM array that runs past its end (into
+  the (16, 512) tile padding) into VMEM, doubles it, DMAs it back through
+  the same window of the output, and returns what VMEM held there."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  r0, nr = row_window
+
+  def kernel(x_hbm, o_hbm, seen_ref, buf, sem):
+    zero = pl.program_id(0)  # traced starts: JAX checks static ones at trace time
+    # emit_pipeline's ragged last block: a traced size rounded up to the tiling
+    size = jnp.where(zero == 0, cols_window, 128) if traced_size else cols_window
+    window = (pl.ds(zero + r0, nr), pl.ds(zero, size))
+    part = buf.at[:, pl.ds(0, size)]
+    buf[...] = jnp.zeros_like(buf)
+    pltpu.async_copy(x_hbm.at[window], part, sem).wait()
+    buf[...] = buf[...] * 2.0
+    seen_ref[...] = buf[...]
+    pltpu.async_copy(part, o_hbm.at[window], sem).wait()
+  x = jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols)
+  return pl.pallas_call(
+      kernel, grid=(1,),
+      out_shape=(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
+                 jax.ShapeDtypeStruct((nr, cols_window), jnp.float32)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pltpu.VMEM)),
+      scratch_shapes=[pltpu.VMEM((nr, cols_window), jnp.float32), pltpu.SemaphoreType.DMA],
+      input_output_aliases={0: 0})(x)
+
+
+@pytest.mark.parametrize("window", [dict(cols_window=512), dict(cols_window=512, row_window=(8, 8)),
+                                    dict(cols_window=256, row_window=(12, 4)),
+                                    dict(cols_window=512, traced_size=True)])
+def test_a_dma_into_the_tile_padding_follows_tpu_interpret_mode(window):
+  """buffer_bounds='padded': the window reads NaN (the uninitialized fill)
+  past the end and its writes there are dropped, as TPU interpret mode with
+  buffer_bounds='padded' does; the default raises and names the option."""
+  import jax
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  from tests.tpu_helpers import numpy_mode
+  pallas_np.assume_tpu_chip("v5e")  # TPU interpret mode's padding asks the chip (v4+: the same)
+  with numpy_mode(), pytest.raises(Exception, match="buffer_bounds='padded'"):
+    jax.block_until_ready(_padded_dma_call(**window))
+  with numpy_mode(buffer_bounds="padded"):
+    got = [np.asarray(a) for a in _padded_dma_call(**window)]
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(buffer_bounds="padded")):
+    want = [np.asarray(a) for a in _padded_dma_call(**window)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert np.isnan(got[1]).any()  # the padding was read
+
+
+def test_a_dma_past_the_tile_padding_still_raises():
+  import jax
+  from tests.tpu_helpers import numpy_mode
+  with numpy_mode(buffer_bounds="padded"), pytest.raises(Exception, match="out-of-bounds"):
+    jax.block_until_ready(_padded_dma_call(cols_window=640))
