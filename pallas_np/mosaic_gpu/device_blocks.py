@@ -83,7 +83,8 @@ class Launch:
       self.detection = race_clocks.KernelRaces(
           kernel.name, kernel.num_threads, kernel.thread_name is not None, gmem,
           self.cluster_coords, kernel.slots_per_wg,
-          clusters=len(self.work.order) if overlap else None)
+          clusters=len(self.work.order) if overlap else None,
+          record=kernel.params.race_policy == "record")
     self.names: dict = {}  # cluster number -> its grid point (race reports)
     lock = device.session.cond if overlap else None
     self.sched = threads.Scheduler(kernel.name, lock, overlap, device)

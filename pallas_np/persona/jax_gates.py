@@ -16,6 +16,7 @@ import unittest
 
 import jax
 
+from pallas_np import races
 from pallas_np.errors import UnsupportedError
 from pallas_np.persona.devices import DeviceSpec
 from pallas_np.persona.patches import PatchSet
@@ -206,34 +207,40 @@ def _races_unchecked():
 
 class RaceState:
   """What JAX's interpreters' ``get_races()`` (GPU) or ``races`` (TPU)
-  hold, answered by pallas_np: ``races_found`` is False when every kernel
-  since the persona was entered ran under pallas_np's race detection (a race
-  raises ``RaceError`` from the kernel call itself, so a test that reads it
-  afterwards saw none); without race detection, reading it raises."""
+  hold, answered by pallas_np. With ``race_policy="record"`` (the ``cpu``
+  persona): whether the last kernel run found a race (``races.RECORD``, as
+  JAX's state holds the last kernel's). With race detection that raises: no
+  race (a race raises ``RaceError`` from the kernel call itself, so a test
+  that reads it afterwards saw none). Without race detection, reading it
+  raises (pallas_np checked nothing it could report)."""
 
-  def __init__(self, checked: bool):
-    self._checked = checked
+  def __init__(self, params):
+    self._checked = params.detect_races
+    self._record = params.race_policy == "record"
 
   @property
   def races_found(self) -> bool:
     if not self._checked:
       raise _races_unchecked()
-    return False
+    return races.RECORD.found if self._record else False
+
+  @property
+  def races(self) -> list:
+    """The recorded races (``RaceError``s, the first ones of the last run)."""
+    return list(races.RECORD.races) if self._record else []
 
   def __repr__(self):
-    return f"pallas_np.RaceState(checked={self._checked})"
+    return f"pallas_np.RaceState(checked={self._checked}, record={self._record})"
 
 
-def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
+def patch_interpret_state(ps: PatchSet, params) -> None:
   """JAX's GPU/TPU interpreters' race state (``get_races``) answered from
-  pallas_np, which runs the kernels under the persona: with race detection
-  on, no race seen; with it off, an error saying how to turn it on
-  (pallas_np checked nothing it could report). The reset functions stay
-  JAX's (they clear JAX's own state, harmless here)."""
-  state = RaceState(detect_races)
+  pallas_np, which runs the kernels under the persona (``RaceState``). The
+  reset functions stay JAX's (they clear JAX's own state, harmless here)."""
+  state = RaceState(params)
 
   def get_races():
-    if not detect_races:
+    if not params.detect_races:
       raise _races_unchecked()
     return state
 
