@@ -37,6 +37,12 @@ def compile_warp_map(e: registry.EqnInfo):
   """The rule of a warp_map eqn (JAX 0.12 ``mpmd_map``, 0.10 ``core_map``)."""
   p = e.params
   mesh = _warp_mesh(p)
+  for aval in e.in_avals:  # as Mosaic GPU's lowering: each warp would need its own view
+    if not isinstance(aval, jc.AbstractRef) and getattr(aval, "shape", ()):
+      raise jc.lowering_error(
+          f"Can only close over scalars and Refs when using plgpu.warp_map with WarpMesh "
+          f"(pallas_np, as Mosaic GPU's lowering: a closed-over {aval.str_short()} at "
+          f"{e.source})")
   if "jaxprs" in p:  # mpmd_map: the operands are the body's refs
     plan = e.compiler.compile(p["jaxprs"][0]).fn
   else:  # core_map: the body closes over the refs (constvars)

@@ -26,6 +26,7 @@ import os
 import jax
 
 from pallas_np import _compat as jc
+from pallas_np import races
 from pallas_np.params import InterpretParams, default_params
 from pallas_np.persona import jax_gates
 from pallas_np.persona.devices import DEVICES, DeviceSpec, lookup
@@ -96,6 +97,8 @@ class emulate_device:
       ps.undo()
       raise
     self._patches = ps
+    if self.params.race_policy == "record":
+      races.RECORD.begin_run()  # get_races() answers for the kernels run from here
     config = jc.interpret_mode_config
     if self.process_wide:
       self._prev_force = config.get_global()

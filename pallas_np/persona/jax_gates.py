@@ -31,6 +31,13 @@ CANNOT_EMULATE = {
               "device persona the kernel is a host callback, which cannot be exported",
     "profiler": "Mosaic GPU's in-kernel profiler (profile_space) records device clock "
                 "stamps: it cannot be emulated",
+    "cross_lowering": "lowering for a platform this machine's XLA does not have "
+                      "(lowering_platforms=('gpu',) / ('tpu',)) needs that backend: under the "
+                      "device persona XLA has the CPU only",
+    "tma_threads": "num_tma_threads_per_device > 1 is an option of JAX's GPU interpreter "
+                   "(a pool of TMA threads per device, whose copies it leaves unordered); "
+                   "pallas_np orders the TMA copies a warpgroup issues as one agent (a pool of "
+                   "one)",
     "skip_fp": "skip_floating_point_ops is a debugging option of JAX's own interpreters "
                "(float results come out as inf by design); pallas_np, which runs the kernels "
                "under the persona, computes them",
@@ -122,7 +129,8 @@ def patch_devices(ps: PatchSet, spec: DeviceSpec) -> None:
   kernels on the CPU."""
   cls = device_class()
   values = {"device_kind": spec.device_kind, "core_count": spec.core_count,
-            "compute_capability": spec.compute_capability, "num_cores": spec.num_cores}
+            "compute_capability": spec.compute_capability, "num_cores": spec.num_cores,
+            "shared_memory_per_block_optin": spec.smem_per_block}
   for name, value in values.items():
     if value is not None:
       ps.set(cls, name, property(lambda self, v=value: v))
@@ -163,6 +171,20 @@ def patch_cannot_emulate(ps: PatchSet) -> None:
       for name in names:
         if cls is not None:
           ps.wrap(cls, name, text_or_skip)
+
+  traced = getattr(stages, "Traced", None) if stages is not None else None
+  if traced is not None and hasattr(traced, "lower"):
+    def lower_or_skip(original):
+      @functools.wraps(original)
+      def lower(self, *args, **kwargs):
+        try:
+          return original(self, *args, **kwargs)
+        except RuntimeError as e:  # only a missing backend of a cross-platform lowering
+          if kwargs.get("lowering_platforms") and "Unknown backend" in str(e):
+            _skip("cross_lowering")
+          raise
+      return lower
+    ps.wrap(traced, "lower", lower_or_skip)
 
   export_mod = _optional_module("jax.export")
   if export_mod is not None:
@@ -256,8 +278,11 @@ def patch_interpret_state(ps: PatchSet, params) -> None:
 
 def patch_interpreter_options(ps: PatchSet) -> None:
   """JAX's interpret params whose meaning is specific to JAX's own
-  interpreters (``skip_floating_point_ops``) make the test that builds them
-  skip, with the reason: pallas_np runs the kernels and computes the floats."""
+  interpreters make the test that builds them skip, with the reason:
+  ``skip_floating_point_ops`` (pallas_np runs the kernels and computes the
+  floats) and an explicit ``num_tma_threads_per_device`` above 1 (JAX's
+  model of a pool of TMA threads; pallas_np orders a warpgroup's copies as
+  one agent, as a pool of one)."""
   for module_name, cls_name in (("jax._src.pallas.mosaic_gpu.interpret.params",
                                  "InterpretGPUParams"),
                                 ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
@@ -273,5 +298,7 @@ def patch_interpreter_options(ps: PatchSet) -> None:
         original(self, *args, **kwargs)
         if getattr(self, "skip_floating_point_ops", False):
           _skip("skip_fp")
+        if int(kwargs.get("num_tma_threads_per_device", 1)) > 1:
+          _skip("tma_threads")
       return __init__
     ps.wrap(cls, "__init__", init_or_skip)
