@@ -223,6 +223,49 @@ def test_dynamic_scheduling_loop_visits_every_item_once(cluster):
   np.testing.assert_array_equal(np.asarray(steps), np.arange(6, dtype=np.int32))
 
 
+def test_clusters_a_gpu_holds_at_once_run_their_own_item():
+  """On an H100 (132 SMs, under the device persona) the first 132 clusters
+  are launched at once: each runs its own item; only the 2 beyond are left
+  for cluster launch control to claim (by the first cluster, which runs
+  first here: its loop steps 1 and 2)."""
+  f = _scheduled(grid=(134,))
+  with pallas_np.emulate_device("h100"):
+    items, steps = f()
+  np.testing.assert_array_equal(np.asarray(items), np.arange(1, 135, dtype=np.int32))
+  want = np.zeros(134, np.int32)
+  want[132:] = [1, 2]
+  np.testing.assert_array_equal(np.asarray(steps), want)
+
+
+def test_work_queue_claims_only_clusters_not_launched():
+  from pallas_np.mosaic_gpu.cluster import WorkQueue
+  q = WorkQueue((5,), resident=2)
+  run = q.launch()
+  assert next(run) == (0,)
+  assert q.claim() == (2,)  # 1 is launched (resident) already: not claimable
+  assert next(run) == (1,)  # when 0 finished its SM launched 3: left is 4
+  assert q.claim() == (4,)
+  assert q.claim() is None
+  assert list(run) == [(3,)]
+
+
+def test_cluster_launch_control_over_a_grid_of_four_axes():
+  """JAX's lowering squashes the leading grid axes into one launch axis;
+  a claimed cluster's coordinates come back whole."""
+  grid = (2, 3, 2, 2)
+  names = ("a", "b", "c", "d")
+
+  def body(o_ref):
+    @plgpu.dynamic_scheduling_loop(grid_names=names)
+    def _(info):
+      a, b, c, d = info.index
+      o_ref[a, b, c, d] = ((a * 3 + b) * 2 + c) * 2 + d
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(grid, jnp.int32), grid=grid,
+                   grid_names=names)
+  out = _run(lambda: f())
+  np.testing.assert_array_equal(np.asarray(out), np.arange(24, dtype=np.int32).reshape(grid))
+
+
 @pytest.mark.skipif(not ORACLE_RUNS_WARPS, reason="JAX 0.10's GPU interpret mode cannot run it")
 def test_dynamic_scheduling_loop_vs_gpu_interpret():
   f = _scheduled()

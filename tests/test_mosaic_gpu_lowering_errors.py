@@ -182,3 +182,16 @@ def test_debug_check_flag_is_part_of_the_compiled_kernel():
     with pytest.raises(Exception, match="x.sum\\(\\) is not positive"):
       jax.block_until_ready(f(x))
   np.testing.assert_array_equal(f(x), x)
+
+
+def test_thread_axis_of_a_kernel_without_one_is_none():
+  """plgpu's helpers (dynamic_scheduling_loop) pass collective_axes=(None,)
+  in a kernel without a thread axis: thread-collective, as the lowering
+  reads it."""
+  def body(o_ref):
+    def scoped(ref):
+      ref[0] = jnp.int32(7)
+      o_ref[0] = ref[0]
+    pl.run_scoped(scoped, plgpu.SMEM((1,), I32), collective_axes=(None,))
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((1,), I32))
+  np.testing.assert_array_equal(_run(f), [7])

@@ -73,7 +73,9 @@ class Launch:
     self.num_programs = tuple(np.int32(s) for s in sizes.values())
     self.cluster_shape = tuple(int(c) for c in mesh.cluster)
     self.cluster_coords = list(itertools.product(*map(range, self.cluster_shape)))
-    self.work = cluster_mod.WorkQueue(tuple(int(g) for g in mesh.grid))
+    self.work = cluster_mod.WorkQueue(
+        tuple(int(g) for g in mesh.grid),
+        cluster_mod.resident_clusters(len(self.cluster_coords)) if kernel.cancels else 1)
     self.detection = None
     overlap = device is not None
     if kernel.params.detect_races:

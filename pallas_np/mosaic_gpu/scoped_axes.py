@@ -43,24 +43,27 @@ def _run_scoped_eqns(jaxpr):
 
 def _check(eqn, cluster, thread, kernel_name) -> None:
   axes = tuple(eqn.params.get("collective_axes") or ())
+  # The lowering's test: exactly the thread axis (None in a kernel without
+  # one, which is what plgpu's helpers pass there) is thread-collective.
+  thread_collective = axes == (thread,)
   names = [*cluster] + ([thread] if thread is not None else [])
   where = (f"pallas_np: pl.run_scoped(..., collective_axes={axes}) at "
            f"{jc.source_summary(eqn.source_info)} in Mosaic GPU kernel '{kernel_name}': ")
-  for a in axes:
-    if a not in names:
-      raise ValueError(f"{where}Collective axis `{a}` not found among axes `{names}` "
-                       f"(the kernel's cluster and thread axes). {_HARDWARE}.")
-  if axes and thread is None:
-    raise ValueError(f"{where}Requesting collective allocations, but no explicit thread "
-                     f"axis specified. {_HARDWARE}.")
-  if any(a in cluster for a in axes):
+  if axes and not thread_collective:
+    for a in axes:
+      if a not in names:
+        raise ValueError(f"{where}Collective axis `{a}` not found among axes `{names}` "
+                         f"(the kernel's cluster and thread axes). {_HARDWARE}.")
+    if thread is None:
+      raise ValueError(f"{where}Requesting collective allocations, but no explicit thread "
+                       f"axis specified. {_HARDWARE}.")
     raise ValueError(f"{where}Collective allocations along cluster axes are not supported. "
                      f"{_HARDWARE}.")
   avals = [v.aval for v in eqn.params["jaxpr"].invars]
   if axes and any(jc.is_wgmma_acc_aval(a) for a in avals):
     raise ValueError(f"{where}WGMMA accumulators can only be allocated non-collectively "
                      "(as Mosaic GPU's lowering says): split the run_scoped in two.")
-  if thread is not None and thread not in axes:
+  if thread is not None and not thread_collective:
     shared = [a for a in avals if not jc.is_wgmma_acc_aval(a) and not jc.is_semaphore_dtype(
         getattr(getattr(a, "inner_aval", a), "dtype", None))]
     if shared:
