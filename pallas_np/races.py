@@ -51,12 +51,10 @@ class RaceRecord:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self.runs = 0  # kernel runs with the record policy so far
     self.races: list[RaceError] = []
 
   def begin_run(self) -> None:
     with self._lock:
-      self.runs += 1
       self.races = []
 
   def add(self, err: RaceError) -> None:
