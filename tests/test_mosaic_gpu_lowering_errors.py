@@ -195,3 +195,24 @@ def test_thread_axis_of_a_kernel_without_one_is_none():
     pl.run_scoped(scoped, plgpu.SMEM((1,), I32), collective_axes=(None,))
   f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((1,), I32))
   np.testing.assert_array_equal(_run(f), [7])
+
+
+def _warp_copy(whole: bool):
+  def body(x_ref, y_ref):
+    @plgpu.warp_map
+    def _(warp_id):
+      @pl.when(warp_id == 1)
+      def _():
+        if whole:
+          y_ref[...] = x_ref[...]
+        else:
+          y_ref[0] = x_ref[0]
+          y_ref[1] = x_ref[1]
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((2,), I32))
+
+
+def test_warp_code_loads_and_stores_scalars_only():
+  x = jnp.array([3, 4], I32)
+  np.testing.assert_array_equal(_run(_warp_copy(False), x), [3, 4])
+  with pytest.raises(ValueError, match="Can only load scalars in warp-level code"):
+    _run(_warp_copy(True), x)
