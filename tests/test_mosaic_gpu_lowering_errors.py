@@ -216,3 +216,35 @@ def test_warp_code_loads_and_stores_scalars_only():
   np.testing.assert_array_equal(_run(_warp_copy(False), x), [3, 4])
   with pytest.raises(ValueError, match="Can only load scalars in warp-level code"):
     _run(_warp_copy(True), x)
+
+
+def test_reshard_in_a_kernel_under_an_explicit_mesh_is_the_value():
+  """Traced under a mesh with explicit axes, a kernel body holds ``reshard``
+  eqns (a sharding change of a value): the value itself."""
+  from jax import sharding
+  if not hasattr(sharding, "reshard") or not hasattr(jax, "set_mesh"):
+    pytest.skip("this JAX has no explicit sharding")
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(sharding.AxisType.Explicit,) * 2)
+
+  def relu(x_ref, o_ref, x_smem, barrier):
+    plgpu.copy_gmem_to_smem(x_ref, x_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    x = x_smem[...]
+    x_smem[...] = jnp.where(x > 0, x, 0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  with jax.set_mesh(mesh):
+    x = sharding.reshard(jnp.arange(-32.0, 32.0).reshape(8, 8), sharding.PartitionSpec("x", "y"))
+
+    @jax.jit
+    def f(x):
+      @jax.shard_map(in_specs=jax.typeof(x).sharding.spec, out_specs=jax.typeof(x).sharding.spec)
+      def body(xs):
+        return plgpu.kernel(relu, out_type=jax.ShapeDtypeStruct(xs.shape, xs.dtype),
+                            scratch_types=dict(x_smem=plgpu.SMEM(xs.shape, xs.dtype),
+                                               barrier=plgpu.Barrier()))(xs)
+      return body(x)
+    out = _run(f, x)
+  np.testing.assert_array_equal(np.asarray(out), np.maximum(np.asarray(x), 0))
