@@ -43,8 +43,10 @@ _structural_plans = lru.LRU(PLAN_CACHE_SIZE)  # structural key -> plan
 
 
 def _plan_key(params: dict, interp: InterpretParams):
+  # The debug-checks flag is part of JAX's jit key: a kernel compiled with
+  # pl.debug_check on differs from one compiled with it off.
   return (id(params["jaxpr"]), id(params["grid_mapping"]),
-          params["input_output_aliases"], interp)
+          params["input_output_aliases"], interp, jc.debug_checks_enabled())
 
 
 def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
@@ -59,6 +61,7 @@ def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   if hit is not None:
     return hit[1]
   skey = structural_key(params)
+  skey = None if skey is None else (skey, jc.debug_checks_enabled())
   plan = None if skey is None else _structural_plans.get((skey, interp))
   if plan is None:
     plan = KernelPlan(params=interp, **{k: v for k, v in params.items()

@@ -67,7 +67,7 @@ CATEGORIES: list[tuple[str, list[str]]] = [
 _NOT_KERNEL = {
     "pallas_call", "core_map", "device_put", "stage", "tie", "dce_sink", "create_token",
     "after_all", "custom_lin", "mutable_array", "empty_ref", "free_ref", "freeze",
-    "accum_grad_in_ref", "new_ref", "reshard", "layout_constraint", "inspect_sharding",
+    "accum_grad_in_ref", "new_ref", "layout_constraint", "inspect_sharding",
     "unreachable", "call_hi_primitive", "name", "remat_opt", "linear_call",
     "with_memory_space_constraint", "reduced_vary_cast_p", "vary_unreduced_cast_p",
     "pin", "unpin", "create_linear", "from_edtype", "to_edtype",

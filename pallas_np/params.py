@@ -46,6 +46,11 @@ class InterpretParams:
     detect_races: report parallel grid points that write the same output
       element or read what another parallel grid point wrote (raises
       ``RaceError``).
+    race_policy: what a race found by ``detect_races`` does. ``"raise"``
+      (default): ``RaceError`` from the kernel call. ``"record"``: the race
+      is recorded (``pallas_np.races.RECORD``) and the kernel goes on, as
+      JAX's own interpreters do; JAX's ``get_races()`` answers from the
+      record under the ``cpu`` device persona (pallas_np.persona).
     parallel_axes: grid axes that may run concurrently, for detect_races.
       ``None`` (default): from ``dimension_semantics`` ("parallel"), or every
       axis for GPU compiler params.
@@ -104,6 +109,7 @@ class InterpretParams:
   check_avals: bool = False
   vectorize: bool | None = None
   detect_races: bool = False
+  race_policy: Literal["raise", "record"] = "raise"
   parallel_axes: tuple[int, ...] | None = None
   pdb: bool = False
   trace: Callable[..., Any] | None = None
@@ -130,6 +136,8 @@ class InterpretParams:
       raise ValueError(f"buffer_bounds must be 'logical' or 'padded', got {self.buffer_bounds!r}")
     if self.uninitialized not in ("nan", "zero"):
       raise ValueError(f"uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}")
+    if self.race_policy not in ("raise", "record"):
+      raise ValueError(f"race_policy must be 'raise' or 'record', got {self.race_policy!r}")
     if self.native_loops not in ("background", "sync", "off"):
       raise ValueError("native_loops must be 'background', 'sync' or 'off', "
                        f"got {self.native_loops!r}")

@@ -30,7 +30,9 @@ def pytest_configure(config):
   device = config.getoption("--pallas-device", default=None)
   if device:
     import pallas_np  # (imported only when asked for, as below)
-    pallas_np.set_emulated_device(device, detect_races=races)
+    # The persona's own default stands unless the flag asks for detection
+    # (the cpu persona records races, as JAX's interpreters do).
+    pallas_np.set_emulated_device(device, **({"detect_races": True} if races else {}))
     config._pallas_np_device = device
     return
   if races or config.getoption("--pallas-numpy", default=False):

@@ -21,6 +21,10 @@ access, paid only when enabled: the ref rules install the hook at compile time
 (``wrap_resolve``), so plans compiled without detection run unchanged.
 Other engines that write refs (DMA, atomics) report through ``note(view,
 index, kind)``.
+
+``InterpretParams(race_policy="record")`` records a race in ``RECORD`` and
+lets the kernel go on (JAX's interpreters' behaviour, whose ``get_races()``
+the ``cpu`` device persona answers from it) instead of raising.
 """
 from __future__ import annotations
 
@@ -35,6 +39,35 @@ from pallas_np.errors import RaceError
 
 _state = threading.local()
 _PARALLEL_NAMES = ("parallel", "core_parallel", "subcore_parallel")
+
+
+class RaceRecord:
+  """The races found by the kernels run with ``race_policy="record"``:
+  like JAX's interpreters' race state, it holds the last such kernel run's
+  (each run starts it afresh). Process-wide, as JAX's is: kernels run in
+  XLA's callback threads."""
+
+  KEPT = 16  # races kept per run (the first ones)
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.races: list[RaceError] = []
+
+  def begin_run(self) -> None:
+    with self._lock:
+      self.races = []
+
+  def add(self, err: RaceError) -> None:
+    with self._lock:
+      if len(self.races) < self.KEPT:
+        self.races.append(err)
+
+  @property
+  def found(self) -> bool:
+    return bool(self.races)
+
+
+RECORD = RaceRecord()
 
 
 def current() -> "RaceDetector | None":
@@ -87,6 +120,13 @@ class RaceDetector:
     # (view, index, kind) -> None: also told every unmasked access (the
     # cross-device check of a multi-device run, pallas_np.device_races)
     self.device_hook = None
+    self.record = False  # race_policy="record": found() records, the run goes on
+
+  def found(self, err: RaceError) -> None:
+    """A race: raised, or recorded in ``RECORD`` (``race_policy="record"``)."""
+    if not self.record:
+      raise err
+    RECORD.add(err)
 
   def track_writeback(self, block: int, name: str, ndim: int):
     self.writeback.append((block, name, ndim, {}))
@@ -115,12 +155,12 @@ class RaceDetector:
       if first[0] != self.group:
         other = self._point_of(first[1])
         axes = [a for a in self.group_axes if self.point[a] != other[a]]
-        raise RaceError(
+        self.found(RaceError(
             f"data race on {name} in kernel '{self.kernel}': grid points {other} and "
             f"{self.point} both map its block {key}; they differ on parallel grid axis "
             f"{axes[0] if len(axes) == 1 else axes}{self.semantics_note}, may run on "
             "different cores, and each core writes the whole output block back.",
-            buffer=name, grid_points=(other, self.point), element=None)
+            buffer=name, grid_points=(other, self.point), element=None))
 
   def release(self, semaphore_key):
     """A semaphore is signalled (a mesh kernel's detector orders the
@@ -201,12 +241,12 @@ class RaceDetector:
     where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
     verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
     axes = [a for a in self.group_axes if self.point[a] != other[a]]
-    raise RaceError(
+    self.found(RaceError(
         f"data race on {region.name} in kernel '{self.kernel}': grid point "
         f"{self.point} {verb} element {where} that grid point {other} wrote; "
         f"they differ on parallel grid axis {axes[0] if len(axes) == 1 else axes}"
         f"{self.semantics_note}, so they may run concurrently on hardware.",
-        buffer=region.name, grid_points=(other, self.point), element=where)
+        buffer=region.name, grid_points=(other, self.point), element=where))
 
 
 def _is_basic(index) -> bool:
@@ -269,6 +309,8 @@ def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
   params = plan.params
   if params.explain is not None:  # pallas_np.explain: record instead of checking
     return params.explain.start_run(plan, grid, buffers, scratch)
+  if params.race_policy == "record":
+    RECORD.begin_run()
   if not params.detect_races:
     return None
   local = plan.local_dims
@@ -285,6 +327,7 @@ def for_run(plan, grid, buffers, scratch) -> RaceDetector | None:
   note_ = f" (dimension_semantics={tuple(str(getattr(s, 'value', s)) for s in sem)})" \
       if sem is not None and params.parallel_axes is None else ""
   det = RaceDetector(plan.name, grid, group_axes, note_)
+  det.record = params.race_policy == "record"
   for geo, buf in zip(plan.blocks, buffers):
     det.track(str(geo.origin), buf)
   for i, buf in enumerate(scratch):

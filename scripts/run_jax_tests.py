@@ -15,7 +15,24 @@ past its limit still reports what it ran. Per file: pass/fail/skip counts
 and the failure reasons grouped by their first line (the reason a skipped
 test gives is grouped too, with ``--skips``).
 
-Nothing here runs in CI: it needs the mirror (no network is used).
+Without the mirror (a GPU machine, say): ``--tests-dir DIR`` runs the test
+files of an already-extracted JAX ``tests/`` directory (DIR, or DIR/tests),
+e.g. made by ``git -C <jax repo> archive jax-v0.11.0 tests | tar -x -C DIR``;
+test helpers the wheel lacks are then looked for in DIR/_shims.
+``--log FILE`` writes every test's JSON line (``file``, ``id``, ``outcome``,
+``reason``, ``seconds``, ``device``) to FILE. ``--device none`` runs the files
+with no persona and no platform forced: on a machine with the device, the
+hardware's own results, in the same format. ``--compare BASELINE.jsonl``
+then says how many of the tests that passed in the baseline log pass now,
+and lists the others.
+
+    python scripts/run_jax_tests.py --tests-dir /tmp/jaxtests --device none \
+        --log h100.jsonl mosaic_gpu_test.py               # on the H100
+    python scripts/run_jax_tests.py --tests-dir /tmp/jaxtests --device h100 \
+        --log numpy.jsonl --compare h100.jsonl mosaic_gpu_test.py
+
+Nothing here runs in CI: it needs the mirror or an extracted ``tests/``
+(no network is used).
 """
 from __future__ import annotations
 
@@ -159,8 +176,9 @@ def run_file(args, tests_dir, path, log_dir) -> dict:
   name = os.path.basename(path)
   log = os.path.join(log_dir, name + ".jsonl")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, log_dir]), RUN_JAX_TESTS_LOG=log,
-             RUN_JAX_TESTS_SHIMS=args.shims,
-             PALLAS_NP_PROGRESS="0", JAX_PLATFORMS="cpu")
+             RUN_JAX_TESTS_SHIMS=args.shims, PALLAS_NP_PROGRESS="0")
+  if args.device != "none":  # the persona: XLA on the CPU, kernels in numpy mode
+    env["JAX_PLATFORMS"] = "cpu"
   env.pop("PALLAS_NP_FORCE", None)
   cwd = os.path.dirname(tests_dir)
   targets, total = [path], None
@@ -170,8 +188,9 @@ def run_file(args, tests_dir, path, log_dir) -> dict:
     with open(argfile, "w") as f:
       f.write("\n".join(ids) + "\n")
     targets = ["@" + argfile]
+  persona = [] if args.device == "none" else [f"--pallas-device={args.device}"]
   cmd = [args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "run_jax_tests_report",
-         f"--pallas-device={args.device}", *args.pytest_args, *targets]
+         *persona, *args.pytest_args, *targets]
   if args.k:
     cmd += ["-k", args.k]
   start = time.time()
@@ -219,10 +238,38 @@ def summarize(result, show_skips: bool, top: int) -> None:
           + result["tail"][-1500:])
 
 
+def write_log(path: str, result, device: str) -> None:
+  """Append the file's per-test rows to ``path`` (JSON lines)."""
+  with open(path, "a") as f:
+    for r in result["rows"]:
+      f.write(json.dumps({"file": result["file"], **r, "device": device}) + "\n")
+
+
+def compare(baseline_path: str, results) -> None:
+  """Of the tests that passed in the baseline log, how many passed now."""
+  with open(baseline_path) as f:
+    base = [json.loads(l) for l in f if l.strip()]
+  now = {(res["file"], r["id"]): r for res in results for r in res["rows"]}
+  ran = {res["file"] for res in results}
+  passed = [r for r in base if r["outcome"] == "passed" and r.get("file") in ran]
+  missing = [r for r in passed if (r["file"], r["id"]) not in now]
+  counted = [r for r in passed if (r["file"], r["id"]) in now]
+  ok = [r for r in counted if now[(r["file"], r["id"])]["outcome"] == "passed"]
+  share = 100.0 * len(ok) / len(counted) if counted else 0.0
+  print(f"== compared with {baseline_path}: of {len(counted)} tests that passed there and ran "
+        f"here, {len(ok)} pass here ({share:.1f}%); {len(missing)} that passed there did not "
+        "run here")
+  for r in counted:
+    got = now[(r["file"], r["id"])]
+    if got["outcome"] != "passed":
+      print(f"   {got['outcome']:8s} {r['id']}: {got['reason'].splitlines()[0][:160] if got['reason'] else ''}")
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("files", nargs="+", help="test files under JAX's tests/ or tests/pallas/")
-  ap.add_argument("--device", default="h100", help="the persona (pallas_np.emulate_device)")
+  ap.add_argument("--device", default="h100",
+                  help="the persona (pallas_np.emulate_device); none: no persona (the hardware)")
   ap.add_argument("--tag", default=None, help="JAX git tag (default: the installed JAX's)")
   ap.add_argument("--mirror", default=DEFAULT_MIRROR)
   ap.add_argument("--python", default=sys.executable)
@@ -234,28 +281,56 @@ def main(argv=None) -> None:
   ap.add_argument("--top", type=int, default=12, help="reason groups shown per file")
   ap.add_argument("--keep", default=None, help="extract into (and keep) this directory")
   ap.add_argument("--pytest-args", default="", help="more pytest arguments (one string)")
+  ap.add_argument("--tests-dir", default=None,
+                  help="an extracted JAX tests/ directory (or its parent): no mirror needed")
+  ap.add_argument("--log", default=None, help="write every test's JSON line to this file")
+  ap.add_argument("--compare", default=None,
+                  help="a --log file of a baseline run (e.g. --device none on the hardware)")
   args = ap.parse_args(argv)
   args.pytest_args = args.pytest_args.split()
-  tag = args.tag or installed_jax_tag(args.python, args.mirror)
-  work = args.keep or tempfile.mkdtemp(prefix="run_jax_tests_")
-  tests_dir = os.path.join(work, "tests")
-  if not os.path.isdir(tests_dir):
-    tests_dir = extract_tests(args.mirror, tag, work)
+  if args.tests_dir:
+    tests_dir = os.path.abspath(args.tests_dir)
+    if os.path.isdir(os.path.join(tests_dir, "tests")):
+      tests_dir = os.path.join(tests_dir, "tests")
+    if not os.path.isdir(tests_dir):
+      raise SystemExit(f"run_jax_tests: no directory {tests_dir}")
+    work = args.keep or tempfile.mkdtemp(prefix="run_jax_tests_")
+    shims = os.path.join(os.path.dirname(tests_dir), "_shims")
+    args.shims = shims if os.path.isdir(shims) else ""
+    where = f"JAX tests in {tests_dir} (extracted: no tag check)"
+  else:
+    tag = args.tag or installed_jax_tag(args.python, args.mirror)
+    work = args.keep or tempfile.mkdtemp(prefix="run_jax_tests_")
+    tests_dir = os.path.join(work, "tests")
+    if not os.path.isdir(tests_dir):
+      tests_dir = extract_tests(args.mirror, tag, work)
+    args.shims = extract_helpers(args.python, args.mirror, tag, os.path.join(work, "_shims"))
+    where = f"JAX tests at {tag} in {tests_dir}"
   log_dir = os.path.join(work, "_logs")
   os.makedirs(log_dir, exist_ok=True)
   with open(os.path.join(log_dir, "run_jax_tests_report.py"), "w") as f:
     f.write(REPORTER)
-  args.shims = extract_helpers(args.python, args.mirror, tag, os.path.join(work, "_shims"))
-  print(f"JAX tests at {tag} in {tests_dir}; device persona {args.device}; "
-        f"python {args.python}", flush=True)
+  if args.log and os.path.exists(args.log):
+    os.remove(args.log)
+  jax_version = subprocess.run([args.python, "-c", "import jax; print(jax.__version__)"],
+                               capture_output=True, text=True).stdout.strip()
+  print(f"{where}; device persona {args.device}; JAX {jax_version}; python {args.python}",
+        flush=True)
+  results = []
   for name in args.files:
     path = find_file(tests_dir, name)
     log = os.path.join(log_dir, os.path.basename(path) + ".jsonl")
     if os.path.exists(log):
       os.remove(log)
-    summarize(run_file(args, tests_dir, path, log_dir), args.skips, args.top)
+    result = run_file(args, tests_dir, path, log_dir)
+    results.append(result)
+    summarize(result, args.skips, args.top)
+    if args.log:
+      write_log(args.log, result, args.device)
     sys.stdout.flush()
-  print(f"logs: {log_dir}")
+  if args.compare:
+    compare(args.compare, results)
+  print(f"logs: {log_dir}" + (f"; per-test lines: {args.log}" if args.log else ""))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ WG = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 # -- warp_map ----------------------------------------------------------------------------
 def _warp_pipeline(consumer_waits=True):
   """Warp 0 copies x's row blocks into SMEM; warp 1 waits for each and
-  writes 2 * it out; warps 2 and 3 write their id into row blocks of ids."""
+  copies it out (TMA); warps 2 and 3 write their id (scalars: warp-level
+  code moves scalars only, as Mosaic GPU's lowering requires)."""
   steps, blk = 4, 64
 
   def body(x_ref, o_ref, ids_ref, smem, full, free):
@@ -75,16 +76,17 @@ def _warp_pipeline(consumer_waits=True):
         def _(i):
           if consumer_waits:
             plgpu.barrier_wait(full.at[i % 2])
-          o_ref[pl.ds(i * blk, blk)] = smem[i % 2] * 2
+          plgpu.copy_smem_to_gmem(smem.at[i % 2], o_ref.at[pl.ds(i * blk, blk)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           plgpu.barrier_arrive(free.at[i % 2])
 
       @pl.when(w >= 2)
       def _ids():
-        ids_ref[pl.ds((w - 2) * 8, 8)] = jnp.full((8, 128), w, jnp.int32)
+        ids_ref[w - 2] = w
 
   return plgpu.kernel(
       body, out_type=(jax.ShapeDtypeStruct((steps * blk, 128), F32),
-                      jax.ShapeDtypeStruct((16, 128), jnp.int32)),
+                      jax.ShapeDtypeStruct((2,), jnp.int32)),
       compiler_params=WG,
       scratch_types=dict(smem=plgpu.SMEM((2, blk, 128), F32),
                           full=plgpu.Barrier(num_barriers=2),
@@ -92,8 +94,7 @@ def _warp_pipeline(consumer_waits=True):
 
 
 def _warp_pipeline_reference(x):
-  ids = np.repeat(np.array([2, 3], np.int32), 8)[:, None] * np.ones((1, 128), np.int32)
-  return 2 * np.asarray(x), ids
+  return np.asarray(x), np.array([2, 3], np.int32)
 
 
 def test_warp_map_warps_take_turns():
@@ -130,9 +131,9 @@ def test_warp_deadlock_names_the_warp():
       @pl.when(w == 2)
       def _():
         plgpu.barrier_wait(bar)  # nobody arrives
-      o_ref[...] = jnp.zeros_like(o_ref)
+      o_ref[w] = jnp.float32(0)
 
-  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32), compiler_params=WG,
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((4,), F32), compiler_params=WG,
                    scratch_types=dict(bar=plgpu.Barrier()))
   with pytest.raises(KernelError, match="deadlocked") as info:
     _run(f)
@@ -221,6 +222,49 @@ def test_dynamic_scheduling_loop_visits_every_item_once(cluster):
   # run one after another here), one loop step each, so a second visit of
   # any item would show as a later step.
   np.testing.assert_array_equal(np.asarray(steps), np.arange(6, dtype=np.int32))
+
+
+def test_clusters_a_gpu_holds_at_once_run_their_own_item():
+  """On an H100 (132 SMs, under the device persona) the first 132 clusters
+  are launched at once: each runs its own item; only the 2 beyond are left
+  for cluster launch control to claim (by the first cluster, which runs
+  first here: its loop steps 1 and 2)."""
+  f = _scheduled(grid=(134,))
+  with pallas_np.emulate_device("h100"):
+    items, steps = f()
+  np.testing.assert_array_equal(np.asarray(items), np.arange(1, 135, dtype=np.int32))
+  want = np.zeros(134, np.int32)
+  want[132:] = [1, 2]
+  np.testing.assert_array_equal(np.asarray(steps), want)
+
+
+def test_work_queue_claims_only_clusters_not_launched():
+  from pallas_np.mosaic_gpu.cluster import WorkQueue
+  q = WorkQueue((5,), resident=2)
+  run = q.launch()
+  assert next(run) == (0,)
+  assert q.claim() == (2,)  # 1 is launched (resident) already: not claimable
+  assert next(run) == (1,)  # when 0 finished its SM launched 3: left is 4
+  assert q.claim() == (4,)
+  assert q.claim() is None
+  assert list(run) == [(3,)]
+
+
+def test_cluster_launch_control_over_a_grid_of_four_axes():
+  """JAX's lowering squashes the leading grid axes into one launch axis;
+  a claimed cluster's coordinates come back whole."""
+  grid = (2, 3, 2, 2)
+  names = ("a", "b", "c", "d")
+
+  def body(o_ref):
+    @plgpu.dynamic_scheduling_loop(grid_names=names)
+    def _(info):
+      a, b, c, d = info.index
+      o_ref[a, b, c, d] = ((a * 3 + b) * 2 + c) * 2 + d
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(grid, jnp.int32), grid=grid,
+                   grid_names=names)
+  out = _run(lambda: f())
+  np.testing.assert_array_equal(np.asarray(out), np.arange(24, dtype=np.int32).reshape(grid))
 
 
 @pytest.mark.skipif(not ORACLE_RUNS_WARPS, reason="JAX 0.10's GPU interpret mode cannot run it")
@@ -351,8 +395,8 @@ def test_error_in_a_warp_names_it():
     def _(w):
       @pl.when(w == 3)
       def _():
-        o_ref[...] = x_ref[pl.ds(w * 8, 8)]  # rows 24..31 of 16: out of bounds
+        o_ref[0] = x_ref[w * 8]  # element 24 of 16: out of bounds
 
-  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32), compiler_params=WG)
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((1,), F32), compiler_params=WG)
   with pytest.raises(KernelError, match=r"warp 3 .*test_mosaic_gpu_cluster\.py"):
-    _run(f, _x((16, 128), 0))
+    _run(f, _x((16,), 0))

@@ -157,7 +157,7 @@ def test_unmodelled_construct_is_refused_by_name():
       kernel()
 
 
-def test_tiled_ref_argument_may_be_passed_but_not_used():
+def test_tiled_ref_argument_may_be_passed_unused():
   transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
   @plgpu.kernel(out_type=jax.ShapeDtypeStruct((64, 32), jnp.float32),
@@ -172,6 +172,58 @@ def test_tiled_ref_argument_may_be_passed_but_not_used():
   x = np.ones((64, 32), np.float32)
   with pallas_np.force_numpy_interpret():
     np.testing.assert_array_equal(np.asarray(kernel(x)), x + 1)
+
+
+def _tiled_roundtrip(await_copy: bool):
+  """A tiled/swizzled SMEM ref (indexed on the Pallas side): loaded tiled,
+  doubled plus one, stored tiled into a leading slice, sent to GMEM by a
+  TMA store from the launch context (awaited, or left to the block's end)."""
+  tile = (64, 64)
+  transforms = (plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128))
+
+  def kernel(x_ref, o_ref, smem, bar):
+    plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+    plgpu.barrier_wait(bar)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                       return_type=plgpu.ShapeDtypeStruct((128, 128), jnp.bfloat16,
+                                                          layout=plgpu.Layout.WGMMA))
+    def grow(ctx, ref):
+      del ctx
+      assert list(ref.type.shape) == [2, 2, 64, 64], ref.type.shape
+      x = mgpu.FragmentedArray.load_tiled(ref, swizzle=128)
+      one = mgpu.FragmentedArray.splat(mgpu.c(1.0, x.mlir_dtype), x.shape, layout=x.layout)
+      return x + x + one
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms),
+                                  plgpu.RefType()))
+    def store(ctx, arr, ref, out):
+      first = mgpu.memref_slice(ref, (1,))
+      arr.store_tiled(first, swizzle=128)
+      mgpu.commit_shared()
+      ctx.async_copy(src_ref=first, dst_ref=out, swizzle=128,
+                     gmem_transform=mgpu.TileTransform(tile))
+      if await_copy:
+        ctx.await_async_copy(0)
+      with mgpu.utils.when(mgpu.utils.single_thread_predicate()):
+        pass
+
+    store(grow(smem.at[0]), smem, o_ref)
+
+  return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((128, 128), jnp.bfloat16),
+                      scratch_types=[plgpu.SMEM((2, 128, 128), jnp.bfloat16,
+                                                transforms=transforms), plgpu.Barrier()])
+
+
+@pytest.mark.parametrize("await_copy", [True, False])
+def test_tiled_ref_loads_stores_and_tma_store(await_copy):
+  x = jax.random.uniform(jax.random.key(0), (2, 128, 128), minval=-8,
+                         maxval=8).astype(jnp.bfloat16)
+  with pallas_np.force_numpy_interpret():
+    out = _tiled_roundtrip(await_copy)(x)
+  x0 = np.asarray(x[0]).astype(np.float32)
+  want = (x0 + x0 + 1).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out), want)
 
 
 def test_pallas_call_grid_registers_are_refused():

@@ -1,6 +1,7 @@
 """``plgpu.RefUnion`` (SMEM members that alias one byte buffer, the
 ``ExtractAliasedRef`` transform): members are views of the union's bytes;
-members whose GPU layout is not row-major, and sub-byte members, are refused.
+members whose GPU layout is not row-major are refused; sub-byte members are
+packed as on the GPU (two 4-bit elements a byte, the first in the low bits).
 Expected values: NumPy byte reinterpretation of what the kernel wrote."""
 from __future__ import annotations
 
@@ -83,11 +84,39 @@ def test_unions_of_different_members_in_successive_scopes():
   np.testing.assert_array_equal(np.asarray(b), np.full((64, 64), 3, np.float16))
 
 
+@pytest.mark.parametrize("small", [jnp.uint4, jnp.int4])
+def test_sub_byte_members_are_packed(small):
+  """Bytes written as int8 read as 4-bit elements (low nibble first) and
+  4-bit elements written read back as bytes; int4 nibbles sign-extend."""
+  x = np.arange(-64, 64, dtype=np.int8)
+
+  def kernel(x_ref, o4_ref, o8_ref, union):
+    bytes_, nibbles = union
+    bytes_[...] = x_ref[...]
+    o4_ref[...] = nibbles[...]
+    nibbles[0:4] = (jax.lax.iota(jnp.int8, 4) + 1).astype(small)  # bytes 0 and 1
+    o8_ref[...] = bytes_[...]
+
+  o4, o8 = pl.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((256,), small),
+                         jax.ShapeDtypeStruct((128,), jnp.int8)),
+      interpret="numpy", compiler_params=plgpu.CompilerParams(),
+      scratch_shapes=[plgpu.RefUnion(plgpu.SMEM((128,), jnp.int8),
+                                     plgpu.SMEM((256,), small))])(x)
+  u = x.view(np.uint8)
+  nib = np.stack([u & 0xF, u >> 4], axis=-1).reshape(-1).astype(np.int16)
+  if small == jnp.int4:
+    nib = np.where(nib >= 8, nib - 16, nib)
+  np.testing.assert_array_equal(np.asarray(o4).astype(np.int16), nib)
+  want = x.copy()
+  want[0], want[1] = np.int8(0x21), np.int8(0x43)
+  np.testing.assert_array_equal(np.asarray(o8), want)
+
+
 @pytest.mark.parametrize("member", [
     lambda: plgpu.SMEM((64, 64), jnp.float16, transforms=(plgpu.TilingTransform((8, 64)),
                                                           plgpu.SwizzleTransform(128))),
-    lambda: plgpu.SMEM((256,), jnp.uint4),
-], ids=["swizzled", "sub-byte"])
+], ids=["swizzled"])
 def test_members_the_gpu_lays_out_differently_are_refused(member):
   def kernel(o_ref, union):
     first, second = union

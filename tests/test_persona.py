@@ -254,7 +254,7 @@ def test_jax_interpreter_state_answered():
     with pytest.raises(unittest.SkipTest, match="skip_floating_point_ops"):
       params_mod.InterpretGPUParams(skip_floating_point_ops=True)
     params_mod.InterpretGPUParams(detect_races=True)  # other options build as usual
-  with pallas_np.emulate_device("cpu"):
+  with pallas_np.emulate_device("cpu", detect_races=False):
     with pytest.raises(pallas_np.UnsupportedError, match="pallas-numpy-races"):
       gpu_interpret.get_races()
   assert gpu_interpret.get_races is original

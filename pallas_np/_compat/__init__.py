@@ -40,7 +40,8 @@ from pallas_np._compat.state import (  # noqa: F401
     discharge_run_state, memory_space_of, run_state_p, state_primitives,
     written_invar_positions)
 from pallas_np._compat.pallas import (  # noqa: F401
-    BlockMapping, Blocked, BoundedSlice, DeviceIdType, DynamicGridDim, Element, GridMapping,
+    BlockMapping, Blocked, BoundedSlice, CheckFailedError, DeviceIdType, check_p,
+    debug_checks_enabled, failed_check_message, DynamicGridDim, Element, GridMapping,
     Indirect, Squeezed, core_map_p, get_block_shape, interpret_mode_config,
     mesh_grid_mapping, mesh_kernel_primitives, mesh_kernel_sources, mpmd_map_p,
     pallas_call_p, pallas_primitives, uninitialized_value_np)
@@ -50,7 +51,8 @@ from pallas_np._compat.tpu import (  # noqa: F401
     sc_primitives)
 from pallas_np._compat.mosaic_gpu import (  # noqa: F401
     barrier_arrivals, is_barrier_dtype, is_layout_only_transform, is_mgpu_compiler_params,
-    is_mgpu_imported, is_mgpu_mesh, is_peer_transform, is_wgmma_acc_aval, mgpu_primitive)
+    is_mgpu_imported, is_mgpu_mesh, is_peer_transform, is_wgmma_acc_aval, lowering_error,
+    mgpu_primitive)
 from pallas_np._compat import mosaic_gpu as _mosaic_gpu
 from pallas_np._compat.triton import LazyPrimitive, triton_primitives  # noqa: F401
 from pallas_np._compat.lowering import (  # noqa: F401

@@ -36,6 +36,14 @@ def primitives_module():
   return _module(PRIMITIVES_MODULE)
 
 
+def lowering_error(message: str) -> Exception:
+  """Mosaic GPU's ``LoweringError`` (what its lowering raises for a kernel
+  the hardware cannot run), or ``ValueError`` where the module is missing."""
+  lowering = _module("jax._src.pallas.mosaic_gpu.lowering")
+  cls = getattr(lowering, "LoweringError", None) if lowering is not None else None
+  return (cls or ValueError)(message)
+
+
 def is_mgpu_imported() -> bool:
   """Whether user code imported plgpu: before, no Mosaic GPU kernel exists."""
   return CORE_MODULE in sys.modules

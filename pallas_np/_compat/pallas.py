@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax._src import checkify as _checkify
 from jax._src import config as jax_config
 from jax._src import core as jax_core
 from jax._src.pallas import core as pallas_core
@@ -107,3 +108,25 @@ def mesh_grid_mapping(jaxpr, num_inputs: int, num_outputs: int, default_memory_s
       grid_spec, in_avals, in_tree, [f"arg{i}" for i in range(num_inputs)],
       out_avals, out_tree, [f"out{i}" for i in range(num_outputs)], debug=debug)
   return gm
+
+
+# ``pl.debug_check`` / ``checkify.check`` inside a kernel (``debug=True``: a
+# runtime assert where the device's lowering emits one).
+check_p = _checkify.check_p
+CheckFailedError = _checkify.JaxRuntimeError
+
+
+def debug_checks_enabled() -> bool:
+  """``jax_pallas_enable_debug_checks``: the kernels' debug checks run."""
+  return bool(pallas_core.debug_checks_enabled())
+
+
+def failed_check_message(err_tree, args) -> tuple[object, str]:
+  """(the failure predicate, the formatted message) of a ``check_p``'s
+  operands (one check: what Pallas's lowerings accept)."""
+  error = jax.tree_util.tree_unflatten(err_tree, list(args))
+  [pred] = error._pred.values()
+  [exception_tree] = error._metadata.values()
+  [payload] = error._payload.values()
+  exception = jax.tree_util.tree_unflatten(exception_tree, payload)
+  return pred, str(exception)

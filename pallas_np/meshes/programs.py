@@ -242,14 +242,17 @@ class ProgramRaceDetector(races.RaceDetector):
   def _report_programs(self, region, elem, other, kind):
     where = tuple(int(i) for i in np.unravel_index(elem, region.shape))
     verb = {"read": "reads", "write": "writes", "readwrite": "updates"}[kind]
-    raise RaceError(
+    self.found(RaceError(
         f"data race on {region.name} in kernel '{self.kernel}': {self.describe(self.me)} "
         f"{verb} element {where} that {self.describe(other)} wrote, with no semaphore "
         "signal/wait (or barrier) ordering the two: on hardware they run concurrently.",
-        buffer=region.name, grid_points=(other, self.me), element=where)
+        buffer=region.name, grid_points=(other, self.me), element=where))
 
 
 def _detectors(kernel, programs, placements):
+  record = kernel.params.race_policy == "record"
+  if record:
+    races.RECORD.begin_run()
   if not kernel.params.detect_races:
     return [None] * len(programs)
   clocks = VectorClocks(len(programs))
@@ -276,6 +279,8 @@ def _detectors(kernel, programs, placements):
     r.ensure()
   dets = [first] + [ProgramRaceDetector(kernel.name, k, placements[0].describe, clocks,
                                         first.regions) for k in range(1, len(programs))]
+  for d in dets:
+    d.record = record
   clocks.detectors = dets
   return dets
 

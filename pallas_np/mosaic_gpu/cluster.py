@@ -54,31 +54,58 @@ if jc.mgpu_core is not None and getattr(jc.mgpu_core, "ClusterBarrierType", None
 
 class WorkQueue:
   """Cluster launch control: the clusters (grid points) in launch order;
-  ``try_cluster_cancel`` claims the next one not launched yet, so the loop
-  of ``plgpu.dynamic_scheduling_loop`` visits every work item exactly once
-  (clusters run one after another here: the first claims them all)."""
+  ``try_cluster_cancel`` claims the first one the GPU has not launched yet,
+  so the loop of ``plgpu.dynamic_scheduling_loop`` visits every work item
+  exactly once.
 
-  def __init__(self, grid_shape):
+  ``resident`` clusters are launched at once (a GPU runs one per group of
+  SMs: the device's SM count over the cluster size, when the device says,
+  as under the device persona; else 1), and one more each time one
+  finishes; clusters run one after another here, so a cluster claims only
+  among those not launched: the first ``resident`` clusters always run, as
+  on a GPU whose SMs each hold one of them."""
+
+  def __init__(self, grid_shape, resident: int = 1):
+    self.grid = tuple(int(g) for g in grid_shape)
     self.order = list(itertools.product(*map(range, grid_shape)))
     self.claimed: set = set()
-    self.next = 0  # the first cluster not launched or claimed
+    self.next = 0  # the next cluster to run, in launch order
+    self.frontier = min(max(1, int(resident)), len(self.order))  # [0, frontier): launched
 
   def launch(self):
     """The clusters to run, in order, skipping those claimed meanwhile."""
+    started = False
     while self.next < len(self.order):
       point = self.order[self.next]
       self.next += 1
-      if point not in self.claimed:
-        yield point
+      if point in self.claimed:
+        continue
+      if started:  # the previous cluster finished: its SMs launch the next
+        self._launch_one()
+      started = True
+      yield point
+
+  def _launch_one(self):
+    while self.frontier < len(self.order) and self.order[self.frontier] in self.claimed:
+      self.frontier += 1
+    self.frontier = min(self.frontier + 1, len(self.order))
 
   def claim(self):
-    while self.next < len(self.order):
-      point = self.order[self.next]
-      self.next += 1
+    for i in range(max(self.frontier, self.next), len(self.order)):
+      point = self.order[i]
       if point not in self.claimed:
         self.claimed.add(point)
         return point
     return None
+
+
+def resident_clusters(cluster_size: int) -> int:
+  """Clusters a GPU holds at once: its SM count (``core_count`` of JAX's
+  device: the hardware's, or the device persona's) over the cluster size;
+  1 where the device does not say (a CPU)."""
+  import jax
+  sms = getattr(jax.devices()[0], "core_count", None)
+  return max(1, int(sms) // max(1, int(cluster_size))) if isinstance(sms, int) else 1
 
 
 class ClusterState:
@@ -198,13 +225,22 @@ def flat_index(flat: np.ndarray, cell) -> int:
 _UNBATCHED = registry.unbatched("cluster launch control of one cluster")
 
 
-def _encode(point, success: bool) -> np.ndarray:
-  """The 16-byte response: the claimed cluster's grid coordinates, success."""
+def _encode(point, success: bool, grid) -> np.ndarray:
+  """The 16-byte response: the claimed cluster's grid coordinates (a grid of
+  more than 3 axes squashed into 3, the leading axes into one, as JAX's
+  lowering launches it), success."""
   if len(point) > 3:
-    raise UnsupportedError("pallas_np: try_cluster_cancel in a kernel with a grid of more "
-                           "than 3 axes")
+    point = (int(np.ravel_multi_index(tuple(point[:-2]), tuple(grid[:-2]))), *point[-2:])
   words = [*point, *([0] * (3 - len(point))), int(success)]
   return np.array(words, np.int32).view(np.int8)
+
+
+def _decode(words, grid) -> tuple:
+  """The grid point of a response's coordinates (``_encode``'s inverse)."""
+  if len(grid) <= 3:
+    return tuple(int(w) for w in words[:len(grid)])
+  lead = np.unravel_index(int(words[0]), tuple(grid[:-2]))
+  return (*(int(c) for c in lead), int(words[1]), int(words[2]))
 
 
 def _sole_issuer(state, axes, thread_axis, num_threads) -> bool:
@@ -247,10 +283,10 @@ if jc.mgpu_primitive("try_cluster_cancel_p") is not None:
         return []
       if _sole_issuer(state, axes, thread_axis, state.num_threads):
         point = state.work.claim()
-        response = _encode(point or (), point is not None)
+        response = _encode(point or (), point is not None, state.work.grid)
         targets = range(cl.size) if cl else (state.index,)
       else:  # several issuers: each request fails (a GPU may fail any of them)
-        response = _encode((), False)
+        response = _encode((), False, state.work.grid)
         targets = (state.index,)
       for b in targets:
         view = cl.peer_view(res_view, b) if cl else res_view
@@ -280,7 +316,9 @@ if jc.mgpu_primitive("query_cluster_cancel_p") is not None:
       view, idx = get(args)
       races.note(view, idx, "read")
       words = np.ascontiguousarray(view[idx]).view(np.int32)
-      grid_names = list(operands.block_of(ctx).grid_names)
-      out = [np.int32(words[grid_names.index(n)]) for n in wanted]
+      state = operands.block_of(ctx)
+      grid_names = list(state.grid_names)
+      point = _decode(words, state.work.grid)
+      out = [np.int32(point[grid_names.index(n)]) for n in wanted]
       return [*out, np.bool_(words[3] != 0)]
     return query

@@ -11,15 +11,41 @@ uninitialised fill) while the copy is in flight: a kernel that reads it
 before the synchronisation reads NaN, even where old data was there."""
 from __future__ import annotations
 
+import linecache
+import re
+
 import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import registry
+from pallas_np.dtypes import bit_width
 from pallas_np.errors import UnsupportedError
 from pallas_np.memory import fill_value
 from pallas_np.mosaic_gpu import multicast, operands, race_clocks
 
 _UNBATCHED = registry.unbatched("asynchronous copies are ordered by the block's barriers")
+
+
+def source_line(source: str) -> str:
+  """The code on the kernel line ``source`` ("file:line:col (function)")
+  names, for errors a test matches against the kernel's code."""
+  m = re.match(r"(.*?):(\d+)(?::\d+)?(?: \(.*\))?$", source or "")
+  return linecache.getline(m.group(1), int(m.group(2))).strip() if m else ""
+
+
+def check_whole_bytes(shape, dtype, what: str, source: str) -> None:
+  """A TMA copy moves whole bytes (whole 16-byte rows, even): Mosaic GPU's
+  lowering refuses a copy whose size in bits is not a multiple of 8 (its
+  check on the copied rows, "Async copies require the number of bits copied
+  along the last dimension to be divisible by 128", fires first)."""
+  bits = int(np.prod(shape, dtype=np.int64)) * bit_width(dtype)
+  if bits % 8:
+    code = source_line(source)
+    raise ValueError(
+        f"{what} of {np.dtype(dtype).name}{list(shape)} ({bits} bits, not whole bytes) at "
+        f"{source}{f': {code}' if code else ''}: a TMA copy moves whole bytes; Mosaic GPU's "
+        "lowering refuses it (Async copies require the number of bits copied along the "
+        "last dimension to be divisible by 128)")
 
 
 def _writer(view, idx, data):
@@ -70,6 +96,8 @@ def _copy_gmem_to_smem(e):
                                   source)
         return []
     data = operands.tma_read(get_src, args)
+    if get_bar is not None:  # a TMA copy (without a barrier: cp.async)
+      check_whole_bytes(data.shape, data.dtype, "copy_gmem_to_smem", source)
     dst_view, dst_idx = get_dst(args)
     if np.shape(dst_view[dst_idx]) != data.shape:
       raise ValueError(f"copy_gmem_to_smem: source shape {data.shape} does not match "
@@ -123,6 +151,7 @@ def _copy_smem_to_gmem(e):
   if params.uninitialized == "nan" and op is None:
     poison = fill_value(e.in_avals[1].inner_aval.dtype, params)
   reduce = None
+  source = e.source
   if op is not None:
     reduce = _REDUCE.get(str(op))
     if reduce is None:
@@ -133,6 +162,7 @@ def _copy_smem_to_gmem(e):
       return []
     src = get_src(args)
     data = operands.read(*src)
+    check_whole_bytes(data.shape, data.dtype, "copy_smem_to_gmem", source)
     land = operands.tma_writer(get_dst, args, data, reduce, poison=poison)
     det = race_clocks.current()
     if det is not None:  # the source is read until the copy completes

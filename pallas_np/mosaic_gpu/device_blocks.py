@@ -73,7 +73,9 @@ class Launch:
     self.num_programs = tuple(np.int32(s) for s in sizes.values())
     self.cluster_shape = tuple(int(c) for c in mesh.cluster)
     self.cluster_coords = list(itertools.product(*map(range, self.cluster_shape)))
-    self.work = cluster_mod.WorkQueue(tuple(int(g) for g in mesh.grid))
+    self.work = cluster_mod.WorkQueue(
+        tuple(int(g) for g in mesh.grid),
+        cluster_mod.resident_clusters(len(self.cluster_coords)) if kernel.cancels else 1)
     self.detection = None
     overlap = device is not None
     if kernel.params.detect_races:
@@ -83,7 +85,8 @@ class Launch:
       self.detection = race_clocks.KernelRaces(
           kernel.name, kernel.num_threads, kernel.thread_name is not None, gmem,
           self.cluster_coords, kernel.slots_per_wg,
-          clusters=len(self.work.order) if overlap else None)
+          clusters=len(self.work.order) if overlap else None,
+          record=kernel.params.race_policy == "record")
     self.names: dict = {}  # cluster number -> its grid point (race reports)
     lock = device.session.cond if overlap else None
     self.sched = threads.Scheduler(kernel.name, lock, overlap, device)

@@ -41,7 +41,7 @@ def _executor():
 
 
 def get_kernel(params, interp):
-  key = (id(params["jaxprs"][0]), interp)
+  key = (id(params["jaxprs"][0]), interp, jc.debug_checks_enabled())  # as JAX's jit key
   hit = _kernels.get(key)
   if hit is None:
     hit = (params["jaxprs"][0], _executor().kernel.MeshKernel(dict(params), interp))

@@ -115,11 +115,48 @@ def _arguments(e, args):
   flat = []
   for i, (value, ty, tr) in enumerate(zip(args[:n], arg_types, transforms)):
     if isinstance(e.in_avals[i], jc.AbstractRef):
-      plain = not tr and not getattr(ty, "transforms", ())
-      flat.append(iv.MemRef(value, plain, f"ref argument {i}"))
+      declared = tuple(getattr(ty, "transforms", ()) or ())
+      plain = not tr and not declared
+      tiling, swizzle = _layout(declared, i)
+      flat.append(iv.MemRef(_indexed(value, tr, i), plain, f"ref argument {i}", tiling,
+                            swizzle))
     else:
       flat.append(iv.Fragmented(np.asarray(value), ty))
   return jc.tree_unflatten(p["pytree_args"], flat)
+
+
+def _layout(transforms, i):
+  """(tiling, swizzle bytes) of a ref argument's declared transforms."""
+  tiling, swizzle = (), None
+  for t in transforms:
+    if hasattr(t, "tiling"):
+      tiling = tuple(int(x) for x in t.tiling)
+    elif hasattr(t, "swizzle"):
+      swizzle = int(t.swizzle)
+    else:
+      raise iv.Refused(f"ref argument {i}'s transform {t!r}")
+  return tiling, swizzle
+
+
+def _indexed(value, transforms, i):
+  """The ref's logical view after the pallas-side indexers (``ref.at[...]``)."""
+  view = value
+  for t in transforms or ():
+    if jc.is_layout_only_transform(t):  # the buffer is logical here: layout only
+      continue
+    if not isinstance(t, jc.NDIndexer):
+      raise iv.Refused(f"ref argument {i} with the transform {type(t).__name__}")
+    idx = []
+    for ix in t.indices:
+      if isinstance(ix, jc.Slice):
+        start, size, stride = int(ix.start), int(ix.size), int(getattr(ix, "stride", 1))
+        idx.append(slice(start, start + size * stride, stride))
+      elif np.ndim(ix) == 0:
+        idx.append(int(ix))
+      else:
+        raise iv.Refused(f"ref argument {i} indexed with an array")
+    view = view[tuple(idx)]
+  return view
 
 
 def _results(e, ret):
@@ -165,7 +202,8 @@ if jc.mgpu_primitive("inline_mgpu_p") is not None:
                          f"types. Got shape={array_returns[0]}.")
       try:
         body = _with_stand_ins(fn, _special(ctx))
-        return _results(e, body(iv.LaunchContext(), *_arguments(e, args)))
+        launch = iv.LaunchContext(operands.block_of(ctx), operands.thread_of(ctx))
+        return _results(e, body(launch, *_arguments(e, args)))
       except iv.Refused as err:
         raise e.unsupported(f"inline_mgpu ({_body_name(fn)}) uses {err}, which the NumPy "
                             "stand-ins of the Mosaic GPU API do not model") from None

@@ -16,11 +16,20 @@ on NumPy values what the emitted code computes:
 - ``mgpu.FragmentedArray`` as a whole-warpgroup array: ``splat``, elementwise
   ``+ - * /`` and negation in its dtype, ``broadcast_in_dim``, the single
   register of a scalar (``registers.item()``);
-- ``memref.load``/``store`` of a scalar on an untransformed ref argument.
+- ``memref.load``/``store`` of a scalar on an untransformed ref argument;
+- tiled refs (``plgpu.RefType`` with a tiling/swizzle): ``.type.shape`` (the
+  tiled shape), ``mgpu.memref_slice`` of their leading (untiled) dims,
+  ``FragmentedArray.load_tiled``/``store_tiled`` (SMEM is kept logical here:
+  the tiling and swizzle change where bytes live, not the values), and the
+  launch context's TMA store ``ctx.async_copy(src_ref=smem, dst_ref=gmem)``
+  with its ``await_async_copy``, landing as ``copy_smem_to_gmem``'s copies
+  do (at the wait, or the block's end); ``commit_shared`` (a fence),
+  ``utils.single_thread_predicate``/``utils.when`` of a true condition (the
+  body runs once per warpgroup).
 
-Anything else (thread ids, per-thread registers, tiled loads/stores, TMA
-through the launch context, other dialect ops) raises ``UnsupportedError``
-naming the attribute, so a body is either computed exactly or refused."""
+Anything else (thread ids, per-thread registers, TMA loads, barriers through
+the launch context, other dialect ops) raises ``UnsupportedError`` naming
+the attribute, so a body is either computed exactly or refused."""
 from __future__ import annotations
 
 import math
@@ -213,19 +222,55 @@ def _indices(indices):
   return tuple(int(_as_scalar(i).value) for i in indices)
 
 
-class MemRef:
-  """A ref argument (``plgpu.RefType``): usable by ``memref.load/store``
-  only without transforms (a tiled/swizzled or indexed ref is a different
-  memref type on the GPU)."""
+class MemRefType:
+  """A ref's ``.type``: its (tiled) shape and element type."""
 
-  def __init__(self, buffer, plain: bool, what: str):
-    self._buffer, self._plain, self._what = buffer, plain, what
+  def __init__(self, shape, dtype):
+    self.shape = list(shape)
+    self.element_type = type_of(dtype)
+
+  def __getattr__(self, name):
+    _missing("MemRefType", name)
+
+
+class MemRef:
+  """A ref argument (``plgpu.RefType``). ``view``: its logical elements
+  (the pallas-side indexers applied). ``tiling``/``swizzle``: its declared
+  layout; ``memref.load/store`` need an untransformed ref (``plain``)."""
+
+  def __init__(self, view, plain: bool, what: str, tiling=(), swizzle=None):
+    self._buffer, self._plain, self._what = view, plain, what
+    self.tiling, self.swizzle = tuple(tiling), swizzle
 
   @property
   def buffer(self):
     if not self._plain:
-      refuse(f"using {self._what} (a ref argument with transforms or indexers)")
+      refuse(f"memref.load/store on {self._what} (a ref argument with transforms or indexers)")
     return self._buffer
+
+  @property
+  def view(self) -> np.ndarray:
+    return self._buffer
+
+  @property
+  def type(self) -> MemRefType:
+    shape = tuple(self._buffer.shape)
+    k = len(self.tiling)
+    if k:
+      lead, tiled = shape[:-k], shape[-k:]
+      if any(n % t for n, t in zip(tiled, self.tiling)):
+        refuse(f"{self._what}: shape {list(shape)} not divisible by its tiling {self.tiling}")
+      shape = (*lead, *(n // t for n, t in zip(tiled, self.tiling)), *self.tiling)
+    return MemRefType(shape, self._buffer.dtype)
+
+  def sliced(self, indices) -> "MemRef":
+    """``mgpu.memref_slice``: ints/slices of the leading (untiled) dims."""
+    idx = tuple(int(_as_scalar(i).value) if isinstance(i, Scalar) else i for i in indices)
+    untiled = self._buffer.ndim - len(self.tiling)
+    if len(idx) > untiled or not all(isinstance(i, (int, slice)) for i in idx):
+      refuse(f"mgpu.memref_slice of {self._what} along its tiled dims")
+    return MemRef(self._buffer[idx], self._plain and not idx, self._what, self.tiling,
+                  self.swizzle)
 
   def __getattr__(self, name):
     _missing(self.__dict__.get("_what", "a ref argument"), name)
@@ -269,6 +314,18 @@ class Fragmented:
     value = _as_scalar(value)
     dt = value.type.dtype(is_signed is not False)
     return Fragmented(np.full(tuple(shape), np.asarray(value.value).astype(dt), dt), layout)
+
+  @staticmethod
+  def load_tiled(ref, swizzle=None, *, is_signed=None, layout=None, **kwargs):
+    if kwargs or not isinstance(ref, MemRef):
+      refuse(f"FragmentedArray.load_tiled with {sorted(kwargs) or type(ref).__name__}")
+    return Fragmented(ref.view.copy(), layout)
+
+  def store_tiled(self, ref, swizzle=None, **kwargs):
+    if kwargs or not isinstance(ref, MemRef) or tuple(ref.view.shape) != self.shape:
+      refuse("FragmentedArray.store_tiled to a ref of another shape" if isinstance(ref, MemRef)
+             else f"FragmentedArray.store_tiled with {sorted(kwargs) or type(ref).__name__}")
+    ref.view[...] = self.array.astype(ref.view.dtype, copy=False)
 
   def broadcast_in_dim(self, shape, source_dimensions, layout=None):
     shape = tuple(shape)
@@ -325,16 +382,69 @@ def _c(value, type_):
   return Scalar(value, type_)
 
 
+class _When:
+  """``mgpu.utils.when(cond)``: the ``with`` body runs (Python cannot skip
+  it), so only a true condition is modelled."""
+
+  def __init__(self, cond):
+    if not bool(_as_scalar(cond).value):
+      refuse("mgpu.utils.when of a false condition")
+
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _memref_slice(ref, indices):
+  if not isinstance(ref, MemRef):
+    refuse(f"mgpu.memref_slice of {type(ref).__name__}")
+  return ref.sliced(indices if isinstance(indices, tuple) else (indices,))
+
+
 def _mgpu_namespace(real_mgpu):
-  fragmented = Namespace("mgpu.FragmentedArray", splat=Fragmented.splat)
-  utils = Namespace("mgpu.utils", is_signed=getattr(real_mgpu.utils, "is_signed", None))
+  fragmented = Namespace("mgpu.FragmentedArray", splat=Fragmented.splat,
+                         load_tiled=Fragmented.load_tiled)
+  # The body runs once per warpgroup: "a single thread" of it is that run.
+  utils = Namespace("mgpu.utils", is_signed=getattr(real_mgpu.utils, "is_signed", None),
+                    single_thread_predicate=lambda *a, **k: Scalar(True, MlirType("i", 1)),
+                    when=_When)
   return Namespace("mgpu", FragmentedArray=fragmented, c=_c, utils=utils,
+                    memref_slice=_memref_slice, commit_shared=lambda: None,
+                    TileTransform=getattr(real_mgpu, "TileTransform", None),
                     WGSplatFragLayout=getattr(real_mgpu, "WGSplatFragLayout", None))
 
 
 class LaunchContext:
-  """The ``ctx`` argument: nothing of it is modelled (TMA copies, barriers,
-  profiling)."""
+  """The ``ctx`` argument: its TMA stores (SMEM -> GMEM ``async_copy`` and
+  ``await_async_copy``) on the running block (``threads.BlockState``:
+  they land at the wait or the block's end, as ``copy_smem_to_gmem``'s);
+  nothing else of it (TMA loads, barriers, profiling) is modelled."""
+
+  def __init__(self, block=None, thread: int = 0):
+    self._block, self._thread = block, thread
+
+  def async_copy(self, *, src_ref, dst_ref, swizzle=None, gmem_transform=(), **kwargs):
+    if kwargs or self._block is None:
+      refuse(f"the launch context's async_copy with {sorted(kwargs) or 'no block'}")
+    if not isinstance(src_ref, MemRef) or not isinstance(dst_ref, MemRef) or \
+        not dst_ref._plain or not src_ref.tiling and gmem_transform:
+      refuse("the launch context's async_copy other than a TMA store of an SMEM ref "
+             "argument to an untransformed GMEM ref argument")
+    if tuple(src_ref.view.shape) != tuple(dst_ref.view.shape):
+      refuse(f"async_copy of {list(src_ref.view.shape)} into {list(dst_ref.view.shape)}")
+    data = src_ref.view.copy()  # read when issued, as the TMA unit does
+    dst = dst_ref.view
+
+    def land():
+      dst[...] = data
+    self._block.store_to_gmem(self._thread, land)
+
+  def await_async_copy(self, allow_groups, await_read_only=False, **kwargs):
+    if kwargs or self._block is None:
+      refuse(f"the launch context's await_async_copy with {sorted(kwargs)}")
+    self._block.flush_to_gmem(self._thread, keep=int(allow_groups))
 
   def __getattr__(self, name):
     _missing("the launch context", name)

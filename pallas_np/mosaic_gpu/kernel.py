@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import races
 from pallas_np.compiler import Compiler, failing_eqns, new_run
 from pallas_np.errors import UnsupportedError, kernel_error_class
 from pallas_np.memory import allocate
-from pallas_np.mosaic_gpu import collectives, device_blocks, threads, warps
+from pallas_np.mosaic_gpu import collectives, device_blocks, scoped_axes, threads, warps
 from pallas_np.params import InterpretParams
 
 
@@ -40,7 +41,14 @@ class MeshKernel:
     self.num_threads = int(mesh.num_threads or 1)
     self.thread_name = mesh.thread_name
     # Thread slots per warpgroup: itself, and its warps if it has a warp_map.
-    self.slots_per_wg = threads.SLOTS_PER_WARPGROUP if _uses_warps(self.jaxpr) else 1
+    self.slots_per_wg = threads.SLOTS_PER_WARPGROUP if _uses(
+        self.jaxpr, lambda eqn: warps.is_warp_map(eqn.params)) else 1
+    # Cluster launch control: clusters are launched as many at once as the
+    # GPU holds (cluster.WorkQueue).
+    cancel = jc.mgpu_primitive("try_cluster_cancel_p")
+    self.cancels = cancel is not None and _uses(self.jaxpr, lambda eqn: eqn.primitive is cancel)
+    # Scoped allocations Mosaic GPU's lowering refuses raise now, as there.
+    scoped_axes.check_kernel(self.jaxpr, mesh, self.name)
     self.compiler = Compiler(interp, self.name)
     self._plan = None
     self._features = None
@@ -76,6 +84,8 @@ class MeshKernel:
     (``pallas_np.devices``); the clusters, blocks and warpgroups run on the
     kernel's scheduler (``device_blocks``)."""
     new_run()
+    if self.params.race_policy == "record":
+      races.RECORD.begin_run()
     # Copied: TMA stores and atomics may write GMEM operands (their effects
     # do not say which), and the caller's arrays must stay intact.
     ins = [np.array(a) for a in args]
@@ -105,14 +115,14 @@ class MeshKernel:
     return err
 
 
-def _uses_warps(jaxpr) -> bool:
-  """Does the kernel body call ``plgpu.warp_map`` (at any depth)?"""
+def _uses(jaxpr, pred) -> bool:
+  """Does an eqn of the kernel body (at any depth) satisfy ``pred``?"""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
-    if warps.is_warp_map(eqn.params):
+    if pred(eqn):
       return True
     for v in eqn.params.values():
       for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        if isinstance(sub, jc.JAXPR_TYPES) and _uses_warps(sub):
+        if isinstance(sub, jc.JAXPR_TYPES) and _uses(sub, pred):
           return True
   return False

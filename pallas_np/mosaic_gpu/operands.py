@@ -131,7 +131,10 @@ def one_barrier(view, idx) -> threads.Barrier:
   cell = view[idx]
   if isinstance(cell, np.ndarray):
     if cell.size != 1:
-      raise ValueError(f"expected a single barrier, got an array of {cell.size} barriers")
+      unindexed = ("Attempting to operate on barrier without indexing, but "
+                   f"`num_barriers = {cell.size}`: " if cell.shape == view.shape else "")
+      raise ValueError(f"{unindexed}expected a single barrier, got an array of {cell.size} "
+                       "barriers")
     cell = cell.reshape(-1)[0]
   return cell
 

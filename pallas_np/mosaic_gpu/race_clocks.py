@@ -66,8 +66,9 @@ class KernelRaces:
   """The shadow memory of one run of a Mosaic GPU kernel."""
 
   def __init__(self, kernel: str, num_threads: int, named: bool, gmem, cluster_coords=((),),
-               slots_per_wg: int = 1, clusters: int | None = None):
+               slots_per_wg: int = 1, clusters: int | None = None, record: bool = False):
     self.kernel = kernel
+    self.record = record  # race_policy="record": races are recorded, the run goes on
     self.num_threads = num_threads
     self.named = named  # the kernel has a warpgroup axis (thread_name)
     self.cluster_coords = [tuple(c) for c in cluster_coords]
@@ -122,6 +123,7 @@ class KernelRaces:
 
     def make(slot: int) -> WarpgroupRaceDetector:
       det = WarpgroupRaceDetector(self, block, describe, slot, space)
+      det.record = self.record
       det.block_names = names
       return det
     return make
@@ -217,12 +219,12 @@ class WarpgroupRaceDetector(ProgramRaceDetector):
            if self.run.shared_clocks is None else
            "no barrier arrive/wait, semaphore signal/wait (or copy/wgmma completion wait) "
            "orders the two")
-    raise RaceError(
+    self.found(RaceError(
         f"data race on {name} in Mosaic GPU kernel '{self.kernel}': "
         f"{self.run.describe(self.block_id, local)} {verb} element {where} that "
         f"{self.run.describe(other_block, other_local)} {other_did}; {why}, so on a GPU "
         "they run concurrently.",
-        buffer=name, grid_points=(other, self.block_id * n + local), element=where)
+        buffer=name, grid_points=(other, self.block_id * n + local), element=where))
 
   # -- asynchronous agents -------------------------------------------------------------
   def issue(self, agent: str, reads=(), writes=(), key=None):

@@ -33,10 +33,40 @@ def is_warp_map(params) -> bool:
   return _warp_mesh(params) is not None
 
 
+def _check_scalar_accesses(jaxpr) -> None:
+  """As Mosaic GPU's lowering of warp-level code: ref loads and stores of a
+  warp's body move scalars only (a warp has no layout for an array)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  sp = jc.state_primitives
+  for eqn in jaxpr.eqns:
+    if is_warp_map(eqn.params):
+      continue
+    if eqn.primitive is sp.get_p and eqn.outvars[0].aval.shape:
+      raise ValueError(f"Can only load scalars in warp-level code (pallas_np, as Mosaic GPU's "
+                       f"lowering: a load of {eqn.outvars[0].aval.str_short()} at "
+                       f"{jc.source_summary(eqn.source_info)} in a plgpu.warp_map body)")
+    if eqn.primitive is sp.swap_p and eqn.outvars[0].aval.shape:
+      raise NotImplementedError(
+          f"Can only store scalars in warp-level lowering (pallas_np, as Mosaic GPU's "
+          f"lowering: a store of {eqn.outvars[0].aval.str_short()} at "
+          f"{jc.source_summary(eqn.source_info)} in a plgpu.warp_map body)")
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jc.JAXPR_TYPES):
+          _check_scalar_accesses(sub)
+
+
 def compile_warp_map(e: registry.EqnInfo):
   """The rule of a warp_map eqn (JAX 0.12 ``mpmd_map``, 0.10 ``core_map``)."""
   p = e.params
   mesh = _warp_mesh(p)
+  for aval in e.in_avals:  # as Mosaic GPU's lowering: each warp would need its own view
+    if not isinstance(aval, jc.AbstractRef) and getattr(aval, "shape", ()):
+      raise jc.lowering_error(
+          f"Can only close over scalars and Refs when using plgpu.warp_map with WarpMesh "
+          f"(pallas_np, as Mosaic GPU's lowering: a closed-over {aval.str_short()} at "
+          f"{e.source})")
+  _check_scalar_accesses(p["jaxprs"][0] if "jaxprs" in p else p["jaxpr"])
   if "jaxprs" in p:  # mpmd_map: the operands are the body's refs
     plan = e.compiler.compile(p["jaxprs"][0]).fn
   else:  # core_map: the body closes over the refs (constvars)

@@ -26,6 +26,7 @@ import os
 import jax
 
 from pallas_np import _compat as jc
+from pallas_np import races
 from pallas_np.params import InterpretParams, default_params
 from pallas_np.persona import jax_gates
 from pallas_np.persona.devices import DEVICES, DeviceSpec, lookup
@@ -48,8 +49,17 @@ def current_device() -> DeviceSpec | None:
 
 def persona_params(spec: DeviceSpec, **options) -> InterpretParams:
   """The interpreter options under ``spec``: the watchdog on, TensorCores
-  per device as the chip has; ``options`` override."""
+  per device as the chip has; ``options`` override.
+
+  The ``cpu`` persona stands in for JAX's own interpreters (their test
+  files): races are detected and recorded, not raised, as JAX's
+  interpreters do, and ``get_races()`` answers from the record. (A
+  kernel's own ``InterpretGPUParams(detect_races=...)`` cannot be read:
+  JAX replaces a kernel's ``interpret=`` with the forced mode when the
+  kernel is built.)"""
   base = {"loop_watchdog_s": WATCHDOG_S, "num_cores": spec.num_cores or 1}
+  if spec.platform == "cpu":
+    base.update(detect_races=True, race_policy="record")
   base.update(options)
   return default_params(**base)
 
@@ -81,12 +91,14 @@ class emulate_device:
         jax_gates.patch_test_util(ps, self.spec)
         jax_gates.patch_devices(ps, self.spec)
         jax_gates.patch_cannot_emulate(ps)
-      jax_gates.patch_interpret_state(ps, self.params.detect_races)
+      jax_gates.patch_interpret_state(ps, self.params)
       jax_gates.patch_interpreter_options(ps)
     except BaseException:
       ps.undo()
       raise
     self._patches = ps
+    if self.params.race_policy == "record":
+      races.RECORD.begin_run()  # get_races() answers for the kernels run from here
     config = jc.interpret_mode_config
     if self.process_wide:
       self._prev_force = config.get_global()

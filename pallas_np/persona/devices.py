@@ -26,6 +26,8 @@ class DeviceSpec:
       ``pltpu.get_tpu_info().num_cores``), TPUs only; also the interpreter's
       ``InterpretParams.num_cores`` (megacore kernels split over 2).
     tpu_version: the generation ``jtu.get_tpu_version()`` reports.
+    smem_per_block: shared memory a block may opt in to, in bytes
+      (``jax.local_devices()[0].shared_memory_per_block_optin``), GPUs only.
   """
   name: str
   platform: str
@@ -34,6 +36,7 @@ class DeviceSpec:
   core_count: int | None = None
   num_cores: int | None = None
   tpu_version: int | None = None
+  smem_per_block: int | None = None
 
   @property
   def tags(self) -> frozenset[str]:
@@ -44,10 +47,13 @@ class DeviceSpec:
 
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
+    # 227 KiB of shared memory per block (opt-in) on sm_90 and sm_100.
     DeviceSpec("h100", "gpu", "NVIDIA H100 80GB HBM3", compute_capability="9.0",
-               core_count=132),
-    DeviceSpec("h200", "gpu", "NVIDIA H200", compute_capability="9.0", core_count=132),
-    DeviceSpec("b200", "gpu", "NVIDIA B200", compute_capability="10.0", core_count=148),
+               core_count=132, smem_per_block=232448),
+    DeviceSpec("h200", "gpu", "NVIDIA H200", compute_capability="9.0", core_count=132,
+               smem_per_block=232448),
+    DeviceSpec("b200", "gpu", "NVIDIA B200", compute_capability="10.0", core_count=148,
+               smem_per_block=232448),
     DeviceSpec("tpu-v4", "tpu", "TPU v4", num_cores=2, tpu_version=4),
     DeviceSpec("tpu-v5e", "tpu", "TPU v5 lite", num_cores=1, tpu_version=5),
     DeviceSpec("tpu-v5p", "tpu", "TPU v5", num_cores=2, tpu_version=5),

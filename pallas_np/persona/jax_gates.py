@@ -16,6 +16,7 @@ import unittest
 
 import jax
 
+from pallas_np import races
 from pallas_np.errors import UnsupportedError
 from pallas_np.persona.devices import DeviceSpec
 from pallas_np.persona.patches import PatchSet
@@ -30,6 +31,13 @@ CANNOT_EMULATE = {
               "device persona the kernel is a host callback, which cannot be exported",
     "profiler": "Mosaic GPU's in-kernel profiler (profile_space) records device clock "
                 "stamps: it cannot be emulated",
+    "cross_lowering": "lowering for a platform this machine's XLA does not have "
+                      "(lowering_platforms=('gpu',) / ('tpu',)) needs that backend: under the "
+                      "device persona XLA has the CPU only",
+    "tma_threads": "num_tma_threads_per_device > 1 is an option of JAX's GPU interpreter "
+                   "(a pool of TMA threads per device, whose copies it leaves unordered); "
+                   "pallas_np orders the TMA copies a warpgroup issues as one agent (a pool of "
+                   "one)",
     "skip_fp": "skip_floating_point_ops is a debugging option of JAX's own interpreters "
                "(float results come out as inf by design); pallas_np, which runs the kernels "
                "under the persona, computes them",
@@ -121,7 +129,8 @@ def patch_devices(ps: PatchSet, spec: DeviceSpec) -> None:
   kernels on the CPU."""
   cls = device_class()
   values = {"device_kind": spec.device_kind, "core_count": spec.core_count,
-            "compute_capability": spec.compute_capability, "num_cores": spec.num_cores}
+            "compute_capability": spec.compute_capability, "num_cores": spec.num_cores,
+            "shared_memory_per_block_optin": spec.smem_per_block}
   for name, value in values.items():
     if value is not None:
       ps.set(cls, name, property(lambda self, v=value: v))
@@ -162,6 +171,20 @@ def patch_cannot_emulate(ps: PatchSet) -> None:
       for name in names:
         if cls is not None:
           ps.wrap(cls, name, text_or_skip)
+
+  traced = getattr(stages, "Traced", None) if stages is not None else None
+  if traced is not None and hasattr(traced, "lower"):
+    def lower_or_skip(original):
+      @functools.wraps(original)
+      def lower(self, *args, **kwargs):
+        try:
+          return original(self, *args, **kwargs)
+        except RuntimeError as e:  # only a missing backend of a cross-platform lowering
+          if kwargs.get("lowering_platforms") and "Unknown backend" in str(e):
+            _skip("cross_lowering")
+          raise
+      return lower
+    ps.wrap(traced, "lower", lower_or_skip)
 
   export_mod = _optional_module("jax.export")
   if export_mod is not None:
@@ -206,34 +229,40 @@ def _races_unchecked():
 
 class RaceState:
   """What JAX's interpreters' ``get_races()`` (GPU) or ``races`` (TPU)
-  hold, answered by pallas_np: ``races_found`` is False when every kernel
-  since the persona was entered ran under pallas_np's race detection (a race
-  raises ``RaceError`` from the kernel call itself, so a test that reads it
-  afterwards saw none); without race detection, reading it raises."""
+  hold, answered by pallas_np. With ``race_policy="record"`` (the ``cpu``
+  persona): whether the last kernel run found a race (``races.RECORD``, as
+  JAX's state holds the last kernel's). With race detection that raises: no
+  race (a race raises ``RaceError`` from the kernel call itself, so a test
+  that reads it afterwards saw none). Without race detection, reading it
+  raises (pallas_np checked nothing it could report)."""
 
-  def __init__(self, checked: bool):
-    self._checked = checked
+  def __init__(self, params):
+    self._checked = params.detect_races
+    self._record = params.race_policy == "record"
 
   @property
   def races_found(self) -> bool:
     if not self._checked:
       raise _races_unchecked()
-    return False
+    return races.RECORD.found if self._record else False
+
+  @property
+  def races(self) -> list:
+    """The recorded races (``RaceError``s, the first ones of the last run)."""
+    return list(races.RECORD.races) if self._record else []
 
   def __repr__(self):
-    return f"pallas_np.RaceState(checked={self._checked})"
+    return f"pallas_np.RaceState(checked={self._checked}, record={self._record})"
 
 
-def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
+def patch_interpret_state(ps: PatchSet, params) -> None:
   """JAX's GPU/TPU interpreters' race state (``get_races``) answered from
-  pallas_np, which runs the kernels under the persona: with race detection
-  on, no race seen; with it off, an error saying how to turn it on
-  (pallas_np checked nothing it could report). The reset functions stay
-  JAX's (they clear JAX's own state, harmless here)."""
-  state = RaceState(detect_races)
+  pallas_np, which runs the kernels under the persona (``RaceState``). The
+  reset functions stay JAX's (they clear JAX's own state, harmless here)."""
+  state = RaceState(params)
 
   def get_races():
-    if not detect_races:
+    if not params.detect_races:
       raise _races_unchecked()
     return state
 
@@ -249,8 +278,11 @@ def patch_interpret_state(ps: PatchSet, detect_races: bool) -> None:
 
 def patch_interpreter_options(ps: PatchSet) -> None:
   """JAX's interpret params whose meaning is specific to JAX's own
-  interpreters (``skip_floating_point_ops``) make the test that builds them
-  skip, with the reason: pallas_np runs the kernels and computes the floats."""
+  interpreters make the test that builds them skip, with the reason:
+  ``skip_floating_point_ops`` (pallas_np runs the kernels and computes the
+  floats) and an explicit ``num_tma_threads_per_device`` above 1 (JAX's
+  model of a pool of TMA threads; pallas_np orders a warpgroup's copies as
+  one agent, as a pool of one)."""
   for module_name, cls_name in (("jax._src.pallas.mosaic_gpu.interpret.params",
                                  "InterpretGPUParams"),
                                 ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
@@ -266,5 +298,7 @@ def patch_interpreter_options(ps: PatchSet) -> None:
         original(self, *args, **kwargs)
         if getattr(self, "skip_floating_point_ops", False):
           _skip("skip_fp")
+        if int(kwargs.get("num_tma_threads_per_device", 1)) > 1:
+          _skip("tma_threads")
       return __init__
     ps.wrap(cls, "__init__", init_or_skip)

@@ -15,6 +15,7 @@ for _p in [getattr(lax, "stop_gradient_p", None),
            jc.optional_primitive("ad_util", "stop_gradient_p"),
            lax.reduce_precision_p if False else None,
            jc.optional_primitive("pjit", "sharding_constraint_p"),
+           jc.optional_primitive("pjit", "reshard_p"),  # a sharding change: values as they are
            jc.optional_primitive("core", "pvary_p"),
            jc.optional_primitive("lax.parallel", "pvary_p")]:
   if _p is not None and not _p.multiple_results:

@@ -8,8 +8,11 @@ on the GPU. pallas_np keeps SMEM in logical (row-major) order and treats
 tiling/swizzling as layout only (docs/gpu.md), which is exact for a member
 whose GPU layout *is* row-major. A member whose tiling or swizzle reorders
 its bytes would show another member different bytes here than on the GPU,
-so it is refused, as are sub-byte dtypes (NumPy has no packed 4-bit
-arrays) and TMEM unions."""
+so it is refused, as are TMEM unions. A member of a sub-byte dtype (int4,
+uint4, float4, ...: NumPy keeps one per byte) is packed as on the GPU, 8 //
+bits elements a byte, the first in the low bits: its view is a
+``lens.LensView`` that unpacks the union's bytes when read and packs them
+when written."""
 from __future__ import annotations
 
 import math
@@ -18,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.dtypes import bit_width
 from pallas_np.errors import UnsupportedError
+from pallas_np.state import lens
 
 
 def is_alias(t) -> bool:
@@ -54,10 +59,9 @@ def alias_step(t, later, base_shape, base_dtype):
   if getattr(t, "layout", None) is not None:
     raise UnsupportedError(f"pallas_np: a TMEM ref union member ({t!r}) is not supported")
   dtype = np.dtype(t.dtype)
-  if _bits(dtype) < 8:
-    raise UnsupportedError(
-        f"pallas_np: a ref union member of sub-byte dtype {dtype} ({t!r}): the GPU packs it "
-        "2 (or more) per byte, which numpy mode does not model")
+  bits = _bits(dtype)
+  if bits < 8 and 8 % bits:
+    raise UnsupportedError(f"pallas_np: a ref union member of {bits}-bit dtype {dtype} ({t!r})")
   if len(base_shape) != 1 or np.dtype(base_dtype).itemsize != 1:
     raise UnsupportedError(f"pallas_np: {t!r} of a ref that is not a byte buffer")
   shape = tuple(t.shape)
@@ -72,7 +76,8 @@ def alias_step(t, later, base_shape, base_dtype):
           "order, which numpy mode (logical row-major SMEM) does not model; give the "
           "members untiled layouts (or tilings that span whole rows)")
     shape = after
-  nbytes = math.prod(t.shape) * dtype.itemsize
+  nbytes = math.prod(t.shape) * dtype.itemsize if bits >= 8 else \
+      -(-math.prod(t.shape) * bits // 8)
   if int(t.offset) + nbytes > base_shape[0]:
     raise UnsupportedError(f"pallas_np: {t!r} runs past its union's {base_shape[0]} bytes")
   return int(t.offset), nbytes, dtype, shape
@@ -85,5 +90,34 @@ def alias_view(arg):
   def view(buf, leaves):
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
       raise UnsupportedError("pallas_np: a ref union member of a non-contiguous buffer")
-    return buf.view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape)
+    raw = buf.view(np.uint8)[offset:offset + nbytes]
+    if bit_width(dtype) < 8:
+      return packed_view(raw, dtype, shape)
+    return raw.view(dtype).reshape(shape)
   return view
+
+
+def packed_view(raw: np.ndarray, dtype, shape) -> lens.LensView:
+  """The sub-byte ``dtype`` elements packed in the bytes ``raw`` (8 // bits
+  a byte, the first in the low bits), as a lens of ``shape``."""
+  dtype = np.dtype(dtype)
+  bits = bit_width(dtype)
+  per = 8 // bits
+  mask = (1 << bits) - 1
+  shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+  n = math.prod(shape)
+  signed = dtype.kind == "i" or (dtype.kind == "V" and dtype.name.startswith("int"))
+
+  def get(parent):
+    codes = ((parent[:, None] >> shifts) & mask).reshape(-1)[:n]
+    if signed:  # sign-extend the field into the byte ml_dtypes holds
+      sign = 1 << (bits - 1)
+      codes = ((codes.astype(np.int16) ^ sign) - sign).astype(np.int8).view(np.uint8)
+    return codes.view(dtype).reshape(shape)
+
+  def put(parent, new):
+    codes = np.asarray(new, dtype).reshape(-1).view(np.uint8) & mask
+    codes = np.concatenate([codes, np.zeros((-n) % per, np.uint8)]).reshape(-1, per)
+    parent[...] = np.bitwise_or.reduce(codes << shifts, axis=1).astype(np.uint8)
+
+  return lens.LensView(raw, get, put, dtype, tuple(shape))
