@@ -241,7 +241,7 @@ class KernelPlan:
         if progress is not None:
           progress.tick(step + 1)
       if ctx.extra:
-        dma.check_finished(ctx)
+        dma.check_finished(ctx, buffers)
       if device is not None:
         devices.check_failed(device)
     except KernelError:
