@@ -138,7 +138,7 @@ def find_file(tests_dir: str, name: str) -> str:
 def sample_ids(python, path, env, n, cwd):
   """Every k-th test id of the file (deterministic), about ``n`` of them."""
   out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        path], capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
+                        "-p", "run_jax_tests_report", path], capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
   ids = [l.strip() for l in out.stdout.splitlines() if "::" in l]
   if not ids:
     raise SystemExit(f"run_jax_tests: collecting {path} found no tests:\n{out.stdout[-2000:]}"
