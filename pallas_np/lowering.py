@@ -27,15 +27,28 @@ def lower_kernel(ctx, in_nodes, kernel, axis_names=(), remote=False):
   axis_sizes = jc.axis_env_sizes()
   if (axis_names or remote) and axis_sizes:
     return _lower_on_devices(ctx, in_nodes, kernel, axis_names, remote, axis_sizes)
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
+  # Typed PRNG keys (key<pl>, key<fry>) cross the callback as their key data.
+  shapes = [jax.ShapeDtypeStruct(p.shape, p.dtype)
+            for p in map(jc.physical_aval, kernel.out_avals)]
+  out_keys = [_key_impl(a) for a in kernel.out_avals]
   run = kernel.run
 
   def host_run(*args):
     return run(*args)
 
   def impl(*args):
-    return jax.experimental.io_callback(host_run, shapes, *args, ordered=False)
+    args = [jc.jax_prng.random_unwrap(a) if _key_impl(a.aval) else a for a in args]
+    outs = jax.experimental.io_callback(host_run, shapes, *args, ordered=False)
+    return [jc.jax_prng.random_wrap(o, impl=k) if k else o for o, k in zip(outs, out_keys)]
   return jc.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+
+
+def _key_impl(aval):
+  """The PRNG implementation of a typed key aval, else None."""
+  dtype = getattr(aval, "dtype", None)
+  if jc.is_extended_dtype(dtype) and not jc.is_semaphore_dtype(dtype):
+    return getattr(dtype, "_impl", None)
+  return None
 
 
 def _lower_on_devices(ctx, in_nodes, kernel, axis_names, remote, axis_sizes):

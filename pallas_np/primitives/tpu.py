@@ -371,6 +371,14 @@ def _dma_start(e):
   return dma_start
 
 
+def _element_bytes(dtype) -> int:
+  """Bytes per element a DMA moves: a typed PRNG key (``key<pl>``,
+  ``key<fry>``) is its key data (e.g. 2 x uint32), as the DMA's start moves
+  it."""
+  phys = jc.physical_aval(jc.ShapedArray((), dtype))
+  return int(np.prod(phys.shape, dtype=np.int64)) * np_dtype(phys.dtype).itemsize
+
+
 @registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_wait(e):
   src, dst, sem, _, device_id = _positions(e, e.params["tree"])
@@ -392,14 +400,14 @@ def _dma_wait(e):
     for t in src.transforms:
       if jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
         dtype = t.dtype
-  nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
+  itemsize = _element_bytes(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
   what = f"DMA wait at {e.source}"
   if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
     # Only the descriptor's byte count matters: a wait never dereferences
     # its addresses, so one wait for several DMAs may name a region larger
     # than the ref (``buf.at[0, pl.ds(0, total)]``), as TPU interpret mode
     # (product of the transformed shape times the item size) allows.
-    itemsize = np_dtype(dtype).itemsize
     runtime_shape = acc.runtime_shape
     dyn = [leaves[k].k for k in acc.dynamic_positions]
     reads = {k: read for k, (_, read) in index_refs.items()}
