@@ -565,5 +565,6 @@ if _conv_p is not None:
 
 # Operand helpers other TPU families (SparseCore: primitives/sparsecore.py) share.
 operand_positions = _positions
+OperandPos = _Pos
 ref_operand = _ref_operand
 scalar_operand = _arg
