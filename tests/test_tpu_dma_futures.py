@@ -91,3 +91,32 @@ def test_kernel_closing_over_run_state_refs_runs():
   with pallas_np.force_numpy_interpret():
     y = jax.jit(f)(x)
   np.testing.assert_array_equal(np.asarray(y), x * 2 + 1)
+
+
+def test_dma_future_over_run_state_refs():
+  """The future's kernels close over ``run_state`` refs (JAX's stateful
+  async tests): jit lowers them through XLA host callbacks, which carry the
+  semaphore output to the waiting kernel as int32."""
+  def start(x_ref, o_ref):
+    def kernel(sem):
+      pltpu.make_async_copy(x_ref.at[1], o_ref, sem).start()
+    return pl.pallas_call(kernel, out_shape=pltpu.SemaphoreType.DMA(()),
+                          out_specs=pl.BlockSpec(memory_space=pltpu.SEMAPHORE))()
+
+  def done(x_ref, o_ref, sem):
+    def kernel(sem):
+      pltpu.make_async_copy(x_ref.at[1], o_ref, sem).wait()
+    pl.pallas_call(kernel, out_shape=(),
+                   in_specs=[pl.BlockSpec(memory_space=pltpu.SEMAPHORE)])(sem)
+
+  def f(x):
+    def body(refs):
+      x_ref, y_ref = refs
+      done(x_ref, y_ref, start(x_ref, y_ref))
+    _, y = state_discharge.run_state(body)((x, jnp.zeros(x.shape[1:], x.dtype)))
+    return y
+
+  x = np.random.default_rng(1).standard_normal((3, 8, 128)).astype(np.float32)
+  with pallas_np.force_numpy_interpret():
+    y = jax.jit(f)(x)
+  np.testing.assert_array_equal(np.asarray(y), x[1])
