@@ -456,7 +456,7 @@ def _check_deadlock(session: Session):
   placement = next(iter(session.members.values())).placement
   lines = []
   for d in sorted(session.members):
-    if d in session.left:
+    if d in session.left or d in session.finished:
       lines.append(f"  {placement.describe(d)} has left the kernel")
     else:
       _, what, point = session.blocked[d]
