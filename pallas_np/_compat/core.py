@@ -106,7 +106,12 @@ def has_effects(eqn) -> bool:
   if getattr(kernel, "constvars", None) and eqn.primitive.name == "pallas_call":
     return True
   effectful = getattr(eqn.primitive, "is_effectful", None)
-  return bool(effectful(eqn.params)) if callable(effectful) else False
+  if callable(effectful) and effectful(eqn.params):
+    return True
+  # A loop or cond whose body holds such an eqn: JAX derives the loop's
+  # effects from the body's, so they are missing there too.
+  return any(has_effects(inner) for sub in jax_core.jaxprs_in_params(eqn.params)
+             for inner in sub.eqns)
 
 
 def axis_env_sizes() -> dict:
