@@ -47,3 +47,22 @@ def test_parallel_loop_inside_a_loop_writes_its_ref(outer_parallel, unroll):
 
   np.testing.assert_array_equal(np.asarray(kernel(jnp.asarray(x))),
                                 x + np.arange(1, 17)[:, None])
+
+
+def test_transform_after_an_indexer_raises_in_mosaics_words():
+  """JAX's ``test_invalid_gather_1d_with_extra_transforms`` expects Mosaic's
+  wording; pallas_np's UnsupportedError (a NotImplementedError) says it."""
+  x = np.arange(8, dtype=np.int32)
+  mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                num_cores=1, num_subcores=1)
+
+  @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh,
+             scratch_types=(pltpu.VMEM((8,), jnp.int32), pltpu.VMEM((8,), jnp.int32)),
+             interpret="numpy")
+  def kernel(x_hbm, idx_hbm, o_hbm, idx, buf):
+    pltpu.sync_copy(idx_hbm, idx)
+    pltpu.sync_copy(x_hbm.at[idx].reshape(8), buf)
+    pltpu.sync_copy(buf, o_hbm)
+
+  with pytest.raises(NotImplementedError, match="cannot have any transforms following the indexer"):
+    jax.block_until_ready(kernel(jnp.asarray(x), jnp.asarray(x[::-1].copy())))
