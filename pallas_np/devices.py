@@ -68,7 +68,8 @@ def _has_device_id(eqn) -> bool:
   tree = eqn.params.get("tree", eqn.params.get("args_tree"))
   if tree is None:
     return False
-  marks = list(range(len(eqn.invars)))
+  # (objects, not ints: a pl.select_ref operand's refs must not look like a shape)
+  marks = [object() for _ in eqn.invars]
   parts = tree.unflatten(marks) if hasattr(tree, "unflatten") else \
       jc.tree_unflatten(tree, marks)
   if eqn.primitive is jc.pallas_primitives.semaphore_signal_p:

@@ -19,6 +19,7 @@ RefReshaper = getattr(state_types, "RefReshaper", None)
 BitcastTransform = getattr(state_types, "BitcastTransform", None)
 ReshapeTransform = getattr(state_types, "ReshapeTransform", None)
 TransposeTransform = getattr(state_types, "TransposeTransform", None)
+SelectTransform = getattr(state_types, "SelectTransform", None)  # pl.select_ref
 WriteEffect = state_types.WriteEffect
 AccumEffect = state_types.AccumEffect
 ReadEffect = state_types.ReadEffect

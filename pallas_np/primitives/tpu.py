@@ -137,6 +137,8 @@ def _ref_operand(e, node, transforms=()):
   ``fn.shape``."""
   if node is None:
     return None
+  if isinstance(node, jc.TransformedRef) and isinstance(node.ref, (tuple, list)):
+    return _selected_operand(e, node, transforms)
   if isinstance(node, jc.TransformedRef):
     node, transforms = node.ref, node.transforms
   if not isinstance(node, _Pos):
@@ -166,6 +168,31 @@ def _ref_operand(e, node, transforms=()):
   fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
   # static: the operand's shape; None for a traced pl.ds size (known at run time)
   fn.shape = None if access.dynamic_size else tuple(access.result_shape)
+  return fn
+
+
+def _selected_operand(e, node, transforms):
+  """``pl.select_ref(i, *refs)`` (a DMA operand picked at run time): the
+  operand of each ref, the one ``i`` names used when the DMA runs."""
+  sel, *rest = node.transforms
+  if jc.SelectTransform is None or not isinstance(sel, jc.SelectTransform) or rest or transforms:
+    raise UnsupportedError(
+        f"pallas_np: transforms {node.transforms} over several refs (only pl.select_ref at the "
+        f"top of a DMA operand is supported), at {e.source}")
+  options = [_ref_operand(e, r) for r in node.ref]
+  idx = sel.idx
+  if isinstance(idx, _Pos):
+    pick = lambda args, k=idx.k: int(np.asarray(args[k]))
+  else:
+    pick = lambda args, v=int(idx): v
+
+  def fn(args):
+    i = pick(args)
+    if not 0 <= i < len(options):
+      raise IndexError(f"pl.select_ref index {i} is out of range for {len(options)} refs")
+    return options[i](args)
+  shapes = {o.shape for o in options}
+  fn.shape = shapes.pop() if len(shapes) == 1 else None
   return fn
 
 
@@ -383,6 +410,8 @@ def _element_bytes(dtype) -> int:
 def _dma_wait(e):
   src, dst, sem, _, device_id = _positions(e, e.params["tree"])
   get_sem = _ref_operand(e, sem)
+  if isinstance(src, jc.TransformedRef) and isinstance(src.ref, (tuple, list)):
+    src = src.ref[0]  # pl.select_ref: the refs it picks from have one shape (Mosaic)
   # TPU interpret mode waits for the byte size of the (transformed) source.
   if isinstance(src, _Pos):
     aval = e.in_avals[src.k]
