@@ -429,6 +429,33 @@ def case_futures():
   print("done")
 
 
+def case_semaphore_input():
+  """A REGULAR semaphore returned by one kernel is signalled by every device
+  in the next kernel, which takes it as an input (JAX's
+  ``test_no_barrier_semaphore``); the input was read-only before."""
+  def make(_):
+    pass
+
+  def kernel(x_ref, sem_ref, o_ref):
+    for i in range(N):
+      pl.semaphore_signal(sem_ref, device_id=(i,), device_id_type=DeviceIdType.MESH)
+    pl.semaphore_wait(sem_ref, N)
+    o_ref[...] = x_ref[...] + 1
+
+  def body(x):
+    sem = pl.pallas_call(make, in_specs=[], out_shape=pltpu.SemaphoreType.REGULAR(()),
+                         out_specs=pl.BlockSpec(memory_space=pltpu.SEMAPHORE),
+                         interpret="numpy")()
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
+                  pl.BlockSpec(memory_space=pltpu.SEMAPHORE)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM), interpret="numpy")(x, sem)
+  x = data()
+  check(shmap(body)(x), x + 1, "a semaphore input signalled by every device")
+  print("done")
+
+
 if __name__ == "__main__":
   globals()["case_" + sys.argv[1]]()
   print("done")

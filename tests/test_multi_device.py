@@ -56,6 +56,11 @@ def test_remote_dma_futures_across_kernels(devices):
   assert "ok remote DMA futures in a loop" in out
 
 
+def test_semaphore_input_signalled_by_every_device():
+  out = run_case("semaphore_input", 2)
+  assert "ok a semaphore input signalled by every device" in out
+
+
 @pytest.mark.parametrize("devices", [4])
 def test_concurrent_calls_from_two_threads_pair_by_call(devices):
   out = run_case("threads", devices)
