@@ -68,7 +68,8 @@ def _has_device_id(eqn) -> bool:
   tree = eqn.params.get("tree", eqn.params.get("args_tree"))
   if tree is None:
     return False
-  marks = list(range(len(eqn.invars)))
+  # (objects, not ints: a pl.select_ref operand's refs must not look like a shape)
+  marks = [object() for _ in eqn.invars]
   parts = tree.unflatten(marks) if hasattr(tree, "unflatten") else \
       jc.tree_unflatten(tree, marks)
   if eqn.primitive is jc.pallas_primitives.semaphore_signal_p:
@@ -285,6 +286,7 @@ class Session:
     self.cond = threading.Condition(threading.RLock())
     self.members: dict[int, DeviceContext] = {}
     self.left: set[int] = set()
+    self.finished: set[int] = set()  # instances done, waiting for the others (leave)
     self.blocked: dict[int, tuple] = {}  # logical id -> (predicate, what, grid point)
     self.failed: BaseException | None = None
     self.failed_by = None
@@ -393,14 +395,48 @@ def _leave_locked(me: DeviceContext):
 
 
 def leave(me: DeviceContext, error: BaseException | None = None):
-  """The instance is done (``error``: it failed; peers are told)."""
+  """The instance is done (``error``: it failed; peers are told).
+
+  A device's instance that finished returns only when every instance of the
+  invocation has finished: a peer's remote DMA started later may still write
+  this device's outputs and signal its semaphore outputs (a DMA "future" that
+  a later kernel waits on, JAX's ``make_async_remote_copy`` tests); on a TPU
+  that data lands in HBM after the kernel ended. Waiting is one valid order
+  of those events; an instance still blocked on a wait nobody can satisfy
+  makes the usual deadlock error. (Mesh programs and Mosaic GPU blocks,
+  whose buffers outlive them in the shared kernel, do not wait.)"""
   session = me.session
   if session is None:
     return
   with session.cond:
     if error is not None and session.failed is None:
       session.fail(error, me.logical_id)
+    if (error is None and session.unit == "device"
+        and getattr(me, "wait_in_turn", None) is None):
+      _drain_locked(me, session)
     _leave_locked(me)
+
+
+def _drain_locked(me: DeviceContext, session: Session):
+  """Block (lock held) until every instance finished or the session failed."""
+  session.finished.add(me.logical_id)
+  session.cond.notify_all()
+  done = lambda: len(session.finished) == session.n or session.failed is not None
+  what = "finished; waits for the other devices' instances to finish"
+  while not done():
+    session.blocked[me.logical_id] = (done, what, ())
+    _check_deadlock(session)
+    if done():
+      break
+    if not session.cond.wait(timeout=timeout_s()):
+      session.fail(DeviceError(
+          f"{me.placement.describe()}: the other devices' instances did not finish within "
+          f"{timeout_s():g} s (PALLAS_NP_DEVICE_TIMEOUT)"), me.logical_id)
+  session.blocked.pop(me.logical_id, None)
+  if session.failed is not None and session.failed_by != me.logical_id:
+    err = _peer_failed(session, me)
+    _leave_locked(me)
+    raise err
 
 
 def check_failed(me: DeviceContext):
@@ -421,7 +457,7 @@ def _check_deadlock(session: Session):
   placement = next(iter(session.members.values())).placement
   lines = []
   for d in sorted(session.members):
-    if d in session.left:
+    if d in session.left or d in session.finished:
       lines.append(f"  {placement.describe(d)} has left the kernel")
     else:
       _, what, point = session.blocked[d]

@@ -68,7 +68,8 @@ if _SHIMS:
     _mod = importlib.util.module_from_spec(_spec)
     sys.modules[_name] = _mod
     _spec.loader.exec_module(_mod)
-    setattr(jax._src, _file[:-3], _mod)
+    _parent, _, _leaf = _name.rpartition(".")
+    setattr(importlib.import_module(_parent), _leaf, _mod)
 
 def _first_line(report):
   if report.passed:
@@ -126,7 +127,7 @@ def extract_tests(mirror: str, tag: str, dest: str) -> str:
 
 
 # jax._src modules JAX's tests import that the wheel may lack.
-TEST_HELPERS = ("hypothesis_test_util",)
+TEST_HELPERS = ("hypothesis_test_util", "pallas.pallas_test_util")
 
 
 def extract_helpers(python: str, mirror: str, tag: str, dest: str) -> str:
@@ -137,7 +138,8 @@ def extract_helpers(python: str, mirror: str, tag: str, dest: str) -> str:
     probe = subprocess.run([python, "-c", f"import jax._src.{name}"], capture_output=True)
     if probe.returncode == 0:
       continue
-    src = subprocess.run(["git", "-C", mirror, "show", f"{tag}:jax/_src/{name}.py"],
+    src = subprocess.run(["git", "-C", mirror, "show",
+                          f"{tag}:jax/_src/{name.replace('.', '/')}.py"],
                          capture_output=True)
     if src.returncode == 0:
       with open(os.path.join(dest, name + ".py"), "wb") as f:
@@ -155,7 +157,7 @@ def find_file(tests_dir: str, name: str) -> str:
 def sample_ids(python, path, env, n, cwd):
   """Every k-th test id of the file (deterministic), about ``n`` of them."""
   out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        path], capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
+                        "-p", "run_jax_tests_report", path], capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
   ids = [l.strip() for l in out.stdout.splitlines() if "::" in l]
   if not ids:
     raise SystemExit(f"run_jax_tests: collecting {path} found no tests:\n{out.stdout[-2000:]}"

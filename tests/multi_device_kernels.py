@@ -375,6 +375,87 @@ def case_broken():
         "right_permute after errors")
 
 
+# -- a remote DMA "future": started in one kernel, waited on in later ones -------
+def _future_start(x):
+  def kernel(x_ref, aliased_x_ref, o_ref, send_sem, recv_sem):
+    del aliased_x_ref
+    me = jax.lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore()
+    pl.semaphore_signal(barrier, device_id=(jax.lax.rem(me - 1 + N, N),),
+                        device_id_type=DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, 1)
+    pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                 device_id=(jax.lax.rem(me + 1, N),),
+                                 device_id_type=DeviceIdType.MESH).start()
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct.like(x), jax.ShapeDtypeStruct.like(x),
+                 pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())),
+      in_specs=[pl.BlockSpec(memory_space=ANY)],
+      out_specs=(pl.BlockSpec(memory_space=ANY), pl.BlockSpec(memory_space=ANY),
+                 pl.BlockSpec(memory_space=pltpu.SEMAPHORE),
+                 pl.BlockSpec(memory_space=pltpu.SEMAPHORE)),
+      input_output_aliases={0: 0},
+      compiler_params=pltpu.CompilerParams(collective_id=0, has_side_effects=True),
+      interpret="numpy")(x)
+
+
+def _future_wait(x, out, sem):
+  def kernel(x_ref, o_ref, sem, aliased_o_ref):
+    del aliased_o_ref
+    pltpu.make_async_copy(x_ref, o_ref, sem).wait()
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct.like(out),
+      in_specs=[pl.BlockSpec(memory_space=ANY), pl.BlockSpec(memory_space=ANY),
+                pl.BlockSpec(memory_space=pltpu.SEMAPHORE)],
+      out_specs=pl.BlockSpec(memory_space=ANY), input_output_aliases={1: 0},
+      interpret="numpy")(x, out, sem)
+
+
+def case_futures():
+  """Each step starts a remote copy to the right neighbour in one kernel and
+  waits for its send and receive semaphores in two later kernels; the
+  receiving device may finish its start kernel before its left neighbour's
+  copy lands in its output."""
+  x = data()
+  steps = max(N - 1, 1)
+
+  def body(_, x):
+    x, out, send_sem, recv_sem = _future_start(x)
+    x = _future_wait(x, x, send_sem)
+    return _future_wait(x, out, recv_sem)
+  got = shmap(lambda x: jax.lax.fori_loop(0, steps, body, x))(x)
+  check(got, jnp.roll(x, steps * (x.shape[0] // N), axis=0), "remote DMA futures in a loop")
+  print("done")
+
+
+def case_semaphore_input():
+  """A REGULAR semaphore returned by one kernel is signalled by every device
+  in the next kernel, which takes it as an input (JAX's
+  ``test_no_barrier_semaphore``); the input was read-only before."""
+  def make(_):
+    pass
+
+  def kernel(x_ref, sem_ref, o_ref):
+    for i in range(N):
+      pl.semaphore_signal(sem_ref, device_id=(i,), device_id_type=DeviceIdType.MESH)
+    pl.semaphore_wait(sem_ref, N)
+    o_ref[...] = x_ref[...] + 1
+
+  def body(x):
+    sem = pl.pallas_call(make, in_specs=[], out_shape=pltpu.SemaphoreType.REGULAR(()),
+                         out_specs=pl.BlockSpec(memory_space=pltpu.SEMAPHORE),
+                         interpret="numpy")()
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
+                  pl.BlockSpec(memory_space=pltpu.SEMAPHORE)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM), interpret="numpy")(x, sem)
+  x = data()
+  check(shmap(body)(x), x + 1, "a semaphore input signalled by every device")
+  print("done")
+
+
 if __name__ == "__main__":
   globals()["case_" + sys.argv[1]]()
   print("done")

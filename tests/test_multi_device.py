@@ -47,6 +47,20 @@ def test_correct_kernels_match_lax_collectives(devices):
     assert out.count("ok " + name) == 2, name
 
 
+@pytest.mark.parametrize("devices", [2, 4])
+def test_remote_dma_futures_across_kernels(devices):
+  """A remote copy started in one kernel lands in the peer's output and
+  semaphore outputs, which later kernels wait on (JAX's async remote copies);
+  it failed with a deadlock (the receiver returned before the copy landed)."""
+  out = run_case("futures", devices)
+  assert "ok remote DMA futures in a loop" in out
+
+
+def test_semaphore_input_signalled_by_every_device():
+  out = run_case("semaphore_input", 2)
+  assert "ok a semaphore input signalled by every device" in out
+
+
 @pytest.mark.parametrize("devices", [4])
 def test_concurrent_calls_from_two_threads_pair_by_call(devices):
   out = run_case("threads", devices)

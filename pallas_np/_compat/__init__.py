@@ -36,7 +36,8 @@ from pallas_np._compat.versions import (  # noqa: F401
     tmem_load_reduction, tpu_bitcast_dim)
 from pallas_np._compat.state import (  # noqa: F401
     AbstractRef, AccumEffect, BitcastTransform, NDIndexer, ReadEffect, RefBitcaster,
-    RefReshaper, ReshapeTransform, Slice, TransformedRef, TransposeTransform, WriteEffect,
+    RefReshaper, ReshapeTransform, SelectTransform, Slice, TransformedRef, TransposeTransform,
+    WriteEffect,
     discharge_run_state, memory_space_of, run_state_p, state_primitives,
     written_invar_positions)
 from pallas_np._compat.pallas import (  # noqa: F401

@@ -97,11 +97,21 @@ def optional_primitive(module: str, name: str):
 def has_effects(eqn) -> bool:
   """Whether an eqn must run even when its results are unused: it has
   effects, or its primitive says it is effectful (``plsc.parallel_loop``
-  over refs carries no effects on the eqn itself in JAX 0.10/0.12)."""
+  over refs carries no effects on the eqn itself in JAX 0.10/0.12, nor does
+  a ``pallas_call`` whose kernel closes over refs of an enclosing
+  ``run_state``: its kernel jaxpr's constvars, which it writes)."""
   if eqn.effects:
     return True
+  kernel = eqn.params.get("jaxpr")
+  if getattr(kernel, "constvars", None) and eqn.primitive.name == "pallas_call":
+    return True
   effectful = getattr(eqn.primitive, "is_effectful", None)
-  return bool(effectful(eqn.params)) if callable(effectful) else False
+  if callable(effectful) and effectful(eqn.params):
+    return True
+  # A loop or cond whose body holds such an eqn: JAX derives the loop's
+  # effects from the body's, so they are missing there too.
+  return any(has_effects(inner) for sub in jax_core.jaxprs_in_params(eqn.params)
+             for inner in sub.eqns)
 
 
 def axis_env_sizes() -> dict:

@@ -8,7 +8,7 @@ from jax._src.state import indexing as state_indexing
 from jax._src.state import primitives as state_primitives  # noqa: F401  (re-exported)
 from jax._src.state import types as state_types
 
-from pallas_np._compat.core import ClosedJaxpr
+from pallas_np._compat.core import ClosedJaxpr, is_semaphore_dtype
 
 AbstractRef = state_types.AbstractRef
 TransformedRef = state_types.TransformedRef
@@ -19,6 +19,7 @@ RefReshaper = getattr(state_types, "RefReshaper", None)
 BitcastTransform = getattr(state_types, "BitcastTransform", None)
 ReshapeTransform = getattr(state_types, "ReshapeTransform", None)
 TransposeTransform = getattr(state_types, "TransposeTransform", None)
+SelectTransform = getattr(state_types, "SelectTransform", None)  # pl.select_ref
 WriteEffect = state_types.WriteEffect
 AccumEffect = state_types.AccumEffect
 ReadEffect = state_types.ReadEffect
@@ -36,6 +37,10 @@ def written_invar_positions(jaxpr) -> set[int]:
         out.add(target)
       elif target in pos:
         out.add(pos[target])
+  # Semaphores change under signals and waits, remote ones included (which
+  # carry no effect on the kernel's own ref).
+  out.update(i for i, v in enumerate(jaxpr.invars)
+             if is_semaphore_dtype(getattr(v.aval, "dtype", None)))
   return out
 
 

@@ -496,7 +496,8 @@ def _checked(fn, info: registry.EqnInfo, multiple: bool):
       return
     shape = np.shape(val)
     dtype = getattr(val, "dtype", None)
-    want = jc.physical_dtype(aval.dtype)
+    # Semaphores are int64 byte counters here (memory.allocate), also as outputs.
+    want = np.int64 if jc.is_semaphore_dtype(aval.dtype) else jc.physical_dtype(aval.dtype)
     if tuple(shape) != tuple(aval.shape) or (dtype is not None and np.dtype(dtype) != np.dtype(want)):
       raise AssertionError(
           f"pallas_np internal check: rule for '{name}' returned "

@@ -172,8 +172,9 @@ class KernelPlan:
     if grid is None:
       dyn, args = args[:self.num_dynamic], args[self.num_dynamic:]
       dyn_iter = iter(dyn)
-      grid = tuple(int(next(dyn_iter)) if isinstance(g, jc.DynamicGridDim) else int(g)
-                   for g in self.grid)
+      # (a bound may be a 1-element array, e.g. shape (1,), as JAX accepts)
+      grid = tuple(int(np.asarray(next(dyn_iter)).item()) if isinstance(g, jc.DynamicGridDim)
+                   else int(g) for g in self.grid)
     assert len(args) == self.num_index + self.num_inputs, (
         len(args), self.num_index, self.num_inputs)
     return (grid, *self.setup.buffers(args))
@@ -241,7 +242,7 @@ class KernelPlan:
         if progress is not None:
           progress.tick(step + 1)
       if ctx.extra:
-        dma.check_finished(ctx)
+        dma.check_finished(ctx, buffers)
       if device is not None:
         devices.check_failed(device)
     except KernelError:

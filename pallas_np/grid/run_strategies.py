@@ -200,7 +200,7 @@ class SinglePoint:
         trace(kp.name, single.point)
       kp.kernel.fn(ctx, *operands)
       if ctx.extra:
-        dma.check_finished(ctx)
+        dma.check_finished(ctx, operands[:len(operands) - len(single.scratch)])
     except KernelError:
       raise
     except Exception as e:

@@ -12,9 +12,19 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import memory, registry
 
 prng = jc.jax_prng
+
+
+def _allocate_keys(shape, dtype):
+  """A fresh buffer of typed keys (a kernel output or scratch of dtype
+  ``key<pl>``/``key<fry>``): its key data, zeroed."""
+  phys = jc.physical_aval(jc.ShapedArray(tuple(shape), dtype))
+  return np.zeros(phys.shape, np.dtype(phys.dtype))
+
+
+memory.register_allocator(prng.KeyTy, _allocate_keys)
 
 
 def _compile_traced(e, fn, in_avals):

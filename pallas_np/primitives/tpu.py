@@ -137,6 +137,8 @@ def _ref_operand(e, node, transforms=(), dma=False):
   ``fn.shape``."""
   if node is None:
     return None
+  if isinstance(node, jc.TransformedRef) and isinstance(node.ref, (tuple, list)):
+    return _selected_operand(e, node, transforms)
   if isinstance(node, jc.TransformedRef):
     node, transforms = node.ref, node.transforms
   if not isinstance(node, _Pos):
@@ -168,6 +170,31 @@ def _ref_operand(e, node, transforms=(), dma=False):
   fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
   # static: the operand's shape; None for a traced pl.ds size (known at run time)
   fn.shape = None if access.dynamic_size else tuple(access.result_shape)
+  return fn
+
+
+def _selected_operand(e, node, transforms):
+  """``pl.select_ref(i, *refs)`` (a DMA operand picked at run time): the
+  operand of each ref, the one ``i`` names used when the DMA runs."""
+  sel, *rest = node.transforms
+  if jc.SelectTransform is None or not isinstance(sel, jc.SelectTransform) or rest or transforms:
+    raise UnsupportedError(
+        f"pallas_np: transforms {node.transforms} over several refs (only pl.select_ref at the "
+        f"top of a DMA operand is supported), at {e.source}")
+  options = [_ref_operand(e, r) for r in node.ref]
+  idx = sel.idx
+  if isinstance(idx, _Pos):
+    pick = lambda args, k=idx.k: int(np.asarray(args[k]))
+  else:
+    pick = lambda args, v=int(idx): v
+
+  def fn(args):
+    i = pick(args)
+    if not 0 <= i < len(options):
+      raise IndexError(f"pl.select_ref index {i} is out of range for {len(options)} refs")
+    return options[i](args)
+  shapes = {o.shape for o in options}
+  fn.shape = shapes.pop() if len(shapes) == 1 else None
   return fn
 
 
@@ -373,10 +400,20 @@ def _dma_start(e):
   return dma_start
 
 
+def _element_bytes(dtype) -> int:
+  """Bytes per element a DMA moves: a typed PRNG key (``key<pl>``,
+  ``key<fry>``) is its key data (e.g. 2 x uint32), as the DMA's start moves
+  it."""
+  phys = jc.physical_aval(jc.ShapedArray((), dtype))
+  return int(np.prod(phys.shape, dtype=np.int64)) * np_dtype(phys.dtype).itemsize
+
+
 @registry.register(mp.dma_wait_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
 def _dma_wait(e):
   src, dst, sem, _, device_id = _positions(e, e.params["tree"])
   get_sem = _ref_operand(e, sem)
+  if isinstance(src, jc.TransformedRef) and isinstance(src.ref, (tuple, list)):
+    src = src.ref[0]  # pl.select_ref: the refs it picks from have one shape (Mosaic)
   # TPU interpret mode waits for the byte size of the (transformed) source.
   if isinstance(src, _Pos):
     aval = e.in_avals[src.k]
@@ -394,14 +431,14 @@ def _dma_wait(e):
     for t in src.transforms:
       if jc.BitcastTransform is not None and isinstance(t, jc.BitcastTransform):
         dtype = t.dtype
-  nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
+  itemsize = _element_bytes(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
   what = f"DMA wait at {e.source}"
   if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
     # Only the descriptor's byte count matters: a wait never dereferences
     # its addresses, so one wait for several DMAs may name a region larger
     # than the ref (``buf.at[0, pl.ds(0, total)]``), as TPU interpret mode
     # (product of the transformed shape times the item size) allows.
-    itemsize = np_dtype(dtype).itemsize
     runtime_shape = acc.runtime_shape
     dyn = [leaves[k].k for k in acc.dynamic_positions]
     reads = {k: read for k, (_, read) in index_refs.items()}
@@ -559,5 +596,6 @@ if _conv_p is not None:
 
 # Operand helpers other TPU families (SparseCore: primitives/sparsecore.py) share.
 operand_positions = _positions
+OperandPos = _Pos
 ref_operand = _ref_operand
 scalar_operand = _arg

@@ -239,18 +239,42 @@ def barrier_semaphore(ctx) -> np.ndarray:
   return st.barrier
 
 
-def check_finished(ctx):
-  """Called when a kernel's grid is done: report DMAs nobody waited for."""
+def check_finished(ctx, operands=()):
+  """Called when a kernel's grid is done: DMAs nobody waited for.
+
+  A DMA whose destination and semaphore are kernel operands (an output in
+  ``pl.ANY``/HBM or VMEM and a ``pltpu.SEMAPHORE`` output, or buffers aliased
+  to them) outlives the kernel: that is how a DMA "future" is returned to a
+  later kernel which waits on it (JAX's ``tpu_pallas_async_test``). It
+  completes now, in start order: its data lands in the destination and the
+  semaphore output carries the byte count the later wait consumes (on a TPU
+  it completes at some time after its start; now is one such time). Any other
+  pending DMA (a scratch semaphore or destination) can never be waited on:
+  it raises."""
   st = ctx.extra.get(_STATE_KEY)
   if st is None:
     return
   pending = [d for d in st.dmas if d.state != DONE]
   st.dmas = []
   st.tasks = {}
-  if pending:
-    d = pending[0]
+  lost = [d for d in pending if not _outlives_kernel(d, operands)]
+  if lost:
+    d = lost[0]
     raise RuntimeError(
-        f"{len(pending)} DMA(s) still in flight when the kernel ended; the first "
+        f"{len(lost)} DMA(s) still in flight when the kernel ended; the first "
         f"was started at {d.source} at grid point {tuple(int(p) for p in d.grid_point)} and never "
         "waited on (TPU interpret mode would never copy its data). Wait on its "
-        "semaphore (`.wait()`) before the kernel ends.")
+        "semaphore (`.wait()`) before the kernel ends, or make its semaphore and "
+        "destination outputs of the kernel (a DMA future a later kernel waits on).")
+  for d in pending:
+    d.read_and_write()
+
+
+def _outlives_kernel(d: Dma, operands) -> bool:
+  """The DMA's destination and semaphore(s) are (parts of) kernel operands,
+  not scratch: a later kernel can see its data and wait on its count."""
+  def in_operands(arr):
+    return isinstance(arr, np.ndarray) and any(
+        isinstance(o, np.ndarray) and np.shares_memory(arr, o) for o in operands)
+  sems = [d.dst_sem] + ([d.src_sem] if d.src_sem is not None else [])
+  return in_operands(d.dst[0]) and all(in_operands(s) for s in sems)

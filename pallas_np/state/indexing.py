@@ -592,6 +592,8 @@ def _apply_index(builder):
     if not isinstance(out, np.ndarray) or (out.base is None and out.size and view.size):
       if any(isinstance(i, np.ndarray) for i in idx):
         raise UnsupportedError(
-            "pallas_np: integer-array indexing is only supported as the last ref transform")
+            "pallas_np: integer-array indexing is only supported as the last ref transform "
+            "(Mosaic's DMA lowering says the same: an indexed ref cannot have any "
+            "transforms following the indexer)")
     return out
   return f

@@ -375,6 +375,21 @@ def _run_scoped(e):
   return run_scoped
 
 
+_empty_ref_p = getattr(jc.jax_core, "empty_ref_p", None)
+if _empty_ref_p is not None:
+  @registry.register(_empty_ref_p, foldable=False,
+                     batch=registry.unbatched("a fresh buffer per run, allocated once"))
+  def _empty_ref(e):
+    """``jax.empty_ref(ty, memory_space)`` in a kernel (an ``emit_pipeline``
+    scratch, a nested kernel's buffer): a fresh buffer, uninitialised fill."""
+    ty = e.params["ty"]
+    if getattr(ty, "is_high", False):
+      raise e.unsupported(f"jax.empty_ref of a high-level type {ty}")
+    params = e.compiler.params
+    shape, dtype = tuple(ty.shape), ty.dtype
+    return lambda: allocate(shape, dtype, params)
+
+
 def _collective_run_scoped(e, plan, specs, collective, fresh):
   """``pl.run_scoped(..., collective_axes=...)``: the instances that differ
   only along those axes get the same buffers. Only a kernel's executor knows
