@@ -240,7 +240,7 @@ class KernelPlan:
         kernel(ctx, *index_ops, *views, *scratch)
         if progress is not None:
           progress.tick(step + 1)
-      if ctx.extra:
+      if ctx.rules is not None:
         dma.check_finished(ctx)
       if device is not None:
         devices.check_failed(device)

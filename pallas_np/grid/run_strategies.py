@@ -199,7 +199,7 @@ class SinglePoint:
       if trace is not None:
         trace(kp.name, single.point)
       kp.kernel.fn(ctx, *operands)
-      if ctx.extra:
+      if ctx.rules is not None:
         dma.check_finished(ctx)
     except KernelError:
       raise
