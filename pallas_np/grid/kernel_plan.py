@@ -120,6 +120,12 @@ class KernelPlan:
       self._kernel = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
     return self._kernel
 
+  def compile(self):
+    """The sequential plan compiled now (the traced path, at lowering time:
+    an unsupported primitive raises from the ``jax.jit`` call)."""
+    self.kernel  # noqa: B018
+    return self
+
   @property
   def device_features(self):
     """(axis names the kernel reads with axis_index, whether it talks to

@@ -14,34 +14,29 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.compiler import Compiler, failing_eqns, new_run
-from pallas_np.errors import UnsupportedError, kernel_error_class
-from pallas_np.memory import allocate
+from pallas_np.compiler import Compiler, failing_eqns
+from pallas_np.errors import kernel_error_class
 from pallas_np.mosaic_gpu import collectives, device_blocks, threads, warps
-from pallas_np.params import InterpretParams
 
 
-class MeshKernel:
-  """A compiled Mosaic GPU mesh kernel: ``run(*operands) -> outputs``."""
+class GpuKernelBody:
+  """The compiled body of a Mosaic GPU mesh kernel and its mesh's geometry:
+  what ``device_blocks`` launches. The kernel itself is a
+  ``meshes.MeshKernel`` (operands, buffers, cache) whose runner,
+  ``mosaic_gpu.entry.MosaicGpuRunner``, keeps this as its ``executable``."""
 
-  def __init__(self, params: dict, interp: InterpretParams):
-    jaxprs, meshes = params["jaxprs"], params["meshes"]
-    if len(jaxprs) != 1 or params.get("external_meshes"):
-      raise UnsupportedError("pallas_np: mpmd_map over several meshes is not supported")
-    self.jaxpr = jaxprs[0]
-    mesh = self.mesh = meshes[0]
-    self.name = str(params.get("name") or "mosaic_gpu_kernel")
-    self.params = interp
-    self.out_avals = tuple(params["out_avals"])
-    aliases = params.get("input_output_aliases") or {}
-    self.aliases = dict(aliases.items() if hasattr(aliases, "items") else aliases)
+  def __init__(self, kernel):
+    self.jaxpr = kernel.jaxprs[0]
+    mesh = self.mesh = kernel.meshes[0]
+    self.name = kernel.name
+    self.params = kernel.params
     self.block_names = (*mesh.grid_names, *mesh.cluster_names)
     self.block_shape = (*mesh.grid, *mesh.cluster)
     self.num_threads = int(mesh.num_threads or 1)
     self.thread_name = mesh.thread_name
     # Thread slots per warpgroup: itself, and its warps if it has a warp_map.
     self.slots_per_wg = threads.SLOTS_PER_WARPGROUP if _uses_warps(self.jaxpr) else 1
-    self.compiler = Compiler(interp, self.name)
+    self.compiler = Compiler(kernel.params, self.name)
     self._plan = None
     self._features = None
 
@@ -60,26 +55,12 @@ class MeshKernel:
       self._plan = self.compiler.compile(self.jaxpr, first_calls=True)
     return self._plan
 
-  def _outputs(self, ins):
-    outs = []
-    for i, aval in enumerate(self.out_avals):
-      src = next((k for k, o in self.aliases.items() if o == i), None)
-      # An aliased output *is* its input's buffer (already a copy of the
-      # caller's array): a body may write either ref, as a discharged
-      # core_map on refs writes the input one.
-      outs.append(ins[src] if src is not None
-                  else allocate(aval.shape, aval.dtype, self.params))
-    return outs
-
-  def run(self, *args, placement=None) -> list[np.ndarray]:
-    """``placement``: this device's place in a ``shard_map``
-    (``pallas_np.devices``); the clusters, blocks and warpgroups run on the
-    kernel's scheduler (``device_blocks``)."""
-    new_run()
-    # Copied: TMA stores and atomics may write GMEM operands (their effects
-    # do not say which), and the caller's arrays must stay intact.
-    ins = [np.array(a) for a in args]
-    outs = self._outputs(ins)
+  def run(self, ins, outs, placement=None) -> list[np.ndarray]:
+    """One instance on the kernel's buffers (inputs: private copies, as TMA
+    stores and atomics may write GMEM operands; outputs: an aliased one *is*
+    its input's buffer); ``placement``: this device's place in a
+    ``shard_map`` (``pallas_np.devices``); the clusters, blocks and
+    warpgroups run on the kernel's scheduler (``device_blocks``)."""
     _, remote, waits = self.device_features
     return device_blocks.run(self, ins, outs, placement, remote, waits)
 
