@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.compiler import Compiler, failing_eqns
-from pallas_np.errors import kernel_error_class
+from pallas_np import debugging
+from pallas_np.compiler import Compiler
 from pallas_np.mosaic_gpu import collectives, device_blocks, threads, warps
 
 
@@ -67,23 +67,12 @@ class GpuKernelBody:
   def block_error(self, e: Exception, block, thread, warp=None) -> Exception:
     """``e`` raised in ``block``'s warpgroup ``thread`` (and ``warp``), as a
     ``KernelError`` naming the primitive and kernel line."""
-    eqns = failing_eqns(e.__traceback__)
-    prim = source = None
-    where = ""
-    if eqns:
-      prim = eqns[-1].primitive.name
-      lines = [jc.source_summary(q.source_info) for q in eqns]
-      lines = [ln for ln in lines if ln and ln != "<unknown source>"]
-      source = lines[-1] if lines else None
-      where = f" in primitive '{prim}'" + (f" at {source}" if source else "")
     wg = f", warpgroup {thread}" if self.thread_name is not None else ""
     if warp is not None:
       wg += f", warp {warp}"
-    msg = (f"{type(e).__name__} in Mosaic GPU kernel '{self.name}' at block "
-           f"{tuple(int(b) for b in block)}{wg}{where}: {e}")
-    err = kernel_error_class(type(e))(msg, kernel=self.name, program_ids=tuple(block),
-                                      primitive=prim, source=source, original=e)
-    return err
+    block = tuple(int(b) for b in block)
+    return debugging.kernel_error(e, self.name, f"Mosaic GPU kernel '{self.name}'",
+                                  f" at block {block}{wg}", block)
 
 
 def _uses_warps(jaxpr) -> bool:
