@@ -86,10 +86,9 @@ class _OddMesh(type(MESH1)):
 
 
 def _odd_mesh():
-  try:
+  if hasattr(MESH1, "devices"):
     return _OddMesh(MESH1.devices, MESH1.axis_names)
-  except TypeError:  # JAX 0.12's TensorCoreMesh has another constructor
-    return _OddMesh(axis_name="core", num_cores=1)
+  return _OddMesh(axis_name="core", num_cores=1)  # JAX 0.12's TensorCoreMesh
 
 
 class _AddTwoRunner(meshes.MeshRunner):

@@ -243,7 +243,7 @@ _cache = lru.LRU(256)
 def get_mesh_kernel(params: dict, num_inputs: int, interp: InterpretParams, prim=None,
                     call_site: str = "") -> MeshKernel:
   """The compiled MeshKernel of an eqn's params (cached by identity of the
-  body jaxprs, kept alive by the entry); its runner is picked by mesh type
+  body jaxprs and meshes, kept alive by the entry); its runner is picked by mesh type
   (``runner_for``), which refuses what it cannot run first."""
   meshes = jc.mesh_kernel_meshes(params)
   runner = runner_for(meshes)
@@ -253,12 +253,18 @@ def get_mesh_kernel(params: dict, num_inputs: int, interp: InterpretParams, prim
     kinds = ", ".join(sorted({type(m).__name__ for m in meshes}))
     raise mesh_kernel_error(f"mesh type {kinds}", params)
   runner.check(prim, params, call_site)
-  key = (tuple(id(j) for j in params["jaxprs"]), num_inputs, interp)
+  # JAX may trace one body once for several meshes: the meshes are part of the key.
+  mesh_key = meshes  # equal meshes (frozen dataclasses) share a kernel
+  try:
+    hash(meshes)
+  except TypeError:
+    mesh_key = tuple(id(m) for m in meshes)
+  key = (tuple(id(j) for j in params["jaxprs"]), mesh_key, num_inputs, interp)
   hit = _cache.get(key)
   if hit is not None:
     return hit[1]
   kernel = MeshKernel(params, interp, runner).bind_inputs(num_inputs).compile()
-  _cache.put(key, (params["jaxprs"], kernel))
+  _cache.put(key, ((params["jaxprs"], meshes), kernel))
   return kernel
 
 
