@@ -88,11 +88,25 @@ def lowering_rule(family: KernelFamily, prim, jax_rule):
 
 
 # -- the eager path ---------------------------------------------------------------------
+_families: dict = {}  # primitive -> its KernelFamily
+
+
+def family_of(prim) -> KernelFamily | None:
+  """The registered family whose kernels ``prim`` eqns are, else None."""
+  return _families.get(prim)
+
+
+def kernel_primitives() -> tuple:
+  """The primitives of every registered kernel family."""
+  return tuple(_families)
+
+
 def register_family(family: KernelFamily) -> KernelFamily:
   """Register the eager evaluator's rule of each of ``family``'s primitives
   (those this JAX has)."""
   for prim in family.primitives:
     if prim is not None:
+      _families[prim] = family
       registry.register(prim, foldable=False, batch=registry.unbatched(
           family.sequential_reason))(functools.partial(eager_rule, family))
   return family
