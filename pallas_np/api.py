@@ -25,12 +25,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import fp_state, lowering, lru, meshes, registry
+from pallas_np import fp_state, kernel_family, lru, meshes
 from pallas_np.compiler import Compiler, RunContext, sourcemap
-from pallas_np.errors import UnsupportedError
 from pallas_np.grid import KernelPlan
 from pallas_np.grid.plan_key import structural_key
-from pallas_np.mosaic_gpu import entry as mgpu_entry
+from pallas_np.mosaic_gpu import entry as mosaic_gpu_entry  # noqa: F401 (its mesh runners)
 from pallas_np.params import InterpretParams, is_numpy_mode, resolve
 from pallas_np.tracing import kernel_to_trace
 
@@ -107,119 +106,44 @@ def clear_caches():
   sourcemap.clear()
 
 
-# -- lowering hook (traced path) ---------------------------------------------
-_jax_lowering = None
+# -- the pallas_call family (pallas_np.kernel_family) ----------------------------------
+class PallasCallFamily(kernel_family.KernelFamily):
+  """``pallas_call``: one ``grid.KernelPlan`` per eqn (``get_kernel_plan``)."""
+  name = "pallas_call"
+  primitives = (jc.pallas_call_p,)
+  sequential_reason = ("a pallas_call inside a kernel runs its own grid: the outer grid runs "
+                       "sequentially")
+
+  def plan(self, prim, params, num_inputs, interp, call_site=""):
+    return get_kernel_plan(params, interp)
 
 
-def _pallas_call_lowering(ctx, *in_nodes, interpret, **params):
-  # JAX reads the force config when ``pl.pallas_call(...)`` is built; reading
-  # it again here also routes calls built outside the scope (a module-level
-  # ``pl.pallas_call``) but lowered inside it. As in JAX, the config wins.
-  forced = jc.interpret_mode_config.value
-  if is_numpy_mode(forced):
-    interpret = forced
-  if not is_numpy_mode(interpret):
-    return _jax_lowering(ctx, *in_nodes, interpret=interpret, **params)
-  interp = resolve(interpret)
-  plan_params = dict(params, interpret=interpret)
-  # Compiled now, at lowering time: an unsupported primitive raises here, as
-  # itself, instead of as an XLA runtime error from inside the callback.
-  plan = get_kernel_plan(plan_params, interp)
-  plan.kernel  # noqa: B018 (the lazily compiled sequential plan)
-  # Multi-device kernels (axis_index, remote DMAs, the barrier semaphore)
-  # inside a shard_map (or pmap) body run one instance per device.
-  axis_names, remote = plan.device_features
-  return lowering.lower_kernel(ctx, in_nodes, plan, axis_names, remote)
+PALLAS_CALLS = kernel_family.register_family(PallasCallFamily())
+
+# -- lowering hooks (traced path) ----------------------------------------------
+_jax_lowering = None  # JAX's own pallas_call lowering, for every other interpret mode
+
+
+def _pallas_call_lowering(ctx, *in_nodes, **params):
+  return kernel_family.lower(PALLAS_CALLS, jc.pallas_call_p, _jax_lowering, ctx, in_nodes,
+                             params)
 
 
 def install():
-  """Put the numpy-mode lowering in front of JAX's (idempotent)."""
+  """Put the numpy-mode lowering of every kernel family in front of JAX's
+  (idempotent). Mesh kernels' CPU lowering calls JAX's pallas_call lowering
+  directly, past ours: their own primitives get the family's rule too."""
   global _jax_lowering
-  for prim in jc.mesh_kernel_primitives():
+  for prim in meshes.MESH_KERNELS.primitives:
     current = jc.lowering_rule(prim)
-    if current is not None and not getattr(current, "pallas_np_mesh", False):
-      jc.register_lowering(prim, _mesh_kernel_lowering(current, prim))
+    if current is not None and getattr(current, "pallas_np_family", None) is None:
+      jc.register_lowering(prim, kernel_family.lowering_rule(meshes.MESH_KERNELS, prim,
+                                                             current))
   current = jc.original_pallas_call_lowering()
   if current is _pallas_call_lowering:
     return
   _jax_lowering = current
   jc.register_pallas_call_lowering(_pallas_call_lowering)
-
-
-# -- mesh kernels (pl.kernel(mesh=...), pl.core_map; pallas_np.meshes) -------
-# Their CPU lowering calls JAX's pallas_call lowering directly, past our rule:
-# in numpy mode ours runs them (io_callback into meshes.MeshKernel.run),
-# never another interpreter.
-def _mesh_kernel_lowering(jax_rule, prim):
-  def rule(ctx, *in_nodes, **params):
-    forced = jc.interpret_mode_config.value
-    interpret = forced if is_numpy_mode(forced) else params.get("interpret")
-    if not is_numpy_mode(interpret):
-      return jax_rule(ctx, *in_nodes, **params)
-    if mgpu_entry.handles(params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
-      return mgpu_entry.lower(ctx, *in_nodes, interp=resolve(interpret), **params)
-    if prim is not jc.mpmd_map_p:  # a stateful core_map that was not discharged
-      raise meshes.mesh_kernel_error(f"an undischarged {prim.name}", params,
-                                     jc.lowering_source(ctx))
-    kernel = meshes.get_mesh_kernel(params, len(in_nodes), resolve(interpret))
-    outside = kernel.axis_names()
-    if outside:
-      raise UnsupportedError(
-          f"pallas_np: mesh kernel {kernel.source} reads jax.lax.axis_index of "
-          f"{sorted(map(str, outside))}, not axes of its mesh: mesh kernels that talk to "
-          "other devices (inside shard_map) are not supported")
-    return lowering.lower_kernel(ctx, in_nodes, kernel)
-  rule.pallas_np_mesh = True
-  return rule
-
-
-if jc.mpmd_map_p is not None:
-  @registry.register(jc.mpmd_map_p, foldable=False, batch=registry.unbatched(
-      "a mesh kernel runs its own programs: the outer grid runs sequentially"))
-  def _mesh_kernel_rule(e: registry.EqnInfo):
-    """The eager evaluator (pallas_np.jit, whole_program) meets one."""
-    if mgpu_entry.is_warp_map(e.params):  # plgpu.warp_map inside a Mosaic GPU kernel
-      return mgpu_entry.compile_warp_map(e)
-    if any(isinstance(a, jc.AbstractRef) for a in e.in_avals):
-      # Its outputs would be values, the refs never written: never run it so.
-      raise meshes.mesh_kernel_error("a stateful mpmd_map on refs outside pl.run_state",
-                                     e.params, e.source)
-    interp = e.compiler.params
-    if e.compiler.kernel_params_from_eqns:
-      interp = resolve(e.params["interpret"])
-    if mgpu_entry.handles(e.params):  # Mosaic GPU meshes: pallas_np.mosaic_gpu
-      return mgpu_entry.compile_eqn(e, interp)
-    kernel = meshes.get_mesh_kernel(dict(e.params), len(e.in_avals), interp)
-    if kernel.axis_names():
-      raise e.unsupported(f"a mesh kernel reading axis_index of "
-                          f"{sorted(map(str, kernel.axis_names()))} (not its mesh's axes)")
-    return kernel.run
-
-
-if jc.core_map_p is not None:
-  @registry.register(jc.core_map_p, foldable=False, batch=registry.unbatched(
-      "a stateful core_map outside run_state: the rule raises when compiled"))
-  def _core_map_rule(e: registry.EqnInfo):
-    if mgpu_entry.is_warp_map(e.params):  # plgpu.warp_map inside a Mosaic GPU kernel
-      return mgpu_entry.compile_warp_map(e)
-    raise meshes.mesh_kernel_error("a stateful core_map outside pl.run_state", e.params,
-                                   e.source)
-
-
-
-
-# -- the pallas_call primitive inside our own evaluator (eager path) ---------
-@registry.register(jc.pallas_call_p, foldable=False, batch=registry.unbatched(
-    "a pallas_call inside a kernel runs its own grid: the outer grid runs sequentially"))
-def _compile_pallas_call(e: registry.EqnInfo):
-  # Only the eager paths evaluate outer jaxprs; their compiler carries the
-  # options the call resolved (explicit, forced or default), or says that
-  # each kernel keeps its own.
-  interp = e.compiler.params
-  if e.compiler.kernel_params_from_eqns:
-    interp = resolve(e.params["interpret"])
-  plan = get_kernel_plan(dict(e.params), interp)
-  return plan.run
 
 
 # -- public API ---------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Debugging aids around the grid executor: where an error happened (index
-map or kernel), post-mortem pdb positioned at the failing eqn, and the
+"""Debugging aids around the kernel executors: the one formatter of errors
+raised inside a kernel (``kernel_error``: where it happened, index map or
+kernel line), post-mortem pdb positioned at the failing eqn, and the
 progress bar for long grids.
 
 Nothing here runs on the hot path unless the matching InterpretParams option
@@ -18,11 +19,49 @@ import jax
 from pallas_np import _compat as jc
 from pallas_np.compiler import failing_eqns, sourcemap
 from pallas_np.env_switches import env_switch
+from pallas_np.errors import kernel_error_class
 
 # Seconds a grid must run before the progress bar appears.
 PROGRESS_AFTER_S = 2.0
 # How often the bar is redrawn.
 PROGRESS_EVERY_S = 0.25
+
+
+# -- the one formatter of errors raised inside a kernel --------------------------
+def kernel_error(e: Exception, kernel: str, what: str, place: str, program_ids,
+                 origin: str | None = None):
+  """``e``, raised inside a kernel, as a ``KernelError`` that is-a
+  ``type(e)``: "<Type> in <what><place> in primitive 'p' at file:line
+  (called from ...): <e>". ``what`` names the kernel ("Pallas kernel 'k'"),
+  ``place`` where in it ("on device 1 at grid point (0, 2)", "at block (1,),
+  warpgroup 0"); ``origin``: the block whose index map raised it, if one
+  did. Every kernel family formats its errors here."""
+  eqns = failing_eqns(e.__traceback__)
+  where = ""
+  prim = None
+  source = None
+  if eqns:
+    prim = eqns[-1].primitive.name
+    # Eqns traced inside JAX helpers (pltpu.sync_copy, ...) have no user
+    # frame: name the innermost line that is the user's.
+    lines = [jc.source_summary(q.source_info) for q in eqns]
+    lines = [ln for ln in lines if ln and ln != "<unknown source>"]
+    if lines:
+      source = lines[-1]
+      where = f" in primitive '{prim}' at {source}"
+      if len(lines) > 1:
+        where += f" (called from {' <- '.join(reversed(lines[:-1]))})"
+    else:
+      where = f" in primitive '{prim}'"
+  if origin is not None:
+    where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")
+  msg = f"{type(e).__name__} in {what}{place}{where}: {e}"
+  err = kernel_error_class(type(e))(msg, kernel=kernel, program_ids=program_ids,
+                                    primitive=prim, source=source, original=e)
+  for k, v in getattr(e, "__dict__", {}).items():  # e.g. RaceError.buffer
+    if getattr(err, k, None) is None:
+      setattr(err, k, v)
+  return err
 
 
 # -- typed errors across jit ----------------------------------------------------

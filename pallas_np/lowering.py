@@ -3,11 +3,10 @@ unordered ``io_callback`` into the kernel's host run, or, for one device's
 part of a ``shard_map``/``pmap`` body, a callback that also hands the run its
 device coordinates (``pallas_np.devices``).
 
-The kernel is anything with ``name``, ``out_avals`` and
-``run(*numpy_arrays, placement=None)``: a ``grid.KernelPlan``, a
-``meshes.MeshKernel``, a Mosaic GPU kernel. ``api`` (pallas_call, TPU mesh
-kernels) and ``mosaic_gpu.entry`` both lower through ``lower_kernel``, so
-neither hands the other a lowering function.
+The kernel is any family's compiled kernel (``kernel_family``: ``name``,
+``out_avals``, ``run(*numpy_arrays, placement=None)``): a
+``grid.KernelPlan`` or a ``meshes.MeshKernel`` (TPU or Mosaic GPU meshes).
+``kernel_family.lower`` is the one caller.
 """
 from __future__ import annotations
 

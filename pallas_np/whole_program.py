@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import kernel_family
 from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, eager_call, is_concrete,
                            force_numpy_interpret)
 from pallas_np.lru import LRU
@@ -151,13 +152,11 @@ def _route(closed, jit_params, forced, kernels) -> EagerPlan | None:
     return None
 
 
-_MESH_KERNELS = jc.mesh_kernel_primitives()  # pl.kernel(mesh=...), pl.core_map
-
-
 def _kernel_interprets(jaxpr) -> list:
-  """The ``interpret=`` of every pallas_call in a program (nested ones too)."""
+  """The ``interpret=`` of every kernel in a program (nested ones too): the
+  eqns of every registered kernel family (``kernel_family``)."""
   found = [eqn.params["interpret"] for eqn in jaxpr.eqns
-           if eqn.primitive is jc.pallas_call_p or eqn.primitive in _MESH_KERNELS]
+           if kernel_family.family_of(eqn.primitive) is not None]
   for sub in jc.subjaxprs(jaxpr):
     found += _kernel_interprets(sub)
   return found
@@ -231,7 +230,7 @@ def install():
   nothing that a jitted function without such kernels goes through. The
   watch stays (one check per kernel traced): hooks that something else took
   out (a test's monkeypatch undone) come back with the next kernel."""
-  for prim in _KERNEL_PRIMITIVES:
+  for prim in kernel_family.kernel_primitives():
     jc.watch_abstract_eval(prim, _asked_for)
 
 
@@ -241,9 +240,6 @@ def install_hooks():
   jc.install_jit_call_hook(_eager_jit_call)
   jc.install_jit_params_memo(_jit_params_memo, _runs_here)
   jc.install_jit_run_hook(_run_routed)
-
-
-_KERNEL_PRIMITIVES = (jc.pallas_call_p, *_MESH_KERNELS)
 
 
 def _asked_for(params):

@@ -17,7 +17,7 @@ from pallas_np.lru import LRU
 class RunContext:
   """Per-execution state that ctx-rules read: where in the grid we are."""
   __slots__ = ("program_ids", "num_programs", "kernel_name", "params",
-               "grid_point", "extra", "batch_size", "device")
+               "grid_point", "family", "rules", "batch_size", "device")
 
   def __init__(self, kernel_name="kernel", params=None, program_ids=(),
                num_programs=()):
@@ -26,7 +26,12 @@ class RunContext:
     self.program_ids = program_ids
     self.num_programs = num_programs
     self.grid_point = ()
-    self.extra = {}
+    # The kernel family's typed context of this thread (a Mosaic GPU
+    # warpgroup's kernel_context.ThreadContext), else None.
+    self.family = None
+    # Stateful rules' state for this run (kernel_context.RuleState: DMAs,
+    # MXUs, the PRNG), created on first use by kernel_context.rule_state.
+    self.rules = None
     # Lanes of a vectorized pass (pallas_np.grid.vectorize); None when sequential.
     self.batch_size = None
     # The kernel instance's devices.DeviceContext in a multi-device run, else None.

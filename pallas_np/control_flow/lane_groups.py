@@ -11,6 +11,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np.errors import NotBatchable
 from pallas_np.compiler import RunContext
+from pallas_np.kernel_context import rule_state
 from pallas_np.shared_outputs import active as shared_outputs
 
 
@@ -55,7 +56,8 @@ class LaneGroup:
     sub = RunContext(ctx.kernel_name, ctx.params)
     sub.num_programs = ctx.num_programs
     sub.grid_point = ctx.grid_point
-    sub.extra = ctx.extra
+    sub.family = ctx.family
+    sub.rules = rule_state(ctx)  # one run's rule state, shared with every group
     sub.program_ids = tuple(p[self.sel] if b else p
                             for p, b in zip(ctx.program_ids, pid_batched))
     sub.batch_size = self.count

@@ -27,8 +27,8 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import blas, debugging, devices, fp_state, memory, registry
-from pallas_np.compiler import Compiler, RunContext, failing_eqns, new_run
-from pallas_np.errors import UnsupportedError, KernelError, kernel_error_class
+from pallas_np.compiler import Compiler, RunContext, new_run
+from pallas_np.errors import UnsupportedError, KernelError
 from pallas_np.grid import lanes, run_strategies, threads
 from pallas_np.grid.blocks import BlockGeometry, index_map_origin
 from pallas_np.grid.buffers import BufferSetup
@@ -119,6 +119,12 @@ class KernelPlan:
     if self._kernel is None:
       self._kernel = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
     return self._kernel
+
+  def compile(self):
+    """The sequential plan compiled now (the traced path, at lowering time:
+    an unsupported primitive raises from the ``jax.jit`` call)."""
+    self.kernel  # noqa: B018
+    return self
 
   @property
   def device_features(self):
@@ -241,7 +247,7 @@ class KernelPlan:
         kernel(ctx, *index_ops, *views, *scratch)
         if progress is not None:
           progress.tick(step + 1)
-      if ctx.extra:
+      if ctx.rules is not None:
         dma.check_finished(ctx, buffers)
       if device is not None:
         devices.check_failed(device)
@@ -298,36 +304,11 @@ class KernelPlan:
   def kernel_error(self, e: Exception, point, device=None) -> Exception:
     """The KernelError of ``e`` raised at grid ``point`` (naming the kernel
     line, the primitive and the device)."""
-    eqns = failing_eqns(e.__traceback__)
-    where = ""
-    prim = None
-    source = None
-    if eqns:
-      prim = eqns[-1].primitive.name
-      # Eqns traced inside JAX helpers (pltpu.sync_copy, ...) have no user
-      # frame: name the innermost line that is the user's.
-      lines = [jc.source_summary(q.source_info) for q in eqns]
-      lines = [l for l in lines if l and l != "<unknown source>"]
-      if lines:
-        source = lines[-1]
-        where = f" in primitive '{prim}' at {source}"
-        if len(lines) > 1:
-          where += f" (called from {' <- '.join(reversed(lines[:-1]))})"
-      else:
-        where = f" in primitive '{prim}'"
-    origin = index_map_origin(self, e.__traceback__)
-    if origin is not None:
-      where = f" in the index map of {origin}" + (f" ({where.strip()})" if where else "")
     point = tuple(int(p) for p in point)
     on = f" on {device.placement.describe()}" if device is not None else ""
-    msg = (f"{type(e).__name__} in Pallas kernel '{self.name}'{on} at grid point "
-           f"{point}{where}: {e}")
-    cls = kernel_error_class(type(e))
-    err = cls(msg, kernel=self.name, program_ids=point, primitive=prim, source=source,
-              original=e)
-    for k, v in getattr(e, "__dict__", {}).items():  # e.g. RaceError.buffer
-      if getattr(err, k, None) is None:
-        setattr(err, k, v)
+    err = debugging.kernel_error(e, self.name, f"Pallas kernel '{self.name}'",
+                                 f"{on} at grid point {point}", point,
+                                 index_map_origin(self, e.__traceback__))
     if self.params.pdb:
       debugging.post_mortem(e, self, point)
     debugging.remember(err)

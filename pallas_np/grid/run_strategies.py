@@ -8,6 +8,8 @@
 * ``GridRun``: every other grid: a batched pass (``vectorize``), else chunks
   of grid points on threads (``threads``), else the sequential grid loop; a
   fast path that fails reruns the loop from fresh buffers.
+* ``MeshProgram``: one program of a mesh kernel (a core, a subcore), run by
+  its mesh runner at its point of the mesh; chosen by the mesh kernel.
 * ``run_on_device``: one device's instance of a multi-device kernel (a run
   with a placement), whatever the plan's strategy.
 
@@ -199,7 +201,7 @@ class SinglePoint:
       if trace is not None:
         trace(kp.name, single.point)
       kp.kernel.fn(ctx, *operands)
-      if ctx.extra:
+      if ctx.rules is not None:
         dma.check_finished(ctx, operands[:len(operands) - len(single.scratch)])
     except KernelError:
       raise
@@ -207,6 +209,56 @@ class SinglePoint:
       raise kp.kernel_error(e, single.point) from e
     kp.last_mode = "sequential"
     return kp.setup.results(out_bufs) if single.padded_outputs else out_bufs
+
+
+class MeshProgram:
+  """One program of a mesh kernel (``pallas_np.meshes``): the body once, at
+  the program's point of the mesh (``sizes``, ``coords``), on the operands
+  the mesh runner gave it (whole refs, shared with its peers where the
+  hardware shares that memory), as one instance among its peers
+  (``device``: its ``meshes.programs.ProgramContext``). Chosen when the
+  mesh kernel builds the plan (``MeshKernel.program``); the programs runner
+  calls ``run_program``, never ``KernelPlan.run``."""
+  __slots__ = ()
+
+  def run(self, kp, args):
+    raise TypeError(f"kernel '{kp.name}' is a program of a mesh kernel: its mesh runner "
+                    "runs it (run_program)")
+
+  def run_program(self, kp, sizes, coords, operands, num_blocks, detector, device):
+    ctx = RunContext(kp.name, kp.params)
+    ctx.device = device
+    point = tuple(coords)
+    ids = tuple(np.int32(c) for c in point)
+    ctx.grid_point = point
+    ctx.num_programs = tuple(np.int32(sizes[d]) for d in kp.local_dims)
+    ctx.program_ids = tuple(ids[d] for d in kp.local_dims)
+    blocks, scratch = operands[:num_blocks], operands[num_blocks:]
+    try:
+      views, block_indices = [], []
+      for geo, index_map, buf in zip(kp.blocks, kp.index_maps, blocks):
+        bidx = None
+        if geo.whole:
+          view = buf
+        elif geo.trivial_index_map:
+          view = buf[geo.zero_block_index(kp.clamp)]
+        else:
+          bidx = index_map.fn(ctx, *ids)
+          view = buf[geo.block_index(bidx, kp.clamp)]
+        views.append(view)
+        block_indices.append(bidx)
+      if detector is not None:
+        detector.begin(0, point, block_indices)
+      if kp.params.trace is not None:
+        kp.params.trace(kp.name, point)
+      kp.kernel.fn(ctx, *views, *scratch)
+      if ctx.rules is not None:
+        dma.check_finished(ctx)
+      devices.check_failed(device)
+    except KernelError:
+      raise
+    except Exception as e:
+      raise kp.kernel_error(e, point, device) from e
 
 
 def run_on_device(kp, args, placement) -> list[np.ndarray]:

@@ -6,10 +6,11 @@ mesh whose operands are whole refs (inputs, outputs, scratch), run once per
 point of the mesh (per core / subcore), every program at the same time,
 sharing the memory the hardware shares.
 
-This package turns such an eqn into a ``MeshKernel`` (``kernel.py``) and hands
-it, with the operand buffers, to the *runner* registered for its mesh type.
-The TPU runner (TensorCore meshes, SparseCore subcore meshes) is ``tpu.py``;
-others plug in with::
+This package is the mesh-kernel family (``kernel_family``): such an eqn
+becomes a ``MeshKernel`` (``kernel.py``) whose *runner* is picked by mesh
+type when it is planned, and runs with the operand buffers. The TPU runner
+(TensorCore meshes, SparseCore subcore meshes) is ``tpu.py``, Mosaic GPU's
+``mosaic_gpu.entry``; others plug in with::
 
     meshes.register_mesh_runner(lambda mesh: isinstance(mesh, MyMesh), my_runner)
 
@@ -19,15 +20,18 @@ others plug in with::
       # kernel.program(i) is a KernelPlan of body i (one grid point, whole
       # refs); meshes.run_programs runs programs as concurrent instances.
 
+or, for a mesh with its own executor, a ``meshes.MeshRunner`` subclass
+(``check``, ``compile``, ``device_features``, ``written_inputs``, ``run``).
+
 A mesh type with no runner raises ``UnsupportedError`` naming the mesh and the
 kernel line, as every unsupported construct does.
 """
 from __future__ import annotations
 
-from pallas_np.meshes.kernel import (MeshKernel, get_mesh_kernel, mesh_kernel_error,
-                                     register_mesh_runner, runner_for)
+from pallas_np.meshes.kernel import (MESH_KERNELS, MeshKernel, MeshRunner, get_mesh_kernel,
+                                     mesh_kernel_error, register_mesh_runner, runner_for)
 from pallas_np.meshes.programs import Program, run_programs
 from pallas_np.meshes import tpu  # noqa: F401  (registers the TPU runner)
 
-__all__ = ["MeshKernel", "Program", "get_mesh_kernel", "mesh_kernel_error",
-           "register_mesh_runner", "run_programs", "runner_for"]
+__all__ = ["MESH_KERNELS", "MeshKernel", "MeshRunner", "Program", "get_mesh_kernel",
+           "mesh_kernel_error", "register_mesh_runner", "run_programs", "runner_for"]

@@ -374,14 +374,15 @@ def run_programs(kernel, programs: list[Program]):
                if p.unit == "subcore" and p.barrier_axes else None)
     try:
       with np.errstate(all="ignore"), indexing.vector_subcore(subcore):
-        blocks, scratch = p.operands[:p.num_blocks], p.operands[p.num_blocks:]
+        # The program's plan runs with the strategy its mesh kernel chose
+        # for it (run_strategies.MeshProgram: one point, whole refs).
         if det is None:
-          p.plan.run_grid(p.sizes, [], blocks, scratch, points=[p.coords], progress=None,
-                          device=ctx)
+          p.plan.strategy.run_program(p.plan, p.sizes, p.coords, p.operands, p.num_blocks,
+                                      None, ctx)
         else:
           with races.activate(det):
-            p.plan.run_grid(p.sizes, [], blocks, scratch, det, points=[p.coords],
-                            progress=None, device=ctx)
+            p.plan.strategy.run_program(p.plan, p.sizes, p.coords, p.operands,
+                                        p.num_blocks, det, ctx)
     except BaseException as e:  # noqa: BLE001 (reported by the caller)
       error = e
       errors[k] = e

@@ -265,7 +265,7 @@ if jc.mgpu_primitive("try_cluster_cancel_p") is not None:
 
     def try_cancel(ctx, *args):
       state = operands.block_of(ctx)
-      t = ctx.extra.get(threads.THREAD_KEY, 0)
+      t = ctx.family.thread if ctx.family is not None else 0
       thread_axis = state.thread_axis
       cl = state.cluster
       if given is None:

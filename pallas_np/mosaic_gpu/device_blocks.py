@@ -28,8 +28,8 @@ from pallas_np import blas, devices, races
 from pallas_np.compiler import RunContext
 from pallas_np.errors import KernelError, UnsupportedError
 from pallas_np.mosaic_gpu import cluster as cluster_mod
-from pallas_np.mosaic_gpu import cluster_refs, inline, peers, race_clocks, threads
-from pallas_np.state.refs import PRIVATE_SCOPE_KEY, SHARED_SCOPE_KEY
+from pallas_np.kernel_context import ThreadContext
+from pallas_np.mosaic_gpu import cluster_refs, peers, race_clocks, threads
 
 
 class BlockDevice(devices.DeviceContext):
@@ -55,7 +55,7 @@ class BlockDevice(devices.DeviceContext):
 
   def wait_in_turn(self, ctx, pred, what):
     """A semaphore wait (``devices.block_until``): through the scheduler."""
-    self.scheduler.wait_until(ctx.extra[threads.TASK_KEY], pred, what, None)
+    self.scheduler.wait_until(ctx.family.task, pred, what, None)
 
 
 class Launch:
@@ -156,18 +156,14 @@ class Launch:
     ctx.program_ids = tuple(np.int32(c) for c in coords)
     ctx.num_programs = self.num_programs
     ctx.grid_point = block
-    ctx.extra["mesh_axes"] = {n: np.int32(c) for n, c in zip(self.sizes, coords)}
-    ctx.extra["mesh_sizes"] = self.sizes
-    ctx.extra[inline.MESH_KEY] = kernel.mesh  # special registers of inline_mgpu bodies
-    ctx.extra[threads.BLOCK_KEY] = state
-    ctx.extra[threads.THREAD_KEY] = t
-    ctx.extra[threads.SLOT_KEY] = (b * kernel.num_threads + t) * kernel.slots_per_wg
-    ctx.extra[threads.TASK_KEY] = task
-    ctx.extra[SHARED_SCOPE_KEY] = state.shared_scope
-    if state.cluster is not None:
-      ctx.extra[PRIVATE_SCOPE_KEY] = state.private_scope
-    ctx.extra[threads.ERROR_KEY] = self._wrapper(block, t)
-    ctx.extra[threads.DETECTOR_KEY] = make_detector
+    ctx.family = ThreadContext(
+        mesh_axes={n: np.int32(c) for n, c in zip(self.sizes, coords)},
+        mesh_sizes=self.sizes,
+        mesh=kernel.mesh,  # special registers of inline_mgpu bodies
+        block=state, thread=t, slot=(b * kernel.num_threads + t) * kernel.slots_per_wg,
+        task=task, wrap_error=self._wrapper(block, t), make_detector=make_detector,
+        shared_scope=state.shared_scope,
+        private_scope=state.private_scope if state.cluster is not None else None)
     ctx.device = state.device
     return ctx
 
@@ -184,7 +180,7 @@ class Launch:
         if make_detector is None:
           plan(ctx, *args)
         else:
-          with races.activate(make_detector(ctx.extra[threads.SLOT_KEY])):
+          with races.activate(make_detector(ctx.family.slot)):
             plan(ctx, *args)
       except (KernelError, threads.Aborted):
         raise

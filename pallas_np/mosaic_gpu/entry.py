@@ -1,36 +1,23 @@
-"""The hook api.py calls for mesh kernels (``mpmd_map``/``core_map``): Mosaic
-GPU meshes (``plgpu.kernel``, ``pl.core_map(plgpu.Mesh(...))``) run here.
+"""Mosaic GPU meshes as mesh runners (``meshes.register_mesh_runner``): a
+kernel over a ``plgpu.Mesh`` (``plgpu.kernel``, ``pl.core_map(plgpu.Mesh(...))``)
+is a ``meshes.MeshKernel`` like every mesh kernel, lowered, planned and run
+through the one kernel-family interface (``pallas_np.kernel_family``); its
+runner, ``MosaicGpuRunner``, compiles the body (``kernel.GpuKernelBody``)
+and launches its clusters, blocks and warpgroups (``device_blocks``).
 
-* ``handles(params)``: is this mesh-kernel eqn a Mosaic GPU one?
-* ``lower(ctx, *in_nodes, interp, **params)``: the traced path (``jax.jit``):
-  an ``io_callback`` into ``MeshKernel.run``, compiled at lowering time so
-  an unsupported primitive raises from the ``jax.jit`` call.
-* ``compile_eqn(e, interp)``: the eager evaluator's rule (``pallas_np.jit``,
-  eager calls, the force switch).
-* ``is_warp_map(params)`` / ``compile_warp_map(e)``: ``plgpu.warp_map`` inside
-  a kernel (a mesh-kernel eqn over ``plgpu.WarpMesh``).
+``plgpu.warp_map`` inside such a kernel is a mesh eqn over a
+``plgpu.WarpMesh``: ``WarpMapRunner`` gives the evaluator its rule
+(``warps.compile_warp_map``); it is never a kernel of its own.
+
+Both register when ``pallas_np`` is imported; their predicates answer False
+until user code imported plgpu, and the executor (``mosaic_gpu.rules``) is
+imported with the first Mosaic GPU kernel.
 """
 from __future__ import annotations
 
 from pallas_np import _compat as jc
-from pallas_np import lowering, lru
+from pallas_np import meshes
 from pallas_np.errors import UnsupportedError
-
-_kernels = lru.LRU(256)
-
-
-def handles(params) -> bool:
-  meshes = jc.mesh_kernel_meshes(params)
-  return bool(meshes) and all(jc.is_mgpu_mesh(m) for m in meshes)
-
-
-def is_warp_map(params) -> bool:
-  """Is this mesh-kernel eqn a ``plgpu.warp_map`` (False until plgpu is imported)?"""
-  return jc.is_mgpu_imported() and _executor().warps.is_warp_map(params)
-
-
-def compile_warp_map(e):
-  return _executor().warps.compile_warp_map(e)
 
 
 def _executor():
@@ -40,35 +27,51 @@ def _executor():
   return rules
 
 
-def get_kernel(params, interp):
-  key = (id(params["jaxprs"][0]), interp, jc.debug_checks_enabled())  # as JAX's jit key
-  hit = _kernels.get(key)
-  if hit is None:
-    hit = (params["jaxprs"][0], _executor().kernel.MeshKernel(dict(params), interp))
-    _kernels.put(key, hit)
-  return hit[1]
+class MosaicGpuRunner(meshes.MeshRunner):
+  """Kernels over one ``plgpu.Mesh``: the body compiled once; every run
+  one kernel instance (per device inside a ``shard_map``)."""
+  default_name = "mosaic_gpu_kernel"
+
+  def check(self, prim, params, call_site):
+    if "jaxprs" not in params:
+      raise UnsupportedError("pallas_np: pl.core_map over a plgpu.Mesh inside pl.run_state "
+                             "is not supported in numpy mode yet; use plgpu.kernel")
+    if len(params["jaxprs"]) != 1 or params.get("external_meshes"):
+      raise UnsupportedError("pallas_np: mpmd_map over several meshes is not supported")
+
+  def written_inputs(self, kernel):
+    # Every input is a private copy: TMA stores and atomics may write GMEM
+    # operands (their effects do not say which).
+    return frozenset(range(kernel.num_inputs))
+
+  def compile(self, kernel):
+    if kernel.executable is None:
+      kernel.executable = _executor().kernel.GpuKernelBody(kernel)
+    kernel.executable.plan  # noqa: B018 - compiled now: unsupported primitives raise here
+
+  def device_features(self, kernel):
+    names, remote, _ = kernel.executable.device_features
+    return names, remote
+
+  def run(self, kernel, buffers, placement):
+    n = kernel.num_inputs
+    kernel.executable.run(buffers[:n], buffers[n:], placement)
 
 
-def _check_supported(params):
-  if "jaxprs" not in params:
-    raise UnsupportedError("pallas_np: pl.core_map over a plgpu.Mesh inside pl.run_state "
-                           "is not supported in numpy mode yet; use plgpu.kernel")
+class WarpMapRunner(meshes.MeshRunner):
+  """``plgpu.warp_map``: a construct inside a Mosaic GPU kernel, not a kernel."""
+
+  def check(self, prim, params, call_site):
+    raise meshes.mesh_kernel_error("plgpu.warp_map outside a Mosaic GPU kernel", params,
+                                   call_site)
+
+  def inner_rule(self, e):
+    return _executor().warps.compile_warp_map(e)
 
 
-def lower(ctx, *in_nodes, interp, **params):
-  """The traced path: compiled now (unsupported primitives raise from the
-  ``jax.jit`` call), then ``pallas_np.lowering`` (one device's instance per
-  device inside a ``shard_map`` for kernels that read its axes or talk to
-  other devices)."""
-  _check_supported(params)
-  kernel = get_kernel(params, interp)
-  kernel.plan  # noqa: B018 - compiled now: unsupported primitives raise here
-  names, remote, _ = kernel.device_features
-  return lowering.lower_kernel(ctx, in_nodes, kernel, names, remote)
+def _is_warp_mesh(mesh) -> bool:
+  return jc.is_mgpu_imported() and isinstance(mesh, getattr(jc.mgpu_core, "WarpMesh", ()))
 
 
-def compile_eqn(e, interp):
-  _check_supported(e.params)
-  kernel = get_kernel(e.params, interp)
-  kernel.plan  # noqa: B018
-  return kernel.run
+meshes.register_mesh_runner(jc.is_mgpu_mesh, MosaicGpuRunner())
+meshes.register_mesh_runner(_is_warp_mesh, WarpMapRunner())  # tried first

@@ -28,11 +28,6 @@ from pallas_np import registry
 from pallas_np.mosaic_gpu import inline_values as iv
 from pallas_np.mosaic_gpu import operands
 
-# RunContext.extra: the plgpu.Mesh of the running mesh kernel (set by
-# pallas_np.mosaic_gpu.kernel), for the special registers.
-MESH_KEY = "mgpu_mesh"
-
-
 def _ptx_of(fn) -> str | None:
   """The PTX an ``inline_ptx(asm)`` body inserts, or None."""
   if not getattr(fn, "__qualname__", "").startswith("inline_ptx."):
@@ -91,10 +86,10 @@ def _with_stand_ins(fn, special):
 
 
 def _special(ctx):
-  mesh = ctx.extra.get(MESH_KEY)
-  axes = ctx.extra.get("mesh_axes")
-  if mesh is None or axes is None:
+  thread = ctx.family  # the plgpu.Mesh of the running kernel, and this thread's place
+  if thread is None or thread.mesh is None:
     return None
+  mesh, axes = thread.mesh, thread.mesh_axes
   grid_index = [int(axes[n]) for n in mesh.grid_names]
   cluster_index = [int(axes[n]) for n in mesh.cluster_names]
   return iv.Special(tuple(int(g) for g in mesh.grid), grid_index,

@@ -14,28 +14,22 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import races
-from pallas_np.compiler import Compiler, failing_eqns, new_run
-from pallas_np.errors import UnsupportedError, kernel_error_class
-from pallas_np.memory import allocate
+from pallas_np import debugging, races
+from pallas_np.compiler import Compiler
 from pallas_np.mosaic_gpu import collectives, device_blocks, scoped_axes, threads, warps
-from pallas_np.params import InterpretParams
 
 
-class MeshKernel:
-  """A compiled Mosaic GPU mesh kernel: ``run(*operands) -> outputs``."""
+class GpuKernelBody:
+  """The compiled body of a Mosaic GPU mesh kernel and its mesh's geometry:
+  what ``device_blocks`` launches. The kernel itself is a
+  ``meshes.MeshKernel`` (operands, buffers, cache) whose runner,
+  ``mosaic_gpu.entry.MosaicGpuRunner``, keeps this as its ``executable``."""
 
-  def __init__(self, params: dict, interp: InterpretParams):
-    jaxprs, meshes = params["jaxprs"], params["meshes"]
-    if len(jaxprs) != 1 or params.get("external_meshes"):
-      raise UnsupportedError("pallas_np: mpmd_map over several meshes is not supported")
-    self.jaxpr = jaxprs[0]
-    mesh = self.mesh = meshes[0]
-    self.name = str(params.get("name") or "mosaic_gpu_kernel")
-    self.params = interp
-    self.out_avals = tuple(params["out_avals"])
-    aliases = params.get("input_output_aliases") or {}
-    self.aliases = dict(aliases.items() if hasattr(aliases, "items") else aliases)
+  def __init__(self, kernel):
+    self.jaxpr = kernel.jaxprs[0]
+    mesh = self.mesh = kernel.meshes[0]
+    self.name = kernel.name
+    self.params = kernel.params
     self.block_names = (*mesh.grid_names, *mesh.cluster_names)
     self.block_shape = (*mesh.grid, *mesh.cluster)
     self.num_threads = int(mesh.num_threads or 1)
@@ -49,7 +43,7 @@ class MeshKernel:
     self.cancels = cancel is not None and _uses(self.jaxpr, lambda eqn: eqn.primitive is cancel)
     # Scoped allocations Mosaic GPU's lowering refuses raise now, as there.
     scoped_axes.check_kernel(self.jaxpr, mesh, self.name)
-    self.compiler = Compiler(interp, self.name)
+    self.compiler = Compiler(kernel.params, self.name)
     self._plan = None
     self._features = None
 
@@ -68,51 +62,26 @@ class MeshKernel:
       self._plan = self.compiler.compile(self.jaxpr, first_calls=True)
     return self._plan
 
-  def _outputs(self, ins):
-    outs = []
-    for i, aval in enumerate(self.out_avals):
-      src = next((k for k, o in self.aliases.items() if o == i), None)
-      # An aliased output *is* its input's buffer (already a copy of the
-      # caller's array): a body may write either ref, as a discharged
-      # core_map on refs writes the input one.
-      outs.append(ins[src] if src is not None
-                  else allocate(aval.shape, aval.dtype, self.params))
-    return outs
-
-  def run(self, *args, placement=None) -> list[np.ndarray]:
-    """``placement``: this device's place in a ``shard_map``
-    (``pallas_np.devices``); the clusters, blocks and warpgroups run on the
-    kernel's scheduler (``device_blocks``)."""
-    new_run()
+  def run(self, ins, outs, placement=None) -> list[np.ndarray]:
+    """One instance on the kernel's buffers (inputs: private copies, as TMA
+    stores and atomics may write GMEM operands; outputs: an aliased one *is*
+    its input's buffer); ``placement``: this device's place in a
+    ``shard_map`` (``pallas_np.devices``); the clusters, blocks and
+    warpgroups run on the kernel's scheduler (``device_blocks``)."""
     if self.params.race_policy == "record":
       races.RECORD.begin_run()
-    # Copied: TMA stores and atomics may write GMEM operands (their effects
-    # do not say which), and the caller's arrays must stay intact.
-    ins = [np.array(a) for a in args]
-    outs = self._outputs(ins)
     _, remote, waits = self.device_features
     return device_blocks.run(self, ins, outs, placement, remote, waits)
 
   def block_error(self, e: Exception, block, thread, warp=None) -> Exception:
     """``e`` raised in ``block``'s warpgroup ``thread`` (and ``warp``), as a
     ``KernelError`` naming the primitive and kernel line."""
-    eqns = failing_eqns(e.__traceback__)
-    prim = source = None
-    where = ""
-    if eqns:
-      prim = eqns[-1].primitive.name
-      lines = [jc.source_summary(q.source_info) for q in eqns]
-      lines = [ln for ln in lines if ln and ln != "<unknown source>"]
-      source = lines[-1] if lines else None
-      where = f" in primitive '{prim}'" + (f" at {source}" if source else "")
     wg = f", warpgroup {thread}" if self.thread_name is not None else ""
     if warp is not None:
       wg += f", warp {warp}"
-    msg = (f"{type(e).__name__} in Mosaic GPU kernel '{self.name}' at block "
-           f"{tuple(int(b) for b in block)}{wg}{where}: {e}")
-    err = kernel_error_class(type(e))(msg, kernel=self.name, program_ids=tuple(block),
-                                      primitive=prim, source=source, original=e)
-    return err
+    block = tuple(int(b) for b in block)
+    return debugging.kernel_error(e, self.name, f"Mosaic GPU kernel '{self.name}'",
+                                  f" at block {block}{wg}", block)
 
 
 def _uses(jaxpr, pred) -> bool:

@@ -7,6 +7,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import races, registry
+from pallas_np.kernel_context import rule_state
 from pallas_np.state.indexing import RefAccess, static_atoms
 from pallas_np.mosaic_gpu import peers, threads
 
@@ -140,10 +141,14 @@ def one_barrier(view, idx) -> threads.Barrier:
 
 
 def block_of(ctx) -> threads.BlockState:
-  st = ctx.extra.get(threads.BLOCK_KEY)
+  thread = ctx.family
+  st = thread.block if thread is not None else None
   if st is None:  # a pl.pallas_call with plgpu.CompilerParams: one thread per program
-    st = ctx.extra[threads.BLOCK_KEY] = threads.BlockState("", 1, ctx.kernel_name)
-    st.defer_stores = False
+    rules = rule_state(ctx)
+    st = rules.gpu_block
+    if st is None:
+      st = rules.gpu_block = threads.BlockState("", 1, ctx.kernel_name)
+      st.defer_stores = False
   if not st.defer_stores:  # the grid point this pallas_call program runs
     st.block = str(tuple(int(i) for i in ctx.program_ids))
   return st
@@ -151,18 +156,20 @@ def block_of(ctx) -> threads.BlockState:
 
 def thread_of(ctx) -> int:
   """The thread's slot in its cluster (a warpgroup of a block, or a warp)."""
-  slot = ctx.extra.get(threads.SLOT_KEY)
-  return ctx.extra.get(threads.THREAD_KEY, 0) if slot is None else slot
+  thread = ctx.family
+  if thread is None:
+    return 0
+  return thread.thread if thread.slot is None else thread.slot
 
 
 def thread_name(ctx) -> str:
-  task = ctx.extra.get(threads.TASK_KEY)
+  task = ctx.family.task if ctx.family is not None else None
   return task.name if task is not None else f"warpgroup {thread_of(ctx)}"
 
 
 def in_warp(ctx) -> bool:
   """Is this thread a warp of a ``plgpu.warp_map`` (not a warpgroup)?"""
-  slot = ctx.extra.get(threads.SLOT_KEY)
-  state = ctx.extra.get(threads.BLOCK_KEY)
-  per_wg = getattr(state, "slots_per_wg", 1)
+  thread = ctx.family
+  slot = thread.slot if thread is not None else None
+  per_wg = getattr(thread.block, "slots_per_wg", 1) if thread is not None else 1
   return slot is not None and per_wg > 1 and slot % per_wg != 0

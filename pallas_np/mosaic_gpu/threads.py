@@ -34,12 +34,6 @@ from pallas_np import _compat as jc
 from pallas_np import devices
 from pallas_np.errors import PallasNumpyError
 
-BLOCK_KEY = "mgpu_block"  # RunContext.extra: this block's BlockState
-THREAD_KEY = "mgpu_thread"  # RunContext.extra: the warpgroup id
-SLOT_KEY = "mgpu_slot"  # RunContext.extra: the thread's slot in its cluster
-TASK_KEY = "mgpu_task"  # RunContext.extra: the thread's scheduler Task
-ERROR_KEY = "mgpu_error"  # RunContext.extra: wraps an error with the thread's place
-DETECTOR_KEY = "mgpu_detector"  # RunContext.extra: slot -> race detector (or None)
 WARPS_PER_WARPGROUP = 4
 SLOTS_PER_WARPGROUP = 1 + WARPS_PER_WARPGROUP  # the warpgroup, then its warps
 
@@ -438,7 +432,7 @@ class BlockState:
   def shared_scope(self, ctx, eqn, fresh):
     """The k-th entry of thread t into a collective run_scoped gets the same
     buffers as the k-th entry of every other thread."""
-    t = ctx.extra.get(THREAD_KEY, 0)
+    t = ctx.family.thread if ctx.family is not None else 0
     n = self.entries.get((t, id(eqn)), 0)
     self.entries[(t, id(eqn))] = n + 1
     key = (id(eqn), n)
@@ -459,7 +453,7 @@ class BlockState:
   def private_scope(self, ctx, eqn, fresh):
     """A private run_scoped in a cluster: the buffers of the same thread's
     k-th entry in every block are peers (``cluster.ClusterState``)."""
-    slot = ctx.extra.get(SLOT_KEY, 0) % (self.num_threads * self.slots_per_wg)
+    slot = (ctx.family.slot or 0) % (self.num_threads * self.slots_per_wg)
     n = self.entries.get((("private", slot), id(eqn)), 0)
     self.entries[(("private", slot), id(eqn))] = n + 1
     return self.cluster.buffers(self.index, ("private", slot, id(eqn), n), fresh)
@@ -481,7 +475,7 @@ class BlockState:
   # -- the baton -----------------------------------------------------------------
   def wait_until(self, ctx, predicate, what: str, where):
     """Block this thread until ``predicate()`` holds (a barrier wait)."""
-    task = ctx.extra.get(TASK_KEY)
+    task = ctx.family.task if ctx.family is not None else None
     if task is None:  # a pl.pallas_call program: nobody else can arrive
       if predicate():
         return

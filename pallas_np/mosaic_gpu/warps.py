@@ -9,6 +9,7 @@ TMA unit, tensor core and TMEM-load agents under ``detect_races=True``
 theirs)."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
@@ -76,29 +77,28 @@ def compile_warp_map(e: registry.EqnInfo):
   where = e.source
 
   def warp_map(ctx, *args):
-    slot = ctx.extra.get(threads.SLOT_KEY)
+    thread = ctx.family
+    slot = thread.slot if thread is not None else None
     if slot is None:
       raise e.unsupported("plgpu.warp_map outside a plgpu.kernel / plgpu.Mesh kernel")
     state = operands.block_of(ctx)
     if slot % state.slots_per_wg or state.slots_per_wg == 1:
       raise ValueError(f"plgpu.warp_map inside a warp_map (at {where}): warps cannot be split")
-    parent = ctx.extra[threads.TASK_KEY]
-    make_detector = ctx.extra.get(threads.DETECTOR_KEY)
+    parent = thread.task
+    make_detector = thread.make_detector
     det = races.current() if make_detector is not None else None
     fork = object()
     if det is not None:  # the warps start after what their warpgroup did so far
       det.release(fork)
     joins = [object() for _ in range(num_warps)]
-    wrap = ctx.extra.get(threads.ERROR_KEY)
+    wrap = thread.wrap_error
 
     def run_warp(w, task):
       wctx = RunContext(ctx.kernel_name, ctx.params, ctx.program_ids, ctx.num_programs)
       wctx.grid_point = ctx.grid_point
       wctx.device = ctx.device
-      wctx.extra = dict(ctx.extra)
-      wctx.extra["mesh_axes"] = {**ctx.extra.get("mesh_axes", {}), axis: np.int32(w)}
-      wctx.extra[threads.SLOT_KEY] = slot + 1 + w
-      wctx.extra[threads.TASK_KEY] = task
+      wctx.family = thread.for_warp(axis, np.int32(w), slot + 1 + w, task)
+      wctx.rules = copy.copy(ctx.rules)  # its own rule state from here on
       if ctx.device is not None:  # a thread of its own: its device for remote refs
         peers.activate(ctx.device)
       try:

@@ -1,7 +1,7 @@
 """Explicit MXU programming (``pltpu.matmul_push_rhs``, ``matmul_acc_lhs``,
 ``matmul_pop``, ``matmul_lhs_fifo``, ``matmul_pop_fifo``; JAX >= 0.12).
 
-Each MXU of the program (per core, in ``RunContext.extra``) has staging
+Each MXU of the program (per core, in ``RunContext.rules.mxu``) has staging
 registers a RHS is pushed to, the RHS it currently holds, and a result FIFO; accumulators (``pltpu.ACC``
 scratch) start at zero.
 Float operands multiply in float32, integers in int32, as the MXU
@@ -19,10 +19,10 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
+from pallas_np.kernel_context import rule_state
 from pallas_np.primitives.tpu import operand_positions, ref_operand
 
 mp = jc.mosaic_primitives
-_STATE_KEY = "tpu_mxu"
 _SEQUENTIAL = registry.unbatched("MXU state is per core and in program order: "
                                  "the grid runs sequentially")
 
@@ -47,9 +47,10 @@ def _accumulator(st, buf):
 
 
 def _state(ctx) -> MxuState:
-  st = ctx.extra.get(_STATE_KEY)
+  rules = rule_state(ctx)
+  st = rules.mxu
   if st is None:
-    st = ctx.extra[_STATE_KEY] = MxuState()
+    st = rules.mxu = MxuState()
   return st
 
 

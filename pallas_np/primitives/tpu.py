@@ -12,6 +12,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
 from pallas_np.errors import UnsupportedError
+from pallas_np.kernel_context import rule_state
 from pallas_np.state import dma as dma_mod
 from pallas_np.state import lens, past_end
 from pallas_np.state.indexing import RefAccess
@@ -64,7 +65,6 @@ def minor_view(x, dim: int, dst) -> np.ndarray:
 
 
 # -- PRNG -----------------------------------------------------------------------
-_PRNG_KEY = "tpu_prng"
 
 
 @registry.register(mp.prng_seed_p, needs_ctx=True, batch=_SEQUENTIAL)
@@ -76,7 +76,7 @@ def _prng_seed(e):
     flat = []
     for s in seeds:
       flat.extend(int(w) for w in np.asarray(s).astype(np.uint32).ravel())
-    ctx.extra[_PRNG_KEY] = np.random.Generator(np.random.Philox(np.random.SeedSequence(flat)))
+    rule_state(ctx).prng = np.random.Generator(np.random.Philox(np.random.SeedSequence(flat)))
     return []
   return seed
 
@@ -88,7 +88,7 @@ def _prng_random_bits(e):
 
 def _prng_random_bits_fn(shape):
   def bits(ctx):
-    gen = ctx.extra.get(_PRNG_KEY)
+    gen = ctx.rules.prng if ctx.rules is not None else None
     if gen is None:
       raise RuntimeError("pltpu.prng_random_bits called before pltpu.prng_seed")
     return gen.integers(0, 1 << 32, size=shape, dtype=np.uint64).astype(
@@ -523,9 +523,9 @@ def _axis_index(e):
   source = e.source
 
   def axis_index(ctx):
-    mesh_axes = ctx.extra.get("mesh_axes")  # a Mosaic GPU mesh kernel's block/warpgroup
-    if mesh_axes is not None and name in mesh_axes:
-      return mesh_axes[name]
+    thread = ctx.family  # a Mosaic GPU mesh kernel's block/warpgroup
+    if thread is not None and name in thread.mesh_axes:
+      return thread.mesh_axes[name]
     if ctx.device is None:
       raise UnsupportedError(
           f"pallas_np: jax.lax.axis_index({name!r}) at {source} needs the device the kernel "

@@ -10,7 +10,7 @@ that races its own DMAs sees the same values as under TPU interpret mode.
 A semaphore is a 0-d cell of an int64 NumPy array (``memory.allocate`` gives
 semaphore scratch int64 so byte counts of DMA semaphores cannot overflow); its
 address identifies it in the per-run table of pending DMAs kept in
-``RunContext.extra``. The interpreter runs one core, so a wait that its queued
+``RunContext.rules``. The interpreter runs one core, so a wait that its queued
 DMAs cannot satisfy can never be satisfied: it raises instead of hanging.
 Between devices (``shard_map``) waits block on the other devices' signals
 and remote DMAs copy at start; see ``pallas_np.devices``.
@@ -20,14 +20,14 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import devices, races
+from pallas_np.kernel_context import rule_state
 
-_STATE_KEY = "tpu_dma"
 
 STARTED, READ, DONE = 0, 1, 2
 
 
 class DmaState:
-  """Per-run DMA bookkeeping (lives in ``RunContext.extra``)."""
+  """Per-run DMA bookkeeping (``RunContext.rules.dma``)."""
   __slots__ = ("tasks", "dmas", "barrier")
 
   def __init__(self):
@@ -37,9 +37,10 @@ class DmaState:
 
 
 def state_of(ctx) -> DmaState:
-  st = ctx.extra.get(_STATE_KEY)
+  rules = rule_state(ctx)
+  st = rules.dma
   if st is None:
-    st = ctx.extra[_STATE_KEY] = DmaState()
+    st = rules.dma = DmaState()
   return st
 
 
@@ -131,7 +132,7 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True
   it, or raises when no device ever can (``pallas_np.devices``)."""
   with devices.lock(ctx):
     if cell[()] < value:
-      st = ctx.extra.get(_STATE_KEY)
+      st = ctx.rules.dma if ctx.rules is not None else None
       queue = st.tasks.get(sem_key(cell)) if st is not None else None
       while cell[()] < value and queue:
         _, task = queue.pop()
@@ -251,7 +252,7 @@ def check_finished(ctx, operands=()):
   it completes at some time after its start; now is one such time). Any other
   pending DMA (a scratch semaphore or destination) can never be waited on:
   it raises."""
-  st = ctx.extra.get(_STATE_KEY)
+  st = ctx.rules.dma if ctx.rules is not None else None
   if st is None:
     return
   pending = [d for d in st.dmas if d.state != DONE]

@@ -363,7 +363,8 @@ def _run_scoped(e):
   eqn = e.eqn
 
   def run_scoped(ctx, *consts):
-    private = ctx.extra.get(PRIVATE_SCOPE_KEY)  # a block of a Mosaic GPU cluster
+    thread = ctx.family  # a block of a Mosaic GPU cluster: its private scope
+    private = thread.private_scope if thread is not None else None
     bufs = fresh() if private is None else private(ctx, eqn, fresh)
     device = ctx.device
     if semaphores and device is not None and device.session is not None:
@@ -393,7 +394,7 @@ if _empty_ref_p is not None:
 def _collective_run_scoped(e, plan, specs, collective, fresh):
   """``pl.run_scoped(..., collective_axes=...)``: the instances that differ
   only along those axes get the same buffers. Only a kernel's executor knows
-  its peers: a Mosaic GPU kernel's warpgroups (``SHARED_SCOPE_KEY``) or a mesh
+  its peers: a Mosaic GPU kernel's warpgroups (``ThreadContext.shared_scope``) or a mesh
   kernel's programs (pallas_np.meshes)."""
   key = id(e.eqn)
   eqn = e.eqn
@@ -402,7 +403,8 @@ def _collective_run_scoped(e, plan, specs, collective, fresh):
   avals = [SimpleNamespace(shape=shape, dtype=dtype) for shape, dtype, _ in specs]
 
   def run_scoped(ctx, *consts):
-    allocate_shared = ctx.extra.get(SHARED_SCOPE_KEY)
+    thread = ctx.family
+    allocate_shared = thread.shared_scope if thread is not None else None
     if allocate_shared is not None:
       return plan(ctx, *consts, *allocate_shared(ctx, eqn, fresh))
     alloc = getattr(ctx.device, "collective_alloc", None)
@@ -413,13 +415,6 @@ def _collective_run_scoped(e, plan, specs, collective, fresh):
           "allocation with here")
     return plan(ctx, *consts, *alloc(key, collective, avals, params))
   return run_scoped
-
-
-# RunContext.extra key of the allocator of collective run_scoped buffers.
-SHARED_SCOPE_KEY = "shared_scope"
-# ... and of private ones, where other programs may reach them (the blocks
-# of a Mosaic GPU cluster reach each other's SMEM).
-PRIVATE_SCOPE_KEY = "private_scope"
 
 
 def scoped_specs(jaxpr, params) -> list[tuple]:
