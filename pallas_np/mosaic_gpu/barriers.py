@@ -48,7 +48,7 @@ def barrier_wait(ctx, bar: threads.Barrier, source: str):
     # JAX's GPU interpreter's words first (its test file checks them): phases
     # counted from 1 there, from 0 in the rest of this message.
     raise ValueError(
-        f"pallas_np: Thread {ctx.extra.get(threads.THREAD_KEY, 0)} is awaiting phase {target}, but barrier is already at phase "
+        f"pallas_np: Thread {ctx.family.thread if ctx.family is not None else 0} is awaiting phase {target}, but barrier is already at phase "
         f"{bar.phase}: {operands.thread_name(ctx)} waits for phase {target - 1} of a barrier "
         f"that has already completed phase {bar.phase - 1} (block {st.block}, at {source}); "
         "a thread that waits on a barrier must observe every phase")
