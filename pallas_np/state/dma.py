@@ -31,7 +31,7 @@ class DmaState:
   __slots__ = ("tasks", "dmas", "barrier")
 
   def __init__(self):
-    self.tasks: dict[int, list] = {}  # semaphore address -> LIFO of callables
+    self.tasks: dict[int, list] = {}  # semaphore address -> FIFO of callables (start order)
     self.dmas: list[Dma] = []  # started, not yet completed
     self.barrier = None
 
@@ -127,7 +127,9 @@ def start(ctx, src, dst, dst_sem, src_sem, *, add, source, nbytes=None):
 
 def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True):
   """Wait until the semaphore reaches ``value`` and decrement it, running
-  queued DMAs (newest first) while it is too low. In a multi-device run
+  queued DMAs (oldest first: a DMA engine completes same-semaphore copies in
+  the order they were started, which library kernels rely on; JAX's TPU
+  interpret mode runs them newest first) while it is too low. In a multi-device run
   (``ctx.device``) a wait still too low blocks until another device signals
   it, or raises when no device ever can (``pallas_np.devices``)."""
   with devices.lock(ctx):
@@ -135,7 +137,7 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True
       st = ctx.rules.dma if ctx.rules is not None else None
       queue = st.tasks.get(sem_key(cell)) if st is not None else None
       while cell[()] < value and queue:
-        _, task = queue.pop()
+        _, task = queue.pop(0)
         task()
       if st is not None:
         st.dmas = [d for d in st.dmas if d.state != DONE]
