@@ -314,25 +314,6 @@ def test_under_jit():
       collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interp)), x)
 
 
-def test_background_mode_switches_after_hot_runs():
-  """The default mode: the NumPy path until the loop ran in HOT_RUNS
-  kernel runs, then a background compile; ``native.wait`` returns once it
-  is done and the next call runs compiled code."""
-  x = jnp.asarray(_rng.integers(1, 40, (2, 128)), jnp.int32) + 1
-  f = pl.pallas_call(collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                     interpret=pallas_np.InterpretParams(native_loops="background"))
-  want = np.asarray(pl.pallas_call(collatz_kernel, out_shape=jax.ShapeDtypeStruct(
-      x.shape, x.dtype), interpret=OFF)(x))
-  compiled = native.stats()["compiled"]
-  for _ in range(native.HOT_RUNS):
-    np.testing.assert_array_equal(np.asarray(f(x)), want)
-  assert native.wait(timeout=120)
-  assert native.stats()["compiled"] == compiled + 1
-  before = native.stats()["native_calls"]
-  np.testing.assert_array_equal(np.asarray(f(x)), want)
-  assert native.stats()["native_calls"] == before + 1
-
-
 def test_numba_not_imported_by_import_or_first_call():
   """numba is imported only when a hot loop compiles: not by ``import
   pallas_np``, nor by the first call of a loop kernel (default mode)."""

@@ -297,11 +297,12 @@ def _dead_stores(prologue, lines) -> list:
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs")
 
-  def __init__(self, text, gen, kinds):
+  def __init__(self, text, gen, kinds, outs):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
     self.kinds, self.written = kinds, gen.written
+    self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 
 def loop_source(eqn, clamp: bool) -> Source:
@@ -330,4 +331,4 @@ def loop_source(eqn, clamp: bool) -> Source:
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
   text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
-  return Source(text, gen, [v.kind for v in ins])
+  return Source(text, gen, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs])
