@@ -47,7 +47,7 @@ def _binary(op):
   return make
 
 
-scalar_op("add")(_binary("+"))
+scalar_op("add", "add_any")(_binary("+"))
 scalar_op("sub")(_binary("-"))
 scalar_op("mul")(_binary("*"))
 
