@@ -22,6 +22,7 @@ SWITCHES = {
     "PALLAS_NP_NATIVE_LOOPS": "hot loops may be compiled with numba; default on",
     "PALLAS_NP_STRICT_FALLBACKS": "a fast path failing where the grid loop succeeds raises; default off",
     "PALLAS_NP_TUNE_MALLOC": "raise glibc's malloc thresholds at the first kernel plan; default off",
+    "PALLAS_NP_GC_PAUSE": "automatic garbage collection paused during a kernel's first call; default on",
 }
 
 
