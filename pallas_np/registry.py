@@ -226,6 +226,8 @@ def attach_native(prim, native) -> None:
   rule of ``prim`` — a primitive, or a primitive's name for every primitive
   of that name — registered now or later (the native package's modules
   are imported before most rules are registered)."""
+  if _NATIVE.get(prim, native) is not native:
+    raise ValueError(f"a second native emitter or refusal for {prim!r}")
   _NATIVE[prim] = native
   for p, rule in list(_RULES.items()):
     if (p is prim or p.name == prim) and rule.native is None:

@@ -69,6 +69,31 @@ def _mixins(cc, cache_dir, build_dir):
   return sorted(glob.glob(os.path.join(mix_dir, "*.o")))
 
 
+def _external(symbol: str, ir: str):
+  """A float32 -> float32 function the generated code calls by the name
+  ``_ext_<symbol>``: a call of ``symbol``, whose IR module (``ir``) is
+  linked into the library the call is compiled into (once per library)."""
+  import llvmlite.binding as llvm
+  import llvmlite.ir as lir
+  from numba import types
+  from numba.core import cgutils
+  from numba.extending import intrinsic
+  linked = set()
+
+  @intrinsic
+  def call(typingctx, x):
+    def codegen(context, builder, signature, args):
+      library = context.active_code_library
+      if id(library) not in linked:
+        library.add_llvm_module(llvm.parse_assembly(ir))
+        linked.add(id(library))
+      fnty = lir.FunctionType(lir.FloatType(), [lir.FloatType()])
+      fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
+      return builder.call(fn, args)
+    return types.float32(types.float32), codegen
+  return call
+
+
 def build(job: dict) -> None:
   import numba
   import numpy as np
@@ -82,6 +107,8 @@ def build(job: dict) -> None:
     for k in consts.files:
       v = consts[k]
       scope[k] = v[()] if v.ndim == 0 else v
+  for symbol, ir in (job.get("externals") or {}).items():
+    scope[f"_ext_{symbol}"] = _external(symbol, ir)
   with open(job["src"]) as f:
     exec(compile(f.read(), job["src"], "exec"), scope)  # noqa: S102 - our generated code
   args = tuple(_types(numba, d) for d in job["args"])

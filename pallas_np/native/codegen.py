@@ -121,6 +121,9 @@ class Gen:
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
+    # Functions the code calls that are linked in from LLVM IR (XLA's float
+    # formulas, transcendental.py): their symbol -> IR.
+    self.externals: dict = {}
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.
     self.fuse = None
@@ -201,6 +204,12 @@ class Gen:
       yield
     finally:
       self.depth -= 1
+
+  def external(self, symbol: str, ir: str) -> str:
+    """The name by which the generated code calls ``symbol``, a float32
+    function defined by ``ir`` (linked into the compiled loop)."""
+    self.externals[symbol] = ir
+    return f"_ext_{symbol}"
 
   def constant(self, value, dt: np.dtype) -> Val:
     name = self.fresh("K")
@@ -303,11 +312,11 @@ def _dead_stores(prologue, lines) -> list:
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals")
 
   def __init__(self, text, gen, kinds, outs):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
-    self.kinds, self.written = kinds, gen.written
+    self.kinds, self.written, self.externals = kinds, gen.written, gen.externals
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 

@@ -37,7 +37,7 @@ from pallas_np.native.aot_worker import MODULE
 ENV = "PALLAS_NP_NATIVE_CACHE"
 OFF_VALUES = ("off", "0", "none", "false", "no")
 # Bumped whenever the generated code's calling convention changes.
-FORMAT = 1
+FORMAT = 2
 
 _dir: list = []
 
@@ -79,10 +79,12 @@ def directory() -> str:
   return path
 
 
-def key(text: str, constants: dict, args, ret) -> str:
-  """The library's name: a hash of what its machine code depends on."""
+def key(text: str, constants: dict, args, ret, externals=None) -> str:
+  """The library's name: a hash of what its machine code depends on (the
+  IR of the functions it links in included)."""
   h = hashlib.sha256()
-  h.update(f"{FORMAT}\n{text}\n{args!r}\n{ret!r}\n".encode())
+  h.update(f"{FORMAT}\n{text}\n{args!r}\n{ret!r}\n{sorted((externals or {}).items())!r}\n"
+           .encode())
   for name in sorted(constants):
     v = np.asarray(constants[name])
     h.update(f"{name}:{v.dtype.str}:{v.shape}:".encode())
@@ -117,6 +119,13 @@ def load(path: str):
     return None
   loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
   spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
-  module = importlib.util.module_from_spec(spec)
-  loader.exec_module(module)
+  try:
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+  except ImportError as e:  # (a broken library: built again under a new name, never used)
+    raise LoadError(f"{path}: {e}") from e
   return module.native_loop
+
+
+class LoadError(Exception):
+  """A library on disk could not be loaded."""

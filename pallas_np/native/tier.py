@@ -138,6 +138,7 @@ def _work():
             _state["compiling"] -= 1
     except Exception as e:  # noqa: BLE001 - the NumPy path stays
       _state["failed"] += 1
+      loop.phase = "done"
       log.debug("pallas_np: native loop failed: %r", e)
     finally:
       with _cond:
@@ -247,9 +248,9 @@ class NativeLoop:
       self.phase = "done"
       log.debug("pallas_np: loop not compiled natively (%s)", e)
       return
-    k = disk_cache.key(src.text, src.globals, args, ret)
+    k = disk_cache.key(src.text, src.globals, args, ret, src.externals)
     self.src, self.guard = src, guard
-    self.job = {"key": k, "args": args, "ret": ret}
+    self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
     fn = _loaded.get(k)
     if fn is not None:
       _state["reused"] += 1
@@ -274,7 +275,8 @@ class NativeLoop:
       if fn is None:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
         reply = _compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
-                                 "ret": self.job["ret"], "out": path})
+                                 "ret": self.job["ret"], "externals": self.job["externals"],
+                                 "out": path})
         if not reply.get("ok"):
           _state["failed"] += 1
           self.phase = "done"
@@ -305,16 +307,25 @@ class NativeLoop:
       self._prepare(args)
       self.phase = "lookup"
       if self.sync:
-        self.lookup()
+        self._guarded(self.lookup)
       else:
         _submit(self, "lookup")
     if self.phase == "priced" and (self.sync or (
         self.runs >= HOT_RUNS and self.spent >= COMPILE_WEIGHT * self.price)):
       self.phase = "building"
       if self.sync:
-        self.build()
+        self._guarded(self.build)
       else:
         _submit(self, "build")
+
+  def _guarded(self, step) -> None:
+    """``step`` in the caller (``"sync"``): a failure leaves the NumPy path."""
+    try:
+      step()
+    except Exception as e:  # noqa: BLE001 - the NumPy path stays
+      _state["failed"] += 1
+      self.phase = "done"
+      log.debug("pallas_np: native loop failed: %r", e)
 
   def _prepare(self, args) -> None:
     if self.in_batched is not None:  # (each lane runs on its lane's views)
