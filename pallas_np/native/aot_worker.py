@@ -119,6 +119,7 @@ def build(job: dict) -> None:
   build_dir = tempfile.mkdtemp(prefix="pallas_np-native-")
   try:
     cc = CC(MODULE)
+    cc.target_cpu = "host"  # (the cache directory is per CPU: disk_cache)
     cc.output_dir = build_dir
     cc.output_file = "loop.so"
     cc.export("native_loop", ret(*args))(scope["native_loop"])

@@ -11,7 +11,8 @@ built for:
   ``$PALLAS_NP_NATIVE_CACHE`` if set (``off``/``0``/``none``: nothing is
   kept, the libraries of this process go to a temporary directory removed
   at exit), else ``$XDG_CACHE_HOME/pallas_np/native`` or
-  ``~/.cache/pallas_np/native``; then ``<python tag>-<machine>-numba<version>``.
+  ``~/.cache/pallas_np/native``; then ``<python tag>-<machine>-<CPU id>-numba<version>``
+  (libraries are built for the host CPU).
 
 Loading a library costs a ``dlopen`` (under a millisecond) and needs
 neither numba nor a compile: a second process (a re-run test suite) runs a
@@ -55,6 +56,21 @@ def _numba_version() -> str:
   return str(int(os.stat(spec.origin).st_mtime))
 
 
+def _cpu() -> str:
+  """A short id of this CPU's model and features: libraries are built for
+  the host CPU (its vector instructions), so a cache directory shared by
+  machines (a network home) keeps one set per CPU."""
+  text = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = f.read(1 << 16)
+    text = "\n".join(l for l in info.splitlines()
+                     if l.startswith(("model name", "flags", "Features", "CPU part")))[:8192]
+  except OSError:
+    pass
+  return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def enabled() -> bool:
   """Whether compiled loops persist across processes."""
   return os.environ.get(ENV, "").strip().lower() not in OFF_VALUES
@@ -69,7 +85,8 @@ def directory() -> str:
     root = os.environ.get(ENV, "").strip() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "pallas_np", "native")
-    tag = f"{sys.implementation.cache_tag}-{platform.machine()}-numba{_numba_version()}"
+    tag = (f"{sys.implementation.cache_tag}-{platform.machine()}-{_cpu()}"
+           f"-numba{_numba_version()}")
     path = os.path.join(root, tag)
     os.makedirs(path, exist_ok=True)
   else:
