@@ -89,6 +89,8 @@ def summary(r) -> dict:
   s["post"] = statistics.median(t[-20:]) if t else None
   s["first"] = r["first"]
   s["calls"] = len(t)
+  n = r["native"]
+  s["native"] = f"{n['compiled']} compiled ({n['disk_hits']} from disk), {n['native_calls']} calls"
   return s
 
 
@@ -110,21 +112,32 @@ def main(argv=None):
     print(json.dumps(child(kernel, mode, int(calls), float(seconds))))
     return
   rows = []
-  for kernel in a.kernels.split(","):
-    cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
-    try:
+  # One cache directory for the run: pycc's C helpers (built once per
+  # machine, ~10 s) are paid by the first kernel's cold run only; each
+  # kernel's loops are new to it.
+  cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
+  try:
+    for kernel in a.kernels.split(","):
       res = {m: summary(run_child(kernel, m, a.calls, a.seconds, cache)) for m in MODES}
-    finally:
-      shutil.rmtree(cache, ignore_errors=True)
-    base = res["interpret"]
-    print(f"\n{kernel}: ms per call (ratio to interpret=True)")
-    for m in MODES:
-      s = res[m]
-      print(f"  {m:10s} first {s['first'] * 1e3:8.0f} ms | " + " | ".join(
-          f"N={n} {fmt(s[f'n{n}'], base[f'n{n}'])}" for n in NS)
-          + f" | first {WINDOW} s ({s['window_calls']} calls) {fmt(s['window'], base['window'])}"
-          + f" | post {fmt(s['post'], base['post'])}", flush=True)
-    rows.append((kernel, res))
+      report_kernel(kernel, res)
+      rows.append((kernel, res))
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+  totals(rows)
+
+
+def report_kernel(kernel, res):
+  base = res["interpret"]
+  print(f"\n{kernel}: ms per call (ratio to interpret=True)")
+  for m in MODES:
+    s = res[m]
+    print(f"  {m:10s} first {s['first'] * 1e3:8.0f} ms | " + " | ".join(
+        f"N={n} {fmt(s[f'n{n}'], base[f'n{n}'])}" for n in NS)
+        + f" | first {WINDOW} s ({s['window_calls']} calls) {fmt(s['window'], base['window'])}"
+        + f" | post {fmt(s['post'], base['post'])} | native {s['native']}", flush=True)
+
+
+def totals(rows):
   for m in ("tier_cold", "tier_warm", "off"):
     ws = [r[m]["window"] / r["interpret"]["window"] for _, r in rows]
     print(f"geomean first {WINDOW} s, {m}: {math.exp(statistics.fmean(map(math.log, ws))):.2f}")
