@@ -137,6 +137,12 @@ def build(job: dict) -> None:
 
 
 def main() -> None:
+  # Lowest CPU priority: on a machine with no idle core the build waits
+  # for the caller, not the other way round.
+  try:
+    os.nice(19)
+  except (AttributeError, OSError):
+    pass
   # The protocol keeps the original stdout; everything else written to
   # fd 1 (distutils' log, the C compiler) goes to stderr.
   proto = os.fdopen(os.dup(1), "w")

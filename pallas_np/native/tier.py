@@ -48,9 +48,12 @@ ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 # up on disk (what that costs the caller: ~1-20 ms of the tier thread's
 # Python, plus a dlopen on a hit).
 LOOKUP_PRICE = 0.02
-# A build runs in another process: it costs the caller only when the
-# machine has no idle core. Its price counts at this weight (1.0 on one core).
-COMPILE_WEIGHT = 0.1 if (os.cpu_count() or 1) > 1 else 1.0
+# A build runs in another process, at the lowest CPU priority: it costs the
+# caller only when the machine has no idle core. Its price counts at this
+# weight, BUSY_FACTOR times more (in full) when the load average leaves no
+# core idle or there is one core.
+COMPILE_WEIGHT = 0.1
+BUSY_FACTOR = 10.0
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
@@ -163,6 +166,16 @@ def price(lines: int) -> float:
     return max(sorted(_builds)[len(_builds) // 2], BASE_PRICE * 0.5) + LINE_PRICE * lines * 0.5
   mixins = not os.path.isdir(os.path.join(disk_cache.directory(), "mixins"))
   return START_PRICE + BASE_PRICE + LINE_PRICE * lines + (MIXIN_PRICE if mixins else 0.0)
+
+
+def weight() -> float:
+  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
+  cpus = os.cpu_count() or 1
+  try:
+    busy = os.getloadavg()[0] > cpus - 1
+  except (AttributeError, OSError):
+    busy = False
+  return COMPILE_WEIGHT * (BUSY_FACTOR if cpus == 1 or busy else 1.0)
 
 
 def _layouts(args) -> tuple:
@@ -311,7 +324,7 @@ class NativeLoop:
       else:
         _submit(self, "lookup")
     if self.phase == "priced" and (self.sync or (
-        self.runs >= HOT_RUNS and self.spent >= COMPILE_WEIGHT * self.price)):
+        self.runs >= HOT_RUNS and self.spent >= weight() * self.price)):
       self.phase = "building"
       if self.sync:
         self._guarded(self.build)
