@@ -68,15 +68,31 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   return {"first": first, "times": times, "native": stats}
 
 
-def run_child(kernel, mode, calls, seconds, cache_dir) -> dict:
+def start_child(kernel, mode, calls, seconds, cache_dir):
   env = dict(os.environ, PALLAS_NP_PROGRESS="0", JAX_PLATFORMS="cpu",
              PALLAS_NP_NATIVE_CACHE=cache_dir)
-  out = subprocess.run(
+  return subprocess.Popen(
       [sys.executable, os.path.abspath(__file__), "--child", kernel, mode, str(calls),
-       str(seconds)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=seconds + 600)
-  if out.returncode:
-    raise RuntimeError(f"{kernel}/{mode} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+       str(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      cwd=ROOT)
+
+
+def finish_child(proc, what) -> dict:
+  out, err = proc.communicate(timeout=1800)
+  if proc.returncode:
+    raise RuntimeError(f"{what} failed:\n{err[-3000:]}")
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
+  """Each group of modes in ``pairs`` runs at the same time (one process
+  each): a load that changes while the benchmark runs hits both alike."""
+  res = {}
+  for group in pairs:
+    procs = {m: start_child(kernel, m, calls, seconds, cache_dir) for m in group}
+    for m, p in procs.items():
+      res[m] = summary(finish_child(p, f"{kernel}/{m}"))
+  return res
 
 
 def summary(r) -> dict:
@@ -107,6 +123,9 @@ def main(argv=None):
   ap.add_argument("--kernels", default=",".join(LOOP_KERNELS))
   ap.add_argument("--calls", type=int, default=1000)
   ap.add_argument("--seconds", type=float, default=30.0, help="cap per process")
+  ap.add_argument("--side-by-side", action="store_true",
+                  help="run tier (cold) beside off, then tier (warm) beside interpret=True, "
+                       "at the same time (a loaded machine: both meet the same load)")
   ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
@@ -120,7 +139,9 @@ def main(argv=None):
   cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
   try:
     for kernel in a.kernels.split(","):
-      res = {m: summary(run_child(kernel, m, a.calls, a.seconds, cache)) for m in MODES}
+      pairs = ([("tier_cold", "off"), ("tier_warm", "interpret")] if a.side_by_side
+               else [(m,) for m in MODES])
+      res = run_modes(kernel, a.calls, a.seconds, cache, pairs)
       report_kernel(kernel, res)
       rows.append((kernel, res))
   finally:

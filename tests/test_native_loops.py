@@ -385,3 +385,24 @@ def test_exp_log_tanh_bit_exact():
   three_ways(lambda interp: pl.pallas_call(
       transcendental_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       interpret=interp), jnp.asarray(x))
+
+
+def broadcast_to_kernel(x_ref, o_ref):
+  """``state.primitives.broadcast_to`` (what Triton-style kernels emit):
+  right-aligned, from a row, a column and a scalar."""
+  from pallas_np import _compat as jc  # (the primitive is internal to JAX)
+  bt = jc.state_primitives.broadcast_to
+
+  def body(i, x):
+    row = bt(x[0], (8, 128))                  # (128,) -> (8, 128)
+    col = bt(x[:, :1], (8, 128))              # (8, 1) -> (8, 128)
+    s = bt(x[1, 2] * 0 + i, (8, 128))         # scalar -> (8, 128)
+    return row * 3 + col - s
+  o_ref[...] = lax.fori_loop(0, 3, body, x_ref[...])
+
+
+def test_state_broadcast_to():
+  x = jnp.asarray(_rng.integers(-50, 50, (8, 128)), jnp.int32)
+  three_ways(lambda interp: pl.pallas_call(
+      broadcast_to_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      interpret=interp), x)

@@ -34,7 +34,7 @@ _REASONS = {
     "packing)": (
         "gather", "scatter", "scatter-add", "scatter-max", "scatter-min", "scatter-mul",
         "scatter-sub", "pad", "roll", "split", "stack", "bitcast", "bitcast_convert_type",
-        "broadcast_to", "copy", "zeros_like", "empty", "pack", "unpack", "pack_elementwise",
+        "copy", "zeros_like", "empty", "pack", "unpack", "pack_elementwise",
         "unpack_elementwise", "population_count", "clz", "mulhi", "iota_2x32_shape",
         "eq_to", "le_to", "lt_to"),
     "complex numbers": ("complex", "conj", "real", "imag"),

@@ -319,3 +319,24 @@ def _tile(gen, eqn, ins):
   strides = _strides(x.shape)
   return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
       (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]
+
+
+@register("broadcast_to")
+def _broadcast_to_state(gen, eqn, ins):
+  """``state.primitives.broadcast_to`` (Triton-style kernels): NumPy's
+  right-aligned broadcast, the operand's shape padded with leading unit
+  dims (the NumPy rule's ``broadcast_to_geometry``)."""
+  x = ins[0]
+  shape = tuple(eqn.params["shape"])
+  if x.kind == "r":
+    raise Refused("broadcast_to of a ref")
+  if x.kind == "s":
+    if not shape:
+      return [x]
+    out = gen.array(shape, x.dtype)
+    gen.elementwise(out, lambda: x.name)
+    return [out]
+  if len(x.shape) > len(shape):
+    raise Refused("broadcast_to a lower rank")
+  v = retarget(gen, x, (1,) * (len(shape) - len(x.shape)) + x.shape)
+  return [v if v.shape == shape else broadcast_to(gen, v, shape)]

@@ -102,8 +102,13 @@ class _Compiler:
 
   def __init__(self):
     self.proc = None
+    self.lock = threading.Lock()  # (the tier thread, and callers in "sync" mode)
 
   def build(self, job: dict) -> dict:
+    with self.lock:
+      return self._build(job)
+
+  def _build(self, job: dict) -> dict:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
           [sys.executable, "-I", aot_worker.__file__], stdin=subprocess.PIPE,
