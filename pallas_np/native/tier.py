@@ -301,6 +301,8 @@ class NativeLoop:
           log.debug("pallas_np: native loop build failed: %s", reply.get("error"))
           return
         fn = disk_cache.load(path)
+        if fn is None:
+          raise disk_cache.LoadError(f"{path}: not written by its build")
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
