@@ -31,7 +31,7 @@ _resume = [False]  # whether the outermost one turned the collector off
 @contextlib.contextmanager
 def first_call():
   """The automatic collector off while the block runs (see the module doc)."""
-  if not env_switch(ENV, True):
+  if not env_switch("PALLAS_NP_GC_PAUSE", True):
     yield
     return
   with _lock:

@@ -406,3 +406,29 @@ def test_state_broadcast_to():
   three_ways(lambda interp: pl.pallas_call(
       broadcast_to_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       interpret=interp), x)
+
+
+def int_dot_kernel(a_ref, b_ref, c_ref, o_ref, w_ref):
+  """Integer dot_generals in a loop: int8 x int8 -> int32, int32 x int32
+  wrapping (a transposed contraction), a batched one, uint8 -> uint32."""
+  def body(i, acc):
+    a, b = a_ref[...], b_ref[...]
+    p = jnp.dot(a, b, preferred_element_type=jnp.int32)                   # (16, 8)
+    big = c_ref[...] * (i + 7919)
+    q = lax.dot_general(big, big, (((1,), (1,)), ((), ())))                # (16, 16) wraps
+    r = lax.dot_general(a.reshape(2, 8, 32), jnp.concatenate([b[None], (b * 3)[None]]),
+                        (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.int32)
+    u = jnp.dot(a.astype(jnp.uint8), b.astype(jnp.uint8), preferred_element_type=jnp.uint32)
+    return acc + p + q[:, :8] + r.reshape(16, 8) + u.astype(jnp.int32)
+  o_ref[...] = lax.fori_loop(0, 2, body, jnp.zeros((16, 8), jnp.int32))
+  w_ref[...] = jnp.zeros_like(w_ref)
+
+
+def test_integer_dot_general_bit_exact():
+  a = jnp.asarray(_rng.integers(-128, 128, (16, 32)), jnp.int8)
+  b = jnp.asarray(_rng.integers(-128, 128, (32, 8)), jnp.int8)
+  c = jnp.asarray(_rng.integers(-2**31, 2**31, (16, 24), dtype=np.int64).astype(np.int32))
+  three_ways(lambda interp: pl.pallas_call(
+      int_dot_kernel, out_shape=(jax.ShapeDtypeStruct((16, 8), jnp.int32),
+                                 jax.ShapeDtypeStruct((1,), jnp.int32)),
+      interpret=interp), a, b, c)

@@ -137,12 +137,14 @@ def build(job: dict) -> None:
 
 
 def main() -> None:
-  # Lowest CPU priority: on a machine with no idle core the build waits
-  # for the caller, not the other way round.
-  try:
-    os.nice(19)
-  except (AttributeError, OSError):
-    pass
+  # Lowest CPU priority (background builds): on a machine with no idle core
+  # the build waits for the caller, not the other way round. A build the
+  # caller waits for ("sync") runs in a process at normal priority.
+  if "--nice" in sys.argv:
+    try:
+      os.nice(19)
+    except (AttributeError, OSError):
+      pass
   # The protocol keeps the original stdout; everything else written to
   # fd 1 (distutils' log, the C compiler) goes to stderr.
   proto = os.fdopen(os.dup(1), "w")

@@ -100,9 +100,10 @@ class _Compiler:
   """The compile process (``aot_worker``), started on the first build and
   kept: it exits at the end of its input, when this process exits."""
 
-  def __init__(self):
+  def __init__(self, nice: bool):
     self.proc = None
-    self.lock = threading.Lock()  # (the tier thread, and callers in "sync" mode)
+    self.nice = nice
+    self.lock = threading.Lock()  # (one build at a time on the pipe)
 
   def build(self, job: dict) -> dict:
     with self.lock:
@@ -111,7 +112,8 @@ class _Compiler:
   def _build(self, job: dict) -> dict:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
-          [sys.executable, "-I", aot_worker.__file__], stdin=subprocess.PIPE,
+          [sys.executable, "-I", aot_worker.__file__, *(["--nice"] if self.nice else [])],
+          stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
     try:
       self.proc.stdin.write(json.dumps(job) + "\n")
@@ -127,7 +129,8 @@ class _Compiler:
     return reply
 
 
-_compiler = _Compiler()
+_compiler = _Compiler(nice=True)  # background builds
+_sync_compiler = _Compiler(nice=False)  # builds a caller waits for ("sync")
 
 
 def _work():
@@ -292,9 +295,10 @@ class NativeLoop:
       fn = disk_cache.load(path)
       if fn is None:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
-        reply = _compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
-                                 "ret": self.job["ret"], "externals": self.job["externals"],
-                                 "out": path})
+        compiler = _sync_compiler if self.sync else _compiler
+        reply = compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
+                                "ret": self.job["ret"], "externals": self.job["externals"],
+                                "out": path})
         if not reply.get("ok"):
           _state["failed"] += 1
           self.phase = "done"
