@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_np import _compat as jc
-from pallas_np import fp_state, kernel_family, lru, meshes
+from pallas_np import fp_state, gc_pause, kernel_family, lru, meshes
 from pallas_np.compiler import Compiler, RunContext, sourcemap
 from pallas_np.grid import KernelPlan
 from pallas_np.grid.plan_key import structural_key
@@ -63,8 +63,9 @@ def get_kernel_plan(params: dict, interp: InterpretParams) -> KernelPlan:
   skey = None if skey is None else (skey, jc.debug_checks_enabled())
   plan = None if skey is None else _structural_plans.get((skey, interp))
   if plan is None:
-    plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
-                                        if k != "interpret"})
+    with gc_pause.first_call():
+      plan = KernelPlan(params=interp, **{k: v for k, v in params.items()
+                                          if k != "interpret"})
     if skey is not None:
       _structural_plans.put((skey, interp), plan)
   _plan_cache.put(key, ((params["jaxpr"], params["grid_mapping"]), plan))
@@ -185,8 +186,10 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
       if sig is not None:
         run = fast.peek(sig)
         if run is None:
-          run = eager_entry(jax_fn, interp, args).runner(args)
-          fast.put(sig, run)
+          with gc_pause.first_call():  # (the trace, plans and first run)
+            run = eager_entry(jax_fn, interp, args).runner(args)
+            fast.put(sig, run)
+            return run(args)
         return run(args)
     elif not is_numpy_mode(forced):
       # Another interpret mode is forced (pltpu.force_tpu_interpret_mode):
@@ -389,9 +392,10 @@ def eager_entry(jax_fn, interp, args) -> EagerEntry:
   key = (jax_fn, treedef, avals, interp)
   entry = _eager_cache.get(key)
   if entry is None:
-    traced = jc.jit_trace(jax_fn, args)
-    entry = EagerEntry(EagerPlan(traced.jaxpr, interp),
-                       jax.tree_util.tree_structure(traced.out_info))
+    with gc_pause.first_call():
+      traced = jc.jit_trace(jax_fn, args)
+      entry = EagerEntry(EagerPlan(traced.jaxpr, interp),
+                         jax.tree_util.tree_structure(traced.out_info))
     _eager_cache.put(key, entry)
   return entry
 

@@ -23,6 +23,7 @@ SWITCHES = {
     "PALLAS_NP_STRICT_FALLBACKS": "a fast path failing where the grid loop succeeds raises; default off",
     "PALLAS_NP_TUNE_MALLOC": "raise glibc's malloc thresholds at the first kernel plan; default off",
     "PALLAS_NP_LIBM_CACHE": "compiled float loops cached on disk (primitives/libm_cache.py); default on",
+    "PALLAS_NP_GC_PAUSE": "automatic garbage collection paused during a kernel's first call; default on",
 }
 
 

@@ -86,9 +86,10 @@ class InterpretParams:
       pallas_np.tracing).
     native_loops: hot ``while``/``fori_loop`` loops compiled to machine code
       with numba (pallas_np.native; same bits and errors as the NumPy path):
-      ``"background"`` (default): a loop that ran in ``native.HOT_RUNS`` (3)
-      kernel runs is compiled on a background thread and used once ready;
-      ``"sync"``: compiled at its first run, in the caller; ``"off"``: never.
+      ``"background"`` (default): a loop whose NumPy path has cost enough
+      (its build's weighted price) is built in a compile process and used once
+      ready, or loaded from the disk cache (``PALLAS_NP_NATIVE_CACHE``);
+      ``"sync"``: built at its first run, the caller waiting; ``"off"``: never.
       ``PALLAS_NP_NATIVE_LOOPS=0`` turns it off everywhere. Never under
       ``pdb``, ``detect_races``, ``explain``, ``check_avals`` or ``trace``.
     loop_watchdog_s: wall-clock seconds one execution of a ``while_loop``

@@ -31,6 +31,13 @@ sequential rule, batched rule and properties sit together:
   keep lanes first for it).
 * ``data_movement``: float outputs only hold bitwise copies of elements of
   float operands (an output can hold a zero only if an operand does).
+* ``native``: the primitive in a loop compiled by the native tier
+  (``pallas_np.native``): its emitter ``emit(gen, eqn, ins) -> outs``
+  (``native/codegen.py``), or ``native_refused(why)``: never compiled (a
+  loop holding it keeps its NumPy path), with the reason. The native
+  package attaches its emitters with ``attach_native`` (its modules are
+  imported before most rules are registered); every registered rule has
+  one or the other (``tests/test_native_registry.py``).
 """
 from __future__ import annotations
 
@@ -53,6 +60,19 @@ class Rule:
   context_free: bool = False
   gemm: bool = False
   data_movement: bool = False
+  native: Any = None
+
+
+class native_refused:
+  """``native=native_refused(why)``: the native tier never compiles this
+  primitive (a loop holding it runs its NumPy path), for the reason ``why``."""
+  __slots__ = ("why",)
+
+  def __init__(self, why: str):
+    self.why = why
+
+  def __repr__(self):
+    return f"native_refused({self.why!r})"
 
 
 class BatchKind:
@@ -155,25 +175,27 @@ def const_specialised(fn: Callable, specialise: Callable) -> Callable:
 
 
 def register(prim, *, needs_ctx: bool = False, foldable: bool = True, batch=None,
-             context_free: bool = False, gemm: bool = False, data_movement: bool = False):
+             context_free: bool = False, gemm: bool = False, data_movement: bool = False,
+             native=None):
   """Decorates ``compile(e: EqnInfo) -> callable``: the primitive's rule,
   registered with its properties (see the module docstring)."""
   def deco(compile_fn):
     _store(prim, Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
-                      context_free, gemm, data_movement))
+                      context_free, gemm, data_movement, native))
     return compile_fn
   return deco
 
 
 def register_numpy(prim, fn: Callable, *, foldable: bool = True, batch=None,
-                   data_movement: bool = False):
-  _store(prim, Rule(lambda e: fn, False, foldable, batch, data_movement=data_movement))
+                   data_movement: bool = False, native=None):
+  _store(prim, Rule(lambda e: fn, False, foldable, batch, data_movement=data_movement,
+                    native=native))
   return fn
 
 
 def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
                   foldable: bool = True, batch=None, context_free: bool = False,
-                  gemm: bool = False, data_movement: bool = False):
+                  gemm: bool = False, data_movement: bool = False, native=None):
   params = tuple(params)
 
   def deco(fn):
@@ -184,20 +206,46 @@ def register_impl(prim, params: Sequence[str] = (), *, needs_ctx: bool = False,
         bound = {p: e.params[p] for p in params}
         return lambda *args: fn(*args, **bound)
     _store(prim, Rule(compile_fn, needs_ctx, foldable and not needs_ctx, batch,
-                      context_free, gemm, data_movement))
+                      context_free, gemm, data_movement, native))
     return fn
   return deco
+
+
+def _put(prim, rule: Rule) -> None:
+  """Store ``rule``, with the native emitter attached to ``prim`` (or its
+  name) when the rule does not name one itself."""
+  if rule.native is None:
+    native = _NATIVE.get(prim, _NATIVE.get(getattr(prim, "name", None)))
+    if native is not None:
+      rule = dataclasses.replace(rule, native=native)
+  _RULES[prim] = rule
+
+
+def attach_native(prim, native) -> None:
+  """Set the ``native`` field (an emitter or ``native_refused``) of the
+  rule of ``prim`` — a primitive, or a primitive's name for every primitive
+  of that name — registered now or later (the native package's modules
+  are imported before most rules are registered)."""
+  if _NATIVE.get(prim, native) is not native:
+    raise ValueError(f"a second native emitter or refusal for {prim!r}")
+  _NATIVE[prim] = native
+  for p, rule in list(_RULES.items()):
+    if (p is prim or p.name == prim) and rule.native is None:
+      _RULES[p] = dataclasses.replace(rule, native=native)
+
+
+_NATIVE: dict = {}  # primitive or name -> native emitter / native_refused
 
 
 def _store(prim, rule: Rule) -> None:
   """Register ``rule``; a ``LazyPrimitive`` key (a Triton primitive named
   before JAX's module is imported) waits until that module is imported."""
   if not isinstance(prim, jc.LazyPrimitive):
-    _RULES[prim] = rule
+    _put(prim, rule)
     return
   real = prim.resolve()
   if real is not None:
-    _RULES[real] = rule
+    _put(real, rule)
     return
   if not any(p.module == prim.module for p, _ in _LAZY):
     jc.on_first_use(prim.module, _resolve_lazy)
@@ -213,7 +261,7 @@ def _resolve_lazy() -> None:
     if real is not None or entry[0].module in sys.modules:
       _LAZY.remove(entry)
       if real is not None:
-        _RULES[real] = entry[1]
+        _put(real, entry[1])
 
 
 def lookup(prim) -> Rule | None:

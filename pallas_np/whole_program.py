@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import kernel_family
+from pallas_np import gc_pause, kernel_family
 from pallas_np.api import (PLAN_CACHE_SIZE, EagerPlan, eager_call, is_concrete,
                            force_numpy_interpret)
 from pallas_np.lru import LRU
@@ -107,11 +107,13 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
     return jax_impl(*args, jaxpr=jaxpr, **jit_params)
   key = (id(jaxpr), forced)
   hit = _routes.peek(key)
-  if hit is None or hit[0] is not jaxpr:
+  first = hit is None or hit[0] is not jaxpr
+  if first:
     kernels = _kernel_interprets(jaxpr.jaxpr)
     if not kernels:  # not ours; XLA's C++ cache keeps it from coming back
       return jax_impl(*args, jaxpr=jaxpr, **jit_params)
-    hit = (jaxpr, _route(jaxpr, jit_params, forced, kernels))
+    with gc_pause.first_call():
+      hit = (jaxpr, _route(jaxpr, jit_params, forced, kernels))
     _routes.put(key, hit)
   eager_plan = hit[1]
   if eager_plan is None:
@@ -119,7 +121,11 @@ def _eager_jit_call(jax_impl, *args, jaxpr, **jit_params):
   for a in args:
     if not _on_cpu(a):
       return jax_impl(*args, jaxpr=jaxpr, **jit_params)
-  outs = eager_plan.run(args, own_outputs=True)
+  if first:  # (its plans' first run compiles them)
+    with gc_pause.first_call():
+      outs = eager_plan.run(args, own_outputs=True)
+  else:
+    outs = eager_plan.run(args, own_outputs=True)
   return eager_plan.jax_outputs(outs), None, None, []
 
 

@@ -4,9 +4,11 @@ one ``numba.njit`` function that runs the whole loop.
 Every value of the loop's jaxprs gets a local variable of the generated
 function: a 0-d value is a scalar of its exact dtype, an array a flat
 C-contiguous 1-d array (its shape is known here, statically), a ref the
-N-d array the kernel passed. Each eqn is one emitter from ``EMITTERS``
-(registered per primitive family in ``elementwise``, ``shapes``, ``refs``
-and ``control``) writing explicit per-element loops into a fresh array;
+N-d array the kernel passed. Each eqn is its primitive's emitter, the
+``native`` field of its rule in the registry (attached per primitive
+family by ``elementwise``, ``shapes``, ``refs``, ``control`` and
+``transcendental``; ``refusals`` marks the rest), writing explicit
+per-element loops into a fresh array;
 every scalar result is cast to its dtype right away (numba widens int32
 arithmetic to int64, and float32 must stay float32), and never with
 ``fastmath``. Values are never written after they are computed (a
@@ -27,15 +29,13 @@ import re
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np import registry
 from pallas_np.compiler import INLINE_CALLS
 from pallas_np.dtypes import np_dtype
 
 SUPPORTED = frozenset(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
     np.uint64, np.float32, np.float64))
-
-EMITTERS: dict = {}  # primitive name -> emit(gen, eqn, ins: list[Val]) -> list[Val]
-
 
 # Values one fused elementwise loop holds: numba's compile time grows
 # faster than linearly with the size of one loop body.
@@ -51,13 +51,25 @@ class Refused(Exception):
   """This loop is not compiled (it keeps running on the NumPy path)."""
 
 
-def register(*names):
-  """Register an emitter for the primitives ``names``."""
+def register(*prims):
+  """Attach ``fn`` as the native emitter of ``prims`` (primitives, or
+  names for every primitive of that name) to their rules in the registry."""
   def deco(fn):
-    for n in names:
-      EMITTERS[n] = fn
+    for p in prims:
+      registry.attach_native(p, fn)
     return fn
   return deco
+
+
+def emitter(prim):
+  """The native emitter of ``prim``'s rule; ``Refused`` if it has none or
+  is marked ``native_refused``."""
+  rule = registry.lookup(prim)
+  native = rule.native if rule is not None else None
+  if native is None or isinstance(native, registry.native_refused):
+    why = f": {native.why}" if native is not None else ""
+    raise Refused(f"primitive {prim.name}{why}")
+  return native
 
 
 def dtype_of(aval) -> np.dtype:
@@ -109,6 +121,9 @@ class Gen:
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
+    # Functions the code calls that are linked in from LLVM IR (XLA's float
+    # formulas, transcendental.py): their symbol -> IR.
+    self.externals: dict = {}
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.
     self.fuse = None
@@ -190,6 +205,12 @@ class Gen:
     finally:
       self.depth -= 1
 
+  def external(self, symbol: str, ir: str) -> str:
+    """The name by which the generated code calls ``symbol``, a float32
+    function defined by ``ir`` (linked into the compiled loop)."""
+    self.externals[symbol] = ir
+    return f"_ext_{symbol}"
+
   def constant(self, value, dt: np.dtype) -> Val:
     name = self.fresh("K")
     value = np.asarray(value, dt)
@@ -240,26 +261,20 @@ class Gen:
     for v, x in zip(jaxpr.invars, ins):
       env[v] = x
     for eqn in jaxpr.eqns:
-      name = eqn.primitive.name
       ins_e = [self.atom(a, env) for a in eqn.invars]
-      callee = _inline_callee(eqn)
-      if callee is not None:
-        outs = self.run_jaxpr(callee[0], callee[1], ins_e)
-      else:
-        emitter = EMITTERS.get(name)
-        if emitter is None:
-          raise Refused(f"primitive {name}")
+      emit = emitter(eqn.primitive)
+      if eqn.primitive.name not in INLINE_CALLS:
         for v in eqn.outvars:
           if not isinstance(v.aval, jc.AbstractRef):
             dtype_of(v.aval)
-        outs = emitter(self, eqn, ins_e)
+      outs = emit(self, eqn, ins_e)
       for v, o in zip(eqn.outvars, outs):
         if not isinstance(v, jc.DropVar):
           env[v] = o
     return [self.atom(a, env) for a in jaxpr.outvars]
 
 
-def _inline_callee(eqn):
+def inline_callee(eqn):
   """(jaxpr, consts) of a call primitive emitted inline (pjit & co.)."""
   param = INLINE_CALLS.get(eqn.primitive.name)
   if param is None:
@@ -297,11 +312,12 @@ def _dead_stores(prologue, lines) -> list:
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals")
 
-  def __init__(self, text, gen, kinds):
+  def __init__(self, text, gen, kinds, outs):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
-    self.kinds, self.written = kinds, gen.written
+    self.kinds, self.written, self.externals = kinds, gen.written, gen.externals
+    self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 
 def loop_source(eqn, clamp: bool) -> Source:
@@ -323,11 +339,11 @@ def loop_source(eqn, clamp: bool) -> Source:
       val = Val(gen.fresh(), aval.shape, dtype_of(aval), "a")
       gen.emit(f"{val.name} = np.ascontiguousarray({name}).copy().reshape({val.size})")
     ins.append(val)
-  outs = EMITTERS[eqn.primitive.name](gen, eqn, ins, top=True)
+  outs = emitter(eqn.primitive)(gen, eqn, ins, top=True)
   ret = "".join(f", {o.name}" for o in outs)
   gen.emit(f"return (0{ret},)")
   lines = _dead_stores(gen.prologue, gen.lines)
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
   text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
-  return Source(text, gen, [v.kind for v in ins])
+  return Source(text, gen, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs])

@@ -5,7 +5,16 @@
 from __future__ import annotations
 
 from pallas_np import _compat as jc
-from pallas_np.native.codegen import Refused, Val, register
+from pallas_np.compiler import INLINE_CALLS
+from pallas_np.native.codegen import Refused, Val, inline_callee, register
+
+
+@register(*INLINE_CALLS)
+def _call(gen, eqn, ins):
+  """A call (``jit``, ``closed_call``, custom_jvp/vjp, remat...): its body
+  emitted inline."""
+  jaxpr, consts = inline_callee(eqn)
+  return gen.run_jaxpr(jaxpr, consts, ins)
 
 
 def _carries(gen, inits) -> list:
@@ -41,6 +50,14 @@ def _assign(gen, targets, values) -> None:
       gen.emit(f"{t.name}[:] = {v.name}")
   if later:  # (one tuple assignment: a scalar carry may pass on another)
     gen.emit(", ".join(t for t, _ in later) + ", = " + ", ".join(n for _, n in later) + ",")
+
+
+@register("multiple_of", "max_contiguous", "stop_gradient", "sharding_constraint", "pvary",
+          "optimization_barrier")
+def _hint(gen, eqn, ins):
+  """Compiler hints and barriers: their operands, unchanged (their NumPy
+  rules are identities)."""
+  return list(ins)
 
 
 @register("while")

@@ -9,8 +9,9 @@ float32/float16 division by a constant as XLA's multiplication by its
 reciprocal, float->int saturation (NaN -> 0), float32->bool reading
 denormals as zero.
 
-Not here (refused, the loop stays on NumPy): transcendentals (their libm is
-not NumPy's), low-precision floats, float ``clamp``, ``round``.
+Not here: float32 ``exp``/``log``/``tanh`` (``transcendental``); refused
+(the loop stays on NumPy): the other transcendentals, low-precision
+floats, float ``clamp``, ``round`` (``refusals``).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _binary(op):
   return make
 
 
-scalar_op("add")(_binary("+"))
+scalar_op("add", "add_any")(_binary("+"))
 scalar_op("sub")(_binary("-"))
 scalar_op("mul")(_binary("*"))
 
@@ -284,9 +285,11 @@ def _convert(dts, out, params):
                     + c(f"min(max(np.trunc(np.float64({a})), {lo!r}), {hi!r})") + "))")
 
 
-def _elementwise(gen, eqn, ins):
+def emit_elementwise(gen, eqn, ins, make=None):
+  """An elementwise eqn: ``make`` (the primitive's ``SCALAR`` entry by
+  default) builds the scalar expression."""
   name = eqn.primitive.name
-  make = SCALAR[name]
+  make = make or SCALAR[name]
   out_aval = eqn.outvars[0].aval
   out_dt = dtype_of(out_aval)
   shape = tuple(out_aval.shape)
@@ -323,4 +326,4 @@ def _fold(text, constants):
     return eval(text, {"np": np, **constants})  # noqa: S307 - our own expression
 
 
-register(*SCALAR)(_elementwise)
+register(*SCALAR)(emit_elementwise)

@@ -319,3 +319,66 @@ def _tile(gen, eqn, ins):
   strides = _strides(x.shape)
   return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
       (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]
+
+
+@register("broadcast_to")
+def _broadcast_to_state(gen, eqn, ins):
+  """``state.primitives.broadcast_to`` (Triton-style kernels): NumPy's
+  right-aligned broadcast, the operand's shape padded with leading unit
+  dims (the NumPy rule's ``broadcast_to_geometry``)."""
+  x = ins[0]
+  shape = tuple(eqn.params["shape"])
+  if x.kind == "r":
+    raise Refused("broadcast_to of a ref")
+  if x.kind == "s":
+    if not shape:
+      return [x]
+    out = gen.array(shape, x.dtype)
+    gen.elementwise(out, lambda: x.name)
+    return [out]
+  if len(x.shape) > len(shape):
+    raise Refused("broadcast_to a lower rank")
+  v = retarget(gen, x, (1,) * (len(shape) - len(x.shape)) + x.shape)
+  return [v if v.shape == shape else broadcast_to(gen, v, shape)]
+
+
+@register("dot_general")
+def _dot_general(gen, eqn, ins):
+  """An integer dot_general: each output element the sum of its products
+  in int64, narrowed to the result dtype. XLA accumulates in the result's
+  width, wrapping mod 2^bits; the NumPy rule's matmul (in the accumulator
+  dtype, or an exact float GEMM narrowed through int64) gives the same
+  residue, whatever the order. Float dots are refused (BLAS's summation
+  order), as are bool ones."""
+  x, y = ins
+  out_dt = dtype_of(eqn.outvars[0].aval)
+  if any(v.kind != "a" for v in (x, y)):
+    raise Refused("dot_general of a scalar or ref")
+  if out_dt.kind not in "iu" or x.dtype.kind not in "iu" or y.dtype.kind not in "iu":
+    raise Refused("a float or bool dot_general (BLAS's summation order)")
+  pref = eqn.params.get("preferred_element_type")
+  if pref is not None and np.dtype(pref) != out_dt:
+    raise Refused("dot_general accumulating in another dtype")
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lf = [d for d in range(len(x.shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(y.shape)) if d not in rc and d not in rb]
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  outer = ([x.shape[d] for d in lb] + [x.shape[d] for d in lf] + [y.shape[d] for d in rf])
+  if tuple(outer) != out_shape:
+    raise Refused("dot_general output layout")
+  out = gen.array(out_shape, out_dt)
+  ov = gen.nest(outer)
+  bv, mv, nv = ov[:len(lb)], ov[len(lb):len(lb) + len(lf)], ov[len(lb) + len(lf):]
+  acc = gen.fresh("acc")
+  gen.emit(f"{acc} = np.int64(0)")
+  kv = gen.nest([x.shape[d] for d in lc])
+  xvar = {**dict(zip(lb, bv)), **dict(zip(lf, mv)), **dict(zip(lc, kv))}
+  yvar = {**dict(zip(rb, bv)), **dict(zip(rf, nv)), **dict(zip(rc, kv))}
+  xs, ys = _strides(x.shape), _strides(y.shape)
+  xi = _linear((xvar[d], xs[d]) for d in range(len(x.shape)))
+  yi = _linear((yvar[d], ys[d]) for d in range(len(y.shape)))
+  gen.emit(f"{acc} = {acc} + np.int64({x.name}[{xi}]) * np.int64({y.name}[{yi}])")
+  gen.close(lc)
+  gen.emit(f"{out.name}[{_linear(zip(ov, _strides(out_shape)))}] = {np_name(out_dt)}({acc})")
+  gen.close(outer)
+  return [out]

@@ -1,0 +1,174 @@
+"""What a user sees of the native tier: a fresh process calling one kernel in
+a loop, timed call by call from its first call (issue 41).
+
+    python benchmarks/user_view.py                        # the loop kernels of small_kernels.py
+    python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
+
+For each kernel, one fresh process per mode runs the kernel's first call
+(trace + compile + run, reported apart) and then calls it until it made
+``--calls`` calls or ran ``--seconds``. Modes: ``tier`` (interpret="numpy",
+``native_loops="background"``, the default) with an EMPTY native cache
+(a first run on a machine) and again with the cache the first filled (a
+second process: a re-run test suite), ``off`` (``native_loops="off"``) and
+``interpret`` (``interpret=True``). Reported per mode: the mean call time
+over the first N calls after the first (N = 20, 100, 1000), over the calls
+made in the first ~1.5 s, and the median of the last 20 calls (the state
+after the switch), each as a ratio to interpret=True's. Nothing waits for
+a compile (``native.wait`` is never called): this is the user's view.
+Never run as a timed test (CPU-bound, seconds per kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NS = (20, 100, 1000)
+WINDOW = 1.5  # seconds of calls after the first: "the first ~1.5 s"
+LOOP_KERNELS = ("cumsum_fori", "bitonic_fori", "while_collatz")
+MODES = ("tier_cold", "tier_warm", "off", "interpret")
+
+
+def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
+  """Runs in the fresh process: the first call, then the timed calls."""
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  import pallas_np
+  from benchmarks import small_kernels
+  case = small_kernels.all_cases()[kernel]()
+  args = jax.block_until_ready(case.args)
+  if mode == "interpret":
+    fn = case.make(True)
+  else:
+    fn = case.make(pallas_np.InterpretParams(
+        native_loops="off" if mode == "off" else "background"))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - t0
+  times = []
+  start = time.perf_counter()
+  while len(times) < calls and time.perf_counter() - start < seconds:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  stats = pallas_np.native.stats()
+  if mode == "tier_cold":  # (after the timing: the build it started fills the cache)
+    pallas_np.native.wait(600)
+  return {"first": first, "times": times, "native": stats}
+
+
+def start_child(kernel, mode, calls, seconds, cache_dir):
+  env = dict(os.environ, PALLAS_NP_PROGRESS="0", JAX_PLATFORMS="cpu",
+             PALLAS_NP_NATIVE_CACHE=cache_dir)
+  return subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), "--child", kernel, mode, str(calls),
+       str(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      cwd=ROOT)
+
+
+def finish_child(proc, what) -> dict:
+  out, err = proc.communicate(timeout=1800)
+  if proc.returncode:
+    raise RuntimeError(f"{what} failed:\n{err[-3000:]}")
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
+  """Each group of modes in ``pairs`` runs at the same time (one process
+  each): a load that changes while the benchmark runs hits both alike."""
+  res = {}
+  for group in pairs:
+    procs = {m: start_child(kernel, m, calls, seconds, cache_dir) for m in group}
+    for m, p in procs.items():
+      res[m] = summary(finish_child(p, f"{kernel}/{m}"))
+  return res
+
+
+def summary(r) -> dict:
+  t = r["times"]
+  s = {f"n{n}": statistics.fmean(t[:n]) if len(t) >= n else None for n in NS}
+  acc, k = 0.0, 0
+  while k < len(t) and acc < WINDOW:
+    acc += t[k]
+    k += 1
+  s["window"] = statistics.fmean(t[:k]) if k else None
+  s["window_calls"] = k
+  s["post"] = statistics.median(t[-20:]) if t else None
+  s["first"] = r["first"]
+  s["calls"] = len(t)
+  n = r["native"]
+  s["native"] = f"{n['compiled']} compiled ({n['disk_hits']} from disk), {n['native_calls']} calls"
+  return s
+
+
+def fmt(v, base):
+  if v is None or base is None:
+    return "—"
+  return f"{v * 1e3:.2f} ({v / base:.2f}×)"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--kernels", default=",".join(LOOP_KERNELS))
+  ap.add_argument("--calls", type=int, default=1000)
+  ap.add_argument("--seconds", type=float, default=30.0, help="cap per process")
+  ap.add_argument("--side-by-side", action="store_true",
+                  help="run tier (cold) beside off, then tier (warm) beside interpret=True, "
+                       "at the same time (a loaded machine: both meet the same load)")
+  ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+  a = ap.parse_args(argv)
+  if a.child:
+    kernel, mode, calls, seconds = a.child
+    print(json.dumps(child(kernel, mode, int(calls), float(seconds))))
+    return
+  rows = []
+  # One cache directory for the run: pycc's C helpers (built once per
+  # machine, ~10 s) are paid by the first kernel's cold run only; each
+  # kernel's loops are new to it.
+  cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
+  try:
+    for kernel in a.kernels.split(","):
+      pairs = ([("tier_cold", "off"), ("tier_warm", "interpret")] if a.side_by_side
+               else [(m,) for m in MODES])
+      res = run_modes(kernel, a.calls, a.seconds, cache, pairs)
+      report_kernel(kernel, res)
+      rows.append((kernel, res))
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+  totals(rows)
+
+
+def report_kernel(kernel, res):
+  base = res["interpret"]
+  print(f"\n{kernel}: ms per call (ratio to interpret=True)")
+  for m in MODES:
+    s = res[m]
+    print(f"  {m:10s} first {s['first'] * 1e3:8.0f} ms | " + " | ".join(
+        f"N={n} {fmt(s[f'n{n}'], base[f'n{n}'])}" for n in NS)
+        + f" | first {WINDOW} s ({s['window_calls']} calls) {fmt(s['window'], base['window'])}"
+        + f" | post {fmt(s['post'], base['post'])} | native {s['native']}", flush=True)
+
+
+def totals(rows):
+  for m in ("tier_cold", "tier_warm", "off"):
+    ws = [r[m]["window"] / r["interpret"]["window"] for _, r in rows]
+    print(f"geomean first {WINDOW} s, {m}: {math.exp(statistics.fmean(map(math.log, ws))):.2f}")
+  for kernel, r in rows:
+    worse = [n for n in NS if r["tier_cold"][f"n{n}"] and r["off"][f"n{n}"]
+             and r["tier_cold"][f"n{n}"] > r["off"][f"n{n}"]]
+    print(f"{kernel}: tier (cold cache) slower than off at N = {worse or 'none'}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,168 @@
+"""The native tier's compile process: builds one loop's generated source
+into a shared library with numba's ahead-of-time compiler (``numba.pycc``),
+in a process of its own, so that numba's import, typing and LLVM never hold
+the caller's GIL (docs/performance.md, "The native tier").
+
+Run as a script (``python aot_worker.py``; it imports neither pallas_np
+nor JAX, only NumPy and numba): it reads one job a line on stdin, a JSON
+object ``{"src", "consts", "args", "ret", "out"}`` (the source file, its
+constants as an ``.npz``, the argument and result types, the library to
+write), builds it and answers one line ``{"ok": bool, "error", "seconds"}``
+on stdout. It exits at the end of its input (its parent's exit).
+
+Every library is one extension module named ``MODULE``: pycc's C helpers
+(``modulemixin.c`` and NumPy/NRT glue, ~9 s of a C compiler) depend only on
+that name, so they are compiled once per cache directory (``mixins/``) and
+linked into every loop's library. Libraries of the same name are loaded
+under distinct paths (``tier``), never into ``sys.modules``. The written
+library is renamed into place, so a concurrent process sees all or nothing.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+MODULE = "pallas_np_native_loop"
+
+
+def _types(numba, desc):
+  """A numba type from its description: ``["s", dtype]`` (a scalar),
+  ``["a", dtype, ndim, contiguous, writeable]`` (an array)."""
+  dt = numba.from_dtype(__import__("numpy").dtype(desc[1]))
+  if desc[0] == "s":
+    return dt
+  return numba.types.Array(dt, desc[2], "C" if desc[3] else "A", readonly=not desc[4])
+
+
+def _patch_error_model(pycc_compiler):
+  """pycc compiles with numba's default flags, whose ``error_model`` is
+  Python's (x/0 raises); the NumPy path's (and jit's ``error_model="numpy"``)
+  gives IEEE results. Only this process is patched."""
+  base = pycc_compiler.Flags
+
+  class NumpyErrors(base):
+    def __init__(self, *a, **k):
+      super().__init__(*a, **k)
+      self.error_model = "numpy"
+  pycc_compiler.Flags = NumpyErrors
+
+
+def _mixins(cc, cache_dir, build_dir):
+  """pycc's C helper objects, compiled once per cache directory."""
+  mix_dir = os.path.join(cache_dir, "mixins")
+  found = sorted(glob.glob(os.path.join(mix_dir, "*.o")))
+  if found:
+    return found
+  objs = cc._compile_mixins(build_dir)  # noqa: SLF001 - pycc has no public split
+  tmp = tempfile.mkdtemp(dir=cache_dir, prefix="mixins-")
+  for k, o in enumerate(objs):
+    shutil.copy(o, os.path.join(tmp, f"{k:02d}_{os.path.basename(o)}"))
+  try:
+    os.rename(tmp, mix_dir)
+  except OSError:  # (another process was first)
+    shutil.rmtree(tmp, ignore_errors=True)
+  return sorted(glob.glob(os.path.join(mix_dir, "*.o")))
+
+
+def _external(symbol: str, ir: str):
+  """A float32 -> float32 function the generated code calls by the name
+  ``_ext_<symbol>``: a call of ``symbol``, whose IR module (``ir``) is
+  linked into the library the call is compiled into (once per library)."""
+  import llvmlite.binding as llvm
+  import llvmlite.ir as lir
+  from numba import types
+  from numba.core import cgutils
+  from numba.extending import intrinsic
+  linked = set()
+
+  @intrinsic
+  def call(typingctx, x):
+    def codegen(context, builder, signature, args):
+      library = context.active_code_library
+      if id(library) not in linked:
+        library.add_llvm_module(llvm.parse_assembly(ir))
+        linked.add(id(library))
+      fnty = lir.FunctionType(lir.FloatType(), [lir.FloatType()])
+      fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
+      return builder.call(fn, args)
+    return types.float32(types.float32), codegen
+  return call
+
+
+def build(job: dict) -> None:
+  import numba
+  import numpy as np
+  from numba.pycc import CC
+  from numba.pycc import compiler as pycc_compiler
+  if not getattr(pycc_compiler.Flags, "_pallas_np", False):
+    _patch_error_model(pycc_compiler)
+    pycc_compiler.Flags._pallas_np = True
+  scope = {"np": np}
+  with np.load(job["consts"]) as consts:
+    for k in consts.files:
+      v = consts[k]
+      scope[k] = v[()] if v.ndim == 0 else v
+  for symbol, ir in (job.get("externals") or {}).items():
+    scope[f"_ext_{symbol}"] = _external(symbol, ir)
+  with open(job["src"]) as f:
+    exec(compile(f.read(), job["src"], "exec"), scope)  # noqa: S102 - our generated code
+  args = tuple(_types(numba, d) for d in job["args"])
+  ret = numba.types.Tuple(tuple(
+      _types(numba, d) for d in job["ret"]))
+  out = job["out"]
+  cache_dir = os.path.dirname(out)
+  build_dir = tempfile.mkdtemp(prefix="pallas_np-native-")
+  try:
+    cc = CC(MODULE)
+    cc.target_cpu = "host"  # (the cache directory is per CPU: disk_cache)
+    cc.output_dir = build_dir
+    cc.output_file = "loop.so"
+    cc.export("native_loop", ret(*args))(scope["native_loop"])
+    objs, exports = cc._compile_object_files(build_dir)  # noqa: SLF001
+    objs += _mixins(cc, cache_dir, build_dir)
+    tc = cc._toolchain  # noqa: SLF001
+    lib = os.path.join(build_dir, "loop.so")
+    tc.link_shared(lib, objs, tc.get_python_libraries(), tc.get_python_library_dirs(),
+                   export_symbols=exports, extra_ldflags=cc._get_extra_ldflags())  # noqa: SLF001
+    tmp = f"{out}.{os.getpid()}.tmp"
+    shutil.move(lib, tmp)
+    os.replace(tmp, out)
+  finally:
+    shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def main() -> None:
+  # Lowest CPU priority (background builds): on a machine with no idle core
+  # the build waits for the caller, not the other way round. A build the
+  # caller waits for ("sync") runs in a process at normal priority.
+  if "--nice" in sys.argv:
+    try:
+      os.nice(19)
+    except (AttributeError, OSError):
+      pass
+  # The protocol keeps the original stdout; everything else written to
+  # fd 1 (distutils' log, the C compiler) goes to stderr.
+  proto = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)
+  sys.stdout = sys.stderr
+  for line in sys.stdin:
+    if not line.strip():
+      continue
+    t0 = time.perf_counter()
+    try:
+      build(json.loads(line))
+      reply = {"ok": True}
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+      reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+    reply["seconds"] = time.perf_counter() - t0
+    proto.write(json.dumps(reply) + "\n")
+    proto.flush()
+
+
+if __name__ == "__main__":
+  main()

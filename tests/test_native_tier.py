@@ -1,0 +1,127 @@
+"""The native tier's scheduling and its on-disk cache (pallas_np.native.tier,
+disk_cache): when a loop is looked up and built, what ``stats()`` shows
+meanwhile, and that a second process loads the library the first built
+(no numba import, no build). Bit-exactness of the compiled loops is
+tests/test_native_loops.py's."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+import pallas_np
+from pallas_np import native
+from pallas_np.native import tier
+
+OFF = pallas_np.InterpretParams(native_loops="off")
+BACKGROUND = pallas_np.InterpretParams(native_loops="background")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kernel(salt):
+  """A small loop kernel whose source is new to the disk cache (``salt``:
+  a constant of the loop body), so its build is really queued."""
+  def kernel(x_ref, o_ref):
+    def body(i, x):
+      return jnp.where(x % 2 == 0, x // 2, 3 * x + salt)
+    o_ref[...] = lax.fori_loop(0, 7, body, x_ref[...])
+  return kernel
+
+
+def _call(salt, interpret, x):
+  return pl.pallas_call(_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        interpret=interpret)
+
+
+def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
+  """Once the NumPy path's cost pays for it (prices 0 here) and the loop
+  ran HOT_RUNS kernel runs, its build is queued: ``stats()`` counts it as
+  queued or compiling until it is done, the NumPy path's results meanwhile,
+  the compiled loop's afterwards."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 0.0)
+  # (a compile process at normal priority: a niced one may wait minutes on a busy machine)
+  monkeypatch.setattr(tier, "_compiler", tier._Compiler(nice=False))
+  salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  before = native.stats()
+  for _ in range(tier.HOT_RUNS - 1):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert native.wait(timeout=900)  # (the lookup: a miss)
+  mid = native.stats()
+  assert mid["compiled"] == before["compiled"] and mid["compiling"] == 0
+  np.testing.assert_array_equal(np.asarray(f(x)), want)  # the HOT_RUNS-th run
+  now = native.stats()
+  assert now["queued"] + now["compiling"] >= 1
+  assert native.wait(timeout=900)
+  after = native.stats()
+  assert after["compiled"] == before["compiled"] + 1, after
+  assert after["queued"] == after["compiling"] == 0
+  np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert native.stats()["native_calls"] == after["native_calls"] + 1
+
+
+def test_no_build_while_numpy_path_is_cheaper(monkeypatch):
+  """A loop whose NumPy path has cost less than its build's (weighted)
+  price is never built: the caller keeps the NumPy path."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 1e9)
+  salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
+  f = _call(salt, BACKGROUND, x)
+  before = native.stats()
+  for _ in range(3 * tier.HOT_RUNS):
+    f(x)
+  assert native.wait(timeout=900)
+  after = native.stats()
+  assert after["compiled"] == before["compiled"]
+  assert after["native_calls"] == before["native_calls"]
+
+
+_SECOND_PROCESS = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.experimental import pallas as pl
+    import pallas_np
+    from pallas_np import native
+    from pallas_np.native import tier
+    tier.LOOKUP_PRICE = 0.0
+    tier.COMPILE_WEIGHT = 0.0
+    tier._compiler = tier._Compiler(nice=False)
+    from tests.test_native_tier import _call
+    x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
+    f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
+    for _ in range(2 * tier.HOT_RUNS):  # (each step may queue the next: wait for it)
+        f(x)
+        assert native.wait(900)
+    f(x)
+    s = native.stats()
+    print(s["disk_hits"], s["compiled"], s["native_calls"], 'numba' in sys.modules)
+""")
+
+
+def test_second_process_loads_the_library_from_disk(tmp_path):
+  """The first process builds the loop into the cache directory; a second
+  one finds it there at its first lookup: no build, no numba import, and
+  the compiled loop runs."""
+  salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
+  env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  runs = []
+  for _ in range(2):
+    out = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(salt)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.append(out.stdout.split())
+  assert runs[0][:2] == ["0", "1"] and runs[0][3] == "False"  # built in the compile process
+  assert runs[1][:2] == ["1", "1"] and runs[1][3] == "False"  # loaded from disk
+  assert int(runs[1][2]) == 2 * tier.HOT_RUNS  # native from the first run on: all but the first
+  assert int(runs[0][2]) < int(runs[1][2])
+  assert any(p.endswith(".so") for p in os.listdir(next(tmp_path.iterdir())))
