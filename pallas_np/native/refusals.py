@@ -59,7 +59,7 @@ _REASONS = {
         "griddepcontrol_launch_dependents", "griddepcontrol_wait", "set_max_registers_p",
         "print_layout", "layout_cast", "elementwise_inline_asm_p", "inline_mgpu_p",
         "barrier_arrive_and_wait", "debug_barrier", "elementwise_inline_asm", "inline_mgpu",
-        "set_max_registers", "has_memory_space"),
+        "set_max_registers", "has_memory_space", "check"),
     "GPU memory operations (masks, TMA/async copies, shared/tensor memory)": (
         "load", "masked_load", "masked_swap", "async_load", "async_prefetch",
         "async_store_smem", "async_store_tmem", "async_copy_smem_to_tmem", "copy_gmem_to_smem",
@@ -67,7 +67,10 @@ _REASONS = {
         "wait_smem_to_gmem", "store", "wait_gmem_to_smem"),
     "a kernel, mesh, scoped allocation or sub-program of its own": (
         "pallas_call", "core_map", "run_scoped", "run_state", "mpmd_map", "parallel_loop",
-        "composite", "call_hi_primitive", "jaxpr_call", "call", "custom_jvp_call_jaxpr"),
+        "composite", "call_hi_primitive", "jaxpr_call", "call", "custom_jvp_call_jaxpr",
+        "emit_pipeline", "empty_ref"),
+    "a sharding annotation inside a kernel (the value itself on the NumPy path; too rare in "
+    "loops to emit)": ("reshard",),
 }
 
 for _why, _names in _REASONS.items():
