@@ -30,3 +30,18 @@ def assert_same(numpy_result, reference, *, rtol=1e-5, atol=1e-5):
 @pytest.fixture
 def same():
   return assert_same
+
+
+@pytest.fixture
+def bitcast_sizes(monkeypatch):
+  """The sizes of the arrays ``state.lens.tpu_bitcast`` converts during a
+  test: a bitcast view must convert only what an access touches."""
+  from pallas_np.state import lens
+  sizes = []
+  real = lens.tpu_bitcast
+
+  def recording(x, dtype):
+    sizes.append(x.size)
+    return real(x, dtype)
+  monkeypatch.setattr(lens, "tpu_bitcast", recording)
+  return sizes

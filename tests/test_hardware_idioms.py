@@ -235,18 +235,10 @@ def test_dmas_through_a_widening_bitcast():
   np.testing.assert_array_equal(got, want)
 
 
-def test_indexing_through_a_bitcast_converts_only_the_rows_it_touches(monkeypatch):
-  from pallas_np.state import lens
-  sizes = []
-  real = lens.tpu_bitcast
-
-  def recording(x, dtype):
-    sizes.append(x.size)
-    return real(x, dtype)
-  monkeypatch.setattr(lens, "tpu_bitcast", recording)
+def test_indexing_through_a_bitcast_converts_only_the_rows_it_touches(bitcast_sizes):
   with numpy_mode():
     jax.block_until_ready(_bitcast_gather_call())
-  assert sizes and max(sizes) <= 16 * 128, max(sizes)  # never the 4096-row input
+  assert bitcast_sizes and max(bitcast_sizes) <= 16 * 128, max(bitcast_sizes)  # never the 4096-row input
 
 
 # -- 3b. Triton: an unmasked block load that runs past the array, rows dropped at the store --
