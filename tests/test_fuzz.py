@@ -82,17 +82,51 @@ from tests.fuzz_core import (BINARY_F, UNARY_F, FLOATS, Op, compare,  # noqa: E4
                              make_inputs)
 
 
-@pytest.mark.parametrize("kind", ["exact", "ulp", "transcendental", "sum"])
+@pytest.mark.parametrize("kind", ["exact", "ulp", "xla_ulp", "sum"])
 def test_compare_sees_the_sign_of_zero(kind):
-  """-0.0 against +0.0 is a mismatch in every kind; a flushed float32
-  denormal counts as a zero of its own sign. (Before, the denormal flush
-  turned every -0.0 into +0.0 ahead of the sign check.)"""
+  """-0.0 against +0.0 is a mismatch in every kind; a float32 denormal
+  counts as the zero of its own sign only where XLA returned a zero. (Before,
+  the denormal flush turned every -0.0 into +0.0 ahead of the sign check.)"""
   import numpy as np
   x = np.float32([1.0, 2.0])
-  assert compare(np.float32([-0.0, 1.0]), np.float32([0.0, 1.0]), kind, x)
-  assert compare(np.float32([-1e-40, 1.0]), np.float32([0.0, 1.0]), kind, x)
-  assert compare(np.float32([-1e-40, 1.0]), np.float32([-0.0, 1.0]), kind, x) is None
-  assert compare(np.float32([np.nan, 1.0]), np.float32([-np.nan, 1.0]), kind, x) is None
+  assert compare(np.float32([-0.0, 1.0]), np.float32([0.0, 1.0]), kind, x, "erf")
+  assert compare(np.float32([0.0, 1.0]), np.float32([-0.0, 1.0]), kind, x, "erf")
+  assert compare(np.float32([-1e-40, 1.0]), np.float32([0.0, 1.0]), kind, x, "erf")
+  assert compare(np.float32([-1e-40, 1.0]), np.float32([-0.0, 1.0]), kind, x, "erf") is None
+  assert compare(np.float32([np.nan, 1.0]), np.float32([-np.nan, 1.0]), kind, x, "erf") is None
+
+
+@pytest.mark.parametrize("kind", ["exact", "ulp"])
+def test_compare_is_raw_bits(kind):
+  """Denormals XLA kept (moved, not computed) compare by their bits: two
+  different float32 denormals, or a denormal where XLA has one of the other
+  sign or a nonzero, are mismatches (before, both sides were flushed to
+  zero first, so any two denormals of one sign matched); float16 denormals
+  are ordinary float32 values and compare exactly too."""
+  import numpy as np
+  x = np.float32([1.0, 2.0])
+  assert compare(np.float32([2e-40, 1.0]), np.float32([1e-40, 1.0]), kind, x)
+  assert compare(np.float32([0.0, 1.0]), np.float32([1e-40, 1.0]), kind, x)
+  assert compare(np.float32([1e-40, 1.0]), np.float32([-0.0, 1.0]), kind, x)
+  assert compare(np.float16([6e-8, 1.0]), np.float16([0.0, 1.0]), kind, x)
+  assert compare(np.float32([1e-40, 1.0]), np.float32([1e-40, 1.0]), kind, x) is None
+  assert compare(np.float32([1.0, np.nextafter(np.float32(2), np.float32(3))]),
+                 np.float32([1.0, 2.0]), kind, x)
+
+
+def test_compare_xla_ulp_uses_the_conformance_bound():
+  """"xla_ulp" ops may be off by what pallas_np.conformance claims for them
+  (erf float32: 5 ulp), no more."""
+  import numpy as np
+  from pallas_np import conformance
+  bound = conformance.bound("erf", "float32")
+  w = np.float32([0.5, 1.0])
+  near = w.view(np.uint32) + np.uint32(bound)
+  far = w.view(np.uint32) + np.uint32(bound + 1)
+  assert compare(near.view(np.float32), w, "xla_ulp", w, "erf") is None
+  assert compare(far.view(np.float32), w, "xla_ulp", w, "erf")
+  assert compare(np.float32([0.5, 1.0]), np.float32([0.5, 1.0]), "xla_ulp", w, "exp") is None
+  assert compare(near.view(np.float32), w, "xla_ulp", w, "exp")  # bit-exact: bound 0
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
