@@ -42,6 +42,12 @@ from pallas_np.primitives import libm_cache, libm_loader
 
 # C name -> number of float operands.
 FUNCTIONS = {"sinf": 1, "cosf": 1, "tanf": 1, "atanf": 1, "cbrtf": 1, "atan2f": 2, "powf": 2}
+# C name -> number of double operands: the C library's double functions,
+# for the primitives whose float32 result is computed in float64 and
+# rounded once (``special.in_float64``): NumPy's float64 loops for these
+# take a SIMD path chosen by the CPU too (AVX-512 ones, ``numpy.lib.
+# introspect.opt_func_info``), the C library's scalar code does not.
+DOUBLE_FUNCTIONS = {"expm1": 1, "sinh": 1, "asinh": 1, "acosh": 1, "atanh": 1}
 # Functions written here in LLVM IR (XLA's own formulas, xla_math.py):
 # name -> (number of float operands, the IR of ``float @name(float ...)``).
 DEFINED: dict = {}
@@ -64,6 +70,11 @@ _engine = None  # (MCJIT engine, target machine) where the object loader does no
 _X86_64 = platform.machine() in ("x86_64", "AMD64")
 
 
+def _type(name: str) -> str:
+  """The loop's element type in LLVM IR: ``double`` or ``float``."""
+  return "double" if name in DOUBLE_FUNCTIONS else "float"
+
+
 def _loop_ir(name, nargs) -> str:
   """``out[i] = name(in0[i], ...)`` for i < n. Its loads and stores are one
   access group, the loop's iterations declared independent
@@ -71,23 +82,24 @@ def _loop_ir(name, nargs) -> str:
   inputs or apart from all (``call`` never passes a partial overlap), so the
   vectoriser needs no overlap check; without it, LLVM's check sent the
   in-place case (``out`` an input, softmax's exp) to the scalar loop."""
-  ins = ", ".join(f"float* %in{k}" for k in range(nargs))
+  ty = _type(name)
+  ins = ", ".join(f"{ty}* %in{k}" for k in range(nargs))
   loads = "\n".join(
-      f"  %p{k} = getelementptr float, float* %in{k}, i64 %i\n"
-      f"  %v{k} = load float, float* %p{k}, !llvm.access.group !1"
+      f"  %p{k} = getelementptr {ty}, {ty}* %in{k}, i64 %i\n"
+      f"  %v{k} = load {ty}, {ty}* %p{k}, !llvm.access.group !1"
       for k in range(nargs))
-  args = ", ".join(f"float %v{k}" for k in range(nargs))
+  args = ", ".join(f"{ty} %v{k}" for k in range(nargs))
   return f"""
-define internal void @each_{name}({ins}, float* %out, i64 %n) nounwind noinline {{
+define internal void @each_{name}({ins}, {ty}* %out, i64 %n) nounwind noinline {{
 entry:
   %empty = icmp sle i64 %n, 0
   br i1 %empty, label %done, label %body
 body:
   %i = phi i64 [0, %entry], [%next, %body]
 {loads}
-  %r = call float @{name}({args})
-  %po = getelementptr float, float* %out, i64 %i
-  store float %r, float* %po, !llvm.access.group !1
+  %r = call {ty} @{name}({args})
+  %po = getelementptr {ty}, {ty}* %out, i64 %i
+  store {ty} %r, {ty}* %po, !llvm.access.group !1
   %next = add i64 %i, 1
   %more = icmp slt i64 %next, %n
   br i1 %more, label %body, label %done, !llvm.loop !0
@@ -112,8 +124,9 @@ def _flush_denormals(name, nargs) -> str:
   restored after. The loop is a separate function, not inlined, so no
   float operation moves across the switch. x86-64 only; elsewhere the loop
   runs in the caller's mode (denormals kept, docs/limits.md)."""
-  params = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
-  args = ", ".join([f"float* %in{k}" for k in range(nargs)] + ["float* %out", "i64 %n"])
+  ty = _type(name)
+  params = ", ".join([f"{ty}* %in{k}" for k in range(nargs)] + [f"{ty}* %out", "i64 %n"])
+  args = ", ".join([f"{ty}* %in{k}" for k in range(nargs)] + [f"{ty}* %out", "i64 %n"])
   if not _X86_64:
     return f"""define void @loop_{name}({params}) nounwind {{
   call void @each_{name}({args})
@@ -141,13 +154,15 @@ def _module_ir(name: str) -> tuple[str, bool]:
   if name in DEFINED:
     nargs, ir = DEFINED[name]
     return "\n".join([_INTRINSICS, ir, _loop_ir(name, nargs)]), True
-  nargs = FUNCTIONS[name]
-  return (f"declare float @{name}({', '.join(['float'] * nargs)}) nounwind\n"
+  nargs, ty = _nargs(name), _type(name)
+  return (f"declare {ty} @{name}({', '.join([ty] * nargs)}) nounwind\n"
           + _loop_ir(name, nargs)), False
 
 
 def _nargs(name: str) -> int:
-  return DEFINED[name][0] if name in DEFINED else FUNCTIONS[name]
+  if name in DEFINED:
+    return DEFINED[name][0]
+  return FUNCTIONS[name] if name in FUNCTIONS else DOUBLE_FUNCTIONS[name]
 
 
 def _optimise(llvm, module, machine):
@@ -238,7 +253,7 @@ def _build(name: str):
 
 def names() -> list[str]:
   """Every loop ``address`` can give: the C library's and XLA's formulas."""
-  return sorted(FUNCTIONS) + sorted(DEFINED)
+  return sorted(FUNCTIONS) + sorted(DOUBLE_FUNCTIONS) + sorted(DEFINED)
 
 
 def address(name: str) -> tuple[int, int]:
@@ -247,7 +262,8 @@ def address(name: str) -> tuple[int, int]:
   on this call if needed), a C function
   ``void loop(const float *in_0, ..., const float *in_{nin-1}, float *out, int64_t n)``
   computing ``out[i] = name(in_0[i], ...)`` for ``0 <= i < n`` (contiguous
-  float32; ``out`` may be one of the inputs). It holds no Python state and
+  float32; ``double`` throughout for DOUBLE_FUNCTIONS; ``out`` may be one
+  of the inputs). It holds no Python state and
   needs no GIL; the code stays mapped for the process's life."""
   _loop(name)
   return _addresses[name], _nargs(name)
@@ -265,21 +281,23 @@ def _loop(name):
 
 def call(name: str, *operands, out=None) -> np.ndarray:
   """``name`` (a C float function of FUNCTIONS, or DEFINED) elementwise over the
-  broadcast float32 operands; a float32 array (0-d for scalars). ``out``: a
+  broadcast float32 operands; a float32 array (0-d for scalars). For
+  DOUBLE_FUNCTIONS, float64 operands and result. ``out``: a
   float32 array of the result's shape to write into, as a ufunc's ``out=``
   (it may be an operand: each element is read before it is written), so the
   compiler can chain these into a dying operand (``passes.in_place``)."""
   loop = _loop(name)
-  ops = np.broadcast_arrays(*[np.asarray(v, np.float32) for v in operands])
+  dt = np.float64 if name in DOUBLE_FUNCTIONS else np.float32
+  ops = np.broadcast_arrays(*[np.asarray(v, dt) for v in operands])
   ops = [np.ascontiguousarray(v) for v in ops]
   shape = ops[0].shape
   # (the loop's iterations are independent only if ``out`` is an operand
   # itself or apart from every operand: a partial overlap goes through a
   # fresh array)
-  direct = out is not None and out.dtype == np.float32 and out.shape == shape \
+  direct = out is not None and out.dtype == dt and out.shape == shape \
       and out.flags.c_contiguous and out.flags.writeable and all(
           v.ctypes.data == out.ctypes.data or not np.may_share_memory(v, out) for v in ops)
-  result = out if direct else np.empty(shape, np.float32)
+  result = out if direct else np.empty(shape, dt)
   if result.size:
     loop(*[v.ctypes.data for v in ops], result.ctypes.data, result.size)
   if out is not None and not direct:

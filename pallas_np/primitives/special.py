@@ -1,8 +1,10 @@
 """Transcendentals and special functions computed by NumPy/SciPy: XLA has
 its own approximations of these, which the rules do not reproduce (a few ulp
 apart; bounds in ``pallas_np.conformance``). None depends on the CPU's SIMD
-code path: NumPy float32 ufuncs with dispatched loops run in float64
-(``in_float64``), SciPy's are scalar C. Bit-exact ones: ``xla_math.py``.
+code path: expm1, sinh, asinh, acosh and atanh are the C library's double
+functions in a compiled loop (``in_float64``: NumPy's float32 and float64
+loops for them have AVX-512 variants), SciPy's are scalar C. Bit-exact
+ones: ``xla_math.py``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from jax import lax
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import is_low_precision_float, np_dtype
+from pallas_np.primitives import libm
 from pallas_np.primitives.elementwise import binary_float, unary_float
 
 
@@ -36,25 +39,27 @@ def _reg_unary(prim, fn):
 
 # (exp, exp2, cosh, sin, cos, tan, asin, acos, atan, atan2, cbrt, pow: in
 # xla_math.py, XLA's formulas and C library calls)
-def in_float64(fn):
-  """``fn`` (a NumPy ufunc whose float32 loop takes a CPU-dependent SIMD
-  path) computed in float64 and rounded once to float32: the float32 result
-  is the correctly rounded value unless the exact value lies within
-  float64's error (an ulp of float64, ~2^-29 of a float32 ulp) of a float32
-  rounding midpoint, so the bits no longer depend on the CPU in practice.
-  These are XLA's own expansions, which this does not reproduce: their
+def in_float64(c_name: str):
+  """The C library's double function ``c_name`` (``libm.DOUBLE_FUNCTIONS``)
+  over a float32 (or float64) array, rounded once to float32: the correctly
+  rounded value unless the exact one lies within the C library's float64
+  error of a float32 rounding midpoint. Not NumPy's ufunc: its float32 and
+  float64 loops take a SIMD path chosen by the CPU (AVX-512 variants,
+  ``numpy.lib.introspect.opt_func_info``), so its bits could change with
+  the machine; the C library's scalar code gives the same bits on every
+  CPU (as ``sinf`` does for XLA). These are not XLA's own expansions: their
   measured distance to XLA is in pallas_np.conformance."""
   def f(x):
-    dt = np.asarray(x).dtype
-    if dt != np.float32:
-      return fn(x)
-    return fn(np.asarray(x, np.float64)).astype(np.float32)
+    x = np.asarray(x)
+    r = libm.call(c_name, x)
+    return r.astype(np.float32) if x.dtype == np.float32 else r
+  f.__name__ = f.__qualname__ = f"c_double_{c_name}"
   return f
 
 
-for _p, _f in [(lax.expm1_p, in_float64(np.expm1)), 
-               (lax.sinh_p, in_float64(np.sinh)), (lax.asinh_p, in_float64(np.arcsinh)),
-               (lax.acosh_p, in_float64(np.arccosh)), (lax.atanh_p, in_float64(np.arctanh)),
+for _p, _f in [(lax.expm1_p, in_float64("expm1")),
+               (lax.sinh_p, in_float64("sinh")), (lax.asinh_p, in_float64("asinh")),
+               (lax.acosh_p, in_float64("acosh")), (lax.atanh_p, in_float64("atanh")),
                (lax.sqrt_p, np.sqrt),
                (lax.floor_p, np.floor), (lax.ceil_p, np.ceil),
                (lax.erf_p, scipy_special("erf")), (lax.erfc_p, scipy_special("erfc")),

@@ -456,12 +456,15 @@ FLOAT32_RULES = {
 }
 
 
+_LN2 = 0.6931471805599453  # (a literal: NumPy's float64 log takes a CPU-chosen path)
+
+
 @registry.register(lax.exp2_p, batch=registry.ELEMENTWISE)
 def _exp2(e):
   """XLA expands exp2(x) as exp(x * ln 2), the product rounded to x's
   dtype, then its exp."""
   dt = np_dtype(e.in_avals[0].dtype)
-  ln2 = np.asarray(np.log(2.0), dt)
+  ln2 = np.asarray(_LN2, dt)
   exp = _f32_rule(exp_f32, unary_float(np.exp))(e)
   return lambda x: exp(np.multiply(x, ln2, dtype=dt))
 
