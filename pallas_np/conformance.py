@@ -12,8 +12,8 @@ elsewhere:
   path. (XLA itself compiles for the host: these follow its code for CPUs
   with FMA, every x86-64 since 2013 and every ARMv8.)
 - ``ULP[prim][dtype]``: the rest, where XLA has its own approximation that
-  the rule does not reproduce (NumPy in float64 rounded once, or SciPy's
-  scalar C code: neither depends on the CPU's SIMD path): the largest
+  the rule does not reproduce (the C library's double function rounded once,
+  or SciPy's scalar C code: neither depends on the CPU's SIMD path): the largest
   difference in units in the last place over the sample ``measure`` draws
   (10^6 points of ``DOMAINS[prim]``, seed 0), the max over the JAX versions
   CI tests. This bound is a property of XLA's approximation, not of the
