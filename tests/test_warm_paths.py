@@ -10,8 +10,8 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np.grid.kernel_plan import KernelPlan
-from tests.helpers import run_both
-from tests.kernel_fn import both
+from tests.helpers import INLINED, assert_identical, run_both
+from tests.kernel_fn import both, kernel_call
 
 rng = np.random.default_rng(33)
 
@@ -223,23 +223,39 @@ def test_scalar_ops_take_numpy_scalar_math():
     names = [n for n in ops if not (dtype == np.float32 and n in ("and", "or", "xor", "not"))
              and not (dtype == np.bool_ and n in ("sub", "neg", "add", "mul"))]
 
-    def fn(a, names=names):
-      outs = []
-      for i in range(len(vals)):
-        for j in range(len(vals)):
-          outs += [ops[n](a[i], a[j]) for n in names]
-      return outs
+    pairs = [(i, j) for i in range(len(vals)) for j in range(len(vals))]
+
+    def fn(a, names=names, pairs=pairs):
+      # One output per op: its 0-d results for every pair, stacked.
+      return [jnp.stack([ops[n](a[i], a[j]) for i, j in pairs]) for n in names]
 
     with warnings.catch_warnings():
       warnings.simplefilter("error")
-      got, want = both(fn, x)
+      got = _numpy_mode_both_ways(fn, x)
+    # XLA's answer per op, elementwise over the pairs' operands: the same
+    # values as its 0-d ops (one interpret=True compile of a few ops, not of
+    # hundreds of 0-d ones, which took a minute).
+    first, second = (x[[p[k] for p in pairs]] for k in (0, 1))
+    want = [np.asarray(w) for w in kernel_call(
+        lambda a, b, names=names: [ops[n](a, b) for n in names], first, second, interpret=True)]
+    assert len(got) == len(want) == len(names)
     for k, (g, w) in enumerate(zip(got, want)):
-      assert g.dtype == w.dtype and g.shape == w.shape == (), k
-      if dtype == np.float32:
-        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-        assert np.isnan(w) or (g == w and np.signbit(g) == np.signbit(w)), k
-      else:
-        np.testing.assert_array_equal(g, w, err_msg=str(k))
+      assert g.dtype == w.dtype and g.shape == w.shape == (len(pairs),), k
+      for g, w in zip(g, w):
+        if dtype == np.float32:
+          np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+          assert np.isnan(w) or (g == w and np.signbit(g) == np.signbit(w)), k
+        else:
+          np.testing.assert_array_equal(g, w, err_msg=str(k))
+
+
+def _numpy_mode_both_ways(fn, *args):
+  """``fn``'s kernel in numpy mode, as a list of arrays; the kernel traced
+  with ``fn``'s jit calls inlined must give the same (as ``both`` checks)."""
+  got = [np.asarray(g) for g in jax.tree_util.tree_leaves(
+      kernel_call(fn, *args, interpret="numpy"))]
+  assert_identical(kernel_call(fn, *args, interpret=INLINED), got)
+  return got
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int8, np.uint8])
@@ -251,16 +267,19 @@ def test_scalar_shifts(dtype):
   x = np.array([1, info.max, info.min, 5, 0], dtype)
   s = np.array([0, 1, bits - 1, bits, bits + 3] + ([-1] if info.min < 0 else []), dtype)
 
-  def fn(a, b):
-    outs = []
-    for i in range(len(x)):
-      for j in range(len(s)):
-        outs += [lax.shift_left(a[i], b[j]), lax.shift_right_logical(a[i], b[j]),
-                 lax.shift_right_arithmetic(a[i], b[j])]
-    return outs
-  got, want = both(fn, x, s)
+  pairs = [(i, j) for i in range(len(x)) for j in range(len(s))]
+  shifts = (lax.shift_left, lax.shift_right_logical, lax.shift_right_arithmetic)
+
+  def fn(a, b):  # 0-d shifts, one stacked output per shift kind
+    return [jnp.stack([f(a[i], b[j]) for i, j in pairs]) for f in shifts]
+  got = _numpy_mode_both_ways(fn, x, s)
+  # XLA's shifts elementwise over the pairs' operands (see above)
+  want = [np.asarray(w) for w in kernel_call(
+      lambda a, b: [f(a, b) for f in shifts], x[[i for i, _ in pairs]],
+      s[[j for _, j in pairs]], interpret=True)]
+  assert len(got) == len(want) == len(shifts)
   for k, (g, w) in enumerate(zip(got, want)):
-    assert g.dtype == w.dtype and g.shape == (), k
+    assert g.dtype == w.dtype and g.shape == (len(pairs),), k
     np.testing.assert_array_equal(g, w, err_msg=str(k))
 
 
