@@ -102,3 +102,14 @@ def count_xla_compiles(fn) -> int:
   finally:
     logger.removeHandler(handler)
   return len(handler.messages)
+
+
+def concurrently(*calls):
+  """The results of the zero-argument ``calls``, run on threads at once: for
+  tests that start several independent child processes (each mostly one
+  core while this process waits), so two children share CI's two cores
+  instead of taking turns. An exception of any call is raised here."""
+  from concurrent.futures import ThreadPoolExecutor
+  with ThreadPoolExecutor(len(calls)) as pool:
+    futures = [pool.submit(c) for c in calls]
+    return [f.result() for f in futures]

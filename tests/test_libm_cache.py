@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_np.primitives import libm, libm_cache, libm_loader
+from tests.helpers import concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not libm_loader.available(),
@@ -54,10 +55,10 @@ def test_second_process_loads_without_llvm_and_same_bits(tmp_path):
   first = _child(tmp_path)
   assert first["llvm"]  # compiled: LLVM imported
   assert len(_entries(tmp_path)) == len(libm.names())
-  second = _child(tmp_path)
+  second, jit = concurrently(  # (jit: LLVM's MCJIT for the host CPU)
+      lambda: _child(tmp_path), lambda: _child(tmp_path / "unused", "mcjit"))
   assert not second["llvm"], "a warm cache must not import llvmlite.binding"
   assert second["digests"] == first["digests"]
-  jit = _child(tmp_path / "unused", "mcjit")  # LLVM's MCJIT for the host CPU
   assert jit["digests"] == first["digests"]
 
 

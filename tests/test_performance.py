@@ -202,31 +202,8 @@ def test_kernel_run_sets_blas_threads_once(monkeypatch):
     blas._set(before)
 
 
-def _malloc_state(env_value):
-  import os
-  import subprocess
-  import sys
-  code = ("import jax, jax.numpy as jnp, numpy as np, pallas_np\n"
-          "from pallas_np import memory\n"
-          "from jax.experimental import pallas as pl\n"
-          "def k(x_ref, o_ref): o_ref[...] = x_ref[...] + 1\n"
-          "assert not memory.tuned  # importing alone changes nothing\n"
-          "f = pallas_np.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))\n"
-          "assert float(f(jnp.ones((8, 128)))[0, 0]) == 2.0\n"
-          "print(memory.tuned)\n")
-  env = dict(os.environ, PALLAS_NP_TUNE_MALLOC=env_value, JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-  assert out.returncode == 0, out.stderr
-  return out.stdout.strip().splitlines()[-1]
-
-
-def test_malloc_tuning_on_first_plan_and_opt_out():
-  import platform
-  if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-    assert _malloc_state("1") == "True"
-  assert _malloc_state("0") == "False"
+# Malloc tuning (on the first plan, opt-in, not at import): tests/test_env_switches.py
+# ::test_malloc_is_left_alone_unless_asked.
 
 
 def test_equal_ref_accesses_share_one_compiled_indexer():

@@ -232,12 +232,14 @@ def test_pytest_option(tmp_path):
   (tmp_path / "test_gated.py").write_text(GATED_FILE)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-  outs = {}
-  for opt in ([], ["--pallas-device=h100"]):
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        *opt, str(tmp_path / "test_gated.py")], capture_output=True, text=True,
-                       env=env, cwd=tmp_path, timeout=300)
-    outs[bool(opt)] = p.stdout
+  from tests.helpers import concurrently
+
+  def run(opt):
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           *opt, str(tmp_path / "test_gated.py")], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300).stdout
+  plain, h100 = concurrently(lambda: run([]), lambda: run(["--pallas-device=h100"]))
+  outs = {False: plain, True: h100}
   assert "1 skipped" in outs[False], outs[False]
   assert "1 passed" in outs[True], outs[True]
 
