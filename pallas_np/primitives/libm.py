@@ -15,6 +15,12 @@ already): bit for bit what XLA computes on the same machine, whatever the
 CPU, and free of NumPy's dispatch. A denormal operand is read as it is (XLA
 runs with denormals flushed: docs/limits.md).
 
+The C library's double functions for expm1, sinh, asinh, acosh and atanh
+(``DOUBLE_FUNCTIONS``) loop the same way over float64 arrays: the rules
+that compute those in float64 and round once (``special.in_float64``) call
+them instead of NumPy's float64 ufuncs, whose loops also have CPU-chosen
+AVX-512 variants.
+
 The same machinery compiles the formulas XLA emits itself (``exp``, ``log``:
 ``xla_math.py`` writes them with ``define``: exp, log, tanh) with their FMAs as
 ``llvm.fma.f32``, whose result is the exactly rounded FMA on every CPU: one
