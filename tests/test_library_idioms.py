@@ -170,3 +170,73 @@ def test_a_dma_past_the_tile_padding_still_raises():
   from tests.tpu_helpers import numpy_mode
   with numpy_mode(buffer_bounds="padded"), pytest.raises(Exception, match="out-of-bounds"):
     jax.block_until_ready(_padded_dma_call(cols_window=640))
+
+
+# -- an indexed DMA through an index ref sliced with a traced size ----------------------
+# tokamax SparseCore top_k writes its survivors with
+# ``out.at[iota_ref.at[pl.ds(0, n)]]``, n the (traced) number of survivors.
+def _traced_index_slice_kernel(scatter):
+  """Each vector subcore DMAs ``n = 3 * s + 2`` rows through its index ref
+  sliced at ``pl.ds(0, n)``: a gather (table rows by index) or a scatter
+  (its first n rows to the indexed rows of the output), then waits."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def body(x_hbm, idx_hbm, o_hbm, idx_vmem, rows, sem):
+    s = jax.lax.axis_index("subcore")
+    n = 3 * s + 2
+    pltpu.sync_copy(idx_hbm.at[pl.ds(s * 8, 8)], idx_vmem)
+    if scatter:
+      pltpu.sync_copy(x_hbm.at[pl.ds(s * 8, 8)], rows)
+      copy = pltpu.make_async_copy(rows.at[pl.ds(0, n)], o_hbm.at[idx_vmem.at[pl.ds(0, n)]], sem)
+      copy.start()
+      copy.wait()
+    else:
+      rows[...] = jnp.full(rows.shape, -1.0, rows.dtype)
+      copy = pltpu.make_async_copy(x_hbm.at[idx_vmem.at[pl.ds(0, n)]], rows.at[pl.ds(0, n)], sem)
+      copy.start()
+      copy.wait()
+      pltpu.sync_copy(rows, o_hbm.at[pl.ds(s * 8, 8)])
+  return body
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_an_indexed_dma_through_an_index_slice_of_traced_size(scatter):
+  """Exactly the first n indices move n rows (the wait takes the n rows'
+  bytes); rows past n keep what they held. NumPy reference (no JAX
+  interpreter runs SparseCore indexed DMAs: TPU interpret mode reads
+  garbage indices there, interpret=True cannot trace a traced size)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  plsc = pytest.importorskip("jax.experimental.pallas.tpu_sc")
+  pallas_np.assume_tpu_chip("v5p")  # meshes ask the chip for its SparseCores (tracing only)
+  try:
+    mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=1, num_subcores=2)
+    table = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+    # distinct indices (a scatter with repeated rows would race on a TPU)
+    idx = jnp.asarray(np.random.RandomState(0).permutation(32)[:16], jnp.int32)
+    k = pl.kernel(_traced_index_slice_kernel(scatter),
+                  out_type=jax.ShapeDtypeStruct((32 if scatter else 16, 128), jnp.float32),
+                  mesh=mesh, interpret="numpy",
+                  scratch_types=[pltpu.VMEM((8,), jnp.int32), pltpu.VMEM((8, 128), jnp.float32),
+                                 pltpu.SemaphoreType.DMA])
+    got = np.asarray(k(table, idx))
+  finally:
+    pallas_np.assume_tpu_chip("v5e")
+  t, ix = np.asarray(table), np.asarray(idx).reshape(2, 8)
+  if scatter:  # the other output rows are never written (uninitialised)
+    for s in range(2):
+      n = 3 * s + 2
+      np.testing.assert_array_equal(got[ix[s, :n]], t[s * 8:s * 8 + n])
+  else:
+    want = np.full((16, 128), -1.0, np.float32)
+    for s in range(2):
+      n = 3 * s + 2
+      want[s * 8:s * 8 + n] = t[ix[s, :n]]
+    np.testing.assert_array_equal(got, want)
