@@ -240,3 +240,68 @@ def test_an_indexed_dma_through_an_index_slice_of_traced_size(scatter):
       n = 3 * s + 2
       want[s * 8:s * 8 + n] = t[ix[s, :n]]
     np.testing.assert_array_equal(got, want)
+
+
+# -- a compressed store / expanded load whose window runs past the ref ------------------
+# tokamax SparseCore top_k appends survivors with
+# ``plsc.store_compressed(out.at[pl.ds(count, lanes)], x, mask=m)``: the
+# window may run past the ref's end, only the count(m) elements written
+# must lie inside it.
+def _compressed_window_kernel(start, n_true):
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas import tpu_sc as plsc
+
+  def body(x_hbm, o_hbm, got_hbm, x, o, got):
+    pltpu.sync_copy(x_hbm, x)
+    o[...] = jnp.zeros_like(o)
+    s = jax.lax.axis_index("subcore") + start  # traced: JAX checks static windows
+    mask = jnp.arange(8) >= 8 - n_true  # the last n_true lanes
+    got[...] = plsc.load_expanded(x.at[pl.ds(s, 8)], mask=mask)
+    plsc.store_compressed(o.at[pl.ds(s, 8)], got[...] * 10.0, mask=mask)
+    pltpu.sync_copy(o, o_hbm)
+    pltpu.sync_copy(got, got_hbm)
+  return body
+
+
+def _compressed_window_call(start, n_true):
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  plsc = pytest.importorskip("jax.experimental.pallas.tpu_sc")
+  pallas_np.assume_tpu_chip("v5p")  # meshes ask the chip for its SparseCores (tracing only)
+  try:
+    mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=1, num_subcores=1)
+    x = jnp.arange(8, dtype=jnp.float32) + 1
+    k = pl.kernel(_compressed_window_kernel(start, n_true),
+                  out_type=(jax.ShapeDtypeStruct((8,), jnp.float32),
+                            jax.ShapeDtypeStruct((8,), jnp.float32)),
+                  mesh=mesh, interpret="numpy",
+                  scratch_types=[pltpu.VMEM((8,), jnp.float32)] * 3)
+    return [np.asarray(a) for a in k(x)]
+  finally:
+    pallas_np.assume_tpu_chip("v5e")
+
+
+@pytest.mark.parametrize("start,n_true", [(5, 3), (0, 8), (7, 1), (3, 0)])
+def test_a_compressed_store_window_may_run_past_the_ref(start, n_true):
+  """The i-th masked lane goes to (comes from) element ``start + i``, as the
+  docstrings of store_compressed / load_expanded say; nothing else of the
+  window is touched. NumPy reference (no JAX interpreter runs them)."""
+  o, got = _compressed_window_call(start, n_true)
+  x = np.arange(8, dtype=np.float32) + 1
+  lanes = np.arange(8 - n_true, 8)
+  np.testing.assert_array_equal(got[lanes], x[start:start + n_true])
+  want = np.zeros(8, np.float32)
+  want[start:start + n_true] = 10 * x[start:start + n_true]
+  np.testing.assert_array_equal(o, want)
+
+
+def test_a_compressed_store_past_the_ref_still_raises():
+  with pytest.raises(Exception, match="out-of-bounds|out of bounds"):
+    _compressed_window_call(6, 3)  # element 8 would be written

@@ -165,14 +165,16 @@ def _ref_operand(e, node, transforms=(), dma=False):
   dynamic = access.dynamic_size or any(r.dynamic for r in index_refs.values())
   if index_refs:  # the index arrays read from their index refs' slices first
     reads = {k: r.read for k, r in index_refs.items()}
-
-    def fn(args):
-      return resolve(args[ref_pos],
-                     [reads[p](args) if p in reads else args[p] for p in dyn])
+    values = lambda args: [reads[p](args) if p in reads else args[p] for p in dyn]
+    fn = lambda args: resolve(args[ref_pos], values(args))
   else:
+    values = lambda args: [args[p] for p in dyn]
     fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
   fn.shape = None if dynamic else tuple(access.result_shape)
   fn.bound_shape = tuple(access.result_shape)  # a traced size's axis bound
+  # ``(view, coords)`` with no bounds check (RefAccess.unchecked_coords), or
+  # None: for accesses that touch only part of their window
+  fn.unchecked = lambda args: access.unchecked_coords(args[ref_pos], values(args))
   return fn
 
 
