@@ -305,3 +305,42 @@ def test_a_compressed_store_window_may_run_past_the_ref(start, n_true):
 def test_a_compressed_store_past_the_ref_still_raises():
   with pytest.raises(Exception, match="out-of-bounds|out of bounds"):
     _compressed_window_call(6, 3)  # element 8 would be written
+
+
+# -- a narrow-float matmul split into sub-tiles: the same bits as the whole ------------
+# tokamax splash attention's ``qk_diag_skip`` computes a causal block's QK^T
+# as a grid of sub-tile dots (skipping those above the diagonal) and its
+# tests demand the bits of the one big dot: an MXU's result per element
+# does not depend on how M and N are tiled.
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+def test_a_narrow_float_dot_does_not_depend_on_the_tiling(dtype):
+  """Each element is the exact sum of the (exact) products rounded once to
+  float32: the NumPy float64 reference, whole or split."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from tests.tpu_helpers import numpy_mode
+  dims = (((1,), (1,)), ((), ()))
+
+  def kernel(split):
+    def body(q_ref, k_ref, o_ref):
+      q, k = q_ref[...], k_ref[...]
+      if not split:
+        o_ref[...] = lax.dot_general(q, k, dims, preferred_element_type=jnp.float32)
+        return
+      o_ref[...] = jnp.concatenate([
+          jnp.concatenate([lax.dot_general(q[i * 64:(i + 1) * 64], k[j * 64:(j + 1) * 64], dims,
+                                           preferred_element_type=jnp.float32)
+                           for j in range(4)], axis=1)
+          for i in range(4)], axis=0)
+    return body
+  q = (jax.random.normal(jax.random.key(1), (256, 128)) * 0.5).astype(dtype)
+  k = (jax.random.normal(jax.random.key(2), (256, 128)) * 0.5).astype(dtype)
+  with numpy_mode():
+    whole, split = (np.asarray(pl.pallas_call(kernel(s), jax.ShapeDtypeStruct((256, 256),
+                                                                            jnp.float32))(q, k))
+                    for s in (False, True))
+  want = (np.asarray(q).astype(np.float64) @ np.asarray(k).astype(np.float64).T).astype(np.float32)
+  np.testing.assert_array_equal(whole.view(np.uint32), want.view(np.uint32))
+  np.testing.assert_array_equal(split.view(np.uint32), want.view(np.uint32))
