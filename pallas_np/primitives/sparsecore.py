@@ -123,8 +123,8 @@ if scp is not None:
         races.note(view, idx, "read")
         return np.array(view[idx])
       m = np.asarray(args[mask_pos], bool)
-      view, idx, _ = _first_elements(get, args, int(m.sum()))
-      races.note(view, idx, "read")
+      view, idx, window = _first_elements(get, args, int(m.sum()), write=False)
+      races.note(*(window or (view, idx)), "read")
       res = allocate(out.shape, out.dtype, params)
       res[m] = view[idx].reshape(-1)
       return res
@@ -153,10 +153,10 @@ if scp is not None:
         return old
       m = np.asarray(args[mask_pos], bool)
       vals = x[m]
-      view, idx, window = _first_elements(get, args, vals.size)
+      view, idx, window = _first_elements(get, args, vals.size, write=True)
       races.note(view, idx, "readwrite" if add else "write")
       if window is not None:
-        old = np.array(window)
+        old = np.array(window[0][window[1]])
       else:  # the window runs past the ref: what lies there is not read
         old = allocate(x.shape, view.dtype, params)
         old.reshape(-1)[:vals.size] = view[idx].reshape(-1)
@@ -167,13 +167,15 @@ if scp is not None:
       return old
     return store
 
-  def _first_elements(get, args, count):
+  def _first_elements(get, args, count, *, write):
     """``(view, index, window)``: ``view[index]`` are the first ``count``
     elements (in row-major order) of a compressed store's / expanded load's
-    window, the window itself or None where it runs past the ref. Those
-    elements are all such an access touches, so the window may run past
-    the ref (tokamax top_k appends at ``pl.ds(count, lanes)``): only they
-    are bounds-checked."""
+    window, ``window`` the ref's ``(view, index)`` of the whole window, or
+    None where it runs past the ref. Those elements are all such an access
+    touches, so the window may run past the ref (tokamax top_k appends at
+    ``pl.ds(count, lanes)``): only they are bounds-checked. ``write``: the
+    elements must be a view of the ref (a store through a non-contiguous
+    window is unsupported)."""
     try:
       view, idx = get(args)
     except IndexError:
@@ -192,10 +194,10 @@ if scp is not None:
           ) from None
       return view, first, None
     sub = view[idx]
-    flat = sub.reshape(-1)  # a view: refs are contiguous blocks here
-    if not np.shares_memory(flat, sub) and sub.size:
+    flat = sub.reshape(-1)  # a view where the window is contiguous
+    if write and sub.size and not np.shares_memory(flat, sub):
       raise UnsupportedError("pallas_np: a compressed store to a non-contiguous ref view")
-    return flat, slice(0, count), sub
+    return flat, slice(0, count), (view, idx)
 
   @registry.register(scp.barrier_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
   def _subcore_barrier(e):
