@@ -194,11 +194,14 @@ PLUGIN = textwrap.dedent('''
       msg = ""
       if report.failed:
         text = str(report.longrepr)
-        lines = [l for l in text.splitlines() if l.startswith("E ")]
+        # (an exception group, e.g. hypothesis's, has no "E " lines and
+        # frames its members with | and +---)
+        every = [l for l in text.splitlines() if l.strip(" |+-")]
+        lines = [l for l in every if l.startswith("E ")] or every
         lines = [l for l in lines if "For simplicity, JAX" not in l]
         errs = [l for l in lines if "Error:" in l or "Mismatch" in l or "Not equal" in l
                 or "took longer than" in l]
-        msg = ((errs or lines)[-1] if lines else text.splitlines()[-1] if text else "")[:300]
+        msg = ((errs or lines)[-1].strip(" |") if lines else "")[:300]
       elif report.skipped:
         msg = str(report.longrepr)[-200:]
       with open(_OUT, "a") as f:

@@ -170,3 +170,177 @@ def test_a_dma_past_the_tile_padding_still_raises():
   from tests.tpu_helpers import numpy_mode
   with numpy_mode(buffer_bounds="padded"), pytest.raises(Exception, match="out-of-bounds"):
     jax.block_until_ready(_padded_dma_call(cols_window=640))
+
+
+# -- an indexed DMA through an index ref sliced with a traced size ----------------------
+# tokamax SparseCore top_k writes its survivors with
+# ``out.at[iota_ref.at[pl.ds(0, n)]]``, n the (traced) number of survivors.
+def _traced_index_slice_kernel(scatter):
+  """Each vector subcore DMAs ``n = 3 * s + 2`` rows through its index ref
+  sliced at ``pl.ds(0, n)``: a gather (table rows by index) or a scatter
+  (its first n rows to the indexed rows of the output), then waits."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def body(x_hbm, idx_hbm, o_hbm, idx_vmem, rows, sem):
+    s = jax.lax.axis_index("subcore")
+    n = 3 * s + 2
+    pltpu.sync_copy(idx_hbm.at[pl.ds(s * 8, 8)], idx_vmem)
+    if scatter:
+      pltpu.sync_copy(x_hbm.at[pl.ds(s * 8, 8)], rows)
+      copy = pltpu.make_async_copy(rows.at[pl.ds(0, n)], o_hbm.at[idx_vmem.at[pl.ds(0, n)]], sem)
+      copy.start()
+      copy.wait()
+    else:
+      rows[...] = jnp.full(rows.shape, -1.0, rows.dtype)
+      copy = pltpu.make_async_copy(x_hbm.at[idx_vmem.at[pl.ds(0, n)]], rows.at[pl.ds(0, n)], sem)
+      copy.start()
+      copy.wait()
+      pltpu.sync_copy(rows, o_hbm.at[pl.ds(s * 8, 8)])
+  return body
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_an_indexed_dma_through_an_index_slice_of_traced_size(scatter):
+  """Exactly the first n indices move n rows (the wait takes the n rows'
+  bytes); rows past n keep what they held. NumPy reference (no JAX
+  interpreter runs SparseCore indexed DMAs: TPU interpret mode reads
+  garbage indices there, interpret=True cannot trace a traced size)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  plsc = pytest.importorskip("jax.experimental.pallas.tpu_sc")
+  pallas_np.assume_tpu_chip("v5p")  # meshes ask the chip for its SparseCores (tracing only)
+  try:
+    mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=1, num_subcores=2)
+    table = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+    # distinct indices (a scatter with repeated rows would race on a TPU)
+    idx = jnp.asarray(np.random.RandomState(0).permutation(32)[:16], jnp.int32)
+    k = pl.kernel(_traced_index_slice_kernel(scatter),
+                  out_type=jax.ShapeDtypeStruct((32 if scatter else 16, 128), jnp.float32),
+                  mesh=mesh, interpret="numpy",
+                  scratch_types=[pltpu.VMEM((8,), jnp.int32), pltpu.VMEM((8, 128), jnp.float32),
+                                 pltpu.SemaphoreType.DMA])
+    got = np.asarray(k(table, idx))
+  finally:
+    pallas_np.assume_tpu_chip("v5e")
+  t, ix = np.asarray(table), np.asarray(idx).reshape(2, 8)
+  if scatter:  # the other output rows are never written (uninitialised)
+    for s in range(2):
+      n = 3 * s + 2
+      np.testing.assert_array_equal(got[ix[s, :n]], t[s * 8:s * 8 + n])
+  else:
+    want = np.full((16, 128), -1.0, np.float32)
+    for s in range(2):
+      n = 3 * s + 2
+      want[s * 8:s * 8 + n] = t[ix[s, :n]]
+    np.testing.assert_array_equal(got, want)
+
+
+# -- a compressed store / expanded load whose window runs past the ref ------------------
+# tokamax SparseCore top_k appends survivors with
+# ``plsc.store_compressed(out.at[pl.ds(count, lanes)], x, mask=m)``: the
+# window may run past the ref's end, only the count(m) elements written
+# must lie inside it.
+def _compressed_window_kernel(start, n_true):
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas import tpu_sc as plsc
+
+  def body(x_hbm, o_hbm, got_hbm, x, o, got):
+    pltpu.sync_copy(x_hbm, x)
+    o[...] = jnp.zeros_like(o)
+    s = jax.lax.axis_index("subcore") + start  # traced: JAX checks static windows
+    mask = jnp.arange(8) >= 8 - n_true  # the last n_true lanes
+    got[...] = plsc.load_expanded(x.at[pl.ds(s, 8)], mask=mask)
+    plsc.store_compressed(o.at[pl.ds(s, 8)], got[...] * 10.0, mask=mask)
+    pltpu.sync_copy(o, o_hbm)
+    pltpu.sync_copy(got, got_hbm)
+  return body
+
+
+def _compressed_window_call(start, n_true):
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  import pallas_np
+  plsc = pytest.importorskip("jax.experimental.pallas.tpu_sc")
+  pallas_np.assume_tpu_chip("v5p")  # meshes ask the chip for its SparseCores (tracing only)
+  try:
+    mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=1, num_subcores=1)
+    x = jnp.arange(8, dtype=jnp.float32) + 1
+    k = pl.kernel(_compressed_window_kernel(start, n_true),
+                  out_type=(jax.ShapeDtypeStruct((8,), jnp.float32),
+                            jax.ShapeDtypeStruct((8,), jnp.float32)),
+                  mesh=mesh, interpret="numpy",
+                  scratch_types=[pltpu.VMEM((8,), jnp.float32)] * 3)
+    return [np.asarray(a) for a in k(x)]
+  finally:
+    pallas_np.assume_tpu_chip("v5e")
+
+
+@pytest.mark.parametrize("start,n_true", [(5, 3), (0, 8), (7, 1), (3, 0)])
+def test_a_compressed_store_window_may_run_past_the_ref(start, n_true):
+  """The i-th masked lane goes to (comes from) element ``start + i``, as the
+  docstrings of store_compressed / load_expanded say; nothing else of the
+  window is touched. NumPy reference (no JAX interpreter runs them)."""
+  o, got = _compressed_window_call(start, n_true)
+  x = np.arange(8, dtype=np.float32) + 1
+  lanes = np.arange(8 - n_true, 8)
+  np.testing.assert_array_equal(got[lanes], x[start:start + n_true])
+  want = np.zeros(8, np.float32)
+  want[start:start + n_true] = 10 * x[start:start + n_true]
+  np.testing.assert_array_equal(o, want)
+
+
+def test_a_compressed_store_past_the_ref_still_raises():
+  with pytest.raises(Exception, match="out-of-bounds|out of bounds"):
+    _compressed_window_call(6, 3)  # element 8 would be written
+
+
+# -- a narrow-float matmul split into sub-tiles: the same bits as the whole ------------
+# tokamax splash attention's ``qk_diag_skip`` computes a causal block's QK^T
+# as a grid of sub-tile dots (skipping those above the diagonal) and its
+# tests demand the bits of the one big dot: an MXU's result per element
+# does not depend on how M and N are tiled.
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+def test_a_narrow_float_dot_does_not_depend_on_the_tiling(dtype):
+  """Each element is the exact sum of the (exact) products rounded once to
+  float32: the NumPy float64 reference, whole or split."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from tests.tpu_helpers import numpy_mode
+  dims = (((1,), (1,)), ((), ()))
+
+  def kernel(split):
+    def body(q_ref, k_ref, o_ref):
+      q, k = q_ref[...], k_ref[...]
+      if not split:
+        o_ref[...] = lax.dot_general(q, k, dims, preferred_element_type=jnp.float32)
+        return
+      o_ref[...] = jnp.concatenate([
+          jnp.concatenate([lax.dot_general(q[i * 64:(i + 1) * 64], k[j * 64:(j + 1) * 64], dims,
+                                           preferred_element_type=jnp.float32)
+                           for j in range(4)], axis=1)
+          for i in range(4)], axis=0)
+    return body
+  q = (jax.random.normal(jax.random.key(1), (256, 128)) * 0.5).astype(dtype)
+  k = (jax.random.normal(jax.random.key(2), (256, 128)) * 0.5).astype(dtype)
+  with numpy_mode():
+    whole, split = (np.asarray(pl.pallas_call(kernel(s), jax.ShapeDtypeStruct((256, 256),
+                                                                            jnp.float32))(q, k))
+                    for s in (False, True))
+  want = (np.asarray(q).astype(np.float64) @ np.asarray(k).astype(np.float64).T).astype(np.float32)
+  np.testing.assert_array_equal(whole.view(np.uint32), want.view(np.uint32))
+  np.testing.assert_array_equal(split.view(np.uint32), want.view(np.uint32))

@@ -138,6 +138,16 @@ class DotGeometry:
     self.int_gemm = exact_int_gemm(np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype),
                                    self.acc, self.K)
     self.compute = self.int_gemm[0] if self.int_gemm else self.acc
+    # Narrow floats (bf16, f16, fp8) into float32: every product is exact
+    # in float64 and so, in practice, is their sum: one rounding to float32
+    # at the end gives each element the same bits whatever the GEMM's shape,
+    # as an MXU / tensor core does (its result per element does not depend
+    # on how the kernel tiles M and N; BLAS's float32 GEMM rounds an element
+    # differently with the shape: tokamax splash attention's qk_diag_skip
+    # tests compare a split matmul with the whole one bit for bit).
+    if self.acc == np.float32 and all(
+        is_low_precision_float(d) for d in (np_dtype(lhs_aval.dtype), np_dtype(rhs_aval.dtype))):
+      self.compute = np.dtype(np.float64)
     self.lnd, self.rnd = lnd, rnd
     # How the grid loop lays out each product's operands (the batched rule
     # must match it): 2-D products take blas_operand; NumPy's batched matmul
@@ -208,7 +218,7 @@ def _dot_general(e):
       r = r != 0
     return np.asarray(r.reshape(out_shape), dtype=out)
 
-  if B == 1 and lnd == 2 and rnd == 2 and acc == out and not bool_out and not int_gemm:
+  if B == 1 and lnd == 2 and rnd == 2 and acc == out and not bool_out and not int_gemm and compute == acc:
     def dot_out(x, y, out=None):
       """A plain 2-D product, optionally into ``out`` (the ref block it is
       stored to: see the evaluator's ``into_refs``)."""

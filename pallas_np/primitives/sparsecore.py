@@ -118,14 +118,15 @@ if scp is not None:
     params = e.compiler.params
 
     def load(*args):
-      view, idx = get(args)
-      sub = view[idx]
-      races.note(view, idx, "read")
       if mask_pos is None:
-        return np.array(sub)
+        view, idx = get(args)
+        races.note(view, idx, "read")
+        return np.array(view[idx])
       m = np.asarray(args[mask_pos], bool)
+      view, idx, window = _first_elements(get, args, int(m.sum()), write=False)
+      races.note(*(window or (view, idx)), "read")
       res = allocate(out.shape, out.dtype, params)
-      res[m] = sub.reshape(-1)[:int(m.sum())]
+      res[m] = view[idx].reshape(-1)
       return res
     return load
 
@@ -136,14 +137,15 @@ if scp is not None:
     (flattened) ref (added with ``add``). Returns the ref's old contents."""
     get, mask_pos = _ref_access(e)
     add = bool(e.params["add"])
+    params = e.compiler.params
 
     def store(*args):
-      view, idx = get(args)
-      sub = view[idx]
-      old = np.array(sub)
       x = np.asarray(args[1])
-      races.note(view, idx, "readwrite" if add else "write")
       if mask_pos is None:
+        view, idx = get(args)
+        sub = view[idx]
+        old = np.array(sub)
+        races.note(view, idx, "readwrite" if add else "write")
         if add:
           sub += x
         else:
@@ -151,15 +153,51 @@ if scp is not None:
         return old
       m = np.asarray(args[mask_pos], bool)
       vals = x[m]
-      flat = sub.reshape(-1)  # a view: refs are contiguous blocks here
-      if not np.shares_memory(flat, sub):
-        raise UnsupportedError("pallas_np: a compressed store to a non-contiguous ref view")
+      view, idx, window = _first_elements(get, args, vals.size, write=True)
+      races.note(view, idx, "readwrite" if add else "write")
+      if window is not None:
+        old = np.array(window[0][window[1]])
+      else:  # the window runs past the ref: what lies there is not read
+        old = allocate(x.shape, view.dtype, params)
+        old.reshape(-1)[:vals.size] = view[idx].reshape(-1)
       if add:
-        flat[:vals.size] += vals
+        view[idx] += vals.reshape(view[idx].shape)
       else:
-        flat[:vals.size] = vals
+        view[idx] = vals.reshape(view[idx].shape)
       return old
     return store
+
+  def _first_elements(get, args, count, *, write):
+    """``(view, index, window)``: ``view[index]`` are the first ``count``
+    elements (in row-major order) of a compressed store's / expanded load's
+    window, ``window`` the ref's ``(view, index)`` of the whole window, or
+    None where it runs past the ref. Those elements are all such an access
+    touches, so the window may run past the ref (tokamax top_k appends at
+    ``pl.ds(count, lanes)``): only they are bounds-checked. ``write``: the
+    elements must be a view of the ref (a store through a non-contiguous
+    window is unsupported)."""
+    try:
+      view, idx = get(args)
+    except IndexError:
+      unchecked = get.unchecked(args)
+      if unchecked is None:
+        raise
+      view, coords = unchecked
+      shape = np.broadcast_shapes(*(np.shape(c) for c in coords))
+      first = tuple(np.broadcast_to(c, shape).reshape(-1)[:count] for c in coords)
+      for axis, (c, n) in enumerate(zip(first, view.shape)):
+        if c.size and (c.min() < 0 or c.max() >= n):
+          bad = int(c[(c < 0) | (c >= n)][0])
+          raise IndexError(
+              f"out-of-bounds ref access: a compressed store / expanded load of {count} "
+              f"elements reaches index {bad} on axis {axis} of a ref of shape {view.shape}"
+          ) from None
+      return view, first, None
+    sub = view[idx]
+    flat = sub.reshape(-1)  # a view where the window is contiguous
+    if write and sub.size and not np.shares_memory(flat, sub):
+      raise UnsupportedError("pallas_np: a compressed store to a non-contiguous ref view")
+    return flat, slice(0, count), (view, idx)
 
   @registry.register(scp.barrier_p, needs_ctx=True, foldable=False, batch=_SEQUENTIAL)
   def _subcore_barrier(e):

@@ -15,7 +15,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
-from pallas_np.primitives.tpu import minor_view
+from pallas_np.primitives.tpu import minor_viewer
 
 scp = jc.sc_primitives
 _PURE = registry.unbatched("rare (SparseCore vector ops): run lane by lane")
@@ -155,4 +155,4 @@ if scp is not None and getattr(scp, "bitcast_p", None) is not None:
     """JAX 0.10's ``plsc.bitcast``: ``vector.bitcast`` of the minormost dim,
     i.e. ``ndarray.view`` (JAX 0.12's is ``pltpu.bitcast(dim=-1)``)."""
     dst = np_dtype(e.params["dtype"])
-    return lambda x: minor_view(x, -1, dst)
+    return minor_viewer(len(e.in_avals[0].shape), -1, dst)

@@ -3,6 +3,7 @@ semaphores and DMAs (data movement lives in ``pallas_np.state.dma``)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -52,16 +53,29 @@ def _bitcast(e):
   ``plsc.bitcast`` is ``dim=-1``). With that dim moved minormost it is
   ``ndarray.view`` (see JAX 0.12's lowering of ``bitcast_p``)."""
   dst = np_dtype(e.params["ty"])
+  ndim = len(e.in_avals[0].shape)
   dim = jc.tpu_bitcast_dim(e.params)
-  dim = len(e.in_avals[0].shape) - 2 if dim is None else int(dim)
-  return lambda x: minor_view(x, dim, dst)
+  return minor_viewer(ndim, ndim - 2 if dim is None else int(dim), dst)
 
 
-def minor_view(x, dim: int, dst) -> np.ndarray:
-  """``x`` viewed as ``dst``, the ratio of the widths scaling dim ``dim``:
-  consecutive elements along it are packed into (or unpacked from) one."""
-  y = np.ascontiguousarray(np.moveaxis(np.asarray(x), dim, -1)).view(dst)
-  return np.moveaxis(y, -1, dim)
+def minor_viewer(ndim: int, dim: int, dst):
+  """``fn(x)``: ``x`` (of rank ``ndim``) viewed as ``dst``, the ratio of the
+  widths scaling dim ``dim``: consecutive elements along it are packed into
+  (or unpacked from) one. The permutations are fixed here: ``np.moveaxis``
+  per call cost ~50 us (its axis normalisation), most of a bitcast of a
+  small block (tokamax MLA bitcasts ~10^5 blocks per test)."""
+  dst = np.dtype(dst)
+  if ndim == 0:
+    return lambda x: np.asarray(x).view(dst)
+  dim %= ndim
+  if dim == ndim - 1:
+    return lambda x: np.ascontiguousarray(x).view(dst)
+  perm = tuple(i for i in range(ndim) if i != dim) + (dim,)
+  inverse = tuple(int(i) for i in np.argsort(perm))
+
+  def view(x):
+    return np.ascontiguousarray(np.asarray(x).transpose(perm)).view(dst).transpose(inverse)
+  return view
 
 
 # -- PRNG -----------------------------------------------------------------------
@@ -151,7 +165,7 @@ def _ref_operand(e, node, transforms=(), dma=False):
     return fn
   transforms, index_refs = _index_ref_slices(e, transforms)
   leaves, tree = jax.tree_util.tree_flatten(transforms)
-  atoms = [index_refs[l.k][0] if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
+  atoms = [index_refs[l.k].atom if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
            for l in leaves]
   access = RefAccess.shared(tree, atoms, aval.shape, ref_dtype=aval.dtype,
                             clamp=e.compiler.params.bounds_check == "clamp")
@@ -159,17 +173,21 @@ def _ref_operand(e, node, transforms=(), dma=False):
   resolve = access.resolve
   if dma:  # a DMA window may run into the buffer's tile padding
     resolve = past_end.padded_dma_operand(resolve, access, aval.dtype, e.compiler.params)
+  # static: the operand's shape; None for a traced pl.ds size, here or in
+  # an index ref's slice (known at run time)
+  dynamic = access.dynamic_size or any(r.dynamic for r in index_refs.values())
   if index_refs:  # the index arrays read from their index refs' slices first
-    reads = {k: read for k, (_, read) in index_refs.items()}
-
-    def fn(args):
-      return resolve(args[ref_pos],
-                     [reads[p](args) if p in reads else args[p] for p in dyn])
-    fn.shape = None if access.dynamic_size else tuple(access.result_shape)
-    return fn
-  fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
-  # static: the operand's shape; None for a traced pl.ds size (known at run time)
-  fn.shape = None if access.dynamic_size else tuple(access.result_shape)
+    reads = {k: r.read for k, r in index_refs.items()}
+    values = lambda args: [reads[p](args) if p in reads else args[p] for p in dyn]
+    fn = lambda args: resolve(args[ref_pos], values(args))
+  else:
+    values = lambda args: [args[p] for p in dyn]
+    fn = lambda args: resolve(args[ref_pos], [args[p] for p in dyn])
+  fn.shape = None if dynamic else tuple(access.result_shape)
+  fn.bound_shape = tuple(access.result_shape)  # a traced size's axis bound
+  # ``(view, coords)`` with no bounds check (RefAccess.unchecked_coords), or
+  # None: for accesses that touch only part of their window
+  fn.unchecked = lambda args: access.unchecked_coords(args[ref_pos], values(args))
   return fn
 
 
@@ -201,34 +219,57 @@ def _selected_operand(e, node, transforms):
 def _index_ref_slices(e, transforms):
   """Indexers whose index is itself a transformed ref (an indexed DMA
   through a slice of the index ref, ``out.at[idx_ref.at[pl.ds(0, n)]]``,
-  as SparseCore kernels write): each such index is replaced by a fresh
-  ``_Pos`` numbered past the eqn's invars, mapped to ``(atom, read)``,
-  an atom with the slice's aval and ``read(args)`` its current values."""
+  as SparseCore kernels write, ``n`` static or traced): each such index is
+  replaced by a fresh ``_Pos`` numbered past the eqn's invars, mapped to
+  an ``_IndexRef``: an atom with the slice's aval (its bound for a traced
+  size) and ``read(args)``, its current values."""
   index_refs = {}
   out = []
-  for t in transforms:
+  for n, t in enumerate(transforms):
     if isinstance(t, jc.NDIndexer) and any(
         isinstance(ix, jc.TransformedRef) for ix in t.indices):
       indices = []
       for ix in t.indices:
         if isinstance(ix, jc.TransformedRef):
           get = _ref_operand(e, ix)
-          if get.shape is None:
-            raise UnsupportedError(
-                f"pallas_np: an index ref sliced with a traced size at {e.source}")
           k = len(e.eqn.invars) + len(index_refs)
-          dtype = _operand_dtype(e, ix)
-          atom = _IndexAtom(get.shape, dtype)
+          atom = _IndexAtom(get.bound_shape, _operand_dtype(e, ix))
 
           def read(args, get=get):
             view, idx = get(args)
             return np.asarray(view[idx] if idx is not Ellipsis else lens.value(view))
-          index_refs[k] = (atom, read)
+          index_refs[k] = _IndexRef(atom, read, get.shape is None, n == len(transforms) - 1)
           ix = _Pos(k)
         indices.append(ix)
       t = dataclasses.replace(t, indices=tuple(indices))
+      if any(not isinstance(ix, jc.Slice) and index_refs.get(getattr(ix, "k", None)) and
+             index_refs[ix.k].dynamic for ix in indices):
+        # the traced length in JAX's int_indexer_shape: its bound instead
+        t = dataclasses.replace(t, int_indexer_shape=np.broadcast_shapes(
+            *(_index_shape(e, ix, index_refs) for ix in indices if not isinstance(ix, jc.Slice))))
     out.append(t)
   return tuple(out), index_refs
+
+
+def _index_shape(e, ix, index_refs) -> tuple:
+  """The static shape of an integer indexer (its bound for an index slice
+  of traced length)."""
+  if isinstance(ix, _Pos):
+    if ix.k in index_refs:
+      return index_refs[ix.k].atom.aval.shape
+    return tuple(getattr(e.eqn.invars[ix.k].aval, "shape", ()))
+  return np.shape(ix)
+
+
+class _IndexRef(NamedTuple):
+  """An index array read from a sliced index ref: ``atom`` stands for it
+  in ``RefAccess`` (which needs only its rank), ``read(args)`` reads it
+  when the DMA starts; ``dynamic``: its length is a traced ``pl.ds``
+  size; ``last``: its indexer is the operand's last transform."""
+  atom: Any
+  read: Callable
+  dynamic: bool
+  last: bool
 
 
 class _IndexAtom:
@@ -423,8 +464,14 @@ def _dma_wait(e):
     transforms, index_refs = _index_ref_slices(e, src.transforms)
     leaves, tree = jax.tree_util.tree_flatten(transforms)
     aval = e.in_avals[src.ref.k]
-    atoms = [index_refs[l.k][0] if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
+    atoms = [index_refs[l.k].atom if isinstance(l, _Pos) and l.k in index_refs else _atom(e, l)
              for l in leaves]
+    # an index slice of traced length: the rows its current values name
+    index_lengths = any(r.dynamic for r in index_refs.values())
+    if any(r.dynamic and not r.last for r in index_refs.values()):
+      raise UnsupportedError(
+          f"pallas_np: a DMA wait whose index ref, sliced with a traced size, is not in "
+          f"its last indexer, at {e.source}")
     acc = RefAccess.shared(tree, atoms, aval.shape, ref_dtype=aval.dtype, clamp=True)
     shape = acc.result_shape
     dtype = aval.dtype
@@ -434,18 +481,19 @@ def _dma_wait(e):
   itemsize = _element_bytes(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
   what = f"DMA wait at {e.source}"
-  if not isinstance(src, _Pos) and acc.dynamic_size:  # a traced pl.ds size
+  if not isinstance(src, _Pos) and (acc.dynamic_size or index_lengths):  # a traced pl.ds size
     # Only the descriptor's byte count matters: a wait never dereferences
     # its addresses, so one wait for several DMAs may name a region larger
     # than the ref (``buf.at[0, pl.ds(0, total)]``), as TPU interpret mode
     # (product of the transformed shape times the item size) allows.
     runtime_shape = acc.runtime_shape
     dyn = [leaves[k].k for k in acc.dynamic_positions]
-    reads = {k: read for k, (_, read) in index_refs.items()}
+    reads = {k: r.read for k, r in index_refs.items()}
 
     def dma_wait(ctx, *args):
       values = [reads[p](args) if p in reads else args[p] for p in dyn]
-      n = int(np.prod(runtime_shape(values), dtype=np.int64)) * itemsize
+      shape = runtime_shape(values, index_lengths=index_lengths)
+      n = int(np.prod(shape, dtype=np.int64)) * itemsize
       dma_mod.wait(ctx, dma_mod.sem_cell(*get_sem(args)), n, what=what)
       return []
     return dma_wait

@@ -370,15 +370,18 @@ class RefAccess:
     build = self._build_dim
     return lambda leaves: build(d, axis, shape, leaves)
 
-  def runtime_shape(self, leaves) -> tuple:
+  def runtime_shape(self, leaves, index_lengths: bool = False) -> tuple:
     """The accessed shape for these index values, with no bounds check and
     no memory touched: a traced ``pl.ds`` size replaces its axis' bound in
-    ``result_shape``. A DMA wait needs only this (its descriptor's byte
-    count; Mosaic never dereferences a wait's addresses)."""
-    if not self.dynamic_size:
+    ``result_shape``; with ``index_lengths`` the integer-array indices of
+    the last indexer give their block its shape (an index array read from
+    an index ref sliced with a traced size is shorter than its aval). A
+    DMA wait needs only this (its descriptor's byte count; Mosaic never
+    dereferences a wait's addresses)."""
+    if not (self.dynamic_size or index_lengths):
       return self.result_shape
     dims = self.steps[-1][1]
-    _, _, slice_axes = self._final_layout
+    int_shape, int_at, slice_axes = self._final_layout
     shape = list(self.result_shape)
     for d, axis in zip(dims, slice_axes):
       if isinstance(d, DimSlice) and not is_static(d.size):
@@ -386,6 +389,10 @@ class RefAccess:
         if size < 0:
           raise ValueError(f"negative pl.ds size {size} in a DMA descriptor")
         shape[axis] = size
+    arrays = [np.shape(leaves[d.value.k] if isinstance(d.value, _Dyn) else d.value)
+              for d, axis in zip(dims, slice_axes) if axis is None]
+    if index_lengths and arrays:
+      shape[int_at:int_at + len(int_shape)] = np.broadcast_shapes(*arrays)
     return tuple(shape)
 
   def unchecked_coords(self, ref, leaves):
