@@ -51,9 +51,17 @@ LOOKUP_PRICE = 0.02
 # A build runs in another process, at the lowest CPU priority: it costs the
 # caller only when the machine has no idle core. Its price counts at this
 # weight, BUSY_FACTOR times more (in full) when the load average leaves no
-# core idle or there is one core.
+# core idle or there is one core. The load average counts the caller itself
+# (a process calling a kernel in a loop adds ~1): a core is idle while the
+# load stays IDLE_MARGIN below the core count.
 COMPILE_WEIGHT = 0.1
 BUSY_FACTOR = 10.0
+IDLE_MARGIN = 0.5
+# While a priced loop's cost is below its price at the busy weight, the
+# load is read again only after its NumPy path cost another RECHECK_SHARE
+# of the price (a run itself only adds and compares: no system call).
+RECHECK_SHARE = 0.02
+_CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
@@ -178,12 +186,11 @@ def price(lines: int) -> float:
 
 def weight() -> float:
   """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
-  cpus = os.cpu_count() or 1
   try:
-    busy = os.getloadavg()[0] > cpus - 1
+    busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
   except (AttributeError, OSError):
     busy = False
-  return COMPILE_WEIGHT * (BUSY_FACTOR if cpus == 1 or busy else 1.0)
+  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)
 
 
 def _layouts(args) -> tuple:
@@ -242,6 +249,9 @@ class NativeLoop:
     self.last_ctx = None
     self.phase = "new"  # -> "lookup" -> "priced" -> "building" -> "done"
     self.price = 0.0
+    # NumPy-path seconds at which _consider takes its next step (below it a
+    # run only adds its time): the lookup's price, then the build's weighted.
+    self.due = 0.0 if self.sync else LOOKUP_PRICE
     self.invars = [v.aval for v in eqn.invars]
     self.outs = []
     self.kinds = None
@@ -284,6 +294,8 @@ class NativeLoop:
       self._swap(fn)
       return
     self.price = price(len(src.text.splitlines()))
+    # (the least weight(): the load is read when it is reached)
+    self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
     self.phase = "priced"
 
   def build(self) -> None:
@@ -327,16 +339,26 @@ class NativeLoop:
       self.last_ctx = ctx
       self.runs += 1
     self.spent += spent
-    if self.phase == "new" and (self.sync or self.spent >= LOOKUP_PRICE):
+    if self.spent < self.due:
+      return  # (the usual run: nothing else)
+    if self.phase == "new":
       self._prepare(args)
       self.phase = "lookup"
+      self.due = float("inf")  # (until the lookup priced the build)
       if self.sync:
         self._guarded(self.lookup)
       else:
         _submit(self, "lookup")
-    if self.phase == "priced" and (self.sync or (
-        self.runs >= HOT_RUNS and self.spent >= weight() * self.price)):
+    if self.phase == "priced" and self.spent >= self.due:
+      if not self.sync:
+        due = weight() * self.price
+        if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
+          self.due = min(due, self.spent + RECHECK_SHARE * self.price)
+          return
+        if self.runs < HOT_RUNS:
+          return  # (looked at again next run)
       self.phase = "building"
+      self.due = float("inf")
       if self.sync:
         self._guarded(self.build)
       else:
