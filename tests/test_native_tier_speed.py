@@ -3,6 +3,11 @@
 (no system call per run), the load average's reading counts the caller
 itself, and a deferred build is looked at again. Scheduling and the disk
 cache's basics: tests/test_native_tier.py."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +16,9 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import tier
+from pallas_np.native import codegen, prekey, tier
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = pallas_np.InterpretParams(native_loops="off")
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
 
@@ -117,3 +123,97 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   for _ in range(3):
     f(x)
   assert len(builds.loops) == 1
+
+
+_PREKEY_PROCESS = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np
+    import pallas_np
+    from pallas_np import native
+    from pallas_np.native import codegen, prekey, tier
+    from tests.test_native_tier_speed import _call
+    salt, second = int(sys.argv[1]), sys.argv[2] == "second"
+    if second:  # (the library must be found with no source generated)
+        def generate(*a, **k):
+            raise AssertionError("source generated")
+        codegen.loop_source = generate
+    x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
+    mode = "background" if second else "sync"
+    f = _call(salt, pallas_np.InterpretParams(native_loops=mode), x)
+    want = np.asarray(_call(salt, pallas_np.InterpretParams(native_loops="off"), x)(x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)), want)
+    s = native.stats()
+    print(s["disk_hits"], s["compiled"], s["native_calls"], s["failed"])
+""")
+
+
+def test_second_process_runs_native_from_its_first_run(tmp_path):
+  """A second process finds the loop's library by its pre-key at the
+  loop's first run: every run is native, and no source is generated
+  (the generator raises there)."""
+  salt = _salt()
+  env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  runs = []
+  for which in ("first", "second"):
+    out = subprocess.run([sys.executable, "-c", _PREKEY_PROCESS, str(salt), which], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.append(out.stdout.split())
+  assert runs[0] == ["0", "1", "3", "0"]  # built ("sync": at the first run)
+  assert runs[1] == ["1", "1", "3", "0"]  # loaded by pre-key: native from the first run
+
+
+def _refused_kernel(salt):
+  def kernel(x_ref, o_ref):
+    def body(i, x):
+      return jnp.sin(x) + salt  # (sin: refused, native/refusals.py)
+    o_ref[...] = lax.fori_loop(0, 3, body, x_ref[...])
+  return kernel
+
+
+def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
+  """A loop refused once is refused again by its pre-key in the next plan
+  (a re-trace, another process) with no source generated."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  salt = float(_salt())
+  x = jnp.asarray(np.linspace(0, 1, 256).reshape(2, 128), jnp.float32)
+
+  def call():
+    return pl.pallas_call(_refused_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=BACKGROUND)(x)
+  want = np.asarray(call())
+  assert native.wait(timeout=900)
+  before = native.stats()
+  assert before["refused"] >= 1
+  pallas_np.clear_caches()  # (a new plan, a new loop: as in another process)
+
+  def generate(*a, **k):
+    raise AssertionError("source generated")
+  monkeypatch.setattr(codegen, "loop_source", generate)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(call()), want)
+  assert native.wait(timeout=900)
+  after = native.stats()
+  assert after["refused"] == before["refused"] + 1
+  assert after["failed"] == before["failed"]
+
+
+def _loop_eqn(c, n=4, dtype=jnp.int32):
+  def f(x):
+    return lax.fori_loop(0, n, lambda i, x: x * 3 + jnp.asarray(c, dtype), x)
+  jaxpr = jax.make_jaxpr(f)(jnp.zeros((2, 8), dtype))
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+  return eqn
+
+
+def test_prekeys_tell_loops_apart():
+  """Equal for a loop traced twice; different for another constant, trip
+  count, dtype, bounds-check mode or operand layout (a pre-key names one
+  generated source)."""
+  key = lambda e, clamp=False, layouts=((True, True),): prekey.loop_prekey(e, clamp, layouts)
+  k = key(_loop_eqn(5))
+  assert k is not None and k == key(_loop_eqn(5))
+  others = [key(_loop_eqn(6)), key(_loop_eqn(5, n=5)), key(_loop_eqn(5, dtype=jnp.int16)),
+            key(_loop_eqn(5), clamp=True), key(_loop_eqn(5), layouts=((False, True),))]
+  assert None not in others and len({k, *others}) == 1 + len(others)

@@ -33,7 +33,7 @@ import numpy as np
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, codegen, disk_cache
+from pallas_np.native import aot_worker, codegen, disk_cache, prekey
 from pallas_np.native.refs import MAX_LEAVES
 
 log = logging.getLogger("pallas_np.native")
@@ -73,6 +73,9 @@ _state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused":
 # kernel, its sequential and vectorized plans, and equal loops of other
 # kernels share one library.
 _loaded = LRU(256)
+# Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
+_prekeys = LRU(1024)
+_UNSET = object()
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
@@ -232,6 +235,23 @@ def _frame(eqn, inner):
   return lambda: at(inner)
 
 
+class _Recorded:
+  """A loop's generated source as its pre-key record describes it: its
+  signature, no text and no bounds-check sites (generated again when a
+  check fails, ``NativeLoop._raise_oob``)."""
+
+  def __init__(self, record):
+    self.kinds = list(record["kinds"])
+    self.written = set(record["written"])
+    self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
+    self.text, self.sites, self.globals = None, None, None
+
+
+def _record(src, key, args, ret) -> dict:
+  return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
+          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret}
+
+
 class NativeLoop:
   """A loop rule's callable with its native tier (see the module doc)."""
 
@@ -259,6 +279,8 @@ class NativeLoop:
     self.layouts = ()
     self.guard = ()
     self.job = None
+    self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else at the lookup)
+    self.prechecked = False
 
   @property
   def __globals__(self):
@@ -269,15 +291,16 @@ class NativeLoop:
   def lookup(self) -> None:
     """Generate the loop's source; load its library if one is on disk,
     else price its build (or give up for good)."""
+    if self.prekey is _UNSET:
+      self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
     try:
       src = codegen.loop_source(self.eqn, self.clamp)
       if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
         raise codegen.Refused("a written ref is read-only")
       args, ret, guard = _signature(src, self.invars, self.layouts)
     except codegen.Refused as e:
-      _state["refused"] += 1
-      self.phase = "done"
-      log.debug("pallas_np: loop not compiled natively (%s)", e)
+      self._refuse(str(e))
+      self._remember({"refused": str(e)})
       return
     k = disk_cache.key(src.text, src.globals, args, ret, src.externals)
     self.src, self.guard = src, guard
@@ -291,6 +314,7 @@ class NativeLoop:
         _state["disk_hits"] += 1
         _loaded.put(k, fn)
     if fn is not None:
+      self._remember(_record(src, k, args, ret))
       self._swap(fn)
       return
     self.price = price(len(src.text.splitlines()))
@@ -322,6 +346,54 @@ class NativeLoop:
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
+    self._remember(_record(self.src, k, self.job["args"], self.job["ret"]))
+    self._swap(fn)
+
+  def _refuse(self, why: str) -> None:
+    _state["refused"] += 1
+    self.phase = "done"
+    log.debug("pallas_np: loop not compiled natively (%s)", why)
+
+  def _remember(self, record: dict) -> None:
+    """Records what this loop's pre-key generated (in this process and on
+    disk), for the next plan or process that runs it (``_prelookup``)."""
+    if self.prekey is None or self.prekey is _UNSET:
+      return
+    _prekeys.put(self.prekey, record)
+    disk_cache.write_prekey(self.prekey, record)
+
+  def _prelookup(self, args) -> None:
+    """At the loop's first run: its library (or its refusal) found by its
+    pre-key, with no source generated (``prekey``); else nothing."""
+    if not (len(_prekeys) or disk_cache.has_prekeys()):
+      return
+    self._prepare(args)
+    self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
+    if self.prekey is None:
+      return
+    record = _prekeys.get(self.prekey) or disk_cache.read_prekey(self.prekey)
+    if record is None:
+      return
+    if "refused" in record:
+      self._refuse(record["refused"])
+      return
+    src = _Recorded(record)
+    args_desc, ret, guard = _signature(src, self.invars, self.layouts)
+    if args_desc != record["args"] or ret != record["ret"]:
+      return  # (never the case for one pre-key: looked up the usual way)
+    k = record["key"]
+    fn = _loaded.get(k)
+    if fn is not None:
+      _state["reused"] += 1
+    else:
+      fn = disk_cache.load(disk_cache.library_path(k))
+      if fn is None:
+        return
+      _state["disk_hits"] += 1
+      _loaded.put(k, fn)
+    _prekeys.put(self.prekey, record)
+    self.src, self.guard = src, guard
+    self.job = {"key": k, "args": args_desc, "ret": ret}
     self._swap(fn)
 
   def _swap(self, fn) -> None:
@@ -388,6 +460,14 @@ class NativeLoop:
       return self.numpy_fn(ctx, *args)
     if self.phase == "done" or (self.phase == "building" and not self.sync):
       return self.numpy_fn(ctx, *args)
+    if not self.prechecked:
+      self.prechecked = True
+      try:
+        self._prelookup(args)
+      except Exception as e:  # noqa: BLE001 - looked up the usual way
+        log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
+      if self.native is not None or self.phase == "done":
+        return self(ctx, *args)
     if self.sync and self.phase == "new":
       self._consider(ctx, args, 0.0)
       if self.native is not None:
@@ -439,6 +519,12 @@ class NativeLoop:
                  for k, b in enumerate(self.out_batched))
 
   def _raise_oob(self, st, args):
+    if self.sites is None:  # (loaded by its pre-key: the sites generated now)
+      src = codegen.loop_source(self.eqn, self.clamp)
+      if disk_cache.key(src.text, src.globals, self.job["args"], self.job["ret"],
+                        src.externals) != self.job["key"]:
+        raise RuntimeError("pallas_np: a native loop's pre-key named another source")
+      self.sites = src.sites
     eqn, access, pos, chain = self.sites[int(st[0]) - 1]
     leaves = [int(v) for v in st[1:1 + access.num_dynamic]]
     ref = args[pos]
