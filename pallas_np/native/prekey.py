@@ -7,7 +7,7 @@ path has cost ``tier.LOOKUP_PRICE``. The pre-key digests the *inputs* of the
 generator instead: the loop eqn (primitives by name, variables numbered in
 order of appearance, avals, literals and constants by value, params), the
 bounds-check mode, each operand's layout and the code that generates (every
-``pallas_np`` source file's size and modification time). The disk cache maps
+``pallas_np`` source file's size and modification time, ``codegen.MAX_LINES``). The disk cache maps
 a pre-key to the library key it generated (``disk_cache.write_prekey``), so a
 second process loads a loop's library at its first run, with no codegen.
 
@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.native import codegen
 
 _code: list = []
 
@@ -57,7 +58,7 @@ def loop_prekey(eqn, clamp: bool, layouts) -> str | None:
   h = hashlib.sha256()
   w = _Writer(h)
   try:
-    h.update(f"{code_version()}\n{clamp}\n{layouts!r}\n".encode())
+    h.update(f"{code_version()}\n{codegen.MAX_LINES}\n{clamp}\n{layouts!r}\n".encode())
     w.eqn(eqn)
   except Unkeyable:
     return None

@@ -278,6 +278,7 @@ class NativeLoop:
     self.sites = ()
     self.layouts = ()
     self.guard = ()
+    self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else at the lookup)
     self.prechecked = False
@@ -400,6 +401,8 @@ class NativeLoop:
     src = self.src
     self.outs = [(tuple(v.aval.shape), codegen.dtype_of(v.aval)) for v in self.eqn.outvars]
     self.kinds, self.sites, self.source = src.kinds, src.sites, src.text
+    self.scalars = [(pos, aval.dtype.type) for pos, (kind, aval)
+                    in enumerate(zip(src.kinds, self.invars)) if kind == "s"]
     self.phase = "done"
     self.native = fn  # the swap
     _state["compiled"] += 1
@@ -490,21 +493,20 @@ class NativeLoop:
     or None if the arguments' types are not those compiled for."""
     if not self._fits(args):
       return None
-    call = []
-    for a, kind, aval in zip(args, self.kinds, self.invars):
-      if kind == "s":
-        a = aval.dtype.type(a) if a.__class__ is not aval.dtype.type else a
-      call.append(a)
-    st = np.zeros(1 + MAX_LEAVES, np.int64)
+    if self.scalars:
+      args = list(args)
+      for pos, t in self.scalars:  # (a scalar operand: its exact type)
+        a = args[pos]
+        if a.__class__ is not t:
+          args[pos] = t(a)
+    st = np.empty(1 + MAX_LEAVES, np.int64)  # (written only before an IndexError)
     try:
-      res = fn(st, *call)
+      res = fn(st, *args)
     except IndexError:
       self._raise_oob(st, args)
     _state["native_calls"] += 1
-    out = []
-    for v, (shape, dt) in zip(res[1:], self.outs):
-      out.append(v.reshape(shape) if shape else dt.type(v))
-    return tuple(out)
+    return tuple([v.reshape(shape) if shape else dt.type(v)
+                  for v, (shape, dt) in zip(res[1:], self.outs)])
 
   def run_lanes(self, fn, ctx, args):
     """The native loop once per lane of a vectorized pass (lanes first)."""
