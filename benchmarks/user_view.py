@@ -1,7 +1,8 @@
 """What a user sees of the native tier: a fresh process calling one kernel in
 a loop, timed call by call from its first call (issue 41).
 
-    python benchmarks/user_view.py                        # the loop kernels of small_kernels.py
+    python benchmarks/user_view.py                        # every kernel of small_kernels.py
+    python benchmarks/user_view.py --kernels loops        # its loop kernels only
     python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
 
 For each kernel, one fresh process per mode runs the kernel's first call
@@ -13,8 +14,12 @@ second process: a re-run test suite), ``off`` (``native_loops="off"``) and
 ``interpret`` (``interpret=True``). Reported per mode: the mean call time
 over the first N calls after the first (N = 20, 100, 1000), over the calls
 made in the first ~1.5 s, and the median of the last 20 calls (the state
-after the switch), each as a ratio to interpret=True's. Nothing waits for
-a compile (``native.wait`` is never called): this is the user's view.
+after the switch), each as a ratio to interpret=True's. The totals: the
+geometric mean over the kernels of the first ~1.5 s's ratio per mode and
+the worst kernel, the first calls' geometric mean (interpret=True's first
+call / the tier's), and where the tier was slower than ``off``. Nothing
+waits for a compile (``native.wait`` is never called in a timed process):
+this is the user's view.
 Never run as a timed test (CPU-bound, seconds per kernel).
 """
 from __future__ import annotations
@@ -120,7 +125,8 @@ def fmt(v, base):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--kernels", default=",".join(LOOP_KERNELS))
+  ap.add_argument("--kernels", default="all",
+                  help="comma-separated names, 'all' (default) or 'loops'")
   ap.add_argument("--calls", type=int, default=1000)
   ap.add_argument("--seconds", type=float, default=30.0, help="cap per process")
   ap.add_argument("--side-by-side", action="store_true",
@@ -138,7 +144,7 @@ def main(argv=None):
   # kernel's loops are new to it.
   cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
   try:
-    for kernel in a.kernels.split(","):
+    for kernel in kernel_names(a.kernels):
       pairs = ([("tier_cold", "off"), ("tier_warm", "interpret")] if a.side_by_side
                else [(m,) for m in MODES])
       res = run_modes(kernel, a.calls, a.seconds, cache, pairs)
@@ -147,6 +153,17 @@ def main(argv=None):
   finally:
     shutil.rmtree(cache, ignore_errors=True)
   totals(rows)
+
+
+def kernel_names(spec: str) -> list:
+  if spec == "loops":
+    return list(LOOP_KERNELS)
+  if spec == "all":
+    if ROOT not in sys.path:
+      sys.path.insert(0, ROOT)
+    from benchmarks import small_kernels  # (imports JAX: only in the parent, only here)
+    return list(small_kernels.all_cases())
+  return [k.strip() for k in spec.split(",")]
 
 
 def report_kernel(kernel, res):
@@ -160,10 +177,18 @@ def report_kernel(kernel, res):
         + f" | post {fmt(s['post'], base['post'])} | native {s['native']}", flush=True)
 
 
+def geomean(xs) -> float:
+  return math.exp(statistics.fmean(map(math.log, xs)))
+
+
 def totals(rows):
   for m in ("tier_cold", "tier_warm", "off"):
-    ws = [r[m]["window"] / r["interpret"]["window"] for _, r in rows]
-    print(f"geomean first {WINDOW} s, {m}: {math.exp(statistics.fmean(map(math.log, ws))):.2f}")
+    ws = {k: r[m]["window"] / r["interpret"]["window"] for k, r in rows}
+    worst = max(ws, key=ws.get)
+    print(f"geomean first {WINDOW} s, {m}: {geomean(ws.values()):.2f} over {len(ws)} kernels "
+          f"(worst {worst} {ws[worst]:.2f}; above 5: {[k for k, v in ws.items() if v > 5] or 'none'})")
+  first = [r["interpret"]["first"] / r["tier_cold"]["first"] for _, r in rows]
+  print(f"first calls, interpret=True / tier (cold): geomean {geomean(first):.1f}x faster")
   for kernel, r in rows:
     worse = [n for n in NS if r["tier_cold"][f"n{n}"] and r["off"][f"n{n}"]
              and r["tier_cold"][f"n{n}"] > r["off"][f"n{n}"]]

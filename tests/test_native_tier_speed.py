@@ -3,6 +3,8 @@
 (no system call per run), the load average's reading counts the caller
 itself, and a deferred build is looked at again. Scheduling and the disk
 cache's basics: tests/test_native_tier.py."""
+import io
+import json
 import os
 import subprocess
 import sys
@@ -217,3 +219,25 @@ def test_prekeys_tell_loops_apart():
   others = [key(_loop_eqn(6)), key(_loop_eqn(5, n=5)), key(_loop_eqn(5, dtype=jnp.int16)),
             key(_loop_eqn(5), clamp=True), key(_loop_eqn(5), layouts=((False, True),))]
   assert None not in others and len({k, *others}) == 1 + len(others)
+
+
+class _FakeCompileProcess:
+  """A compile process answering one build: ``seconds`` with ``setup``."""
+
+  def __init__(self, seconds, setup):
+    self.stdin = io.StringIO()
+    self.stdout = io.StringIO(json.dumps({"ok": True, "seconds": seconds,
+                                          "setup_seconds": setup}) + "\n")
+
+  def poll(self):
+    return None
+
+
+def test_the_next_price_leaves_out_one_off_setup(monkeypatch):
+  """A measured build's numba import and pycc C helpers (once per process
+  and cache directory) are not charged to the next loop's price."""
+  monkeypatch.setattr(tier, "_builds", [])
+  compiler = tier._Compiler(nice=True)
+  compiler.proc = _FakeCompileProcess(12.0, 10.5)
+  assert compiler.build({"src": "x"})["ok"]
+  assert tier._builds == [1.5]

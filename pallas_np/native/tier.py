@@ -135,8 +135,8 @@ class _Compiler:
     if not line:
       return {"ok": False, "error": "the compile process exited"}
     reply = json.loads(line)
-    if reply.get("ok"):
-      _builds.append(reply["seconds"])
+    if reply.get("ok"):  # (the next build's price: without the one-off setup this one paid)
+      _builds.append(max(reply["seconds"] - reply.get("setup_seconds", 0.0), 0.0))
     return reply
 
 
