@@ -44,18 +44,14 @@ def _salt():
 
 
 class _Builds:
-  """``tier._submit`` with its build steps recorded, not run (lookups run)."""
+  """``tier._submit`` with its builds recorded, not run."""
 
   def __init__(self, monkeypatch):
     self.loops = []
-    real = tier._submit
-
     def submit(loop, step):
-      if step == "build":
-        self.loops.append(loop)
-        loop.phase = "done"  # (as a failed build leaves it: the NumPy path)
-      else:
-        real(loop, step)
+      assert step == loop.build
+      self.loops.append(loop)
+      loop.phase = "done"  # (as a failed build leaves it: the NumPy path)
     monkeypatch.setattr(tier, "_submit", submit)
 
 
@@ -70,23 +66,25 @@ def _load_reader(monkeypatch, load):
   return calls
 
 
-def test_priced_loop_reads_no_load_per_run(monkeypatch):
+def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
   """Before its cost reaches the build's price at the least weight, a run
-  of a priced loop only adds its time: the load average (a system call,
-  and os.cpu_count ~20 us) is not read per run."""
+  of a priced loop only adds its time: no source generated (1-20 ms), no
+  load average read (a system call; os.cpu_count ~20 us) per run."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
   builds = _Builds(monkeypatch)
   calls = _load_reader(monkeypatch, [0.0])
+  generated = []
+  real = codegen.loop_source
+  monkeypatch.setattr(codegen, "loop_source", lambda *a: generated.append(1) or real(*a))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
   salt = _salt()
   want = np.asarray(_call(salt, OFF, x)(x))
   f = _call(salt, BACKGROUND, x)
-  f(x)
-  assert native.wait(timeout=900)  # (the lookup: a miss, then priced)
   for _ in range(40):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
-  assert not builds.loops
+  assert native.wait(timeout=900)
+  assert not builds.loops and not generated
   assert len(calls) <= 1, len(calls)
 
 
@@ -178,6 +176,7 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
   """A loop refused once is refused again by its pre-key in the next plan
   (a re-trace, another process) with no source generated."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
   salt = float(_salt())
   x = jnp.asarray(np.linspace(0, 1, 256).reshape(2, 128), jnp.float32)
 
@@ -185,6 +184,8 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
     return pl.pallas_call(_refused_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           interpret=BACKGROUND)(x)
   want = np.asarray(call())
+  for _ in range(tier.HOT_RUNS):
+    call()
   assert native.wait(timeout=900)
   before = native.stats()
   assert before["refused"] >= 1

@@ -3,18 +3,20 @@ process of its own, and then runs as machine code, with the NumPy path's
 bits and errors (docs/performance.md, "The native tier").
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
-A loop whose NumPy path has cost this process ``LOOKUP_PRICE`` seconds is
-handed to the tier's one thread, which generates its source (``codegen``)
-and looks the library built from that source up on disk (``disk_cache``):
-found, it is loaded (a ``dlopen``) and swapped in (one attribute store).
-Not found, the loop gets a price (the measured or estimated build time);
-once its NumPy path has cost ``COMPILE_WEIGHT`` times that price (the
-calls so far stand for the calls to come), the thread sends the build to
-the compile process (``aot_worker``: numba's ahead-of-time compiler, never
-imported here) and waits for it on a pipe, holding no GIL. Until then,
-and for good when the loop is refused or the build fails (logged once at
-debug level), the NumPy path runs. ``"sync"`` builds at the first run, in
-the caller (tests).
+At its first run, where this process or the disk cache has pre-keys
+(``prekey``), the loop's library is looked up by its pre-key: found, it is
+loaded (a ``dlopen``) and swapped in (one attribute store), with no source
+generated. Else, once the loop's NumPy path has cost ``LOOKUP_PRICE``
+seconds, it gets a price (the measured or estimated build time, from its
+size: no source is generated yet); once its NumPy path has cost
+``COMPILE_WEIGHT`` times that price (the calls so far stand for the calls
+to come), the tier's one thread generates its source (``codegen``), looks
+the library built from that source up in memory and on disk
+(``disk_cache``) and, not found, sends the build to the compile process
+(``aot_worker``: numba's ahead-of-time compiler, never imported here) and
+waits for it on a pipe, holding no GIL. Until then, and for good when the
+loop is refused or the build fails (logged once at debug level), the NumPy
+path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import time
 
 import numpy as np
 
+from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
@@ -44,10 +47,12 @@ log = logging.getLogger("pallas_np.native")
 HOT_RUNS = 3
 MODES = ("background", "sync", "off")
 ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
-# NumPy-path seconds a loop costs before its source is generated and looked
-# up on disk (what that costs the caller: ~1-20 ms of the tier thread's
-# Python, plus a dlopen on a hit).
+# NumPy-path seconds a loop costs before its build is priced (a walk over
+# its eqns: its source, 1-20 ms of Python, is generated only when the
+# build is due).
 LOOKUP_PRICE = 0.02
+# Generated lines per eqn of a loop, for the price before its source exists.
+LINES_PER_EQN = 2
 # A build runs in another process, at the lowest CPU priority: it costs the
 # caller only when the machine has no idle core. Its price counts at this
 # weight, BUSY_FACTOR times more (in full) when the load average leaves no
@@ -148,16 +153,13 @@ def _work():
   while True:
     loop, step = _jobs.get()
     try:
-      if step == "lookup":
-        loop.lookup()
-      else:
+      with _cond:
+        _state["compiling"] += 1
+      try:
+        step()
+      finally:
         with _cond:
-          _state["compiling"] += 1
-        try:
-          loop.build()
-        finally:
-          with _cond:
-            _state["compiling"] -= 1
+          _state["compiling"] -= 1
     except Exception as e:  # noqa: BLE001 - the NumPy path stays
       _state["failed"] += 1
       loop.phase = "done"
@@ -168,7 +170,7 @@ def _work():
         _cond.notify_all()
 
 
-def _submit(loop, step: str) -> None:
+def _submit(loop, step) -> None:
   with _cond:
     _state["queued"] += 1
     if not _thread:
@@ -176,6 +178,18 @@ def _submit(loop, step: str) -> None:
       t.start()
       _thread.append(t)
   _jobs.put((loop, step))
+
+
+def _eqn_count(jaxpr) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += 1
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if isinstance(inner, jc.Jaxpr):
+          n += _eqn_count(inner)
+  return n
 
 
 def price(lines: int) -> float:
@@ -267,7 +281,7 @@ class NativeLoop:
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
     self.last_ctx = None
-    self.phase = "new"  # -> "lookup" -> "priced" -> "building" -> "done"
+    self.phase = "new"  # -> "priced" -> "building" -> "done"
     self.price = 0.0
     # NumPy-path seconds at which _consider takes its next step (below it a
     # run only adds its time): the lookup's price, then the build's weighted.
@@ -276,7 +290,7 @@ class NativeLoop:
     self.outs = []
     self.kinds = None
     self.sites = ()
-    self.layouts = ()
+    self.layouts = None
     self.guard = ()
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
@@ -289,9 +303,19 @@ class NativeLoop:
     return self.numpy_fn.__globals__
 
   # -- compiling ---------------------------------------------------------------
-  def lookup(self) -> None:
-    """Generate the loop's source; load its library if one is on disk,
-    else price its build (or give up for good)."""
+  def _price(self) -> None:
+    """The build's price, from the loop's size (no source generated)."""
+    lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
+                                for p in self.eqn.params.values()
+                                if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
+    self.price = price(lines)
+    # (the least weight(): the load is read when it is reached)
+    self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
+    self.phase = "priced"
+
+  def _generate(self) -> bool:
+    """Generate the loop's source, its signature and library key (False,
+    the loop refused for good, where something is outside the table)."""
     if self.prekey is _UNSET:
       self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
     try:
@@ -302,35 +326,25 @@ class NativeLoop:
     except codegen.Refused as e:
       self._refuse(str(e))
       self._remember({"refused": str(e)})
-      return
+      return False
     k = disk_cache.key(src.text, src.globals, args, ret, src.externals)
     self.src, self.guard = src, guard
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
-    fn = _loaded.get(k)
-    if fn is not None:
-      _state["reused"] += 1
-    else:
-      fn = disk_cache.load(disk_cache.library_path(k))
-      if fn is not None:
-        _state["disk_hits"] += 1
-        _loaded.put(k, fn)
-    if fn is not None:
-      self._remember(_record(src, k, args, ret))
-      self._swap(fn)
-      return
-    self.price = price(len(src.text.splitlines()))
-    # (the least weight(): the load is read when it is reached)
-    self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
-    self.phase = "priced"
+    return True
 
   def build(self) -> None:
-    """Build the library in the compile process, then load and swap it in."""
+    """Generate the source; load its library (from memory, or disk), else
+    build it in the compile process and load it; then swap it in."""
+    if not self._generate():
+      return
     k = self.job["key"]
     fn = _loaded.get(k)
     if fn is None:
       path = disk_cache.library_path(k)
       fn = disk_cache.load(path)
-      if fn is None:
+      if fn is not None:
+        _state["disk_hits"] += 1
+      else:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
         compiler = _sync_compiler if self.sync else _compiler
         reply = compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
@@ -418,12 +432,7 @@ class NativeLoop:
       return  # (the usual run: nothing else)
     if self.phase == "new":
       self._prepare(args)
-      self.phase = "lookup"
-      self.due = float("inf")  # (until the lookup priced the build)
-      if self.sync:
-        self._guarded(self.lookup)
-      else:
-        _submit(self, "lookup")
+      self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
         due = weight() * self.price
@@ -437,7 +446,7 @@ class NativeLoop:
       if self.sync:
         self._guarded(self.build)
       else:
-        _submit(self, "build")
+        _submit(self, self.build)
 
   def _guarded(self, step) -> None:
     """``step`` in the caller (``"sync"``): a failure leaves the NumPy path."""
@@ -449,6 +458,9 @@ class NativeLoop:
       log.debug("pallas_np: native loop failed: %r", e)
 
   def _prepare(self, args) -> None:
+    """The operands' layouts, from the loop's first run (or its pricing)."""
+    if self.layouts is not None:
+      return
     if self.in_batched is not None:  # (each lane runs on its lane's views)
       args = [a[0] if b else a for a, b in zip(args, self.in_batched)]
     self.layouts = _layouts(args)
