@@ -505,6 +505,9 @@ class NativeLoop:
     or None if the arguments' types are not those compiled for."""
     if not self._fits(args):
       return None
+    return self._run(fn, args)
+
+  def _run(self, fn, args):
     if self.scalars:
       args = list(args)
       for pos, t in self.scalars:  # (a scalar operand: its exact type)
@@ -521,14 +524,15 @@ class NativeLoop:
                   for v, (shape, dt) in zip(res[1:], self.outs)])
 
   def run_lanes(self, fn, ctx, args):
-    """The native loop once per lane of a vectorized pass (lanes first)."""
-    lanes = []
+    """The native loop once per lane of a vectorized pass (lanes first;
+    the lanes of one operand share its dtype and layout: checked once)."""
     flags = self.in_batched
-    for lane in range(ctx.batch_size):
-      res = self.run(fn, [a[lane] if b else a for a, b in zip(args, flags)])
-      if res is None:
-        return None  # (the first lane: the types are the same for all lanes)
-      lanes.append(res)
+    lane_args = [a[0] if b else a for a, b in zip(args, flags)]
+    if not self._fits(lane_args):
+      return None
+    lanes = [self._run(fn, lane_args)]
+    for lane in range(1, ctx.batch_size):
+      lanes.append(self._run(fn, [a[lane] if b else a for a, b in zip(args, flags)]))
     return tuple(np.stack([r[k] for r in lanes]) if b else lanes[0][k]
                  for k, b in enumerate(self.out_batched))
 
