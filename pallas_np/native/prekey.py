@@ -39,17 +39,21 @@ def code_version() -> str:
   """A digest of the pallas_np sources (size and mtime of each ``.py``):
   a changed generator or emitter never meets a pre-key of the old one."""
   if not _code:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-      dirnames.sort()
-      for name in sorted(filenames):
-        if name.endswith(".py"):
-          st = os.stat(os.path.join(dirpath, name))
-          h.update(f"{os.path.relpath(dirpath, root)}/{name}:{st.st_size}:{st.st_mtime_ns}\n"
-                   .encode())
-    _code.append(h.hexdigest())
+    parts: list = []
+    _list_sources(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "", parts)
+    _code.append(hashlib.sha256("\n".join(parts).encode()).hexdigest())
   return _code[0]
+
+
+def _list_sources(path: str, rel: str, parts: list) -> None:
+  with os.scandir(path) as it:
+    entries = sorted(it, key=lambda e: e.name)
+  for e in entries:
+    if e.name.endswith(".py") and e.is_file():
+      st = e.stat()
+      parts.append(f"{rel}{e.name}:{st.st_size}:{st.st_mtime_ns}")
+    elif e.is_dir() and e.name != "__pycache__" and not e.name.startswith("."):
+      _list_sources(e.path, f"{rel}{e.name}/", parts)
 
 
 def loop_prekey(eqn, clamp: bool, layouts) -> str | None:
