@@ -284,7 +284,8 @@ class NativeLoop:
     self.phase = "new"  # -> "priced" -> "building" -> "done"
     self.price = 0.0
     # NumPy-path seconds at which _consider takes its next step (below it a
-    # run only adds its time): the lookup's price, then the build's weighted.
+    # run only adds its time): LOOKUP_PRICE (pricing), then the build's price
+    # at the least weight.
     self.due = 0.0 if self.sync else LOOKUP_PRICE
     self.invars = [v.aval for v in eqn.invars]
     self.outs = []
@@ -294,7 +295,7 @@ class NativeLoop:
     self.guard = ()
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
-    self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else at the lookup)
+    self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
     self.prechecked = False
 
   @property
