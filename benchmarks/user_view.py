@@ -4,6 +4,7 @@ a loop, timed call by call from its first call (issue 41).
     python benchmarks/user_view.py                        # every kernel of small_kernels.py
     python benchmarks/user_view.py --kernels loops        # its loop kernels only
     python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
+    python benchmarks/user_view.py --interleaved --kernels loops   # tier vs off, one process
 
 For each kernel, one fresh process per mode runs the kernel's first call
 (trace + compile + run, reported apart) and then calls it until it made
@@ -63,6 +64,8 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
       jax.block_until_ready(fn(*args))
     pallas_np.native.wait(900)
     return {"first": 0.0, "times": [], "native": pallas_np.native.stats()}
+  if mode == "ab":  # tier (cold) and off interleaved call by call in one process
+    return interleaved(case, args, calls, seconds)
   if mode == "interpret":
     fn = case.make(True)
   else:
@@ -81,6 +84,34 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   if mode == "tier_cold":  # (after the timing: the build it started fills the cache)
     pallas_np.native.wait(600)
   return {"first": first, "times": times, "native": stats}
+
+
+def interleaved(case, args, calls, seconds) -> dict:
+  """The tier and ``off`` in one process, their calls alternating (which
+  goes first alternates too): a machine whose load swings between two
+  processes' runs hits both alike. Returns each one's first call and
+  timed calls."""
+  import jax
+  import pallas_np
+  fns = {m: case.make(pallas_np.InterpretParams(native_loops=m)) for m in ("background", "off")}
+  out = {}
+  for m, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    out[m] = {"first": time.perf_counter() - t0, "times": []}
+  order = list(fns.items())
+  start = time.perf_counter()
+  k = 0
+  while k < calls and time.perf_counter() - start < seconds:
+    for m, fn in (order if k % 2 == 0 else order[::-1]):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      out[m]["times"].append(time.perf_counter() - t0)
+    k += 1
+  stats = pallas_np.native.stats()
+  for m in out:
+    out[m]["native"] = stats
+  return out
 
 
 def start_child(kernel, mode, calls, seconds, cache_dir):
@@ -144,12 +175,17 @@ def main(argv=None):
   ap.add_argument("--side-by-side", action="store_true",
                   help="run tier (cold) beside off, then tier (warm) beside interpret=True, "
                        "at the same time (a loaded machine: both meet the same load)")
+  ap.add_argument("--interleaved", action="store_true",
+                  help="only the tier (no library of the kernel on disk) against off, in one "
+                       "process per kernel, calls alternating: where the tier costs a caller more")
   ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
     kernel, mode, calls, seconds = a.child
     print(json.dumps(child(kernel, mode, int(calls), float(seconds))))
     return
+  if a.interleaved:
+    return run_interleaved(kernel_names(a.kernels), a.calls, a.seconds)
   rows = []
   # One cache directory for the run: pycc's C helpers (built once per
   # machine, ~10 s) are paid by the first kernel's cold run only; each
@@ -165,6 +201,25 @@ def main(argv=None):
   finally:
     shutil.rmtree(cache, ignore_errors=True)
   totals(rows)
+
+
+def run_interleaved(kernels, calls, seconds):
+  cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
+  worse = {}
+  try:
+    for kernel in kernels:
+      r = finish_child(start_child(kernel, "ab", calls, seconds, cache), f"{kernel}/ab")
+      s = {m: summary(v) for m, v in r.items()}
+      tier, off = s["background"], s["off"]
+      print(f"{kernel}: tier / off, mean ms per call over the first N, interleaved: " + " | ".join(
+          f"N={n} {tier[f'n{n}'] * 1e3:.3f} / {off[f'n{n}'] * 1e3:.3f} "
+          f"({tier[f'n{n}'] / off[f'n{n}']:.3f})" for n in NS if tier[f"n{n}"])
+          + f" | native {tier['native']}", flush=True)
+      worse[kernel] = [n for n in NS if tier[f"n{n}"] and tier[f"n{n}"] > off[f"n{n}"]]
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+  for kernel, ns in worse.items():
+    print(f"{kernel}: tier slower than off at N = {ns or 'none'}")
 
 
 def kernel_names(spec: str) -> list:

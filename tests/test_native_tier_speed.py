@@ -242,3 +242,24 @@ def test_the_next_price_leaves_out_one_off_setup(monkeypatch):
   compiler.proc = _FakeCompileProcess(12.0, 10.5)
   assert compiler.build({"src": "x"})["ok"]
   assert tier._builds == [1.5]
+
+
+def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
+  """After its first run, a loop on the NumPy path whose next step is not
+  due runs through its entry function alone (timed, counted), never the
+  NativeLoop object's ``__call__`` (a Python-level call more per run)."""
+  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  calls = []
+  real = tier.NativeLoop.__call__
+
+  def counted(self, ctx, *args):
+    calls.append(1)
+    return real(self, ctx, *args)
+  monkeypatch.setattr(tier.NativeLoop, "__call__", counted)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
+  salt = _salt()
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  for _ in range(20):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert len(calls) == 1  # (the first run: its pre-key lookup)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 
@@ -281,6 +282,7 @@ class NativeLoop:
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
     self.last_ctx = None
+    self.prechecked = False
     self.phase = "new"  # -> "priced" -> "building" -> "done"
     self.price = 0.0
     # NumPy-path seconds at which _consider takes its next step (below it a
@@ -296,7 +298,43 @@ class NativeLoop:
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
-    self.prechecked = False
+
+  @property
+  def phase(self) -> str:
+    return self._phase
+
+  @phase.setter
+  def phase(self, phase: str) -> None:
+    self._phase = phase
+    # (the entry's usual run: the NumPy path timed, nothing else)
+    self.timing = self.prechecked and not self.sync and phase in ("new", "priced")
+
+  def entry(self):
+    """What the loop's plan calls: a plain function (calling this object
+    costs a Python-level ``__call__`` more), whose usual run while the loop
+    is on the NumPy path (``timing``) times it, counts it and compares its
+    cost with the next step's (``due``); every other run is ``__call__``'s."""
+    loop, numpy_fn, perf = self, self.numpy_fn, time.perf_counter
+
+    def native_loop(ctx, *args):
+      if loop.timing:
+        t0 = perf()
+        res = numpy_fn(ctx, *args)
+        loop.spent += perf() - t0
+        if ctx is not loop.last_ctx:
+          loop.last_ctx = ctx
+          loop.runs += 1
+        if loop.spent >= loop.due:
+          loop._step(args)
+        return res
+      return loop(ctx, *args)
+    # (with the NumPy path's globals, a generated loop function's constants:
+    # plans are inspected; the body reads closure cells only)
+    entry = types.FunctionType(native_loop.__code__, numpy_fn.__globals__, native_loop.__name__,
+                               None, native_loop.__closure__)
+    functools.update_wrapper(entry, numpy_fn)
+    entry.native_tier = self
+    return entry
 
   @property
   def __globals__(self):
@@ -429,8 +467,11 @@ class NativeLoop:
       self.last_ctx = ctx
       self.runs += 1
     self.spent += spent
-    if self.spent < self.due:
-      return  # (the usual run: nothing else)
+    if self.spent >= self.due:
+      self._step(args)
+
+  def _step(self, args) -> None:
+    """The next step of a loop whose cost reached ``due``."""
     if self.phase == "new":
       self._prepare(args)
       self._price()
@@ -477,11 +518,12 @@ class NativeLoop:
     if self.phase == "done" or (self.phase == "building" and not self.sync):
       return self.numpy_fn(ctx, *args)
     if not self.prechecked:
-      self.prechecked = True
       try:
         self._prelookup(args)
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
+      self.prechecked = True
+      self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
     if self.sync and self.phase == "new":
