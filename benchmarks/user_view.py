@@ -153,6 +153,7 @@ def summary(r) -> dict:
   s["window"] = statistics.fmean(t[:k]) if k else None
   s["window_calls"] = k
   s["post"] = statistics.median(t[-20:]) if t else None
+  s["median"] = statistics.median(t) if t else None
   s["first"] = r["first"]
   s["calls"] = len(t)
   n = r["native"]
@@ -214,7 +215,8 @@ def run_interleaved(kernels, calls, seconds):
       print(f"{kernel}: tier / off, mean ms per call over the first N, interleaved: " + " | ".join(
           f"N={n} {tier[f'n{n}'] * 1e3:.3f} / {off[f'n{n}'] * 1e3:.3f} "
           f"({tier[f'n{n}'] / off[f'n{n}']:.3f})" for n in NS if tier[f"n{n}"])
-          + f" | native {tier['native']}", flush=True)
+          + f" | median {tier['median'] * 1e3:.3f} / {off['median'] * 1e3:.3f} "
+          f"({tier['median'] / off['median']:.3f}) | native {tier['native']}", flush=True)
       worse[kernel] = [n for n in NS if tier[f"n{n}"] and tier[f"n{n}"] > off[f"n{n}"]]
   finally:
     shutil.rmtree(cache, ignore_errors=True)
