@@ -64,7 +64,7 @@ def loop_prekey(eqn, clamp: bool, layouts) -> str | None:
   try:
     h.update(f"{code_version()}\n{codegen.MAX_LINES}\n{clamp}\n{layouts!r}\n".encode())
     w.eqn(eqn)
-  except Unkeyable:
+  except Exception:  # noqa: BLE001 - Unkeyable, or a value the walk cannot read: no pre-key
     return None
   return h.hexdigest()[:40]
 
