@@ -13,6 +13,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -263,3 +264,25 @@ def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
   for _ in range(20):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
   assert len(calls) == 1  # (the first run: its pre-key lookup)
+
+
+def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
+  """A loop loaded by its pre-key has no bounds-check sites (no source was
+  generated): an out-of-bounds index generates them then and raises the
+  NumPy path's IndexError, message included."""
+  from tests.test_native_loops import _floats, _oob_call
+  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
+  monkeypatch.setattr(tier.disk_cache, "_dir", [])  # (this test's own cache directory)
+  x = _floats((8, 128))
+  with pytest.raises(IndexError) as want:
+    _oob_call(OFF, x)(x)
+  sync = pallas_np.InterpretParams(native_loops="sync")
+  with pytest.raises(IndexError):  # (built: the library and its pre-key recorded)
+    _oob_call(sync, x)(x)
+  pallas_np.clear_caches()  # (a new plan, nothing in memory: as in a second process)
+  before = native.stats()
+  with pytest.raises(IndexError) as got:
+    _oob_call(sync, x)(x)
+  after = native.stats()
+  assert after["disk_hits"] == before["disk_hits"] + 1  # (loaded by its pre-key, not built)
+  assert str(got.value) == str(want.value)
