@@ -1,20 +1,30 @@
 """What a user sees of the native tier: a fresh process calling one kernel in
 a loop, timed call by call from its first call (issue 41).
 
-    python benchmarks/user_view.py                        # the loop kernels of small_kernels.py
+    python benchmarks/user_view.py                        # every kernel of small_kernels.py
+    python benchmarks/user_view.py --kernels loops        # its loop kernels only
     python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
+    python benchmarks/user_view.py --interleaved --kernels loops   # tier vs off, one process
 
 For each kernel, one fresh process per mode runs the kernel's first call
 (trace + compile + run, reported apart) and then calls it until it made
 ``--calls`` calls or ran ``--seconds``. Modes: ``tier`` (interpret="numpy",
-``native_loops="background"``, the default) with an EMPTY native cache
-(a first run on a machine) and again with the cache the first filled (a
-second process: a re-run test suite), ``off`` (``native_loops="off"``) and
-``interpret`` (``interpret=True``). Reported per mode: the mean call time
+``native_loops="background"``, the default) with no library of the
+kernel in the native cache (a first run; one cache directory for the
+whole benchmark, so pycc's C helpers are built once) and again with the
+cache filled (a second process: a re-run test suite), ``off`` (``native_loops="off"``) and
+``interpret`` (``interpret=True``); between the cold and the warm run, a
+process that is not timed builds whatever loops the cold run did not
+(``native_loops="sync"``), so the warm run is a second process after the
+builds however busy the machine was. Reported per mode: the mean call time
 over the first N calls after the first (N = 20, 100, 1000), over the calls
 made in the first ~1.5 s, and the median of the last 20 calls (the state
-after the switch), each as a ratio to interpret=True's. Nothing waits for
-a compile (``native.wait`` is never called): this is the user's view.
+after the switch), each as a ratio to interpret=True's. The totals: the
+geometric mean over the kernels of the first ~1.5 s's ratio per mode and
+the worst kernel, the first calls' geometric mean (interpret=True's first
+call / the tier's), and where the tier was slower than ``off``. Nothing
+waits for a compile (``native.wait`` is never called in a timed process):
+this is the user's view.
 Never run as a timed test (CPU-bound, seconds per kernel).
 """
 from __future__ import annotations
@@ -48,6 +58,14 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   from benchmarks import small_kernels
   case = small_kernels.all_cases()[kernel]()
   args = jax.block_until_ready(case.args)
+  if mode == "fill":  # (not timed: the kernel's loops built now, waited for)
+    fn = case.make(pallas_np.InterpretParams(native_loops="sync"))
+    for _ in range(pallas_np.native.HOT_RUNS + 1):
+      jax.block_until_ready(fn(*args))
+    pallas_np.native.wait(900)
+    return {"first": 0.0, "times": [], "native": pallas_np.native.stats()}
+  if mode == "ab":  # tier (cold) and off interleaved call by call in one process
+    return interleaved(case, args, calls, seconds)
   if mode == "interpret":
     fn = case.make(True)
   else:
@@ -66,6 +84,34 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   if mode == "tier_cold":  # (after the timing: the build it started fills the cache)
     pallas_np.native.wait(600)
   return {"first": first, "times": times, "native": stats}
+
+
+def interleaved(case, args, calls, seconds) -> dict:
+  """The tier and ``off`` in one process, their calls alternating (which
+  goes first alternates too): a machine whose load swings between two
+  processes' runs hits both alike. Returns each one's first call and
+  timed calls."""
+  import jax
+  import pallas_np
+  fns = {m: case.make(pallas_np.InterpretParams(native_loops=m)) for m in ("background", "off")}
+  out = {}
+  for m, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    out[m] = {"first": time.perf_counter() - t0, "times": []}
+  order = list(fns.items())
+  start = time.perf_counter()
+  k = 0
+  while k < calls and time.perf_counter() - start < seconds:
+    for m, fn in (order if k % 2 == 0 else order[::-1]):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      out[m]["times"].append(time.perf_counter() - t0)
+    k += 1
+  stats = pallas_np.native.stats()
+  for m in out:
+    out[m]["native"] = stats
+  return out
 
 
 def start_child(kernel, mode, calls, seconds, cache_dir):
@@ -91,7 +137,9 @@ def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
   for group in pairs:
     procs = {m: start_child(kernel, m, calls, seconds, cache_dir) for m in group}
     for m, p in procs.items():
-      res[m] = summary(finish_child(p, f"{kernel}/{m}"))
+      out = finish_child(p, f"{kernel}/{m}")
+      if m != "fill":
+        res[m] = summary(out)
   return res
 
 
@@ -105,6 +153,7 @@ def summary(r) -> dict:
   s["window"] = statistics.fmean(t[:k]) if k else None
   s["window_calls"] = k
   s["post"] = statistics.median(t[-20:]) if t else None
+  s["median"] = statistics.median(t) if t else None
   s["first"] = r["first"]
   s["calls"] = len(t)
   n = r["native"]
@@ -120,33 +169,70 @@ def fmt(v, base):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--kernels", default=",".join(LOOP_KERNELS))
+  ap.add_argument("--kernels", default="all",
+                  help="comma-separated names, 'all' (default) or 'loops'")
   ap.add_argument("--calls", type=int, default=1000)
   ap.add_argument("--seconds", type=float, default=30.0, help="cap per process")
   ap.add_argument("--side-by-side", action="store_true",
                   help="run tier (cold) beside off, then tier (warm) beside interpret=True, "
                        "at the same time (a loaded machine: both meet the same load)")
+  ap.add_argument("--interleaved", action="store_true",
+                  help="only the tier (no library of the kernel on disk) against off, in one "
+                       "process per kernel, calls alternating: where the tier costs a caller more")
   ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
     kernel, mode, calls, seconds = a.child
     print(json.dumps(child(kernel, mode, int(calls), float(seconds))))
     return
+  if a.interleaved:
+    return run_interleaved(kernel_names(a.kernels), a.calls, a.seconds)
   rows = []
   # One cache directory for the run: pycc's C helpers (built once per
   # machine, ~10 s) are paid by the first kernel's cold run only; each
   # kernel's loops are new to it.
   cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
   try:
-    for kernel in a.kernels.split(","):
-      pairs = ([("tier_cold", "off"), ("tier_warm", "interpret")] if a.side_by_side
-               else [(m,) for m in MODES])
+    for kernel in kernel_names(a.kernels):
+      pairs = ([("tier_cold", "off"), ("fill",), ("tier_warm", "interpret")] if a.side_by_side
+               else [("tier_cold",), ("fill",), ("tier_warm",), ("off",), ("interpret",)])
       res = run_modes(kernel, a.calls, a.seconds, cache, pairs)
       report_kernel(kernel, res)
       rows.append((kernel, res))
   finally:
     shutil.rmtree(cache, ignore_errors=True)
   totals(rows)
+
+
+def run_interleaved(kernels, calls, seconds):
+  cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
+  worse = {}
+  try:
+    for kernel in kernels:
+      r = finish_child(start_child(kernel, "ab", calls, seconds, cache), f"{kernel}/ab")
+      s = {m: summary(v) for m, v in r.items()}
+      tier, off = s["background"], s["off"]
+      print(f"{kernel}: tier / off, mean ms per call over the first N, interleaved: " + " | ".join(
+          f"N={n} {tier[f'n{n}'] * 1e3:.3f} / {off[f'n{n}'] * 1e3:.3f} "
+          f"({tier[f'n{n}'] / off[f'n{n}']:.3f})" for n in NS if tier[f"n{n}"])
+          + f" | median {tier['median'] * 1e3:.3f} / {off['median'] * 1e3:.3f} "
+          f"({tier['median'] / off['median']:.3f}) | native {tier['native']}", flush=True)
+      worse[kernel] = [n for n in NS if tier[f"n{n}"] and tier[f"n{n}"] > off[f"n{n}"]]
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+  for kernel, ns in worse.items():
+    print(f"{kernel}: tier slower than off at N = {ns or 'none'}")
+
+
+def kernel_names(spec: str) -> list:
+  if spec == "loops":
+    return list(LOOP_KERNELS)
+  if spec == "all":
+    if ROOT not in sys.path:
+      sys.path.insert(0, ROOT)
+    from benchmarks import small_kernels  # (imports JAX: only in the parent, only here)
+    return list(small_kernels.all_cases())
+  return [k.strip() for k in spec.split(",")]
 
 
 def report_kernel(kernel, res):
@@ -160,10 +246,18 @@ def report_kernel(kernel, res):
         + f" | post {fmt(s['post'], base['post'])} | native {s['native']}", flush=True)
 
 
+def geomean(xs) -> float:
+  return math.exp(statistics.fmean(map(math.log, xs)))
+
+
 def totals(rows):
   for m in ("tier_cold", "tier_warm", "off"):
-    ws = [r[m]["window"] / r["interpret"]["window"] for _, r in rows]
-    print(f"geomean first {WINDOW} s, {m}: {math.exp(statistics.fmean(map(math.log, ws))):.2f}")
+    ws = {k: r[m]["window"] / r["interpret"]["window"] for k, r in rows}
+    worst = max(ws, key=ws.get)
+    print(f"geomean first {WINDOW} s, {m}: {geomean(ws.values()):.2f} over {len(ws)} kernels "
+          f"(worst {worst} {ws[worst]:.2f}; above 5: {[k for k, v in ws.items() if v > 5] or 'none'})")
+  first = [r["interpret"]["first"] / r["tier_cold"]["first"] for _, r in rows]
+  print(f"first calls, interpret=True / tier (cold): geomean {geomean(first):.1f}x faster")
   for kernel, r in rows:
     worse = [n for n in NS if r["tier_cold"][f"n{n}"] and r["off"][f"n{n}"]
              and r["tier_cold"][f"n{n}"] > r["off"][f"n{n}"]]

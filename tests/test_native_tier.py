@@ -54,7 +54,7 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
   before = native.stats()
   for _ in range(tier.HOT_RUNS - 1):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
-  assert native.wait(timeout=900)  # (the lookup: a miss)
+  assert native.wait(timeout=900)
   mid = native.stats()
   assert mid["compiled"] == before["compiled"] and mid["compiling"] == 0
   np.testing.assert_array_equal(np.asarray(f(x)), want)  # the HOT_RUNS-th run
@@ -122,6 +122,7 @@ def test_second_process_loads_the_library_from_disk(tmp_path):
     runs.append(out.stdout.split())
   assert runs[0][:2] == ["0", "1"] and runs[0][3] == "False"  # built in the compile process
   assert runs[1][:2] == ["1", "1"] and runs[1][3] == "False"  # loaded from disk
-  assert int(runs[1][2]) == 2 * tier.HOT_RUNS  # native from the first run on: all but the first
+  # native from the first run on (its pre-key: tests/test_native_tier_speed.py)
+  assert int(runs[1][2]) == 2 * tier.HOT_RUNS + 1
   assert int(runs[0][2]) < int(runs[1][2])
   assert any(p.endswith(".so") for p in os.listdir(next(tmp_path.iterdir())))

@@ -89,7 +89,7 @@ def _native(e, fn, in_batched=None, out_batched=None):
     if compiler.lanes_last or any(isinstance(a, jc.AbstractRef) and not b
                                   for a, b in zip(e.in_avals, in_batched)):
       return fn
-  return native.NativeLoop(e.eqn, compiler.params, fn, in_batched, out_batched)
+  return native.NativeLoop(e.eqn, compiler.params, fn, in_batched, out_batched).entry()
 
 
 def _while_batched(bc, rule, info, in_batched):

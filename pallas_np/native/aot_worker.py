@@ -8,7 +8,9 @@ nor JAX, only NumPy and numba): it reads one job a line on stdin, a JSON
 object ``{"src", "consts", "args", "ret", "out"}`` (the source file, its
 constants as an ``.npz``, the argument and result types, the library to
 write), builds it and answers one line ``{"ok": bool, "error", "seconds"}``
-on stdout. It exits at the end of its input (its parent's exit).
+on stdout (``setup_seconds``: the part of ``seconds`` spent on one-off work
+a later build does not repeat, numba's import and pycc's C helpers). It
+exits at the end of its input (its parent's exit).
 
 Every library is one extension module named ``MODULE``: pycc's C helpers
 (``modulemixin.c`` and NumPy/NRT glue, ~9 s of a C compiler) depend only on
@@ -52,13 +54,18 @@ def _patch_error_model(pycc_compiler):
   pycc_compiler.Flags = NumpyErrors
 
 
+_setup = [0.0]  # seconds of one-off work in the current build (see main)
+
+
 def _mixins(cc, cache_dir, build_dir):
   """pycc's C helper objects, compiled once per cache directory."""
   mix_dir = os.path.join(cache_dir, "mixins")
   found = sorted(glob.glob(os.path.join(mix_dir, "*.o")))
   if found:
     return found
+  t0 = time.perf_counter()
   objs = cc._compile_mixins(build_dir)  # noqa: SLF001 - pycc has no public split
+  _setup[0] += time.perf_counter() - t0
   tmp = tempfile.mkdtemp(dir=cache_dir, prefix="mixins-")
   for k, o in enumerate(objs):
     shutil.copy(o, os.path.join(tmp, f"{k:02d}_{os.path.basename(o)}"))
@@ -95,10 +102,14 @@ def _external(symbol: str, ir: str):
 
 
 def build(job: dict) -> None:
+  t0 = time.perf_counter()
+  fresh = "numba" not in sys.modules
   import numba
   import numpy as np
   from numba.pycc import CC
   from numba.pycc import compiler as pycc_compiler
+  if fresh:
+    _setup[0] += time.perf_counter() - t0
   if not getattr(pycc_compiler.Flags, "_pallas_np", False):
     _patch_error_model(pycc_compiler)
     pycc_compiler.Flags._pallas_np = True
@@ -154,12 +165,14 @@ def main() -> None:
     if not line.strip():
       continue
     t0 = time.perf_counter()
+    _setup[0] = 0.0
     try:
       build(json.loads(line))
       reply = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported to the parent
       reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
     reply["seconds"] = time.perf_counter() - t0
+    reply["setup_seconds"] = _setup[0]
     proto.write(json.dumps(reply) + "\n")
     proto.flush()
 

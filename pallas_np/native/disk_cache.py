@@ -25,6 +25,7 @@ import glob
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -126,6 +127,41 @@ def write_job(k: str, text: str, constants: dict) -> tuple[str, str]:
       write(f)
     os.replace(tmp, path)
   return src, consts
+
+
+def _prekey_dir() -> str:
+  return os.path.join(directory(), "pre")
+
+
+def has_prekeys() -> bool:
+  """Whether any loop's pre-key was recorded here (none on a new machine:
+  a first run then skips computing pre-keys)."""
+  try:
+    with os.scandir(_prekey_dir()) as it:
+      return any(True for _ in it)
+  except OSError:
+    return False
+
+
+def read_prekey(pk: str) -> dict | None:
+  """What ``write_prekey`` recorded for the pre-key ``pk`` (``prekey.py``):
+  the library's key and the loop's signature, or None."""
+  try:
+    with open(os.path.join(_prekey_dir(), f"{pk}.json")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def write_prekey(pk: str, record: dict) -> None:
+  """Records the library key and signature a loop's pre-key generated."""
+  d = _prekey_dir()
+  os.makedirs(d, exist_ok=True)
+  path = os.path.join(d, f"{pk}.json")
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f)
+  os.replace(tmp, path)
 
 
 def load(path: str):

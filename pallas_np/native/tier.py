@@ -3,18 +3,20 @@ process of its own, and then runs as machine code, with the NumPy path's
 bits and errors (docs/performance.md, "The native tier").
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
-A loop whose NumPy path has cost this process ``LOOKUP_PRICE`` seconds is
-handed to the tier's one thread, which generates its source (``codegen``)
-and looks the library built from that source up on disk (``disk_cache``):
-found, it is loaded (a ``dlopen``) and swapped in (one attribute store).
-Not found, the loop gets a price (the measured or estimated build time);
-once its NumPy path has cost ``COMPILE_WEIGHT`` times that price (the
-calls so far stand for the calls to come), the thread sends the build to
-the compile process (``aot_worker``: numba's ahead-of-time compiler, never
-imported here) and waits for it on a pipe, holding no GIL. Until then,
-and for good when the loop is refused or the build fails (logged once at
-debug level), the NumPy path runs. ``"sync"`` builds at the first run, in
-the caller (tests).
+At its first run, where this process or the disk cache has pre-keys
+(``prekey``), the loop's library is looked up by its pre-key: found, it is
+loaded (a ``dlopen``) and swapped in (one attribute store), with no source
+generated. Else, once the loop's NumPy path has cost ``LOOKUP_PRICE``
+seconds, it gets a price (the measured or estimated build time, from its
+size: no source is generated yet); once its NumPy path has cost
+``COMPILE_WEIGHT`` times that price (the calls so far stand for the calls
+to come), the tier's one thread generates its source (``codegen``), looks
+the library built from that source up in memory and on disk
+(``disk_cache``) and, not found, sends the build to the compile process
+(``aot_worker``: numba's ahead-of-time compiler, never imported here) and
+waits for it on a pipe, holding no GIL. Until then, and for good when the
+loop is refused or the build fails (logged once at debug level), the NumPy
+path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 
+from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, codegen, disk_cache
+from pallas_np.native import aot_worker, codegen, disk_cache, prekey
 from pallas_np.native.refs import MAX_LEAVES
 
 log = logging.getLogger("pallas_np.native")
@@ -44,16 +48,26 @@ log = logging.getLogger("pallas_np.native")
 HOT_RUNS = 3
 MODES = ("background", "sync", "off")
 ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
-# NumPy-path seconds a loop costs before its source is generated and looked
-# up on disk (what that costs the caller: ~1-20 ms of the tier thread's
-# Python, plus a dlopen on a hit).
+# NumPy-path seconds a loop costs before its build is priced (a walk over
+# its eqns: its source, 1-20 ms of Python, is generated only when the
+# build is due).
 LOOKUP_PRICE = 0.02
+# Generated lines per eqn of a loop, for the price before its source exists.
+LINES_PER_EQN = 2
 # A build runs in another process, at the lowest CPU priority: it costs the
 # caller only when the machine has no idle core. Its price counts at this
 # weight, BUSY_FACTOR times more (in full) when the load average leaves no
-# core idle or there is one core.
+# core idle or there is one core. The load average counts the caller itself
+# (a process calling a kernel in a loop adds ~1): a core is idle while the
+# load stays IDLE_MARGIN below the core count.
 COMPILE_WEIGHT = 0.1
 BUSY_FACTOR = 10.0
+IDLE_MARGIN = 0.5
+# While a priced loop's cost is below its price at the busy weight, the
+# load is read again only after its NumPy path cost another RECHECK_SHARE
+# of the price (a run itself only adds and compares: no system call).
+RECHECK_SHARE = 0.02
+_CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
@@ -65,6 +79,9 @@ _state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused":
 # kernel, its sequential and vectorized plans, and equal loops of other
 # kernels share one library.
 _loaded = LRU(256)
+# Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
+_prekeys = LRU(1024)
+_UNSET = object()
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
@@ -124,8 +141,8 @@ class _Compiler:
     if not line:
       return {"ok": False, "error": "the compile process exited"}
     reply = json.loads(line)
-    if reply.get("ok"):
-      _builds.append(reply["seconds"])
+    if reply.get("ok"):  # (the next build's price: without the one-off setup this one paid)
+      _builds.append(max(reply["seconds"] - reply.get("setup_seconds", 0.0), 0.0))
     return reply
 
 
@@ -137,16 +154,13 @@ def _work():
   while True:
     loop, step = _jobs.get()
     try:
-      if step == "lookup":
-        loop.lookup()
-      else:
+      with _cond:
+        _state["compiling"] += 1
+      try:
+        step()
+      finally:
         with _cond:
-          _state["compiling"] += 1
-        try:
-          loop.build()
-        finally:
-          with _cond:
-            _state["compiling"] -= 1
+          _state["compiling"] -= 1
     except Exception as e:  # noqa: BLE001 - the NumPy path stays
       _state["failed"] += 1
       loop.phase = "done"
@@ -157,7 +171,7 @@ def _work():
         _cond.notify_all()
 
 
-def _submit(loop, step: str) -> None:
+def _submit(loop, step) -> None:
   with _cond:
     _state["queued"] += 1
     if not _thread:
@@ -165,6 +179,18 @@ def _submit(loop, step: str) -> None:
       t.start()
       _thread.append(t)
   _jobs.put((loop, step))
+
+
+def _eqn_count(jaxpr) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += 1
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if isinstance(inner, jc.Jaxpr):
+          n += _eqn_count(inner)
+  return n
 
 
 def price(lines: int) -> float:
@@ -178,12 +204,11 @@ def price(lines: int) -> float:
 
 def weight() -> float:
   """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
-  cpus = os.cpu_count() or 1
   try:
-    busy = os.getloadavg()[0] > cpus - 1
+    busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
   except (AttributeError, OSError):
     busy = False
-  return COMPILE_WEIGHT * (BUSY_FACTOR if cpus == 1 or busy else 1.0)
+  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)
 
 
 def _layouts(args) -> tuple:
@@ -225,6 +250,23 @@ def _frame(eqn, inner):
   return lambda: at(inner)
 
 
+class _Recorded:
+  """A loop's generated source as its pre-key record describes it: its
+  signature, no text and no bounds-check sites (generated again when a
+  check fails, ``NativeLoop._raise_oob``)."""
+
+  def __init__(self, record):
+    self.kinds = list(record["kinds"])
+    self.written = set(record["written"])
+    self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
+    self.text, self.sites, self.globals = None, None, None
+
+
+def _record(src, key, args, ret) -> dict:
+  return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
+          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret}
+
+
 class NativeLoop:
   """A loop rule's callable with its native tier (see the module doc)."""
 
@@ -240,15 +282,59 @@ class NativeLoop:
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
     self.last_ctx = None
-    self.phase = "new"  # -> "lookup" -> "priced" -> "building" -> "done"
+    self.prechecked = False
+    self.phase = "new"  # -> "priced" -> "building" -> "done"
     self.price = 0.0
+    # NumPy-path seconds at which _consider takes its next step (below it a
+    # run only adds its time): LOOKUP_PRICE (pricing), then the build's price
+    # at the least weight.
+    self.due = 0.0 if self.sync else LOOKUP_PRICE
     self.invars = [v.aval for v in eqn.invars]
     self.outs = []
     self.kinds = None
     self.sites = ()
-    self.layouts = ()
+    self.layouts = None
     self.guard = ()
+    self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
+    self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
+
+  @property
+  def phase(self) -> str:
+    return self._phase
+
+  @phase.setter
+  def phase(self, phase: str) -> None:
+    self._phase = phase
+    # (the entry's usual run: the NumPy path timed, nothing else)
+    self.timing = self.prechecked and not self.sync and phase in ("new", "priced")
+
+  def entry(self):
+    """What the loop's plan calls: a plain function (calling this object
+    costs a Python-level ``__call__`` more), whose usual run while the loop
+    is on the NumPy path (``timing``) times it, counts it and compares its
+    cost with the next step's (``due``); every other run is ``__call__``'s."""
+    loop, numpy_fn, perf = self, self.numpy_fn, time.perf_counter
+
+    def native_loop(ctx, *args):
+      if loop.timing:
+        t0 = perf()
+        res = numpy_fn(ctx, *args)
+        loop.spent += perf() - t0
+        if ctx is not loop.last_ctx:
+          loop.last_ctx = ctx
+          loop.runs += 1
+        if loop.spent >= loop.due:
+          loop._step(args)
+        return res
+      return loop(ctx, *args)
+    # (with the NumPy path's globals, a generated loop function's constants:
+    # plans are inspected; the body reads closure cells only)
+    entry = types.FunctionType(native_loop.__code__, numpy_fn.__globals__, native_loop.__name__,
+                               None, native_loop.__closure__)
+    functools.update_wrapper(entry, numpy_fn)
+    entry.native_tier = self
+    return entry
 
   @property
   def __globals__(self):
@@ -256,44 +342,48 @@ class NativeLoop:
     return self.numpy_fn.__globals__
 
   # -- compiling ---------------------------------------------------------------
-  def lookup(self) -> None:
-    """Generate the loop's source; load its library if one is on disk,
-    else price its build (or give up for good)."""
+  def _price(self) -> None:
+    """The build's price, from the loop's size (no source generated)."""
+    lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
+                                for p in self.eqn.params.values()
+                                if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
+    self.price = price(lines)
+    # (the least weight(): the load is read when it is reached)
+    self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
+    self.phase = "priced"
+
+  def _generate(self) -> bool:
+    """Generate the loop's source, its signature and library key (False,
+    the loop refused for good, where something is outside the table)."""
+    if self.prekey is _UNSET:
+      self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
     try:
       src = codegen.loop_source(self.eqn, self.clamp)
       if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
         raise codegen.Refused("a written ref is read-only")
       args, ret, guard = _signature(src, self.invars, self.layouts)
     except codegen.Refused as e:
-      _state["refused"] += 1
-      self.phase = "done"
-      log.debug("pallas_np: loop not compiled natively (%s)", e)
-      return
+      self._refuse(str(e))
+      self._remember({"refused": str(e)})
+      return False
     k = disk_cache.key(src.text, src.globals, args, ret, src.externals)
     self.src, self.guard = src, guard
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
-    fn = _loaded.get(k)
-    if fn is not None:
-      _state["reused"] += 1
-    else:
-      fn = disk_cache.load(disk_cache.library_path(k))
-      if fn is not None:
-        _state["disk_hits"] += 1
-        _loaded.put(k, fn)
-    if fn is not None:
-      self._swap(fn)
-      return
-    self.price = price(len(src.text.splitlines()))
-    self.phase = "priced"
+    return True
 
   def build(self) -> None:
-    """Build the library in the compile process, then load and swap it in."""
+    """Generate the source; load its library (from memory, or disk), else
+    build it in the compile process and load it; then swap it in."""
+    if not self._generate():
+      return
     k = self.job["key"]
     fn = _loaded.get(k)
     if fn is None:
       path = disk_cache.library_path(k)
       fn = disk_cache.load(path)
-      if fn is None:
+      if fn is not None:
+        _state["disk_hits"] += 1
+      else:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
         compiler = _sync_compiler if self.sync else _compiler
         reply = compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
@@ -310,12 +400,62 @@ class NativeLoop:
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
+    self._remember(_record(self.src, k, self.job["args"], self.job["ret"]))
+    self._swap(fn)
+
+  def _refuse(self, why: str) -> None:
+    _state["refused"] += 1
+    self.phase = "done"
+    log.debug("pallas_np: loop not compiled natively (%s)", why)
+
+  def _remember(self, record: dict) -> None:
+    """Records what this loop's pre-key generated (in this process and on
+    disk), for the next plan or process that runs it (``_prelookup``)."""
+    if self.prekey is None or self.prekey is _UNSET:
+      return
+    _prekeys.put(self.prekey, record)
+    disk_cache.write_prekey(self.prekey, record)
+
+  def _prelookup(self, args) -> None:
+    """At the loop's first run: its library (or its refusal) found by its
+    pre-key, with no source generated (``prekey``); else nothing."""
+    if not (len(_prekeys) or disk_cache.has_prekeys()):
+      return
+    self._prepare(args)
+    self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
+    if self.prekey is None:
+      return
+    record = _prekeys.get(self.prekey) or disk_cache.read_prekey(self.prekey)
+    if record is None:
+      return
+    if "refused" in record:
+      self._refuse(record["refused"])
+      return
+    src = _Recorded(record)
+    args_desc, ret, guard = _signature(src, self.invars, self.layouts)
+    if args_desc != record["args"] or ret != record["ret"]:
+      return  # (never the case for one pre-key: looked up the usual way)
+    k = record["key"]
+    fn = _loaded.get(k)
+    if fn is not None:
+      _state["reused"] += 1
+    else:
+      fn = disk_cache.load(disk_cache.library_path(k))
+      if fn is None:
+        return
+      _state["disk_hits"] += 1
+      _loaded.put(k, fn)
+    _prekeys.put(self.prekey, record)
+    self.src, self.guard = src, guard
+    self.job = {"key": k, "args": args_desc, "ret": ret}
     self._swap(fn)
 
   def _swap(self, fn) -> None:
     src = self.src
     self.outs = [(tuple(v.aval.shape), codegen.dtype_of(v.aval)) for v in self.eqn.outvars]
     self.kinds, self.sites, self.source = src.kinds, src.sites, src.text
+    self.scalars = [(pos, aval.dtype.type) for pos, (kind, aval)
+                    in enumerate(zip(src.kinds, self.invars)) if kind == "s"]
     self.phase = "done"
     self.native = fn  # the swap
     _state["compiled"] += 1
@@ -327,20 +467,28 @@ class NativeLoop:
       self.last_ctx = ctx
       self.runs += 1
     self.spent += spent
-    if self.phase == "new" and (self.sync or self.spent >= LOOKUP_PRICE):
+    if self.spent >= self.due:
+      self._step(args)
+
+  def _step(self, args) -> None:
+    """The next step of a loop whose cost reached ``due``."""
+    if self.phase == "new":
       self._prepare(args)
-      self.phase = "lookup"
-      if self.sync:
-        self._guarded(self.lookup)
-      else:
-        _submit(self, "lookup")
-    if self.phase == "priced" and (self.sync or (
-        self.runs >= HOT_RUNS and self.spent >= weight() * self.price)):
+      self._price()
+    if self.phase == "priced" and self.spent >= self.due:
+      if not self.sync:
+        due = weight() * self.price
+        if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
+          self.due = min(due, self.spent + RECHECK_SHARE * self.price)
+          return
+        if self.runs < HOT_RUNS:
+          return  # (looked at again next run)
       self.phase = "building"
+      self.due = float("inf")
       if self.sync:
         self._guarded(self.build)
       else:
-        _submit(self, "build")
+        _submit(self, self.build)
 
   def _guarded(self, step) -> None:
     """``step`` in the caller (``"sync"``): a failure leaves the NumPy path."""
@@ -352,6 +500,9 @@ class NativeLoop:
       log.debug("pallas_np: native loop failed: %r", e)
 
   def _prepare(self, args) -> None:
+    """The operands' layouts, from the loop's first run (or its pricing)."""
+    if self.layouts is not None:
+      return
     if self.in_batched is not None:  # (each lane runs on its lane's views)
       args = [a[0] if b else a for a, b in zip(args, self.in_batched)]
     self.layouts = _layouts(args)
@@ -366,6 +517,15 @@ class NativeLoop:
       return self.numpy_fn(ctx, *args)
     if self.phase == "done" or (self.phase == "building" and not self.sync):
       return self.numpy_fn(ctx, *args)
+    if not self.prechecked:
+      try:
+        self._prelookup(args)
+      except Exception as e:  # noqa: BLE001 - looked up the usual way
+        log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
+      self.prechecked = True
+      self.phase = self.phase  # (timing from now on, where the NumPy path stays)
+      if self.native is not None or self.phase == "done":
+        return self(ctx, *args)
     if self.sync and self.phase == "new":
       self._consider(ctx, args, 0.0)
       if self.native is not None:
@@ -388,35 +548,44 @@ class NativeLoop:
     or None if the arguments' types are not those compiled for."""
     if not self._fits(args):
       return None
-    call = []
-    for a, kind, aval in zip(args, self.kinds, self.invars):
-      if kind == "s":
-        a = aval.dtype.type(a) if a.__class__ is not aval.dtype.type else a
-      call.append(a)
-    st = np.zeros(1 + MAX_LEAVES, np.int64)
+    return self._run(fn, args)
+
+  def _run(self, fn, args):
+    if self.scalars:
+      args = list(args)
+      for pos, t in self.scalars:  # (a scalar operand: its exact type)
+        a = args[pos]
+        if a.__class__ is not t:
+          args[pos] = t(a)
+    st = np.empty(1 + MAX_LEAVES, np.int64)  # (written only before an IndexError)
     try:
-      res = fn(st, *call)
+      res = fn(st, *args)
     except IndexError:
       self._raise_oob(st, args)
     _state["native_calls"] += 1
-    out = []
-    for v, (shape, dt) in zip(res[1:], self.outs):
-      out.append(v.reshape(shape) if shape else dt.type(v))
-    return tuple(out)
+    return tuple([v.reshape(shape) if shape else dt.type(v)
+                  for v, (shape, dt) in zip(res[1:], self.outs)])
 
   def run_lanes(self, fn, ctx, args):
-    """The native loop once per lane of a vectorized pass (lanes first)."""
-    lanes = []
+    """The native loop once per lane of a vectorized pass (lanes first;
+    the lanes of one operand share its dtype and layout: checked once)."""
     flags = self.in_batched
-    for lane in range(ctx.batch_size):
-      res = self.run(fn, [a[lane] if b else a for a, b in zip(args, flags)])
-      if res is None:
-        return None  # (the first lane: the types are the same for all lanes)
-      lanes.append(res)
+    lane_args = [a[0] if b else a for a, b in zip(args, flags)]
+    if not self._fits(lane_args):
+      return None
+    lanes = [self._run(fn, lane_args)]
+    for lane in range(1, ctx.batch_size):
+      lanes.append(self._run(fn, [a[lane] if b else a for a, b in zip(args, flags)]))
     return tuple(np.stack([r[k] for r in lanes]) if b else lanes[0][k]
                  for k, b in enumerate(self.out_batched))
 
   def _raise_oob(self, st, args):
+    if self.sites is None:  # (loaded by its pre-key: the sites generated now)
+      src = codegen.loop_source(self.eqn, self.clamp)
+      if disk_cache.key(src.text, src.globals, self.job["args"], self.job["ret"],
+                        src.externals) != self.job["key"]:
+        raise RuntimeError("pallas_np: a native loop's pre-key named another source")
+      self.sites = src.sites
     eqn, access, pos, chain = self.sites[int(st[0]) - 1]
     leaves = [int(v) for v in st[1:1 + access.num_dynamic]]
     ref = args[pos]

@@ -1,0 +1,288 @@
+"""What the native tier costs a caller before and after its switch
+(pallas_np.native.tier): a loop on the NumPy path only adds its run time
+(no system call per run), the load average's reading counts the caller
+itself, and a deferred build is looked at again. Scheduling and the disk
+cache's basics: tests/test_native_tier.py."""
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+import pallas_np
+from pallas_np import native
+from pallas_np.native import codegen, prekey, tier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFF = pallas_np.InterpretParams(native_loops="off")
+BACKGROUND = pallas_np.InterpretParams(native_loops="background")
+
+
+def _kernel(salt):
+  """A small loop kernel new to the disk cache (``salt``: a body constant)."""
+  def kernel(x_ref, o_ref):
+    def body(i, x):
+      return jnp.where(x % 2 == 0, x // 2, 3 * x + salt)
+    o_ref[...] = lax.fori_loop(0, 5, body, x_ref[...])
+  return kernel
+
+
+def _call(salt, interpret, x):
+  return pl.pallas_call(_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        interpret=interpret)
+
+
+def _salt():
+  return int(np.random.default_rng().integers(1 << 20, 1 << 30))
+
+
+class _Builds:
+  """``tier._submit`` with its builds recorded, not run."""
+
+  def __init__(self, monkeypatch):
+    self.loops = []
+    def submit(loop, step):
+      assert step == loop.build
+      self.loops.append(loop)
+      loop.phase = "done"  # (as a failed build leaves it: the NumPy path)
+    monkeypatch.setattr(tier, "_submit", submit)
+
+
+def _load_reader(monkeypatch, load):
+  """``os.getloadavg`` answering ``load[0]``, its calls counted."""
+  calls = []
+
+  def getloadavg():
+    calls.append(1)
+    return (load[0],) * 3
+  monkeypatch.setattr(tier.os, "getloadavg", getloadavg)
+  return calls
+
+
+def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
+  """Before its cost reaches the build's price at the least weight, a run
+  of a priced loop only adds its time: no source generated (1-20 ms), no
+  load average read (a system call; os.cpu_count ~20 us) per run."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  builds = _Builds(monkeypatch)
+  calls = _load_reader(monkeypatch, [0.0])
+  generated = []
+  real = codegen.loop_source
+  monkeypatch.setattr(codegen, "loop_source", lambda *a: generated.append(1) or real(*a))
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
+  salt = _salt()
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  for _ in range(40):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert native.wait(timeout=900)
+  assert not builds.loops and not generated
+  assert len(calls) <= 1, len(calls)
+
+
+def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
+  """On two cores, a load of 1.2 is the caller (~1) and a little more: a
+  core is idle and the build's price counts at COMPILE_WEIGHT; at 1.8 no
+  core is idle (BUSY_FACTOR times more)."""
+  monkeypatch.setattr(tier, "_CPUS", 2)
+  load = [1.2]
+  _load_reader(monkeypatch, load)
+  assert tier.weight() == tier.COMPILE_WEIGHT
+  load[0] = 1.8
+  assert tier.weight() == tier.COMPILE_WEIGHT * tier.BUSY_FACTOR
+
+
+def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
+  """A loop whose cost pays for its build only at the idle weight waits
+  while the machine is busy and is queued once the load falls (the load
+  is looked at again as the loop's cost grows)."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "price", lambda lines: 1e-6)
+  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 1.0)
+  monkeypatch.setattr(tier, "BUSY_FACTOR", 1e9)
+  monkeypatch.setattr(tier, "_CPUS", 2)
+  builds = _Builds(monkeypatch)
+  load = [5.0]
+  _load_reader(monkeypatch, load)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  f(x)
+  assert native.wait(timeout=900)
+  for _ in range(2 * tier.HOT_RUNS):
+    f(x)
+  assert not builds.loops
+  load[0] = 0.5
+  for _ in range(3):
+    f(x)
+  assert len(builds.loops) == 1
+
+
+_PREKEY_PROCESS = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np
+    import pallas_np
+    from pallas_np import native
+    from pallas_np.native import codegen, prekey, tier
+    from tests.test_native_tier_speed import _call
+    salt, second = int(sys.argv[1]), sys.argv[2] == "second"
+    if second:  # (the library must be found with no source generated)
+        def generate(*a, **k):
+            raise AssertionError("source generated")
+        codegen.loop_source = generate
+    x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
+    mode = "background" if second else "sync"
+    f = _call(salt, pallas_np.InterpretParams(native_loops=mode), x)
+    want = np.asarray(_call(salt, pallas_np.InterpretParams(native_loops="off"), x)(x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)), want)
+    s = native.stats()
+    print(s["disk_hits"], s["compiled"], s["native_calls"], s["failed"])
+""")
+
+
+def test_second_process_runs_native_from_its_first_run(tmp_path):
+  """A second process finds the loop's library by its pre-key at the
+  loop's first run: every run is native, and no source is generated
+  (the generator raises there)."""
+  salt = _salt()
+  env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  runs = []
+  for which in ("first", "second"):
+    out = subprocess.run([sys.executable, "-c", _PREKEY_PROCESS, str(salt), which], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.append(out.stdout.split())
+  assert runs[0] == ["0", "1", "3", "0"]  # built ("sync": at the first run)
+  assert runs[1] == ["1", "1", "3", "0"]  # loaded by pre-key: native from the first run
+
+
+def _refused_kernel(salt):
+  def kernel(x_ref, o_ref):
+    def body(i, x):
+      return jnp.sin(x) + salt  # (sin: refused, native/refusals.py)
+    o_ref[...] = lax.fori_loop(0, 3, body, x_ref[...])
+  return kernel
+
+
+def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
+  """A loop refused once is refused again by its pre-key in the next plan
+  (a re-trace, another process) with no source generated."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
+  salt = float(_salt())
+  x = jnp.asarray(np.linspace(0, 1, 256).reshape(2, 128), jnp.float32)
+
+  def call():
+    return pl.pallas_call(_refused_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=BACKGROUND)(x)
+  want = np.asarray(call())
+  for _ in range(tier.HOT_RUNS):
+    call()
+  assert native.wait(timeout=900)
+  before = native.stats()
+  assert before["refused"] >= 1
+  pallas_np.clear_caches()  # (a new plan, a new loop: as in another process)
+
+  def generate(*a, **k):
+    raise AssertionError("source generated")
+  monkeypatch.setattr(codegen, "loop_source", generate)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(call()), want)
+  assert native.wait(timeout=900)
+  after = native.stats()
+  assert after["refused"] == before["refused"] + 1
+  assert after["failed"] == before["failed"]
+
+
+def _loop_eqn(c, n=4, dtype=jnp.int32):
+  def f(x):
+    return lax.fori_loop(0, n, lambda i, x: x * 3 + jnp.asarray(c, dtype), x)
+  jaxpr = jax.make_jaxpr(f)(jnp.zeros((2, 8), dtype))
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+  return eqn
+
+
+def test_prekeys_tell_loops_apart():
+  """Equal for a loop traced twice; different for another constant, trip
+  count, dtype, bounds-check mode or operand layout (a pre-key names one
+  generated source)."""
+  key = lambda e, clamp=False, layouts=((True, True),): prekey.loop_prekey(e, clamp, layouts)
+  k = key(_loop_eqn(5))
+  assert k is not None and k == key(_loop_eqn(5))
+  others = [key(_loop_eqn(6)), key(_loop_eqn(5, n=5)), key(_loop_eqn(5, dtype=jnp.int16)),
+            key(_loop_eqn(5), clamp=True), key(_loop_eqn(5), layouts=((False, True),))]
+  assert None not in others and len({k, *others}) == 1 + len(others)
+
+
+class _FakeCompileProcess:
+  """A compile process answering one build: ``seconds`` with ``setup``."""
+
+  def __init__(self, seconds, setup):
+    self.stdin = io.StringIO()
+    self.stdout = io.StringIO(json.dumps({"ok": True, "seconds": seconds,
+                                          "setup_seconds": setup}) + "\n")
+
+  def poll(self):
+    return None
+
+
+def test_the_next_price_leaves_out_one_off_setup(monkeypatch):
+  """A measured build's numba import and pycc C helpers (once per process
+  and cache directory) are not charged to the next loop's price."""
+  monkeypatch.setattr(tier, "_builds", [])
+  compiler = tier._Compiler(nice=True)
+  compiler.proc = _FakeCompileProcess(12.0, 10.5)
+  assert compiler.build({"src": "x"})["ok"]
+  assert tier._builds == [1.5]
+
+
+def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
+  """After its first run, a loop on the NumPy path whose next step is not
+  due runs through its entry function alone (timed, counted), never the
+  NativeLoop object's ``__call__`` (a Python-level call more per run)."""
+  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  calls = []
+  real = tier.NativeLoop.__call__
+
+  def counted(self, ctx, *args):
+    calls.append(1)
+    return real(self, ctx, *args)
+  monkeypatch.setattr(tier.NativeLoop, "__call__", counted)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
+  salt = _salt()
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  for _ in range(20):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert len(calls) == 1  # (the first run: its pre-key lookup)
+
+
+def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
+  """A loop loaded by its pre-key has no bounds-check sites (no source was
+  generated): an out-of-bounds index generates them then and raises the
+  NumPy path's IndexError, message included."""
+  from tests.test_native_loops import _floats, _oob_call
+  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
+  monkeypatch.setattr(tier.disk_cache, "_dir", [])  # (this test's own cache directory)
+  x = _floats((8, 128))
+  with pytest.raises(IndexError) as want:
+    _oob_call(OFF, x)(x)
+  sync = pallas_np.InterpretParams(native_loops="sync")
+  with pytest.raises(IndexError):  # (built: the library and its pre-key recorded)
+    _oob_call(sync, x)(x)
+  pallas_np.clear_caches()  # (a new plan, nothing in memory: as in a second process)
+  before = native.stats()
+  with pytest.raises(IndexError) as got:
+    _oob_call(sync, x)(x)
+  after = native.stats()
+  assert after["disk_hits"] == before["disk_hits"] + 1  # (loaded by its pre-key, not built)
+  assert str(got.value) == str(want.value)
