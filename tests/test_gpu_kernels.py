@@ -12,7 +12,11 @@ from jax.experimental.pallas.ops.gpu import (attention, decode_attention, layer_
 
 import pallas_np
 
-KEYS = jax.random.split(jax.random.key(0), 12)
+KEYS = list(range(12))  # seeds of _normal (NumPy: jax.random compiled an XLA program per shape)
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
 @contextlib.contextmanager
@@ -34,9 +38,9 @@ def close(got, want, tol=2e-5):
 
 # -- attention (flash attention forward and backward) --------------------------
 B, S, H, D = 2, 64, 2, 16
-Q = jax.random.normal(KEYS[0], (B, S, H, D))
-K = jax.random.normal(KEYS[1], (B, S, H, D))
-V = jax.random.normal(KEYS[2], (B, S, H, D))
+Q = _normal(KEYS[0], (B, S, H, D))
+K = _normal(KEYS[1], (B, S, H, D))
+V = _normal(KEYS[2], (B, S, H, D))
 SEGMENTS = jnp.concatenate([jnp.zeros((B, 24), jnp.int32), jnp.ones((B, S - 24), jnp.int32)], 1)
 BLOCKS = attention.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_kv_dkv=32,
                               block_q_dq=32, block_kv_dq=32)
@@ -65,9 +69,9 @@ def test_mha_backward_causal_segment_ids():
 
 
 # -- normalization and softmax --------------------------------------------------
-X = jax.random.normal(KEYS[3], (2, 3, 200))  # 200: masked tail in a 256 block
-W = jax.random.normal(KEYS[4], (200,))
-BIAS = jax.random.normal(KEYS[5], (200,))
+X = _normal(KEYS[3], (2, 3, 200))  # 200: masked tail in a 256 block
+W = _normal(KEYS[4], (200,))
+BIAS = _normal(KEYS[5], (200,))
 
 
 @pytest.mark.parametrize("module,fn,ref", [
@@ -95,22 +99,22 @@ def test_softmax():
 
 # -- decoding --------------------------------------------------------------------
 BD, NQ, SK, DD, KVH = 2, 16, 128, 32, 2
-QD = jax.random.normal(KEYS[6], (BD, NQ, DD))
+QD = _normal(KEYS[6], (BD, NQ, DD))
 START = jnp.array([0, 8], jnp.int32)
 LENGTHS = jnp.array([100, 128], jnp.int32)
 
 
 def test_decode_attention_mqa():
-  k = jax.random.normal(KEYS[7], (BD, SK, DD))
-  v = jax.random.normal(KEYS[8], (BD, SK, DD))
+  k = _normal(KEYS[7], (BD, SK, DD))
+  v = _normal(KEYS[8], (BD, SK, DD))
   with numpy_mode():
     got = decode_attention.mqa(QD, k, v, START, LENGTHS, block_h=16, block_k=32, k_splits=4)
   close(got, decode_attention.mqa_reference(QD, k, v, START, LENGTHS))
 
 
 def test_decode_attention_gqa():
-  k = jax.random.normal(KEYS[7], (BD, SK, KVH, DD))
-  v = jax.random.normal(KEYS[8], (BD, SK, KVH, DD))
+  k = _normal(KEYS[7], (BD, SK, KVH, DD))
+  v = _normal(KEYS[8], (BD, SK, KVH, DD))
   with numpy_mode():
     got = decode_attention.gqa(QD, k, v, START, LENGTHS, block_h=16, block_k=32, k_splits=4)
   close(got, decode_attention.gqa_reference(QD, k, v, START, LENGTHS))
@@ -119,9 +123,10 @@ def test_decode_attention_gqa():
 def test_paged_attention():
   page_size, pages_per_seq = 8, 8
   total_pages = BD * pages_per_seq
-  k_pages = jax.random.normal(KEYS[9], (KVH, total_pages, page_size, DD))
-  v_pages = jax.random.normal(KEYS[10], (KVH, total_pages, page_size, DD))
-  tables = jax.random.permutation(KEYS[11], total_pages).reshape(BD, pages_per_seq)
+  k_pages = _normal(KEYS[9], (KVH, total_pages, page_size, DD))
+  v_pages = _normal(KEYS[10], (KVH, total_pages, page_size, DD))
+  tables = jnp.asarray(np.random.default_rng(KEYS[11]).permutation(total_pages)
+                       .reshape(BD, pages_per_seq).astype(np.int32))
   tables = tables.astype(jnp.int32)
   lengths = jnp.array([37, 64], jnp.int32)
   # The kernel multiplies by a huge mask value on purpose: IEEE inf, no warning.

@@ -46,10 +46,10 @@ def test_conv_nhwc_matches_xla(with_acc):
   """pltpu.conv inside a kernel vs lax.conv_general_dilated compiled by XLA
   outside it (no interpreter runs pltpu.conv: neither interpret=True nor TPU
   interpret mode has a CPU rule for it)."""
-  key = jax.random.key(0)
-  x = jax.random.normal(key, (2, 9, 10, 8), jnp.float32)
-  w = jax.random.normal(jax.random.fold_in(key, 1), (3, 2, 8, 16), jnp.float32)
-  acc = jax.random.normal(jax.random.fold_in(key, 2), (2, 5, 9, 16), jnp.float32)
+  # (NumPy's generator: jax.random compiles an XLA program per shape)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, 10, 8), np.float32))
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 2, 8, 16), np.float32))
+  acc = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 9, 16), np.float32))
   kw = dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), window_strides=(2, 1),
             padding=((1, 1), (0, 1)), rhs_dilation=(1, 2))
 
@@ -96,8 +96,8 @@ def test_mxu_fifo_and_accumulator_matmuls(chip_with_accumulators):
   through an accumulator (pltpu.ACC). No interpreter of JAX runs these on
   CPU: the reference is NumPy's matmul."""
   k = pltpu.get_tpu_info().mxu_column_size
-  a = jax.random.normal(jax.random.key(0), (16, k), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (k, k), jnp.float32)
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((16, k), np.float32))
+  b = jnp.asarray(np.random.default_rng(1).standard_normal((k, k), np.float32))
 
   def kernel(a_ref, b_ref, f1_ref, f2_ref, acc_out, acc):
     pltpu.matmul_push_rhs(b_ref[...], staging_register=0, mxu_index=0)
