@@ -276,7 +276,8 @@ def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
   x = _floats((8, 128))
   with pytest.raises(IndexError) as want:
     _oob_call(OFF, x)(x)
-  sync = pallas_np.InterpretParams(native_loops="sync")
+  # (params of its own: the plans it leaves in the caches are no other test's)
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
   with pytest.raises(IndexError):  # (built: the library and its pre-key recorded)
     _oob_call(sync, x)(x)
   pallas_np.clear_caches()  # (a new plan, nothing in memory: as in a second process)
