@@ -124,6 +124,8 @@ class Gen:
     # Functions the code calls that are linked in from LLVM IR (XLA's float
     # formulas, transcendental.py): their symbol -> IR.
     self.externals: dict = {}
+    # Module-level source the function needs (``blas_calls.header``), by name.
+    self.headers: dict = {}
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.
     self.fuse = None
@@ -345,5 +347,6 @@ def loop_source(eqn, clamp: bool) -> Source:
   lines = _dead_stores(gen.prologue, gen.lines)
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
-  text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
+  text = ("".join(gen.headers.values())
+          + f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n")
   return Source(text, gen, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs])

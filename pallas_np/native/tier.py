@@ -33,8 +33,7 @@ import numpy as np
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, codegen, disk_cache
-from pallas_np.native.refs import MAX_LEAVES
+from pallas_np.native import aot_worker, blas_calls, codegen, disk_cache
 
 log = logging.getLogger("pallas_np.native")
 
@@ -393,7 +392,7 @@ class NativeLoop:
       if kind == "s":
         a = aval.dtype.type(a) if a.__class__ is not aval.dtype.type else a
       call.append(a)
-    st = np.zeros(1 + MAX_LEAVES, np.int64)
+    st = blas_calls.status()  # (with the BLAS addresses a float dot calls)
     try:
       res = fn(st, *call)
     except IndexError:

@@ -1,0 +1,139 @@
+"""Float ``dot_general`` in a compiled loop (pallas_np/native/dots.py): the
+compiled loop calls NumPy's own BLAS routine for each product, as
+``np.matmul`` picks it (sgemm, sgemv either way, sdot, or NumPy's loop for
+k == 1), so its bits are the NumPy path's. Each test compares
+``native_loops="sync"`` with ``"off"`` bit for bit (and with
+interpret=True within float tolerance) and checks that the compiled loop
+ran: before float dots were emitted the loop was refused and ran on the
+NumPy path."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+import pallas_np
+from pallas_np import native
+from pallas_np.native import blas_calls
+
+SYNC = pallas_np.InterpretParams(native_loops="sync")
+OFF = pallas_np.InterpretParams(native_loops="off")
+
+needs_blas = pytest.mark.skipif(blas_calls.found() is None,
+                                reason="NumPy's BLAS is not an OpenBLAS found here")
+
+
+def _bits(a):
+  a = np.asarray(a)
+  a = np.where(np.isnan(a), np.array(np.nan, a.dtype), a)
+  return a.view(f"uint{a.dtype.itemsize * 8}")
+
+
+def compiled_equals_numpy(make, *args, rtol=1e-5):
+  """The compiled loop ran, and agrees with the NumPy path bit for bit
+  and with interpret=True within ``rtol``."""
+  before = native.stats()["native_calls"]
+  got = make(SYNC)(*args)
+  ran = native.stats()["native_calls"] - before
+  off = make(OFF)(*args)
+  want = make(True)(*args)
+  for g, o, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(off),
+                     jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(_bits(g), _bits(o))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-5)
+  assert ran > 0, "the compiled loop did not run"
+
+
+def _dots_kernel(x_ref, w_ref, o_ref):
+  """Every routine np.matmul picks, in one loop: gemm, vector @ matrix,
+  matrix @ vector, row @ column, k == 1 (NumPy's loop), a transposed
+  operand and a batched product."""
+  def body(i, acc):
+    x = x_ref[...] * (1.0 + i.astype(jnp.float32))  # (8, 32)
+    w = w_ref[...]  # (32, 16)
+    s = jnp.dot(x, w)  # gemm
+    r = jnp.dot(x[0:1], w)  # (1, 16): gemv
+    c = jnp.dot(x, w[:, 0:1])  # (8, 1): gemv
+    d = jnp.dot(x[0:1], w[:, 0:1])  # (1, 1): sdot
+    k1 = jnp.dot(x[:, 0:1], w[0:1, :])  # (8, 16): k == 1
+    t = lax.dot_general(s, s, (((1,), (1,)), ((), ())))  # s @ s.T: (8, 8)
+    bx = x.reshape(2, 4, 32)
+    bw = w.reshape(2, 16, 16)
+    bt = lax.dot_general(bx[:, :, :16], bw, (((2,), (1,)), ((0,), (0,))))  # (2, 4, 16)
+    out = s + r + c + d + k1 + bt.reshape(8, 16) + t[:, :1] * 1e-3
+    return acc * 0.5 + out
+  o_ref[...] = lax.fori_loop(0, 3, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _call_dots(interp):
+  return pl.pallas_call(
+      _dots_kernel, out_shape=jax.ShapeDtypeStruct((16, 32), jnp.float32), grid=(2, 2),
+      in_specs=[pl.BlockSpec((8, 32), lambda i, j: (i, 0)),
+                pl.BlockSpec((32, 16), lambda i, j: (0, j))],
+      out_specs=pl.BlockSpec((8, 16), lambda i, j: (i, j)), interpret=interp)
+
+
+@needs_blas
+def test_float_dots_every_routine_bit_exact():
+  rng = np.random.default_rng(1)
+  # x's blocks are (8, 32) pieces of a (16, 32) array, w's (32, 16) column
+  # blocks of a (32, 32) one: on the NumPy path a block is a strided view
+  # (a larger leading dimension), here a contiguous copy.
+  x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  compiled_equals_numpy(_call_dots, x, w, rtol=1e-4)
+
+
+def _attention_kernel(q_ref, k_ref, v_ref, o_ref, *, block_k):
+  """A Triton-style attention row block: the loop over kv blocks holds
+  q @ k.T and p @ v (the benchmarks' gpu_attention, without masking)."""
+  q = q_ref[...]
+
+  def body(j, carry):
+    acc, = carry
+    start = pl.multiple_of(j * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = jnp.exp(jnp.dot(q, k.T) * 0.125)
+    return (acc + jnp.dot(s, v),)
+  acc, = lax.fori_loop(0, k_ref.shape[0] // block_k, body,
+                       (jnp.zeros(o_ref.shape, jnp.float32),))
+  o_ref[...] = acc
+
+
+@needs_blas
+def test_attention_like_loop_bit_exact():
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((32, 64), (128, 64), (128, 64)))
+
+  def make(interp):
+    return pl.pallas_call(
+        functools.partial(_attention_kernel, block_k=32),
+        out_shape=jax.ShapeDtypeStruct((32, 64), jnp.float32), grid=(2,),
+        in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0)),
+                  pl.BlockSpec((128, 64), lambda i: (0, 0)),
+                  pl.BlockSpec((128, 64), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((16, 64), lambda i: (i, 0)), interpret=interp)
+  compiled_equals_numpy(make, q, k, v, rtol=1e-4)
+
+
+@needs_blas
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_routine_choice_gives_matmuls_bits(dt):
+  """The routine ``blas_calls.routine`` picks, called with the arguments
+  the generated code passes (here through ctypes), gives np.matmul's bits
+  for every shape class, sizes around OpenBLAS's unrolling and blocking."""
+  rng = np.random.default_rng(3)
+  fns = blas_calls.ctypes_routines()
+  for m in (1, 2, 3, 8, 17):
+    for k in (2, 5, 16, 33, 128, 300):
+      for n in (1, 2, 7, 64, 65):
+        x = rng.standard_normal((m, k)).astype(dt)
+        y = rng.standard_normal((k, n)).astype(dt)
+        got = np.empty((m, n), dt)
+        assert blas_calls.matmul(fns, x, y, got)
+        np.testing.assert_array_equal(_bits(got), _bits(np.matmul(x, y)), err_msg=(m, k, n))
