@@ -15,36 +15,12 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-import pallas_np
-from pallas_np import native
 from pallas_np.native import blas_calls
-
-SYNC = pallas_np.InterpretParams(native_loops="sync")
-OFF = pallas_np.InterpretParams(native_loops="off")
+from tests.native_elig_util import bits as _bits
+from tests.native_elig_util import compiled_equals_numpy
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
-
-
-def _bits(a):
-  a = np.asarray(a)
-  a = np.where(np.isnan(a), np.array(np.nan, a.dtype), a)
-  return a.view(f"uint{a.dtype.itemsize * 8}")
-
-
-def compiled_equals_numpy(make, *args, rtol=1e-5):
-  """The compiled loop ran, and agrees with the NumPy path bit for bit
-  and with interpret=True within ``rtol``."""
-  before = native.stats()["native_calls"]
-  got = make(SYNC)(*args)
-  ran = native.stats()["native_calls"] - before
-  off = make(OFF)(*args)
-  want = make(True)(*args)
-  for g, o, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(off),
-                     jax.tree_util.tree_leaves(want)):
-    np.testing.assert_array_equal(_bits(g), _bits(o))
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-5)
-  assert ran > 0, "the compiled loop did not run"
 
 
 def _dots_kernel(x_ref, w_ref, o_ref):

@@ -121,6 +121,8 @@ class Gen:
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
+    self.producers: dict = {}  # var -> the eqn computing it (see reductions.numpy_layout)
+    self.layouts: dict = {}  # var -> its layout on the NumPy path (reductions.numpy_layout)
     # Functions the code calls that are linked in from LLVM IR (XLA's float
     # formulas, transcendental.py): their symbol -> IR.
     self.externals: dict = {}
@@ -255,6 +257,8 @@ class Gen:
       for k, a in enumerate(eqn.invars):
         if isinstance(a, jc.Var):
           self.consumers.setdefault(a, []).append((eqn, k))
+      for v in eqn.outvars:
+        self.producers[v] = eqn
     for a in jaxpr.outvars:
       if isinstance(a, jc.Var):
         self.consumers.setdefault(a, []).append((None, 0))

@@ -3,9 +3,8 @@ compiled loop. Arrays are flat, their shapes static, so each primitive is
 one loop nest whose source index is a linear expression of the loop
 variables; a reshape (squeeze, expand_dims) is the same flat array.
 
-Float sums are refused (NumPy's pairwise summation order is not
-reproduced), as are float max/min reductions (which NaN NumPy's reduction
-returns depends on its order).
+Float reductions are ``native/reductions.py``'s (NumPy's pairwise order);
+float dots ``native/dots.py``'s.
 """
 from __future__ import annotations
 
@@ -243,13 +242,15 @@ def _dynamic_update_slice(gen, eqn, ins):
   return [out]
 
 
-def _reduction(kind):
+def int_reduction(kind):
+  """The emitter of an integer or bool ``reduce_<kind>`` (float ones:
+  ``native/reductions.py``)."""
   def emit(gen, eqn, ins):
     x = ins[0]
     axes = tuple(sorted(eqn.params["axes"]))
     dt = x.dtype
     if dt.kind == "f":
-      raise Refused(f"float {kind} reduction")  # order and NaN choice are NumPy's
+      raise Refused(f"float {kind} reduction")  # (native/reductions.py)
     if kind in ("sum",) and dt == np.bool_:
       raise Refused("bool sum")
     c = np_name(dt)
@@ -285,8 +286,8 @@ def _reduction(kind):
   return emit
 
 
-for _k in ("sum", "max", "min", "or", "and"):
-  register(f"reduce_{_k}")(_reduction(_k))
+for _k in ("or", "and"):
+  register(f"reduce_{_k}")(int_reduction(_k))
 
 
 @register("unstack")
