@@ -123,6 +123,7 @@ class Gen:
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
     self.producers: dict = {}  # var -> the eqn computing it (see reductions.numpy_layout)
     self.layouts: dict = {}  # var -> its layout on the NumPy path (reductions.numpy_layout)
+    self.aliases: dict = {}  # an inlined callee's parameter var -> the caller's atom
     # Functions the code calls that are linked in from LLVM IR (XLA's float
     # formulas, transcendental.py): their symbol -> IR.
     self.externals: dict = {}

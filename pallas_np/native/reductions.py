@@ -30,8 +30,9 @@ import math
 import numpy as np
 
 from pallas_np import _compat as jc
+from pallas_np.compiler import INLINE_CALLS
 from pallas_np.native import elementwise, shapes, transcendental
-from pallas_np.native.codegen import Refused, Val, np_name, register
+from pallas_np.native.codegen import Refused, Val, inline_callee, np_name, register
 
 PW_BLOCK = 128  # NumPy's PW_BLOCKSIZE
 # Primitives whose NumPy rule returns a fresh C-contiguous array.
@@ -41,49 +42,60 @@ _VIEWS = frozenset({"slice", "dynamic_slice"})  # basic-indexing views
 _RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
-def numpy_layout(gen, var, val: Val):
+def numpy_layout(gen, var, val: Val | None = None):
   """The layout of ``var``'s array on the NumPy path, as far as it is
   known here: "C" (C-contiguous), "R" (a row-major view: positive strides,
-  decreasing), "B" (a broadcast view: stride 0 along broadcast axes), or
-  None (unknown: a loop carry, an operand from outside the loop, a
-  transpose...)."""
-  if isinstance(var, jc.Literal) or val.glob:
+  decreasing), "B" (a broadcast view: stride 0 along broadcast axes, the
+  others decreasing), or None (unknown: a loop carry, an operand from
+  outside the loop, a transpose, a cond's result...)."""
+  if isinstance(var, jc.Literal) or (val is not None and val.glob):
     return "C"
   memo = gen.layouts
   if var in memo:
     return memo[var]
-  memo[var] = None  # (a cycle cannot occur; this bounds the recursion)
+  memo[var] = None  # (bounds the recursion)
   eqn = gen.producers.get(var)
   layout = None
-  if eqn is not None:
+  if eqn is None and var in gen.aliases:  # an inlined call's parameter
+    layout = numpy_layout(gen, gen.aliases[var])
+  elif eqn is not None:
     name = eqn.primitive.name
     if name in _FRESH:
       layout = "C"
     elif name == "get":  # a ref block read: a view of a row-major buffer
       layout = "R"
+    elif name == "iota":  # np.broadcast_to of an arange
+      layout = "B"
+    elif name == "tile":  # np.tile: repeated (C), or a copy in the operand's order
+      reps = tuple(int(r) for r in eqn.params["reps"])
+      inner = numpy_layout(gen, eqn.invars[0])
+      layout = "C" if any(r != 1 for r in reps) or inner in ("C", "R") else None
     elif name in _VIEWS or name in _RESHAPES:
-      inner = _operand_layout(gen, eqn.invars[0])
+      inner = numpy_layout(gen, eqn.invars[0])
       layout = ("R" if name in _VIEWS else inner) if inner in ("C", "R") else None
     elif name == "broadcast_in_dim":
       x = eqn.invars[0]
       same = math.prod(x.aval.shape) == math.prod(eqn.outvars[0].aval.shape)
-      inner = _operand_layout(gen, x) if same else "B"
-      layout = inner if inner in ("C", "R", "B") else None
+      if same:
+        layout = numpy_layout(gen, x)
+      elif _orderless(x) or numpy_layout(gen, x) in ("C", "R", "B"):
+        layout = "B"
     elif name in elementwise.SCALAR or name in transcendental.FORMULAS:
-      kinds = [_operand_layout(gen, a) for a in eqn.invars if a.aval.shape != ()]
-      if kinds and all(k in ("C", "R", "B") for k in kinds) and any(k in ("C", "R") for k in kinds):
-        layout = "C"  # (NumPy allocates a ufunc's output in its operands' order)
+      # A ufunc allocates its result in its operands' memory order: C
+      # where they are row-major or broadcast (zero strides order nothing,
+      # nor does an operand with one axis, whatever its stride's sign).
+      kinds = [numpy_layout(gen, a) for a in eqn.invars if not _orderless(a)]
+      layout = "C" if all(k in ("C", "R", "B") for k in kinds) else None
+    elif name in INLINE_CALLS:  # (its callee's result, emitted inline)
+      jaxpr, _ = inline_callee(eqn)
+      layout = numpy_layout(gen, jaxpr.outvars[list(eqn.outvars).index(var)])
   memo[var] = layout
   return layout
 
 
-def _operand_layout(gen, atom):
-  if isinstance(atom, jc.Literal):
-    return "C"
-  eqn = gen.producers.get(atom)
-  if eqn is None:
-    return None
-  return numpy_layout(gen, atom, Val("", (), None, "a"))
+def _orderless(atom) -> bool:
+  """At most one axis longer than 1: no memory order among its axes."""
+  return sum(n != 1 for n in atom.aval.shape) <= 1
 
 
 def _pairwise(c: str, leaf: str, arr: str, base: str, lo: int, n: int) -> str:
