@@ -109,8 +109,9 @@ class Val:
 class Gen:
   """The generated function being written."""
 
-  def __init__(self, clamp: bool):
+  def __init__(self, clamp: bool, uninitialized: str = "nan"):
     self.clamp = clamp
+    self.uninitialized = uninitialized  # InterpretParams.uninitialized (memory.fill_value)
     self.lines: list[str] = []
     self.prologue: list[str] = []  # the temporaries' allocations
     self.depth = 1
@@ -327,11 +328,11 @@ class Source:
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 
-def loop_source(eqn, clamp: bool) -> Source:
+def loop_source(eqn, clamp: bool, uninitialized: str = "nan") -> Source:
   """The source (and what it needs) of the njit function
   ``native_loop(_st, *eqn inputs) -> (0, *carries)`` running ``eqn`` (a
   ``while`` or a ``scan``); raises ``Refused``."""
-  gen = Gen(clamp)
+  gen = Gen(clamp, uninitialized)
   args, ins = [], []
   for k, aval in enumerate(v.aval for v in eqn.invars):
     name = f"a{k}"

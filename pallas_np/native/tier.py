@@ -234,6 +234,7 @@ class NativeLoop:
     self.out_batched = out_batched
     self.numpy_fn = numpy_fn
     self.clamp = params.bounds_check == "clamp"
+    self.uninitialized = params.uninitialized  # (a masked load's fill: native/masked.py)
     self.sync = params.native_loops == "sync"
     self.native = None
     self.runs = 0
@@ -259,7 +260,7 @@ class NativeLoop:
     """Generate the loop's source; load its library if one is on disk,
     else price its build (or give up for good)."""
     try:
-      src = codegen.loop_source(self.eqn, self.clamp)
+      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
       if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
         raise codegen.Refused("a written ref is read-only")
       args, ret, guard = _signature(src, self.invars, self.layouts)

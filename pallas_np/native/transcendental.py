@@ -59,3 +59,24 @@ def _formula(gen, eqn, ins):
 
 
 register(*FORMULAS)(_formula)
+
+# XLA's expansions the NumPy rules follow (primitives/xla_math.py):
+# exp2(x) = exp(x * ln 2), log2(x) = log(x) * (1 / ln 2), the product
+# rounded to float32 — the constant itself a float32.
+_LN2 = float(np.float32(np.log(2.0)))
+_LOG2_E = float(np.float32(1.4426950408889634))
+
+
+@register("exp2", "log2")
+def _expanded(gen, eqn, ins):
+  name = eqn.primitive.name
+  if dtype_of(eqn.outvars[0].aval) != np.float32 or any(v.dtype != np.float32 for v in ins):
+    raise Refused(f"{name} of a non-float32 (only float32 follows an IR formula)")
+  if eqn.params.get("accuracy") is not None:
+    raise Refused(f"{name} with an accuracy")
+  symbol = FORMULAS["exp" if name == "exp2" else "log"]
+  fn = gen.external(symbol, ir_of(symbol))
+  k = gen.constant(_LN2 if name == "exp2" else _LOG2_E, np.dtype(np.float32)).name
+  expr = ((lambda a: f"{fn}(np.float32({a} * {k}))") if name == "exp2"
+          else (lambda a: f"np.float32({fn}({a}) * {k})"))
+  return elementwise.emit_elementwise(gen, eqn, ins, make=lambda dts, out, params: expr)
