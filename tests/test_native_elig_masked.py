@@ -132,7 +132,10 @@ def test_masked_on_lane_out_of_bounds_errors_as_numpy(clamp):
     return
   with pytest.raises(IndexError) as want:
     make("off")(x)
+  pallas_np.clear_caches()  # (a fresh plan: its loop is compiled, or loaded, anew)
+  compiled = native.stats()["compiled"]
   with pytest.raises(IndexError) as got:
     make("sync")(x)
   assert "out-of-bounds masked ref access: lane (72,)" in str(want.value)
   assert str(got.value) == str(want.value)
+  assert native.stats()["compiled"] > compiled, "the loop was not compiled"

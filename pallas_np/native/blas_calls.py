@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from pallas_np.native.refs import MAX_LEAVES
+from pallas_np.native.codegen import MAX_LEAVES
 
 # Status array slots: [0] error site, [1 : 1 + MAX_LEAVES] index values,
 # then the routines' addresses.

@@ -45,6 +45,9 @@ FUSE_MAX = 12
 # lines 14.8 s), spent in a thread that holds the GIL most of the time. A
 # bigger loop keeps its NumPy path rather than slow its caller for minutes.
 MAX_LINES = 800
+# Values a bounds-check site can report in the status array (dynamic index
+# values, or a masked access's lane and coordinates: native/refs.py, masked.py).
+MAX_LEAVES = 8
 
 
 class Refused(Exception):

@@ -26,8 +26,7 @@ import math
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
-from pallas_np.native.refs import MAX_LEAVES
+from pallas_np.native.codegen import MAX_LEAVES, Refused, Val, dtype_of, np_name, register
 from pallas_np.native.shapes import linear, row_strides
 from pallas_np.state import indexing
 from pallas_np.state.indexing import RefAccess
@@ -92,10 +91,11 @@ def _int_layout(dims, int_shape):
 class _Lanes:
   """The per-lane coordinates of one access (see the module doc)."""
 
-  def __init__(self, gen, eqn, ref: Val, tree, atoms, vals):
+  def __init__(self, gen, eqn, ref: Val, tree, atoms, vals, clamp=False):
     if ref.kind != "r":
       raise Refused("a masked access of a value that is not a ref")
-    self.access = RefAccess(tree, list(atoms), ref.shape, clamp=False, ref_dtype=ref.dtype)
+    self.access = RefAccess(tree, list(atoms), ref.shape, clamp=clamp, ref_dtype=ref.dtype)
+    self.checked: dict = {}  # ref axis -> its checked start/index, or "clamp" (array_access)
     steps = self.access.steps
     if len(steps) != 1 or steps[0][0] != "index":
       raise Refused("ref transforms")
@@ -122,14 +122,22 @@ class _Lanes:
   def coords(self, gen, js) -> list[str]:
     """The coordinate of lane ``js`` along each ref axis (int64 locals)."""
     out = []
-    for d, axis in zip(self.dims, self.axes):
+    for ref_axis, (d, axis) in enumerate(zip(self.dims, self.axes)):
+      fixed = self.checked.get(ref_axis)
       if isinstance(d, indexing.DimSlice):
-        start = str(int(d.start)) if indexing.is_static(d.start) else f"np.int64({self.dyn[d.start.k].name})"
+        start = (fixed if fixed is not None else str(int(d.start)) if indexing.is_static(d.start)
+                 else f"np.int64({self.dyn[d.start.k].name})")
         expr = f"{start} + {int(d.stride)} * {js[axis]}"
       elif isinstance(d, indexing.DimArray):
-        expr = f"np.int64({_broadcast_at(self.dyn[d.value.k], self.int_shape, js[self.int_at:self.int_at + len(self.int_shape)])})"
+        block = js[self.int_at:self.int_at + len(self.int_shape)]
+        expr = f"np.int64({_broadcast_at(self.dyn[d.value.k], self.int_shape, block)})"
+        if fixed == "clamp":  # (bounds.check_array: the axis size added to a negative index)
+          e = gen.scalar(expr, np.dtype(np.int64)).name
+          n = self.ref.shape[ref_axis]
+          expr = f"min(max({e} + {n} if {e} < 0 else {e}, 0), {n - 1})"
       else:
-        expr = str(int(d.value)) if indexing.is_static(d.value) else f"np.int64({self.dyn[d.value.k].name})"
+        expr = (fixed if fixed is not None else str(int(d.value)) if indexing.is_static(d.value)
+                else f"np.int64({self.dyn[d.value.k].name})")
       out.append(gen.scalar(expr, np.dtype(np.int64)).name)
     return out
 
@@ -278,3 +286,93 @@ def _masked_swap(gen, eqn, ins):
   gen.emit(f"{res.name}[{i}] = {sel}")
   gen.close(shape)
   return [res]
+
+
+class GatherSite:
+  """A bounds-check site of an array-indexed ``get``: the status array
+  holds each scalar index, and each index array's (min, max) — all
+  ``bounds.check_array`` looks at —, and ``resolve`` re-runs the NumPy
+  rule's checks on them, raising its error."""
+
+  def __init__(self, access, kinds):
+    self.access, self.kinds = access, kinds
+    self.num_dynamic = sum(2 if k == "a" else 1 for k in kinds)
+
+  def resolve(self, ref, values):
+    leaves, it = [], iter(values)
+    for k in self.kinds:
+      leaves.append(np.array([next(it), next(it)], np.int64) if k == "a" else next(it))
+    return self.access.resolve(ref, leaves)
+
+
+def array_access(gen, eqn, ref: Val, atoms, vals):
+  """``get`` through an indexer holding integer arrays (a gather), for
+  ``refs``: (element expression builder ``at(js)``, the accessed shape).
+  The NumPy rule checks each axis in order (``RefAccess.resolve``): a
+  slice start or an int, then an index array's min and max; out of range
+  it raises, or under ``bounds_check="clamp"`` clamps (an array element
+  by element)."""
+  lanes = _Lanes(gen, eqn, ref, eqn.params["tree"], atoms, vals, clamp=gen.clamp)
+  dyn = lanes.dyn
+  kinds = ["a" if v.kind == "a" else "s" for v in dyn]
+  site = GatherSite(lanes.access, kinds)
+  if site.num_dynamic > MAX_LEAVES:
+    raise Refused("ref indices")
+  bounds: dict = {}  # array leaf -> (min, max) locals, once checked
+
+  def fail():
+    gen.sites.append((eqn, site, gen.ref_positions[ref.name],
+                      tuple(e for e in gen.stack if e is not None)))
+    gen.emit(f"_st[0] = {len(gen.sites)}")
+    values = []
+    for k, v in enumerate(dyn):
+      values += list(bounds.get(k, ("0", "0"))) if v.kind == "a" else [v.name]
+    for j, v in enumerate(values):
+      gen.emit(f"_st[{j + 1}] = np.int64({v})")
+    gen.emit("raise IndexError('pallas_np native loop: out-of-bounds ref access')")
+
+  def scalar_index(k, last, n, axis):
+    i = gen.scalar(f"np.int64({dyn[k].name})", np.dtype(np.int64)).name
+    if gen.clamp:
+      gen.emit(f"{i} = min(max({i} + {n} if {i} < 0 else {i}, 0), {last})")
+    else:
+      with gen.block(f"if {i} < 0 or {i} > {last}:"):
+        fail()
+    lanes.checked[axis] = i
+
+  for axis, (d, n) in enumerate(zip(lanes.dims, ref.shape)):
+    if isinstance(d, indexing.DimSlice):
+      size, stride = int(d.size), int(d.stride)
+      extent = (size - 1) * stride + 1
+      if size <= 0 or extent > n:
+        raise Refused("slice larger than the axis")
+      if indexing.is_static(d.start):
+        if not 0 <= int(d.start) <= n - extent:
+          raise Refused("static index out of range")
+      else:
+        scalar_index(d.start.k, n - extent, n, axis)
+    elif isinstance(d, indexing.DimArray):
+      v = dyn[d.value.k]
+      if gen.clamp:
+        lanes.checked[axis] = "clamp"
+        continue
+      if not v.size:
+        continue
+      lo, hi, q = gen.fresh("lo"), gen.fresh("hi"), gen.fresh("q")
+      gen.emit(f"{lo} = np.int64({v.name}[0])")
+      gen.emit(f"{hi} = {lo}")
+      with gen.block(f"for {q} in range({v.size}):"):
+        gen.emit(f"{lo} = min({lo}, np.int64({v.name}[{q}]))")
+        gen.emit(f"{hi} = max({hi}, np.int64({v.name}[{q}]))")
+      bounds[d.value.k] = (lo, hi)
+      with gen.block(f"if {lo} < 0 or {hi} >= {n}:"):
+        fail()
+    elif indexing.is_static(d.value):
+      if not 0 <= int(d.value) < n:
+        raise Refused("static index out of range")
+    else:
+      scalar_index(d.value.k, n - 1, n, axis)
+
+  def at(js):
+    return lane_ref(ref, lanes.coords(gen, js))
+  return at, lanes.shape

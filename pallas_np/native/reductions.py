@@ -80,7 +80,8 @@ def numpy_layout(gen, var, val: Val | None = None):
         layout = numpy_layout(gen, x)
       elif _orderless(x) or numpy_layout(gen, x) in ("C", "R", "B"):
         layout = "B"
-    elif name in elementwise.SCALAR or name in transcendental.FORMULAS:
+    elif (name in elementwise.SCALAR or name in transcendental.FORMULAS
+          or name in transcendental.EXPANDED):
       # A ufunc allocates its result in its operands' memory order: C
       # where they are row-major or broadcast (zero strides order nothing,
       # nor does an operand with one axis, whatever its stride's sign).

@@ -67,7 +67,10 @@ _LN2 = float(np.float32(np.log(2.0)))
 _LOG2_E = float(np.float32(1.4426950408889634))
 
 
-@register("exp2", "log2")
+EXPANDED = ("exp2", "log2")
+
+
+@register(*EXPANDED)
 def _expanded(gen, eqn, ins):
   name = eqn.primitive.name
   if dtype_of(eqn.outvars[0].aval) != np.float32 or any(v.dtype != np.float32 for v in ins):
