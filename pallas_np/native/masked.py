@@ -376,3 +376,29 @@ def array_access(gen, eqn, ref: Val, atoms, vals):
   def at(js):
     return lane_ref(ref, lanes.coords(gen, js))
   return at, lanes.shape
+
+
+def result_is_c(eqn) -> bool:
+  """Whether the NumPy rule of ``eqn`` (a ``get`` or ``masked_load``) returns
+  a row-major array (``reductions.numpy_layout``): basic indexing (a view,
+  or its copy), or advanced indices leading the indexer — NumPy lays a
+  result with advanced indices after a slice out with those axes outermost
+  in memory (``x[:, idx]`` is not C-contiguous)."""
+  if eqn.primitive.name == "get":
+    tree, atoms = eqn.params["tree"], list(eqn.invars[1:])
+  else:
+    ref_pos, transforms = _split(eqn)[:2]
+    leaves, tree = jc.jax.tree_util.tree_flatten(transforms, is_leaf=lambda x: isinstance(x, _Pos))
+    atoms = [eqn.invars[p.i] for p in leaves]
+  ref_aval = eqn.invars[0].aval
+  try:
+    access = RefAccess(tree, atoms, ref_aval.inner_aval.shape, clamp=False)
+  except Exception:  # noqa: BLE001 - any indexer this cannot read: unknown
+    return False
+  for _, dims in ((s[0], s[1]) for s in access.steps):
+    if not any(isinstance(d, indexing.DimArray) for d in dims):
+      continue
+    flags = [not isinstance(d, indexing.DimSlice) for d in dims]
+    if flags != sorted(flags, reverse=True):  # (advanced..., slices...)
+      return False
+  return True

@@ -31,7 +31,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.compiler import INLINE_CALLS
-from pallas_np.native import elementwise, shapes, transcendental
+from pallas_np.native import elementwise, masked, shapes, transcendental
 from pallas_np.native.codegen import Refused, Val, inline_callee, np_name, register
 
 PW_BLOCK = 128  # NumPy's PW_BLOCKSIZE
@@ -62,8 +62,10 @@ def numpy_layout(gen, var, val: Val | None = None):
     name = eqn.primitive.name
     if name in _FRESH:
       layout = "C"
-    elif name == "get":  # a ref block read: a view of a row-major buffer
-      layout = "R"
+    elif name == "get":  # a ref block read: a view of a row-major buffer (or a gather)
+      layout = "R" if masked.result_is_c(eqn) else None
+    elif name == "masked_load":  # a copy, or a where(): C
+      layout = "C" if masked.result_is_c(eqn) else None
     elif name == "iota":  # np.broadcast_to of an arange
       layout = "B"
     elif name == "tile":  # np.tile: repeated (C), or a copy in the operand's order
