@@ -64,7 +64,7 @@ def outermost_loops(jaxpr):
 
 def verdict(eqn) -> str:
   try:
-    codegen.loop_source(eqn, clamp=False)
+    codegen.loop_source(eqn, False, "nan")
   except codegen.Refused as e:
     return f"refused: {e}"
   return "eligible"

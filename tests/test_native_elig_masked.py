@@ -139,3 +139,27 @@ def test_masked_on_lane_out_of_bounds_errors_as_numpy(clamp):
   assert "out-of-bounds masked ref access: lane (72,)" in str(want.value)
   assert str(got.value) == str(want.value)
   assert native.stats()["compiled"] > compiled, "the loop was not compiled"
+
+
+@pytest.mark.parametrize("uninitialized", ["nan", "zero"])
+def test_masked_off_lanes_past_the_end_read_the_fill(uninitialized):
+  """Without ``other``, a masked-off lane past the end reads the
+  ``uninitialized`` fill (NaN, or 0), as on the NumPy path."""
+  def kernel(x_ref, o_ref):
+    def body(i, c):
+      cols = i * 128 + jnp.arange(128)
+      o_ref[pl.ds(i * 128, 128)] = plgpu.load(x_ref.at[cols], mask=cols < 200) * 2.0
+      return c
+    lax.fori_loop(0, 2, body, 0)
+
+  def make(native_loops):
+    params = pallas_np.InterpretParams(native_loops=native_loops, uninitialized=uninitialized)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32),
+                          interpret=params)
+  x = jnp.arange(200, dtype=jnp.float32)
+  before = native.stats()["native_calls"]
+  got = make("sync")(x)
+  assert native.stats()["native_calls"] > before, "the compiled loop did not run"
+  want = make("off")(x)
+  np.testing.assert_array_equal(bits(got), bits(want))
+  assert np.isnan(np.asarray(want)[200:]).all() == (uninitialized == "nan")

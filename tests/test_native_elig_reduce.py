@@ -102,7 +102,7 @@ def test_sum_of_an_unknown_layout_is_refused():
   kjaxpr = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call").params["jaxpr"]
   loop = next(e for e in kjaxpr.eqns if e.primitive.name in ("scan", "while"))
   try:
-    codegen.loop_source(loop, clamp=False)
+    codegen.loop_source(loop, False, "nan")
   except codegen.Refused as e:
     assert "NumPy summation order" in str(e)
   else:

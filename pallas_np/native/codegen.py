@@ -331,10 +331,12 @@ class Source:
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 
-def loop_source(eqn, clamp: bool, uninitialized: str = "nan") -> Source:
+def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
   """The source (and what it needs) of the njit function
   ``native_loop(_st, *eqn inputs) -> (0, *carries)`` running ``eqn`` (a
-  ``while`` or a ``scan``); raises ``Refused``."""
+  ``while`` or a ``scan``) under ``bounds_check="clamp"`` or not and the
+  kernel's ``InterpretParams.uninitialized`` (what a masked-off lane past
+  the end reads: ``masked``); raises ``Refused``."""
   gen = Gen(clamp, uninitialized)
   args, ins = [], []
   for k, aval in enumerate(v.aval for v in eqn.invars):

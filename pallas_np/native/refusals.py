@@ -38,8 +38,8 @@ _REASONS = {
         "unpack_elementwise", "population_count", "clz", "mulhi", "iota_2x32_shape",
         "eq_to", "le_to", "lt_to"),
     "complex numbers": ("complex", "conj", "real", "imag"),
-    "a matrix product (BLAS on the NumPy path: its summation order; integer "
-    "dot_general is emitted, native/shapes.py)": (
+    "a matrix product of another family (MXU/wgmma/tensor-memory state, convolutions; "
+    "dot_general is emitted, native/dots.py)": (
         "matmul_acc_lhs", "matmul_pop", "matmul_push_rhs", "wgmma_ref",
         "wgmma_wait", "wgmma_accumulator_deref_p", "wgmma_accumulator_store_p",
         "tcgen05_mma", "tcgen05_commit_arrive", "conv", "mma", "matmul_lhs_fifo",
