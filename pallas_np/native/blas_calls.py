@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from pallas_np.native.codegen import MAX_LEAVES
+from pallas_np.primitives import libm
 
 # Status array slots: [0] error site, [1 : 1 + MAX_LEAVES] index values,
 # then the routines' addresses.
@@ -40,6 +41,10 @@ ROUTINES = {
     "ddot": ("ipipi", "d", "d"),
 }
 NAMES = tuple(ROUTINES)
+# The NumPy rules' own float32 loops (``libm.address``: ``out[i] = f(in[i])``
+# over n contiguous floats), after the BLAS routines in the status array:
+# a compiled loop calls the very code the NumPy path runs.
+LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
@@ -151,17 +156,38 @@ def found():
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
+    st = np.zeros(SLOT + len(NAMES) + len(LOOPS), np.int64)
     if result is not None:
-      st = np.zeros(SLOT + len(NAMES), np.int64)
-      st[SLOT:] = [result[0][n] for n in NAMES]
-      _status[0] = st
+      st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
+    _status[0] = st
   return _found[0]
 
 
+def loop_slot(name: str) -> int:
+  """The status-array slot of the NumPy rule's float32 loop ``name`` (its
+  address filled in by ``status``)."""
+  return SLOT + len(NAMES) + LOOPS.index(name)
+
+
 def status() -> np.ndarray:
-  """A fresh status array for one call of a compiled loop (the BLAS
-  addresses filled in once ``found``)."""
+  """A fresh status array for one call of a compiled loop: the BLAS
+  addresses and the float32 loops' (looked up on the first call, whether
+  or not this process generated the loop's source: a library may come
+  from the disk cache)."""
+  if len(_status) == 1:
+    found()
+    st = _status[0]
+    for name in LOOPS:
+      st[loop_slot(name)] = libm.address(name)[0]
+    _status.append(True)
   return _status[0].copy()
+
+
+def header_bits() -> int:
+  """CBLAS_INT's bits for ``header`` (64 where no BLAS is found: then only
+  the float32 loops are called)."""
+  f = found()
+  return f[1] if f is not None else 64
 
 
 def header(bits: int) -> str:
@@ -173,12 +199,13 @@ def header(bits: int) -> str:
       "import llvmlite.ir as _lir",
       "",
       "def _cblas_sig(kinds, ret):",
-      "    nt = {'e': _nt.int64, 'i': _nt.int64, 'f': _nt.float32, 'd': _nt.float64, 'p': _nt.int64}",
+      "    nt = {'e': _nt.int64, 'i': _nt.int64, 'f': _nt.float32, 'd': _nt.float64, 'p': _nt.int64,",
+      "          'q': _nt.int64}",
       "    rt = {'v': _nt.void, 'f': _nt.float32, 'd': _nt.float64}[ret]",
       "    def codegen(context, builder, sig, llargs):",
       "        i8p = _lir.IntType(8).as_pointer()",
       f"        lt = {{'e': _lir.IntType(32), 'i': _lir.IntType({bits}), 'f': _lir.FloatType(),",
-      "              'd': _lir.DoubleType(), 'p': i8p}",
+      "              'd': _lir.DoubleType(), 'p': i8p, 'q': _lir.IntType(64)}",
       "        rl = {'v': _lir.VoidType(), 'f': _lir.FloatType(), 'd': _lir.DoubleType()}[ret]",
       "        fnty = _lir.FunctionType(rl, [lt[k] for k in kinds])",
       "        fn = builder.inttoptr(llargs[0], fnty.as_pointer())",
@@ -194,7 +221,8 @@ def header(bits: int) -> str:
       "    return rt(_nt.int64, *[nt[k] for k in kinds]), codegen",
       "",
   ]
-  for name, (args, _, ret) in ROUTINES.items():
+  routines = {**ROUTINES, "loop1": ("ppq", "f", "v")}  # (in, out, n): a float32 loop
+  for name, (args, _, ret) in routines.items():
     params = ", ".join(f"a{k}" for k in range(len(args)))
     lines += [f"def _t_{name}(typingctx, fp, {params}):",
               f"    return _cblas_sig({args!r}, {ret!r})",

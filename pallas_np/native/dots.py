@@ -95,7 +95,7 @@ def _stacked(gen, v: Val, perm) -> Val:
 def _routine_address(gen, name: str, bits: int) -> str:
   """The local holding ``name``'s address (read once, at the entry, from
   the status array ``blas_calls.status`` fills)."""
-  gen.headers.setdefault("cblas", blas_calls.header(bits))
+  gen.headers.setdefault("cblas", blas_calls.header(blas_calls.header_bits()))
   local = f"_fp_{name}"
   if local not in gen.headers:
     gen.headers[local] = ""

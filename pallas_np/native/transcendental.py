@@ -10,14 +10,18 @@ own SIMD functions) and the other transcendentals are refused
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
 
-from pallas_np.native import elementwise
-from pallas_np.native.codegen import Refused, dtype_of, register
-from pallas_np.primitives import libm
+from pallas_np.native import blas_calls, elementwise
+from pallas_np.native.codegen import Refused, Val, dtype_of, register
+from pallas_np.primitives import libm, xla_math
 
+# Elements from which an array's exp/log/tanh calls the NumPy rule's own
+# vectorised loop (one call) rather than the formula per element.
+VECTOR_MIN = 64
 # primitive name -> the libm.DEFINED function its float32 NumPy rule calls
 FORMULAS = {"exp": "xla_expf", "log": "xla_logf", "tanh": "xla_tanhf"}
 # The intrinsics the formulas call, declared in their module.
@@ -27,6 +31,16 @@ INTRINSICS = {
     "llvm.fabs.f32": "declare float @llvm.fabs.f32(float)",
     "llvm.copysign.f32": "declare float @llvm.copysign.f32(float, float)",
 }
+
+
+def formula(name: str) -> str:
+  """The libm function the float32 NumPy rule of ``name`` runs: for exp,
+  the generation of XLA's formula the installed XLA computes
+  (``xla_math.exp_generation``: JAX 0.10's clamped one, or the newer split
+  scaling)."""
+  if name == "exp" and xla_math.exp_generation() == "split":
+    return "xla_expf_split"
+  return FORMULAS[name]
 
 
 def ir_of(symbol: str) -> str:
@@ -52,10 +66,38 @@ def _formula(gen, eqn, ins):
     raise Refused(f"{name} of a non-float32 (only float32 follows an IR formula)")
   if eqn.params.get("accuracy") is not None:
     raise Refused(f"{name} with an accuracy")
-  symbol = FORMULAS[name]
+  symbol = formula(name)
+  shape = tuple(eqn.outvars[0].aval.shape)
+  if math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape:
+    return [vector_call(gen, symbol, ins[0])]
   fn = gen.external(symbol, ir_of(symbol))
   return elementwise.emit_elementwise(
       gen, eqn, ins, make=lambda dts, out, params: (lambda a: f"{fn}({a})"))
+
+
+def _loop_address(gen, symbol: str) -> str:
+  """The local holding the address of the NumPy rule's loop of ``symbol``
+  (read at the entry from the status array ``blas_calls.status`` fills)."""
+  gen.headers.setdefault("cblas", blas_calls.header(blas_calls.header_bits()))
+  local = f"_fp_{symbol}"
+  if local not in gen.headers:
+    gen.headers[local] = ""
+    slot = blas_calls.loop_slot(symbol)
+    gen.prologue.append(f"    if _st.shape[0] <= {slot} or _st[{slot}] == 0: "
+                        "raise RuntimeError('pallas_np native loop: no loop addresses')")
+    gen.prologue.append(f"    {local} = _st[{slot}]")
+  return local
+
+
+def vector_call(gen, symbol: str, x: Val) -> Val:
+  """``symbol`` over the float32 array ``x`` by the NumPy rule's own loop
+  (``libm.address``: vectorised, the same code, the same bits); the
+  per-element call of the linked IR does not vectorise."""
+  fp = _loop_address(gen, symbol)
+  out = gen.array(x.shape, np.dtype(np.float32))
+  gen.emit(f"_cblas_loop1({fp}, np.int64({x.name}.ctypes.data), "
+           f"np.int64({out.name}.ctypes.data), np.int64({x.size}))")
+  return out
 
 
 register(*FORMULAS)(_formula)
@@ -77,9 +119,21 @@ def _expanded(gen, eqn, ins):
     raise Refused(f"{name} of a non-float32 (only float32 follows an IR formula)")
   if eqn.params.get("accuracy") is not None:
     raise Refused(f"{name} with an accuracy")
-  symbol = FORMULAS["exp" if name == "exp2" else "log"]
+  symbol = formula("exp" if name == "exp2" else "log")
+  k = gen.constant(_LN2 if name == "exp2" else _LOG2_E, np.dtype(np.float32))
+  shape = tuple(eqn.outvars[0].aval.shape)
+  if math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape:
+    f32 = np.dtype(np.float32)
+    mul = lambda a, b: f"np.float32({a} * {b})"  # noqa: E731
+    if name == "exp2":
+      arg = gen.array(shape, f32)
+      gen.elementwise(arg, mul, [ins[0], k])
+      return [vector_call(gen, symbol, arg)]
+    out = gen.array(shape, f32)
+    gen.elementwise(out, mul, [vector_call(gen, symbol, ins[0]), k])
+    return [out]
   fn = gen.external(symbol, ir_of(symbol))
-  k = gen.constant(_LN2 if name == "exp2" else _LOG2_E, np.dtype(np.float32)).name
+  k = k.name
   expr = ((lambda a: f"{fn}(np.float32({a} * {k}))") if name == "exp2"
           else (lambda a: f"np.float32({fn}({a}) * {k})"))
   return elementwise.emit_elementwise(gen, eqn, ins, make=lambda dts, out, params: expr)
