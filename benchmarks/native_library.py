@@ -78,6 +78,7 @@ CASES = {
     "gpu_ops_decode_mqa": functools.partial(_bench, "gpu_ops_decode_mqa"),
     "gpu_ops_paged_attention": functools.partial(_bench, "gpu_ops_paged_attention"),
     "gpu_ops_mha_fwd": functools.partial(_bench, "gpu_ops_mha_fwd"),
+    "gpu_ops_layer_norm_fwd": functools.partial(_bench, "gpu_ops_layer_norm_fwd"),
     "tpu_flash_fwd": functools.partial(_tpu, "flash_fwd"),
     "tpu_splash_fwd": functools.partial(_tpu, "splash_fwd"),
 }
