@@ -1,11 +1,15 @@
-"""float32 ``exp``, ``log`` and ``tanh`` in a compiled loop, with the NumPy
-path's bits: the NumPy rules compute XLA's own formulas, written in LLVM IR
-by ``primitives/xla_math.py`` and compiled by ``primitives/libm.py``; the
-generated code calls the same IR, linked into the loop's library
-(``aot_worker`` links it, ``codegen.Gen.external`` names it), so both
-paths run one formula with the same roundings and FMAs (``llvm.fma.f32``
-is the exactly rounded FMA on every CPU). Other dtypes (float64: NumPy's
-own SIMD functions) and the other transcendentals are refused
+"""float32 ``exp``, ``log``, ``tanh`` (and ``exp2``/``log2``, XLA's expansions
+around them) in a compiled loop, with the NumPy path's bits: the NumPy
+rules compute XLA's own formulas, written in LLVM IR by
+``primitives/xla_math.py`` and compiled by ``primitives/libm.py`` into
+vectorised loops. An array (``VECTOR_MIN`` elements or more) goes through
+that very loop, called by its address (``libm.address``, handed over in the
+status array: ``blas_calls``); a smaller one calls the same IR per element,
+linked into the loop's library (``aot_worker`` links it,
+``codegen.Gen.external`` names it): one formula, the same roundings and
+FMAs (``llvm.fma.f32`` is the exactly rounded FMA on every CPU). exp is the
+generation the installed XLA computes (``formula``). Other dtypes (float64:
+NumPy's own SIMD functions) and the other transcendentals are refused
 (``refusals``).
 """
 from __future__ import annotations
