@@ -36,8 +36,11 @@ from pallas_np.native.codegen import Refused, Val, inline_callee, np_name, regis
 
 PW_BLOCK = 128  # NumPy's PW_BLOCKSIZE
 # Primitives whose NumPy rule returns a fresh C-contiguous array.
-_FRESH = frozenset({"dot_general", "concatenate", "reduce_sum", "reduce_max", "reduce_min",
-                    "dynamic_update_slice"})
+_FRESH = frozenset({"dot_general", "concatenate"})
+# Primitives whose NumPy rule allocates its result in its (first)
+# operand's memory order (a ufunc's reduce, ``np.array(x)``): C where that
+# operand is row-major or broadcast.
+_KEEP_ORDER = frozenset({"reduce_sum", "reduce_max", "reduce_min", "dynamic_update_slice"})
 _VIEWS = frozenset({"slice", "dynamic_slice"})  # basic-indexing views
 _RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
@@ -66,6 +69,10 @@ def numpy_layout(gen, var, val: Val | None = None):
       layout = "R" if masked.result_is_c(eqn) else None
     elif name == "masked_load":  # a copy, or a where(): C
       layout = "C" if masked.result_is_c(eqn) else None
+    elif name in _KEEP_ORDER:
+      x = eqn.invars[0]
+      if _orderless(x) or _orderless(var) or numpy_layout(gen, x) in ("C", "R", "B"):
+        layout = "C"
     elif name == "iota":  # np.broadcast_to of an arange
       layout = "B"
     elif name == "tile":  # np.tile: repeated (C), or a copy in the operand's order
