@@ -113,3 +113,34 @@ def test_routine_choice_gives_matmuls_bits(dt):
         got = np.empty((m, n), dt)
         assert blas_calls.matmul(fns, x, y, got)
         np.testing.assert_array_equal(_bits(got), _bits(np.matmul(x, y)), err_msg=(m, k, n))
+
+
+def _f64_kernel(x_ref, w_ref, o_ref, s_ref):
+  def body(i, carry):
+    acc, tot = carry
+    x = x_ref[...] * (1.0 + i.astype(jnp.float64))  # (8, 200)
+    p = jnp.dot(x, w_ref[...])  # dgemm (8, 16)
+    r = jnp.dot(x[0:1], w_ref[...])  # dgemv
+    return (acc + p + r + jnp.max(p, axis=0, keepdims=True),
+            tot + jnp.sum(x, axis=1) + jnp.sum(x, axis=0)[:8])
+  acc, tot = lax.fori_loop(0, 2, body, (jnp.zeros(o_ref.shape, jnp.float64),
+                                        jnp.zeros(s_ref.shape, jnp.float64)))
+  o_ref[...] = acc
+  s_ref[...] = tot
+
+
+@needs_blas
+def test_float64_dots_and_sums_bit_exact():
+  """float64: dgemm/dgemv and the pairwise sum over 200 doubles (a split
+  block), as the NumPy path."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((8, 200)), jnp.float64)
+    w = jnp.asarray(rng.standard_normal((200, 16)), jnp.float64)
+
+    def make(interp):
+      return pl.pallas_call(
+          _f64_kernel, out_shape=(jax.ShapeDtypeStruct((8, 16), jnp.float64),
+                                  jax.ShapeDtypeStruct((8,), jnp.float64)),
+          interpret=interp)
+    compiled_equals_numpy(make, x, w, rtol=1e-10, atol=1e-10)
