@@ -131,7 +131,9 @@ class Gen:
     # Functions the code calls that are linked in from LLVM IR (XLA's float
     # formulas, transcendental.py): their symbol -> IR.
     self.externals: dict = {}
-    # Module-level source the function needs (``blas_calls.header``), by name.
+    # Module-level source the function needs (``blas_calls.header``, the
+    # pairwise sum's leaf), by name; an empty entry marks an address local
+    # already read in the prologue (``_fp_<routine>``).
     self.headers: dict = {}
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.

@@ -393,7 +393,7 @@ class NativeLoop:
       if kind == "s":
         a = aval.dtype.type(a) if a.__class__ is not aval.dtype.type else a
       call.append(a)
-    st = blas_calls.status()  # (with the BLAS addresses a float dot calls)
+    st = blas_calls.status()  # (with the BLAS and float32-loop addresses: blas_calls)
     try:
       res = fn(st, *call)
     except IndexError:
