@@ -213,13 +213,14 @@ def _loop_eqn(c, n=4, dtype=jnp.int32):
 
 def test_prekeys_tell_loops_apart():
   """Equal for a loop traced twice; different for another constant, trip
-  count, dtype, bounds-check mode or operand layout (a pre-key names one
-  generated source)."""
-  key = lambda e, clamp=False, layouts=((True, True),): prekey.loop_prekey(e, clamp, layouts)
+  count, dtype, bounds-check mode, operand layout or masked-off fill (a
+  pre-key names one generated source)."""
+  key = lambda e, clamp=False, layouts=((True, True),): prekey.loop_prekey(e, clamp, layouts, "nan")
   k = key(_loop_eqn(5))
   assert k is not None and k == key(_loop_eqn(5))
   others = [key(_loop_eqn(6)), key(_loop_eqn(5, n=5)), key(_loop_eqn(5, dtype=jnp.int16)),
-            key(_loop_eqn(5), clamp=True), key(_loop_eqn(5), layouts=((False, True),))]
+            key(_loop_eqn(5), clamp=True), key(_loop_eqn(5), layouts=((False, True),)),
+            prekey.loop_prekey(_loop_eqn(5), False, ((True, True),), "zero")]
   assert None not in others and len({k, *others}) == 1 + len(others)
 
 

@@ -1,7 +1,8 @@
 """The native tier: hot loops compiled to machine code with numba
 (docs/performance.md, "The native tier"). numba is imported only when a
 loop is compiled, never by ``import pallas_np``."""
-from pallas_np.native import control, elementwise, refs, shapes, transcendental  # noqa: F401 (emitters)
+from pallas_np.native import (  # noqa: F401 (emitters)
+    control, dots, elementwise, masked, reductions, refs, shapes, transcendental)
 from pallas_np.native import refusals  # noqa: F401 (the primitives never compiled)
 from pallas_np.native.tier import HOT_RUNS, MODES, NativeLoop, enabled, stats, wait
 

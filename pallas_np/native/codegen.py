@@ -45,6 +45,9 @@ FUSE_MAX = 12
 # lines 14.8 s), spent in a thread that holds the GIL most of the time. A
 # bigger loop keeps its NumPy path rather than slow its caller for minutes.
 MAX_LINES = 800
+# Values a bounds-check site can report in the status array (dynamic index
+# values, or a masked access's lane and coordinates: native/refs.py, masked.py).
+MAX_LEAVES = 8
 
 
 class Refused(Exception):
@@ -109,8 +112,9 @@ class Val:
 class Gen:
   """The generated function being written."""
 
-  def __init__(self, clamp: bool):
+  def __init__(self, clamp: bool, uninitialized: str = "nan"):
     self.clamp = clamp
+    self.uninitialized = uninitialized  # InterpretParams.uninitialized (memory.fill_value)
     self.lines: list[str] = []
     self.prologue: list[str] = []  # the temporaries' allocations
     self.depth = 1
@@ -121,9 +125,16 @@ class Gen:
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
+    self.producers: dict = {}  # var -> the eqn computing it (see reductions.numpy_layout)
+    self.layouts: dict = {}  # var -> its layout on the NumPy path (reductions.numpy_layout)
+    self.aliases: dict = {}  # an inlined callee's parameter var -> the caller's atom
     # Functions the code calls that are linked in from LLVM IR (XLA's float
     # formulas, transcendental.py): their symbol -> IR.
     self.externals: dict = {}
+    # Module-level source the function needs (``blas_calls.header``, the
+    # pairwise sum's leaf), by name; an empty entry marks an address local
+    # already read in the prologue (``_fp_<routine>``).
+    self.headers: dict = {}
     # The elementwise loop still open for fusion: (its size, depth, index of
     # its header line); valid while it is the last thing emitted.
     self.fuse = None
@@ -253,6 +264,8 @@ class Gen:
       for k, a in enumerate(eqn.invars):
         if isinstance(a, jc.Var):
           self.consumers.setdefault(a, []).append((eqn, k))
+      for v in eqn.outvars:
+        self.producers[v] = eqn
     for a in jaxpr.outvars:
       if isinstance(a, jc.Var):
         self.consumers.setdefault(a, []).append((None, 0))
@@ -320,11 +333,13 @@ class Source:
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
 
 
-def loop_source(eqn, clamp: bool) -> Source:
+def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
   """The source (and what it needs) of the njit function
   ``native_loop(_st, *eqn inputs) -> (0, *carries)`` running ``eqn`` (a
-  ``while`` or a ``scan``); raises ``Refused``."""
-  gen = Gen(clamp)
+  ``while`` or a ``scan``) under ``bounds_check="clamp"`` or not and the
+  kernel's ``InterpretParams.uninitialized`` (what a masked-off lane past
+  the end reads: ``masked``); raises ``Refused``."""
+  gen = Gen(clamp, uninitialized)
   args, ins = [], []
   for k, aval in enumerate(v.aval for v in eqn.invars):
     name = f"a{k}"
@@ -345,5 +360,6 @@ def loop_source(eqn, clamp: bool) -> Source:
   lines = _dead_stores(gen.prologue, gen.lines)
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
-  text = f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
+  text = ("".join(gen.headers.values())
+          + f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n")
   return Source(text, gen, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs])

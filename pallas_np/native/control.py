@@ -14,6 +14,7 @@ def _call(gen, eqn, ins):
   """A call (``jit``, ``closed_call``, custom_jvp/vjp, remat...): its body
   emitted inline."""
   jaxpr, consts = inline_callee(eqn)
+  gen.aliases.update(zip(jaxpr.invars, eqn.invars))
   return gen.run_jaxpr(jaxpr, consts, ins)
 
 

@@ -56,13 +56,14 @@ def _list_sources(path: str, rel: str, parts: list) -> None:
       _list_sources(e.path, f"{rel}{e.name}/", parts)
 
 
-def loop_prekey(eqn, clamp: bool, layouts) -> str | None:
-  """The pre-key of the loop ``eqn`` run with ``layouts`` (see the module
-  doc), or None where some value has no stable description."""
+def loop_prekey(eqn, clamp: bool, layouts, uninitialized) -> str | None:
+  """The pre-key of the loop ``eqn`` run with ``layouts`` and the
+  ``uninitialized`` fill of masked-off loads (see the module doc), or None
+  where some value has no stable description."""
   h = hashlib.sha256()
   w = _Writer(h)
   try:
-    h.update(f"{code_version()}\n{codegen.MAX_LINES}\n{clamp}\n{layouts!r}\n".encode())
+    h.update(f"{code_version()}\n{codegen.MAX_LINES}\n{clamp}\n{uninitialized!r}\n{layouts!r}\n".encode())
     w.eqn(eqn)
   except Exception:  # noqa: BLE001 - Unkeyable, or a value the walk cannot read: no pre-key
     return None

@@ -1,6 +1,7 @@
 """Ref reads and writes in a compiled loop: ``get``, ``swap``, ``addupdate``
 through one indexer of static ints/slices and dynamic scalar indices or
-``pl.ds`` starts (static sizes).
+``pl.ds`` starts (static sizes); a ``get`` also through integer index
+arrays (a gather: ``masked.array_access``).
 
 Bounds checks stay: a dynamic index out of range (``bounds_check="raise"``)
 stores the check site and the dynamic index values in the status array
@@ -13,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+from pallas_np.native import masked
+from pallas_np.native.codegen import MAX_LEAVES, Refused, Val, dtype_of, np_name, register
 from pallas_np.state import indexing
 from pallas_np.state.indexing import RefAccess
-
-MAX_LEAVES = 8  # dynamic index values a check site can report
 
 
 def _dyn_k(v):
@@ -37,6 +37,10 @@ def _access(gen, eqn, ref: Val, idx_atoms, idx_vals):
   dyn = [v for a, v in zip(idx_atoms, idx_vals) if not isinstance(a, jc.Literal)]
   if len(dyn) != access.num_dynamic or len(dyn) > MAX_LEAVES:
     raise Refused("ref indices")
+  if access.steps and any(isinstance(d, indexing.DimArray) for d in access.steps[0][1]):
+    if eqn.primitive.name != "get":  # (repeated indices: NumPy's fancy-index writes)
+      raise Refused("a store through array ref indices")
+    return masked.array_access(gen, eqn, ref, list(idx_atoms), list(idx_vals))
   if any(v.kind != "s" for v in dyn):
     raise Refused("array ref indices")
   if not access.steps:
@@ -47,8 +51,6 @@ def _access(gen, eqn, ref: Val, idx_atoms, idx_vals):
                     tuple(e for e in gen.stack if e is not None)))
   parts, shape = [], []  # parts: ("int", expr) | ("slice", start expr, stride)
   for axis, (d, n) in enumerate(zip(dims, ref.shape)):
-    if isinstance(d, indexing.DimArray):
-      raise Refused("array ref index")
     if isinstance(d, indexing.DimSlice):
       if not indexing.is_static(d.size):
         raise Refused("dynamic slice size")

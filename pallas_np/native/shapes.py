@@ -3,9 +3,8 @@ compiled loop. Arrays are flat, their shapes static, so each primitive is
 one loop nest whose source index is a linear expression of the loop
 variables; a reshape (squeeze, expand_dims) is the same flat array.
 
-Float sums are refused (NumPy's pairwise summation order is not
-reproduced), as are float max/min reductions (which NaN NumPy's reduction
-returns depends on its order).
+Float reductions are ``native/reductions.py``'s (NumPy's pairwise order);
+float dots ``native/dots.py``'s.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import numpy as np
 from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
 
 
-def _strides(shape) -> list[int]:
+def row_strides(shape) -> list[int]:
   out, acc = [], 1
   for n in reversed(shape):
     out.append(acc)
@@ -24,7 +23,7 @@ def _strides(shape) -> list[int]:
   return out[::-1]
 
 
-def _linear(terms) -> str:
+def linear(terms) -> str:
   """``a*b + c*d + k`` from (var or None, coefficient) pairs."""
   parts, const = [], 0
   for var, coef in terms:
@@ -39,12 +38,12 @@ def _linear(terms) -> str:
   return " + ".join(parts)
 
 
-def _gather(gen, shape, dt, source):
+def gather(gen, shape, dt, source):
   """A fresh array of ``shape`` whose element at loop variables ``js`` is
   ``source(js)``."""
   out = gen.array(shape, dt)
   js = gen.nest(shape)
-  gen.emit(f"{out.name}[{_linear(zip(js, _strides(shape)))}] = {source(js)}")
+  gen.emit(f"{out.name}[{linear(zip(js, row_strides(shape)))}] = {source(js)}")
   gen.close(shape)
   return out
 
@@ -70,8 +69,8 @@ def broadcast_to(gen, v: Val, shape) -> Val:
   elementwise operand that NumPy-style broadcasting would stretch."""
   if len(v.shape) != len(shape) or any(a not in (1, b) for a, b in zip(v.shape, shape)):
     raise Refused("operand shapes")
-  strides = _strides(v.shape)
-  return _gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + _linear(
+  strides = row_strides(v.shape)
+  return gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + linear(
       (j, k if n != 1 else 0) for j, n, k in zip(js, v.shape, strides)) + "]")
 
 
@@ -93,8 +92,8 @@ def _broadcast_in_dim(gen, eqn, ins):
     out = gen.array(shape, x.dtype)
     gen.elementwise(out, lambda: x.name)
     return [out]
-  in_strides = _strides(x.shape)
-  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+  in_strides = row_strides(x.shape)
+  return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
       (js[d], s if x.shape[k] != 1 else 0) for k, (d, s) in enumerate(zip(dims, in_strides))) + "]")]
 
 
@@ -105,10 +104,10 @@ def _slice(gen, eqn, ins):
   starts = p["start_indices"]
   strides = p["strides"] or (1,) * len(starts)
   shape = tuple(eqn.outvars[0].aval.shape)
-  in_strides = _strides(x.shape)
+  in_strides = row_strides(x.shape)
   if not shape:
     return [x]
-  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+  return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
       [(j, st * s) for j, st, s in zip(js, strides, in_strides)]
       + [(None, b * s) for b, s in zip(starts, in_strides)]) + "]")]
 
@@ -118,8 +117,8 @@ def _transpose(gen, eqn, ins):
   x = ins[0]
   perm = tuple(eqn.params["permutation"])
   shape = tuple(eqn.outvars[0].aval.shape)
-  in_strides = _strides(x.shape)
-  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+  in_strides = row_strides(x.shape)
+  return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
       (j, in_strides[p]) for j, p in zip(js, perm)) + "]")]
 
 
@@ -127,10 +126,10 @@ def _transpose(gen, eqn, ins):
 def _rev(gen, eqn, ins):
   x = ins[0]
   dims = set(eqn.params["dimensions"])
-  in_strides = _strides(x.shape)
+  in_strides = row_strides(x.shape)
   terms = lambda js: [(j, -s if d in dims else s) for d, (j, s) in enumerate(zip(js, in_strides))] \
       + [(None, (n - 1) * s) for d, (n, s) in enumerate(zip(x.shape, in_strides)) if d in dims]
-  return [_gather(gen, x.shape, x.dtype, lambda js: f"{x.name}[{_linear(terms(js))}]")]
+  return [gather(gen, x.shape, x.dtype, lambda js: f"{x.name}[{linear(terms(js))}]")]
 
 
 @register("iota")
@@ -141,7 +140,7 @@ def _iota(gen, eqn, ins):
   shape = tuple(p["shape"])
   if dt == np.bool_:
     raise Refused("bool iota")
-  return [_gather(gen, shape, dt, lambda js: f"{np_name(dt)}({js[dim]})")]
+  return [gather(gen, shape, dt, lambda js: f"{np_name(dt)}({js[dim]})")]
 
 
 LAZY_ROLL = True
@@ -162,14 +161,14 @@ def _concatenate(gen, eqn, ins):
   shape = tuple(eqn.outvars[0].aval.shape)
   dt = dtype_of(eqn.outvars[0].aval)
   out = gen.array(shape, dt)
-  out_strides = _strides(shape)
+  out_strides = row_strides(shape)
   offset = 0
   for x in ins:
     if x.kind != "a":
       raise Refused("concatenate of scalars")
     js = gen.nest(x.shape)
-    dst = _linear([(j, s) for j, s in zip(js, out_strides)] + [(None, offset * out_strides[dim])])
-    gen.emit(f"{out.name}[{dst}] = {x.name}[{_linear(zip(js, _strides(x.shape)))}]")
+    dst = linear([(j, s) for j, s in zip(js, out_strides)] + [(None, offset * out_strides[dim])])
+    gen.emit(f"{out.name}[{dst}] = {x.name}[{linear(zip(js, row_strides(x.shape)))}]")
     gen.close(x.shape)
     offset += x.shape[dim]
   return [out]
@@ -194,8 +193,8 @@ def _dynamic_slice(gen, eqn, ins):
   st = _clamped_starts(gen, starts, x.shape, sizes)
   if x.roll is not None:
     return [_roll_gather(gen, x.roll, sizes, st)]
-  in_strides = _strides(x.shape)
-  return [_gather(gen, sizes, x.dtype, lambda js: f"{x.name}[" + " + ".join(
+  in_strides = row_strides(x.shape)
+  return [gather(gen, sizes, x.dtype, lambda js: f"{x.name}[" + " + ".join(
       f"({j} + {s}) * {k}" for j, s, k in zip(js, st, in_strides)) + "]")]
 
 
@@ -206,7 +205,7 @@ def _roll_gather(gen, roll, sizes, starts):
   w, dim = roll
   n = w.shape[dim]
   out = gen.array(sizes, w.dtype)
-  w_strides, o_strides = _strides(w.shape), _strides(sizes)
+  w_strides, o_strides = row_strides(w.shape), row_strides(sizes)
   s = starts[dim]
   for half in (0, 1):
     js = []
@@ -222,7 +221,7 @@ def _roll_gather(gen, roll, sizes, starts):
       gen.depth += 1
     src = " + ".join(f"({j} + {st}{' - ' + str(n) if (d == dim and half) else ''}) * {k}"
                      for d, (j, st, k) in enumerate(zip(js, starts, w_strides)))
-    gen.emit(f"{out.name}[{_linear(zip(js, o_strides))}] = {w.name}[{src}]")
+    gen.emit(f"{out.name}[{linear(zip(js, o_strides))}] = {w.name}[{src}]")
     gen.depth -= len(sizes)
   return out
 
@@ -236,20 +235,22 @@ def _dynamic_update_slice(gen, eqn, ins):
   out = gen.array(x.shape, x.dtype)
   gen.emit(f"{out.name}[:] = {x.name}")
   js = gen.nest(upd.shape)
-  dst = " + ".join(f"({j} + {s}) * {k}" for j, s, k in zip(js, st, _strides(x.shape)))
-  src = upd.at(_linear(zip(js, _strides(upd.shape))))
+  dst = " + ".join(f"({j} + {s}) * {k}" for j, s, k in zip(js, st, row_strides(x.shape)))
+  src = upd.at(linear(zip(js, row_strides(upd.shape))))
   gen.emit(f"{out.name}[{dst}] = {src}")
   gen.close(upd.shape)
   return [out]
 
 
-def _reduction(kind):
+def int_reduction(kind):
+  """The emitter of an integer or bool ``reduce_<kind>`` (float ones:
+  ``native/reductions.py``)."""
   def emit(gen, eqn, ins):
     x = ins[0]
     axes = tuple(sorted(eqn.params["axes"]))
     dt = x.dtype
     if dt.kind == "f":
-      raise Refused(f"float {kind} reduction")  # order and NaN choice are NumPy's
+      raise Refused(f"float {kind} reduction")  # (native/reductions.py)
     if kind in ("sum",) and dt == np.bool_:
       raise Refused("bool sum")
     c = np_name(dt)
@@ -268,25 +269,25 @@ def _reduction(kind):
       return [x]
     kept = [d for d in range(len(x.shape)) if d not in axes]
     out_shape = tuple(x.shape[d] for d in kept)
-    in_strides = _strides(x.shape)
+    in_strides = row_strides(x.shape)
     out = None if not out_shape else gen.array(out_shape, dt)
     ko = gen.nest(out_shape)
     acc = gen.fresh("acc")
     gen.emit(f"{acc} = {init}")
     kr = gen.nest([x.shape[d] for d in axes])
-    idx = _linear([(j, in_strides[d]) for j, d in zip(ko, kept)]
+    idx = linear([(j, in_strides[d]) for j, d in zip(ko, kept)]
                   + [(j, in_strides[d]) for j, d in zip(kr, axes)])
     gen.emit(f"{acc} = " + step.format(a=acc, x=f"{x.name}[{idx}]"))
     gen.close(axes)
     if out is not None:
-      gen.emit(f"{out.name}[{_linear(zip(ko, _strides(out_shape)))}] = {acc}")
+      gen.emit(f"{out.name}[{linear(zip(ko, row_strides(out_shape)))}] = {acc}")
     gen.close(out_shape)
     return [out if out is not None else Val(acc, (), dt, "s")]
   return emit
 
 
-for _k in ("sum", "max", "min", "or", "and"):
-  register(f"reduce_{_k}")(_reduction(_k))
+for _k in ("or", "and"):
+  register(f"reduce_{_k}")(int_reduction(_k))
 
 
 @register("unstack")
@@ -297,7 +298,7 @@ def _unstack(gen, eqn, ins):
   axis = int(eqn.params["axis"])
   if x.kind != "a":
     raise Refused("unstack of a scalar")
-  strides = _strides(x.shape)
+  strides = row_strides(x.shape)
   shape = x.shape[:axis] + x.shape[axis + 1:]
   kept = [d for d in range(len(x.shape)) if d != axis]
   outs = []
@@ -305,7 +306,7 @@ def _unstack(gen, eqn, ins):
     if not shape:
       outs.append(gen.scalar(f"{x.name}[{k * strides[axis]}]", x.dtype))
       continue
-    outs.append(_gather(gen, shape, x.dtype, lambda js, k=k: f"{x.name}[" + _linear(
+    outs.append(gather(gen, shape, x.dtype, lambda js, k=k: f"{x.name}[" + linear(
         [(j, strides[d]) for j, d in zip(js, kept)] + [(None, k * strides[axis])]) + "]"))
   return outs
 
@@ -316,8 +317,8 @@ def _tile(gen, eqn, ins):
   shape = tuple(eqn.outvars[0].aval.shape)
   if x.kind != "a" or len(x.shape) != len(shape):
     raise Refused("tile")
-  strides = _strides(x.shape)
-  return [_gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + _linear(
+  strides = row_strides(x.shape)
+  return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
       (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]
 
 
@@ -340,45 +341,3 @@ def _broadcast_to_state(gen, eqn, ins):
     raise Refused("broadcast_to a lower rank")
   v = retarget(gen, x, (1,) * (len(shape) - len(x.shape)) + x.shape)
   return [v if v.shape == shape else broadcast_to(gen, v, shape)]
-
-
-@register("dot_general")
-def _dot_general(gen, eqn, ins):
-  """An integer dot_general: each output element the sum of its products
-  in int64, narrowed to the result dtype. XLA accumulates in the result's
-  width, wrapping mod 2^bits; the NumPy rule's matmul (in the accumulator
-  dtype, or an exact float GEMM narrowed through int64) gives the same
-  residue, whatever the order. Float dots are refused (BLAS's summation
-  order), as are bool ones."""
-  x, y = ins
-  out_dt = dtype_of(eqn.outvars[0].aval)
-  if any(v.kind != "a" for v in (x, y)):
-    raise Refused("dot_general of a scalar or ref")
-  if out_dt.kind not in "iu" or x.dtype.kind not in "iu" or y.dtype.kind not in "iu":
-    raise Refused("a float or bool dot_general (BLAS's summation order)")
-  pref = eqn.params.get("preferred_element_type")
-  if pref is not None and np.dtype(pref) != out_dt:
-    raise Refused("dot_general accumulating in another dtype")
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  lf = [d for d in range(len(x.shape)) if d not in lc and d not in lb]
-  rf = [d for d in range(len(y.shape)) if d not in rc and d not in rb]
-  out_shape = tuple(eqn.outvars[0].aval.shape)
-  outer = ([x.shape[d] for d in lb] + [x.shape[d] for d in lf] + [y.shape[d] for d in rf])
-  if tuple(outer) != out_shape:
-    raise Refused("dot_general output layout")
-  out = gen.array(out_shape, out_dt)
-  ov = gen.nest(outer)
-  bv, mv, nv = ov[:len(lb)], ov[len(lb):len(lb) + len(lf)], ov[len(lb) + len(lf):]
-  acc = gen.fresh("acc")
-  gen.emit(f"{acc} = np.int64(0)")
-  kv = gen.nest([x.shape[d] for d in lc])
-  xvar = {**dict(zip(lb, bv)), **dict(zip(lf, mv)), **dict(zip(lc, kv))}
-  yvar = {**dict(zip(rb, bv)), **dict(zip(rf, nv)), **dict(zip(rc, kv))}
-  xs, ys = _strides(x.shape), _strides(y.shape)
-  xi = _linear((xvar[d], xs[d]) for d in range(len(x.shape)))
-  yi = _linear((yvar[d], ys[d]) for d in range(len(y.shape)))
-  gen.emit(f"{acc} = {acc} + np.int64({x.name}[{xi}]) * np.int64({y.name}[{yi}])")
-  gen.close(lc)
-  gen.emit(f"{out.name}[{_linear(zip(ov, _strides(out_shape)))}] = {np_name(out_dt)}({acc})")
-  gen.close(outer)
-  return [out]

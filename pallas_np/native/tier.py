@@ -37,8 +37,7 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, codegen, disk_cache, prekey
-from pallas_np.native.refs import MAX_LEAVES
+from pallas_np.native import aot_worker, blas_calls, codegen, disk_cache, prekey
 
 log = logging.getLogger("pallas_np.native")
 
@@ -277,6 +276,7 @@ class NativeLoop:
     self.out_batched = out_batched
     self.numpy_fn = numpy_fn
     self.clamp = params.bounds_check == "clamp"
+    self.uninitialized = params.uninitialized  # (a masked load's fill: native/masked.py)
     self.sync = params.native_loops == "sync"
     self.native = None
     self.runs = 0
@@ -356,9 +356,9 @@ class NativeLoop:
     """Generate the loop's source, its signature and library key (False,
     the loop refused for good, where something is outside the table)."""
     if self.prekey is _UNSET:
-      self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
+      self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts, self.uninitialized)
     try:
-      src = codegen.loop_source(self.eqn, self.clamp)
+      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
       if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
         raise codegen.Refused("a written ref is read-only")
       args, ret, guard = _signature(src, self.invars, self.layouts)
@@ -422,7 +422,7 @@ class NativeLoop:
     if not (len(_prekeys) or disk_cache.has_prekeys()):
       return
     self._prepare(args)
-    self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts)
+    self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts, self.uninitialized)
     if self.prekey is None:
       return
     record = _prekeys.get(self.prekey) or disk_cache.read_prekey(self.prekey)
@@ -557,7 +557,7 @@ class NativeLoop:
         a = args[pos]
         if a.__class__ is not t:
           args[pos] = t(a)
-    st = np.empty(1 + MAX_LEAVES, np.int64)  # (written only before an IndexError)
+    st = blas_calls.status()  # (with the BLAS and float32-loop addresses: blas_calls)
     try:
       res = fn(st, *args)
     except IndexError:
@@ -581,7 +581,7 @@ class NativeLoop:
 
   def _raise_oob(self, st, args):
     if self.sites is None:  # (loaded by its pre-key: the sites generated now)
-      src = codegen.loop_source(self.eqn, self.clamp)
+      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
       if disk_cache.key(src.text, src.globals, self.job["args"], self.job["ret"],
                         src.externals) != self.job["key"]:
         raise RuntimeError("pallas_np: a native loop's pre-key named another source")

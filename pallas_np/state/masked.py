@@ -102,12 +102,7 @@ class MaskedAccess:
     if not self.clamp and bad.any():
       lane = tuple(int(i) for i in np.argwhere(bad)[0])
       where = tuple(int(np.broadcast_to(c, self.shape)[lane]) for c in coords)
-      raise IndexError(
-          f"out-of-bounds masked ref access: lane {lane} is masked on but "
-          f"points at index {where} of a ref of shape {tuple(view.shape)}. "
-          "Only masked-off lanes may point out of bounds. interpret=True would "
-          "silently read padding / drop the write; pass "
-          "InterpretParams(bounds_check='clamp') to do the same.")
+      raise masked_lane_error(lane, where, view.shape)
     return view, tuple(safe), in_bounds, mask
 
   def gather(self, view, safe, in_bounds):
@@ -121,6 +116,18 @@ class MaskedAccess:
     active = mask & in_bounds  # full shape
     index = tuple(np.broadcast_to(c, self.shape)[active] for c in safe)
     view[index] = np.broadcast_to(val, self.shape)[active]
+
+
+def masked_lane_error(lane, where, shape) -> IndexError:
+  """The error of a masked access whose masked-on ``lane`` points at
+  ``where``, outside a ref of ``shape`` (also raised by the native tier's
+  compiled masked accesses, ``native/masked.py``)."""
+  return IndexError(
+      f"out-of-bounds masked ref access: lane {tuple(lane)} is masked on but "
+      f"points at index {tuple(where)} of a ref of shape {tuple(shape)}. "
+      "Only masked-off lanes may point out of bounds. interpret=True would "
+      "silently read padding / drop the write; pass "
+      "InterpretParams(bounds_check='clamp') to do the same.")
 
 
 # -- batched rules: one NumPy index of the lane-stacked ref ---------------------------

@@ -1,0 +1,140 @@
+"""Library kernels with loops, warm, with the native tier (issue 41 item 2):
+numpy mode with its loops compiled vs numpy mode with ``native_loops="off"``
+vs interpret=True, in one process, plus a bit-for-bit check of the compiled
+run against the NumPy path.
+
+    python benchmarks/native_library.py                      # every case
+    python benchmarks/native_library.py --cases gpu_attention,tpu_flash_fwd --budget 2
+
+The compiled figures are the steady state after the switch: the loops are
+built at the first call (``native_loops="sync"``; a default
+``"background"`` run reaches the same code once its build finished), and
+the warm median is taken after it. ``native`` counts the calls that ran
+compiled loops (0: a loop was refused; see benchmarks/native_eligibility.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_np  # noqa: E402
+from pallas_np import _compat as jc  # noqa: E402
+from pallas_np import native  # noqa: E402
+
+SYNC = pallas_np.InterpretParams(native_loops="sync")
+OFF = pallas_np.InterpretParams(native_loops="off")
+
+
+def _bench(name):
+  """(make(interp) -> fn, args) of a benchmarks/kernels.py case."""
+  from benchmarks import kernels
+  builder = {**kernels.all_cases(), **kernels.GPU_OP_CASES}[name]
+  case = builder()
+  return case.make, case.args
+
+
+@contextlib.contextmanager
+def _interpret_true():
+  prev = jc.interpret_mode_config.swap_local(True)
+  try:
+    yield
+  finally:
+    jc.interpret_mode_config.set_local(prev)
+
+
+def _tpu(name):
+  """A JAX TPU library kernel (benchmarks/tpu_kernels.py), routed by a
+  force scope: make(interp) runs it in that mode."""
+  from benchmarks import tpu_kernels
+  fn, args = tpu_kernels.CASES[name]()
+  jitted = jax.jit(fn)
+
+  def make(interp):
+    def run(*a):
+      scope = (_interpret_true() if interp is True
+               else pallas_np.force_numpy_interpret(interp))
+      with scope:
+        return jitted(*a)
+    return run
+  return make, args
+
+
+CASES = {
+    "gpu_attention": functools.partial(_bench, "gpu_attention"),
+    "gpu_ops_decode_gqa": functools.partial(_bench, "gpu_ops_decode_gqa"),
+    "gpu_ops_decode_mqa": functools.partial(_bench, "gpu_ops_decode_mqa"),
+    "gpu_ops_paged_attention": functools.partial(_bench, "gpu_ops_paged_attention"),
+    "gpu_ops_mha_fwd": functools.partial(_bench, "gpu_ops_mha_fwd"),
+    "gpu_ops_layer_norm_fwd": functools.partial(_bench, "gpu_ops_layer_norm_fwd"),
+    "tpu_flash_fwd": functools.partial(_tpu, "flash_fwd"),
+    "tpu_splash_fwd": functools.partial(_tpu, "splash_fwd"),
+}
+
+
+def _warm(fn, args, budget):
+  times = []
+  start = time.perf_counter()
+  while len(times) < 3 or (time.perf_counter() - start < budget and len(times) < 200):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3
+
+
+def _bits(a):
+  a = np.asarray(a)
+  if a.dtype.kind == "f":
+    a = np.where(np.isnan(a), np.array(np.nan, a.dtype), a)
+  return a.tobytes()
+
+
+def run_case(name, budget):
+  make, args = CASES[name]()
+  args = jax.block_until_ready(args)
+  fns = {"compiled": make(SYNC), "off": make(OFF), "interpret": make(True)}
+  outs = {}
+  before = native.stats()["native_calls"]
+  for mode, fn in fns.items():
+    outs[mode] = jax.block_until_ready(fn(*args))  # first calls (the build, for "compiled")
+  native_calls = native.stats()["native_calls"] - before
+  same = all(_bits(a) == _bits(b) for a, b in zip(jax.tree_util.tree_leaves(outs["compiled"]),
+                                                  jax.tree_util.tree_leaves(outs["off"])))
+  ms = {mode: _warm(fn, args, budget) for mode, fn in fns.items()}
+  return ms, native_calls, same
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--cases", default="", help="comma-separated (default: all)")
+  ap.add_argument("--budget", type=float, default=2.0, help="seconds of warm calls per mode")
+  a = ap.parse_args()
+  names = [n for n in a.cases.split(",") if n] or list(CASES)
+  print("| case | compiled ms | off ms | interpret=True ms | compiled / interpret | "
+        "off / interpret | native calls | bits = off |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name in names:
+    try:
+      ms, calls, same = run_case(name, a.budget)
+    except Exception as e:  # noqa: BLE001 - a case that fails here is reported
+      print(f"| {name} | error: {type(e).__name__}: {str(e)[:100]} |")
+      continue
+    c, o, i = ms["compiled"], ms["off"], ms["interpret"]
+    print(f"| {name} | {c:.3f} | {o:.3f} | {i:.3f} | {c / i:.2f}x | {o / i:.2f}x | {calls} | "
+          f"{'yes' if same else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

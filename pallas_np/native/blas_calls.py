@@ -1,0 +1,230 @@
+"""NumPy's own CBLAS routines, called from a compiled loop, so that a float
+``dot_general`` there has the NumPy path's bits.
+
+The NumPy rule multiplies with ``np.matmul``, which hands each matrix
+product to the BLAS NumPy is linked with (sgemm, sgemv or sdot by shape,
+``native/dots.py`` repeats its choice); BLAS's summation order is its own
+(blocking, SIMD accumulators, per CPU kernel) and cannot be written out.
+The generated code therefore calls the very same routines: their addresses
+in this process are read with ctypes from NumPy's OpenBLAS and passed to
+the compiled loop in its status array (``status()``, slots ``SLOT`` on),
+which calls through them (the intrinsics of ``HEADER``, defined in the
+generated module: numba is imported only by the compile process). A
+library from the disk cache is loaded into another process: the addresses
+are never compiled in.
+
+Found only where NumPy's BLAS is an OpenBLAS whose CBLAS symbols can be
+resolved (a wheel's ``numpy.libs/*openblas*``) and passes ``_self_check``
+(the routines, called as ``dots`` calls them, give ``np.matmul``'s bits);
+elsewhere float dots keep the NumPy path (refused, with the reason).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import numpy as np
+
+from pallas_np.native.codegen import MAX_LEAVES
+from pallas_np.primitives import libm
+
+# Status array slots: [0] error site, [1 : 1 + MAX_LEAVES] index values,
+# then the routines' addresses.
+SLOT = 1 + MAX_LEAVES
+# routine -> argument kinds (e: CBLAS enum, an int; i: CBLAS_INT; f/d: a
+# float32/float64; p: a pointer) and result kind (v: none, f, d)
+ROUTINES = {
+    "sgemm": ("eeeiiifpipifpi", "f", "v"), "sgemv": ("eeiifpipifpi", "f", "v"),
+    "sdot": ("ipipi", "f", "f"),
+    "dgemm": ("eeeiiidpipidpi", "d", "v"), "dgemv": ("eeiidpipidpi", "d", "v"),
+    "ddot": ("ipipi", "d", "d"),
+}
+NAMES = tuple(ROUTINES)
+# The NumPy rules' own float32 loops (``libm.address``: ``out[i] = f(in[i])``
+# over n contiguous floats), after the BLAS routines in the status array:
+# a compiled loop calls the very code the NumPy path runs.
+LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
+ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
+
+_found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
+_status = [np.zeros(SLOT, np.int64)]
+
+
+def _symbols():
+  """(library, name pattern, CBLAS_INT bits) of NumPy's OpenBLAS, or None."""
+  libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+  for path in sorted(glob.glob(os.path.join(libdir, "*openblas*.so*"))):
+    try:
+      lib = ctypes.CDLL(path)
+    except OSError:
+      continue
+    for prefix, suffix, bits in (("scipy_", "64_", 64), ("", "64_", 64), ("scipy_", "", 32),
+                                 ("", "", 32)):
+      if hasattr(lib, f"{prefix}cblas_sgemm{suffix}"):
+        return lib, f"{prefix}cblas_{{}}{suffix}", bits
+  return None
+
+
+def _ctypes_routines(lib, pattern, bits):
+  cint = ctypes.c_int64 if bits == 64 else ctypes.c_int32
+  kinds = {"e": ctypes.c_int, "i": cint, "f": ctypes.c_float, "d": ctypes.c_double,
+           "p": ctypes.c_void_p, "v": None}
+  out = {}
+  for name, (args, _, ret) in ROUTINES.items():
+    fn = getattr(lib, pattern.format(name))
+    fn.argtypes = [kinds[k] for k in args]
+    fn.restype = kinds[ret]
+    out[name] = fn
+  return out
+
+
+def ctypes_routines():
+  """NumPy's BLAS routines as ctypes functions by name, or None."""
+  sym = _symbols()
+  return None if sym is None else _ctypes_routines(*sym)
+
+
+def _self_check(fns) -> bool:
+  """The routines, called as the generated code calls them (``matmul``),
+  give ``np.matmul``'s bits for a few shapes of each kind."""
+  rng = np.random.default_rng(0)
+  for dt in (np.float32, np.float64):
+    for m, k, n in ((5, 37, 9), (1, 37, 9), (5, 37, 1), (1, 37, 1), (3, 1, 4)):
+      x = rng.standard_normal((m, k)).astype(dt)
+      y = rng.standard_normal((k, n)).astype(dt)
+      got = np.empty((m, n), dt)
+      if not matmul(fns, x, y, got):
+        continue
+      if not np.array_equal(got.view(f"u{got.itemsize}"), np.matmul(x, y).view(f"u{got.itemsize}")):
+        return False
+  return True
+
+
+def matmul(fns, x, y, out) -> bool:
+  """``out = x @ y`` (C-contiguous 2-D) by the routine ``np.matmul`` picks
+  (ctypes; the self-check); False for the shapes it computes without BLAS."""
+  m, k = x.shape
+  n = y.shape[1]
+  p = "s" if x.dtype == np.float32 else "d"
+  kind = routine(m, k, n)
+  if kind == "gemm":
+    fns[p + "gemm"](ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k,
+                    y.ctypes.data, n, 0.0, out.ctypes.data, n)
+  elif kind == "gemv_row":
+    fns[p + "gemv"](ROW_MAJOR, TRANS, k, n, 1.0, y.ctypes.data, n, x.ctypes.data, 1, 0.0,
+                    out.ctypes.data, 1)
+  elif kind == "gemv_col":
+    fns[p + "gemv"](COL_MAJOR, TRANS, k, m, 1.0, x.ctypes.data, k, y.ctypes.data, 1, 0.0,
+                    out.ctypes.data, 1)
+  elif kind == "dot":
+    out[0, 0] = 0.0 + float(fns[p + "dot"](k, x.ctypes.data, 1, y.ctypes.data, 1))
+  else:
+    return False
+  return True
+
+
+def routine(m: int, k: int, n: int) -> str:
+  """What ``np.matmul`` does with C-contiguous (m, k) @ (k, n) operands
+  (NumPy's ``matmul.c.src``): ``dot`` (row @ column: ``?dot``, summed into
+  a double from 0.0), ``gemv_row`` (vector @ matrix), ``gemv_col`` (matrix
+  @ vector), ``gemm``, or ``noblas`` (k == 1: its own loop, each element
+  0 + the products in order)."""
+  if m == 1 and n == 1:
+    return "noblas" if k == 1 else "dot"
+  if k == 1:
+    return "noblas"
+  if m == 1:
+    return "gemv_row"
+  if n == 1:
+    return "gemv_col"
+  return "gemm"
+
+
+def found():
+  """(addresses by routine name, CBLAS_INT bits) of NumPy's BLAS, or None
+  (not an OpenBLAS found here, or failing the self-check)."""
+  if not _found:
+    result = None
+    try:
+      sym = _symbols()
+      if sym is not None:
+        fns = _ctypes_routines(*sym)
+        if _self_check(fns):
+          addrs = {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in fns.items()}
+          result = (addrs, sym[2])
+    except (AttributeError, OSError, ValueError):
+      result = None
+    _found.append(result)
+    st = np.zeros(SLOT + len(NAMES) + len(LOOPS), np.int64)
+    if result is not None:
+      st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
+    _status[0] = st
+  return _found[0]
+
+
+def loop_slot(name: str) -> int:
+  """The status-array slot of the NumPy rule's float32 loop ``name`` (its
+  address filled in by ``status``)."""
+  return SLOT + len(NAMES) + LOOPS.index(name)
+
+
+def status() -> np.ndarray:
+  """A fresh status array for one call of a compiled loop: the BLAS
+  addresses and the float32 loops' (looked up on the first call, whether
+  or not this process generated the loop's source: a library may come
+  from the disk cache)."""
+  if len(_status) == 1:
+    found()
+    st = _status[0]
+    for name in LOOPS:
+      st[loop_slot(name)] = libm.address(name)[0]
+    _status.append(True)
+  return _status[0].copy()
+
+
+def header_bits() -> int:
+  """CBLAS_INT's bits for ``header`` (64 where no BLAS is found: then only
+  the float32 loops are called)."""
+  f = found()
+  return f[1] if f is not None else 64
+
+
+def header(bits: int) -> str:
+  """The generated module's intrinsics ``_cblas_<routine>(address, *args)``:
+  a call through the routine's address (CBLAS_INT of ``bits``)."""
+  lines = [
+      "from numba import types as _nt",
+      "from numba.extending import intrinsic as _intrinsic",
+      "import llvmlite.ir as _lir",
+      "",
+      "def _cblas_sig(kinds, ret):",
+      "    nt = {'e': _nt.int64, 'i': _nt.int64, 'f': _nt.float32, 'd': _nt.float64, 'p': _nt.int64,",
+      "          'q': _nt.int64}",
+      "    rt = {'v': _nt.void, 'f': _nt.float32, 'd': _nt.float64}[ret]",
+      "    def codegen(context, builder, sig, llargs):",
+      "        i8p = _lir.IntType(8).as_pointer()",
+      f"        lt = {{'e': _lir.IntType(32), 'i': _lir.IntType({bits}), 'f': _lir.FloatType(),",
+      "              'd': _lir.DoubleType(), 'p': i8p, 'q': _lir.IntType(64)}",
+      "        rl = {'v': _lir.VoidType(), 'f': _lir.FloatType(), 'd': _lir.DoubleType()}[ret]",
+      "        fnty = _lir.FunctionType(rl, [lt[k] for k in kinds])",
+      "        fn = builder.inttoptr(llargs[0], fnty.as_pointer())",
+      "        vals = []",
+      "        for k, v in zip(kinds, llargs[1:]):",
+      "            if k == 'p':",
+      "                v = builder.inttoptr(v, i8p)",
+      "            elif lt[k] != v.type:",
+      "                v = builder.trunc(v, lt[k])",
+      "            vals.append(v)",
+      "        r = builder.call(fn, vals)",
+      "        return context.get_dummy_value() if ret == 'v' else r",
+      "    return rt(_nt.int64, *[nt[k] for k in kinds]), codegen",
+      "",
+  ]
+  routines = {**ROUTINES, "loop1": ("ppq", "f", "v")}  # (in, out, n): a float32 loop
+  for name, (args, _, ret) in routines.items():
+    params = ", ".join(f"a{k}" for k in range(len(args)))
+    lines += [f"def _t_{name}(typingctx, fp, {params}):",
+              f"    return _cblas_sig({args!r}, {ret!r})",
+              f"_cblas_{name} = _intrinsic(_t_{name})", ""]
+  return "\n".join(lines) + "\n"

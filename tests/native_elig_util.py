@@ -1,0 +1,38 @@
+"""Shared by the tests of what compiled loops hold (tests/test_native_elig*.py):
+a kernel run with ``native_loops="sync"`` (the loop compiled at its first
+run) against ``"off"`` (the NumPy path) and interpret=True."""
+import jax
+import numpy as np
+
+import pallas_np
+from pallas_np import native
+
+SYNC = pallas_np.InterpretParams(native_loops="sync")
+OFF = pallas_np.InterpretParams(native_loops="off")
+
+
+def bits(a):
+  """The bits of ``a``, every NaN as one NaN (docs/performance.md: which NaN
+  an addition or a max returns when NaNs of different sign meet)."""
+  a = np.asarray(a)
+  if a.dtype.kind != "f":
+    return a
+  a = np.where(np.isnan(a), np.array(np.nan, a.dtype), a)
+  return a.view(f"uint{a.dtype.itemsize * 8}")
+
+
+def compiled_equals_numpy(make, *args, rtol=1e-5, atol=1e-5):
+  """``make(interpret)`` -> the pallas_call'd function: the compiled loop
+  ran (``native.stats()``), and agrees with the NumPy path bit for bit and
+  with interpret=True within ``rtol``/``atol``."""
+  before = native.stats()["native_calls"]
+  got = make(SYNC)(*args)
+  ran = native.stats()["native_calls"] - before
+  off = make(OFF)(*args)
+  want = make(True)(*args)
+  for g, o, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(off),
+                     jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(bits(g), bits(o))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+  assert ran > 0, "the compiled loop did not run"
+  return got
