@@ -25,14 +25,21 @@ MULTITHREAD_MACS = 1 << 27
 _set = _get = None
 
 
-def _find_openblas():
-  global _set, _get
+def numpy_openblas_libraries():
+  """The OpenBLAS libraries NumPy's wheel ships (``numpy.libs``), loaded:
+  the very code ``np.matmul`` runs (here for its thread count;
+  ``native.blas_calls`` for its GEMM entry points)."""
   libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
   for path in sorted(glob.glob(os.path.join(libdir, "*openblas*.so*"))):
     try:
-      lib = ctypes.CDLL(path)
+      yield ctypes.CDLL(path)
     except OSError:
       continue
+
+
+def _find_openblas():
+  global _set, _get
+  for lib in numpy_openblas_libraries():
     for prefix in ("scipy_openblas", "openblas"):
       for suffix in ("64_", ""):
         s = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)

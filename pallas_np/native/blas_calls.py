@@ -21,11 +21,10 @@ elsewhere float dots keep the NumPy path (refused, with the reason).
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 
 import numpy as np
 
+from pallas_np import blas
 from pallas_np.native.codegen import MAX_LEAVES
 from pallas_np.primitives import libm
 
@@ -53,12 +52,7 @@ _status = [np.zeros(SLOT, np.int64)]
 
 def _symbols():
   """(library, name pattern, CBLAS_INT bits) of NumPy's OpenBLAS, or None."""
-  libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-  for path in sorted(glob.glob(os.path.join(libdir, "*openblas*.so*"))):
-    try:
-      lib = ctypes.CDLL(path)
-    except OSError:
-      continue
+  for lib in blas.numpy_openblas_libraries():
     for prefix, suffix, bits in (("scipy_", "64_", 64), ("", "64_", 64), ("scipy_", "", 32),
                                  ("", "", 32)):
       if hasattr(lib, f"{prefix}cblas_sgemm{suffix}"):
