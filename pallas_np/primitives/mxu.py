@@ -20,7 +20,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.dtypes import np_dtype
 from pallas_np.kernel_context import rule_state
-from pallas_np.primitives.tpu import operand_positions, ref_operand
+from pallas_np.primitives.tpu_operands import operand_positions, ref_operand
 
 mp = jc.mosaic_primitives
 _SEQUENTIAL = registry.unbatched("MXU state is per core and in program order: "

@@ -16,7 +16,7 @@ from pallas_np import devices, races, registry
 from pallas_np.errors import UnsupportedError
 from pallas_np.dtypes import np_dtype
 from pallas_np.memory import allocate
-from pallas_np.primitives.tpu import operand_positions, ref_operand, scalar_operand
+from pallas_np.primitives.tpu_operands import operand_positions, ref_operand, scalar_operand
 
 scp = jc.sc_primitives
 _SEQUENTIAL = registry.unbatched("SparseCore state (refs, barriers) is per subcore: "

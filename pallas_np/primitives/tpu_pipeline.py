@@ -35,7 +35,7 @@ from pallas_np import registry
 from pallas_np.grid.blocks import BlockGeometry
 from pallas_np.memory import allocate
 from pallas_np.state import lens
-from pallas_np.primitives.tpu import OperandPos, operand_positions, ref_operand
+from pallas_np.primitives.tpu_operands import OperandPos, operand_positions, ref_operand
 
 _emit_pipeline_p = jc.optional_primitive("pallas.mosaic.pipeline", "emit_pipeline_p")
 
