@@ -47,9 +47,10 @@ def test_fuzz_long(program):
   _check(program)
 
 
-# -- issue 27 cases (tests/fuzz_core.py, its own section) -----------------------
-from tests.fuzz_core import (alias_prefetch_cases, masked_view_cases,  # noqa: E402
-                             negative_index_programs, run_alias_case, run_masked_view_case)
+# -- issue 27 cases (tests/fuzz_core.py, tests/fuzz_refs.py) ------------------------
+from tests.fuzz_core import negative_index_programs  # noqa: E402
+from tests.fuzz_refs import (alias_prefetch_cases, masked_view_cases,  # noqa: E402
+                             run_alias_case, run_masked_view_case)
 
 _SMALL = settings(max_examples=max(CI_EXAMPLES // 5, 5), derandomize=True, deadline=None,
                   database=None, suppress_health_check=list(HealthCheck),
