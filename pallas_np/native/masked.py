@@ -175,13 +175,19 @@ def _flat(js, shape) -> str:
   return linear(zip(js, row_strides(shape)))
 
 
-@register("masked_load")
-def _masked_load(gen, eqn, ins):
-  ref_pos, transforms, mask_pos, other_pos = _split(eqn)
+def _ref_lanes(gen, eqn, ins, ref_pos, transforms):
+  """(the ref, its ``_Lanes``) of a masked access whose indexers are
+  ``transforms`` (the eqn's operands marked by ``_Pos``)."""
   atoms, tree = jc.jax.tree_util.tree_flatten(transforms, is_leaf=lambda x: isinstance(x, _Pos))
   pos = [p.i for p in atoms]
   ref = ins[ref_pos]
-  lanes = _Lanes(gen, eqn, ref, tree, [eqn.invars[p] for p in pos], [ins[p] for p in pos])
+  return ref, _Lanes(gen, eqn, ref, tree, [eqn.invars[p] for p in pos], [ins[p] for p in pos])
+
+
+@register("masked_load")
+def _masked_load(gen, eqn, ins):
+  ref_pos, transforms, mask_pos, other_pos = _split(eqn)
+  ref, lanes = _ref_lanes(gen, eqn, ins, ref_pos, transforms)
   dt = dtype_of(eqn.outvars[0].aval)
   if dt != ref.dtype or tuple(eqn.outvars[0].aval.shape) != lanes.shape:
     raise Refused("masked load dtype or shape")
@@ -227,10 +233,7 @@ def lane_ref(ref: Val, cs) -> str:
 @register("masked_swap")
 def _masked_swap(gen, eqn, ins):
   ref_pos, transforms, val_pos, mask_pos = _split(eqn)
-  atoms, tree = jc.jax.tree_util.tree_flatten(transforms, is_leaf=lambda x: isinstance(x, _Pos))
-  pos = [p.i for p in atoms]
-  ref = ins[ref_pos]
-  lanes = _Lanes(gen, eqn, ref, tree, [eqn.invars[p] for p in pos], [ins[p] for p in pos])
+  ref, lanes = _ref_lanes(gen, eqn, ins, ref_pos, transforms)
   shape = lanes.shape
   val, mask = ins[val_pos], (None if mask_pos is None else ins[mask_pos])
   if mask is None and lanes.has_arrays:
