@@ -19,7 +19,10 @@ count.
 Small-integer products (int8/uint8/int4/int16 operands, integer
 accumulation) go through a float GEMM when it is provably exact
 (``exact_int_gemm``): NumPy's integer matmul is a naive loop, 10-100x slower
-than BLAS, and has no int8 GEMM.
+than BLAS, and has no int8 GEMM. Since such a float GEMM is exact in any
+summation order, a long contraction is summed in K-chunks
+(``chunked_int_gemm``): NumPy's OpenBLAS sgemm/dgemm runs 2-4x slower per
+multiply on K of 256 and more than on 128-wide panels (PERF_LOG).
 """
 from __future__ import annotations
 
@@ -88,6 +91,33 @@ def exact_int_gemm(lhs_dt, rhs_dt, acc, K):
     return None
   info = np.iinfo(acc)
   return f, bound > info.max or (acc.kind == "u")
+
+
+# Exact integer GEMMs (exact_int_gemm) of at least INT_GEMM_MIN_ROWS rows sum
+# K in chunks of INT_GEMM_K_CHUNK products: measured per call on NumPy's
+# OpenBLAS (docs/performance.md#constants), 2-4x faster from K = 256 for
+# 16+ rows; fewer rows take BLAS's small-matrix path, faster unchunked.
+INT_GEMM_K_CHUNK = 128
+INT_GEMM_MIN_ROWS = 16
+
+
+def chunked_int_gemm(matmul, M, K, N, compute):
+  """``matmul(x, y)`` for 2-D (M, K) x (K, N) operands of an exact
+  integer GEMM as a sum over K-chunks (the same exact sums, so the same
+  bits: every partial sum is an integer within the float's exact range),
+  or None where one GEMM is the faster call."""
+  if M < INT_GEMM_MIN_ROWS or K <= INT_GEMM_K_CHUNK:
+    return None
+  step = INT_GEMM_K_CHUNK
+  bounds = [(s, min(s + step, K)) for s in range(0, K, step)]
+
+  def chunked(x, y):
+    r = matmul(x[:, :step], y[:step])
+    part = np.empty((M, N), compute)
+    for s, e in bounds[1:]:
+      r += matmul(x[:, s:e], y[s:e], out=part)
+    return r
+  return chunked
 
 
 def _to_int(r, acc, wrap):
@@ -200,6 +230,8 @@ def _dot_general(e):
   rtrivial = rperm == tuple(range(rnd))
   bool_out = out == np.bool_
   matmul = blas.matmul_for(B * M * K * N)
+  if int_gemm and B == 1:  # (operands: 2-D, rows of unit stride: blas_operand)
+    matmul = chunked_int_gemm(matmul, M, K, N, compute) or matmul
 
   def dot(x, y):
     x = np.asarray(x, dtype=compute)
