@@ -354,3 +354,38 @@ def test_one_pass_runs(monkeypatch, grid_shape):
                                   np.asarray(want_fn(*args)).view(np.uint8))
   assert len(passes) == 3
   assert pallas_np.grid_report()[-1]["mode"] == "vectorized"
+
+
+# -- static ref accesses: the index built once (state.refs._static_index) ------------
+def static_access_kernel(x_ref, o_ref, s_ref):
+  s_ref[...] = x_ref[...]
+  old = s_ref[...]  # a read of a written ref: its own copy ...
+  s_ref[...] = old * 2.0  # ... unchanged by this store
+  o_ref[...] = old - 1.0
+  o_ref[0] = old[1] + s_ref[2]  # an int index: one dim fewer
+  o_ref[1:3, ::2] = x_ref[4:6, 1::2] + s_ref[0:2, ::2]  # strided
+  o_ref[7, 3:9] = x_ref[0, 0:6] * s_ref[5, 10:16]
+
+
+def _kernel_globals_named(fn, args, interp):
+  entry = api.eager_entry(fn.jax_callable, interp, args)
+  return {getattr(v, "__name__", None) for v in entry.plan.kernel.kernel.fn.__globals__.values()}
+
+
+@pytest.mark.filterwarnings("ignore:pallas_np. detect_races=True")
+@pytest.mark.parametrize("races", [False, True])
+def test_static_ref_accesses_index_once_and_keep_copies(races):
+  from jax.experimental.pallas import tpu as pltpu
+  interp = pallas_np.InterpretParams(detect_races=races)
+  kw = dict(scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])
+  out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+  fn = pallas_np.pallas_call(static_access_kernel, out, interpret=interp, **kw)
+  want_fn = pl.pallas_call(static_access_kernel, out, interpret=True, **kw)
+  x = jnp.asarray(_f32(8, 128))
+  for _ in range(3):
+    assert_identical(fn(x), want_fn(x))
+  names = _kernel_globals_named(fn, (x,), interp)
+  if races:  # accesses are recorded: the general rule
+    assert "get_static" not in names and "swap_static" not in names, names
+  else:
+    assert {"get_static", "swap_static"} <= names, names

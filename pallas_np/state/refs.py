@@ -115,10 +115,33 @@ def _get(e):
   return get
 
 
+def _static_index(e, access):
+  """The basic index of an access with no dynamic operand and no transform
+  but its indexer, built once (``ref[index]``: what ``resolve`` would give on
+  every call), without access records; else None (also where building it
+  raises: the access raises when run, at its grid point)."""
+  if access.num_dynamic or e.compiler.params.records_accesses:
+    return None
+  if not access.steps:
+    return (Ellipsis,)
+  if access.index_only is None:
+    return None
+  try:
+    idx = access.index_only(())
+  except Exception:
+    return None
+  return idx if isinstance(idx, tuple) else None
+
+
 def _get_rule(e, access):
   resolve = access.resolve
   if access.num_dynamic == 0:
-    view_idx = None
+    static = _static_index(e, access)
+    if static is not None:  # x_ref[...]: the index and view, no resolve
+      def get_static(ref, *_literal_indices):
+        x = ref[static]
+        return x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x
+      return get_static
 
     def get(ref, *_literal_indices):  # literal index operands are still passed
       view, idx = resolve(ref, ())
@@ -273,6 +296,11 @@ def _swap(e):
     return swap_direct
   if not want_old and access.num_dynamic == 0 and access.plain() \
       and not e.compiler.params.records_accesses:
+    static = _static_index(e, access)
+    if static is not None:  # o_ref[...] = v: the index and view, no resolve
+      def swap_static(ref, val, *_literal_indices):
+        ref[static] = val
+      swap = swap_static
     swap.store_target = store_target(access, lambda idx: idx)
   return swap
 
