@@ -213,8 +213,9 @@ def flat_signature(args) -> tuple | None:
   sig = []
   for a in args:
     t = type(a)
-    if t is jc.ArrayImpl:
-      sig.append((a.shape, a.dtype, a.weak_type))
+    if t is jc.ArrayImpl:  # (its aval's fields: no property calls)
+      aval = a.aval
+      sig.append((aval.shape, aval.dtype, aval.weak_type))
     elif t is np.ndarray:
       sig.append((a.shape, a.dtype, False))
     else:

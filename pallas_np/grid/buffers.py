@@ -73,8 +73,11 @@ class BufferSetup:
         pad = functools.partial(_padded, geo, params, not writes,
                                 memory.allocator(geo.padded_shape, geo.dtype, params),
                                 geo.unpadded_index())
-      else:
-        pad = _private_copy if writes else _read_only
+      elif writes:
+        pad = _private_copy
+      else:  # (a builtin dtype needs no low-precision read: host_array)
+        plain = isinstance(geo.dtype, np.dtype) and geo.dtype.isbuiltin == 1
+        pad = _read_only_builtin if plain else _read_only
       in_preps.append(pad)
     out_preps = []
     for o, geo in enumerate(self.blocks[self.num_inputs:]):
@@ -132,6 +135,16 @@ def _private_copy(x) -> np.ndarray:
 def _read_only(x) -> np.ndarray:
   """A read-only view of ``x`` (refs read from it without copying)."""
   x = jc.host_array(x) if type(x) is jc.ArrayImpl else np.asarray(x)
+  if x.flags.writeable:
+    x = x.view()
+    x.flags.writeable = False
+  return x
+
+
+def _read_only_builtin(x) -> np.ndarray:
+  """``_read_only`` of an operand whose block dtype is a NumPy builtin:
+  NumPy reads a jax.Array of it through the buffer protocol (read-only)."""
+  x = np.asarray(x)
   if x.flags.writeable:
     x = x.view()
     x.flags.writeable = False

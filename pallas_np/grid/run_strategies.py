@@ -144,7 +144,7 @@ class SinglePoint:
   block that is not its whole buffer, the scratch allocators, the program
   ids, whether an output is padded (then cut back by ``BufferSetup.results``)."""
   __slots__ = ("cuts", "scratch", "point", "program_ids", "num_programs", "padded_outputs",
-               "operand_preps", "out_preps")
+               "operand_preps", "out_preps", "fresh_outputs")
 
   @classmethod
   def of(cls, kp) -> SinglePoint | bool:
@@ -164,7 +164,7 @@ class SinglePoint:
     except Exception:  # e.g. a block bigger than its array: the grid loop raises it
       return False
     self = cls()
-    self.operand_preps = self.out_preps = None  # the plan's, on the first run
+    self.operand_preps = self.out_preps = self.fresh_outputs = None  # on the first run
     # (operand position, basic index): scalar prefetch operands come first.
     self.cuts = [(b + kp.num_index, idx) for b, idx in enumerate(indices) if idx is not None]
     self.padded_outputs = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
@@ -181,12 +181,25 @@ class SinglePoint:
       preps = kp.setup.preps()
       single.operand_preps = (*preps[0], *preps[1])
       single.out_preps = preps[2]
-    if len(args) != len(single.operand_preps):
-      raise TypeError(f"kernel '{kp.name}' takes {len(single.operand_preps)} operands, "
-                      f"got {len(args)}")
+      # Outputs of uninitialised memory: their allocator, called directly.
+      single.fresh_outputs = [getattr(p, "fresh", None) for p in preps[2]]
+      if None in single.fresh_outputs:
+        single.fresh_outputs = None
+    preps = single.operand_preps
+    if len(args) != len(preps):
+      raise TypeError(f"kernel '{kp.name}' takes {len(preps)} operands, got {len(args)}")
     # What _prepare does, for the one grid point: every block cut once.
-    operands = [prep(a) for prep, a in zip(single.operand_preps, args)]
-    out_bufs = [prep(args, operands) for prep in single.out_preps]
+    if len(args) == 1:  # (no comprehension frames: the per-call floor)
+      operands = [preps[0](args[0])]
+    else:
+      operands = [prep(a) for prep, a in zip(preps, args)]
+    fresh = single.fresh_outputs
+    if fresh is None:
+      out_bufs = [prep(args, operands) for prep in single.out_preps]
+    elif len(fresh) == 1:
+      out_bufs = [fresh[0]()]
+    else:
+      out_bufs = [f() for f in fresh]
     operands += out_bufs
     for b, idx in single.cuts:
       operands[b] = operands[b][idx]
