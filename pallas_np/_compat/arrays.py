@@ -1,35 +1,12 @@
 """NumPy arrays to jax.Arrays and back, on the per-call floor: one
-``batched_device_put`` out (a copy for small arrays), a buffer view in."""
+``batched_device_put`` out, a buffer view in."""
 from __future__ import annotations
-
-import math
 
 import jax
 import numpy as np
 from jax._src.lib import xla_client as _xc
 
 from pallas_np._compat.core import ArrayImpl, ShapedArray
-
-
-# How jaxlib takes a host buffer. Zero-copy (its default) keeps a 64-byte
-# aligned NumPy buffer as the array's memory: the array then holds the
-# NumPy object, and its readiness and release go through jaxlib's host-
-# buffer callbacks, ~20-40 µs more per small array on the 2-core machine
-# than a copy (PERF_LOG). Whether a small buffer is aligned is up to malloc,
-# so small outputs ask for a copy, always; big ones (aligned on purpose,
-# memory.allocator) keep the zero-copy hand-off, cheaper than copying them.
-_semantics = getattr(_xc, "HostBufferSemantics", None)
-_COPY = getattr(_semantics, "IMMUTABLE_ONLY_DURING_CALL", None)
-_ZERO_COPY = getattr(_semantics, "ZERO_COPY", None)
-COPY_MAX_BYTES = 1 << 16  # outputs up to this size are copied by jaxlib
-
-
-def _put_args(nbytes: int) -> tuple:
-  """``batched_device_put``'s (force_copy, host_buffer_semantics) for an
-  array of ``nbytes``; () where this jaxlib lacks them (its defaults)."""
-  if _COPY is None or _ZERO_COPY is None:
-    return ()
-  return (False, _COPY if nbytes <= COPY_MAX_BYTES else _ZERO_COPY)
 
 
 def np_to_jax(x, weak_type: bool = False):
@@ -45,7 +22,7 @@ def np_to_jax(x, weak_type: bool = False):
       aval = _avals[key] = ShapedArray(x.shape, x.dtype, weak_type=weak_type)
       if len(_avals) > 4096:
         _avals.clear()
-    return _xc.batched_device_put(aval, sharding, [x], [dev], False, *_put_args(x.nbytes))
+    return _xc.batched_device_put(aval, sharding, [x], [dev], False)
   except Exception:  # pragma: no cover - exotic dtypes/devices: JAX's own route
     return jax.device_put(x)
 
@@ -59,12 +36,11 @@ def jax_array_maker(shape, dtype, weak_type: bool = False):
   dev, sharding = _default_placement()
   shape, dtype = tuple(shape), np.dtype(dtype)
   aval = ShapedArray(shape, dtype, weak_type=weak_type)
-  how = _put_args(math.prod(shape) * dtype.itemsize)
 
   def to_jax(x):  # (batched_device_put trusts the aval: a mismatch would be garbage)
     if type(x) is np.ndarray and x.dtype == dtype and x.shape == shape:
       try:
-        return _xc.batched_device_put(aval, sharding, [x], [dev], False, *how)
+        return _xc.batched_device_put(aval, sharding, [x], [dev], False)
       except Exception:  # pragma: no cover - exotic dtypes/devices: as np_to_jax
         pass
     return np_to_jax(x, weak_type)
