@@ -21,8 +21,8 @@ accumulation) go through a float GEMM when it is provably exact
 (``exact_int_gemm``): NumPy's integer matmul is a naive loop, 10-100x slower
 than BLAS, and has no int8 GEMM. Since such a float GEMM is exact in any
 summation order, a long contraction is summed in K-chunks
-(``chunked_int_gemm``): NumPy's OpenBLAS sgemm/dgemm runs 2-4x slower per
-multiply on K of 256 and more than on 128-wide panels (PERF_LOG).
+(``chunked_int_gemm``): NumPy's OpenBLAS sgemm runs 2-4x slower per multiply
+on K of 256 and more than on 128-wide panels (PERF_LOG [floor]).
 """
 from __future__ import annotations
 
