@@ -389,3 +389,37 @@ def test_static_ref_accesses_index_once_and_keep_copies(races):
     assert "get_static" not in names and "swap_static" not in names, names
   else:
     assert {"get_static", "swap_static"} <= names, names
+
+
+# -- inputs of builtin dtypes read without host_array (grid.buffers) ----------------
+def mixed_inputs_kernel(x_ref, b_ref, o_ref):
+  o_ref[...] = x_ref[...] * 2.0 + b_ref[...].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("host", ["jax", "numpy"])
+def test_builtin_dtype_inputs_read_only_and_identical(host):
+  """A float32 block's operand is read by ``np.asarray`` alone (the buffer
+  protocol), a bfloat16 one through ``host_array``: both read-only views,
+  results as interpret=True's, the caller's NumPy array left writable and
+  unchanged."""
+  out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+  fn, want_fn = _both(mixed_inputs_kernel, out)
+  x = _f32(8, 128)
+  b = rng.standard_normal((8, 128)).astype(ml_dtypes.bfloat16)
+  args = (jnp.asarray(x), jnp.asarray(b)) if host == "jax" else (x.copy(), b)
+  want = want_fn(jnp.asarray(x), jnp.asarray(b))
+  for _ in range(3):
+    assert_identical(fn(*args), want)
+  kp = api.eager_entry(fn.jax_callable, pallas_np.InterpretParams(), args).plan.kernel
+  in_preps = kp.setup.preps()[1]
+  assert [p.__name__ for p in in_preps] == ["_read_only_builtin", "_read_only"]
+  for prep, a in zip(in_preps, args):
+    view = prep(a)
+    assert not view.flags.writeable
+    np.testing.assert_array_equal(view.astype(np.float64), np.asarray(a).astype(np.float64))
+  assert kp.strategy.fresh_outputs is not None  # (one point: the output's allocator direct)
+  outs = [fn(*args) for _ in range(2)]
+  assert not np.shares_memory(np.asarray(outs[0]), np.asarray(outs[1]))
+  if host == "numpy":
+    assert args[0].flags.writeable
+    np.testing.assert_array_equal(args[0], x)
