@@ -44,6 +44,11 @@ NAMES = tuple(ROUTINES)
 # over n contiguous floats), after the BLAS routines in the status array:
 # a compiled loop calls the very code the NumPy path runs.
 LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
+# After them: the address of the callback through which a compiled loop
+# runs its DMAs and semaphore operations (``dma_calls``; set by its runner)
+# and the scalar operands of one such call.
+PYCALL = SLOT + len(NAMES) + len(LOOPS)
+PYCALL_OPERANDS = 12
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
@@ -150,7 +155,7 @@ def found():
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
-    st = np.zeros(SLOT + len(NAMES) + len(LOOPS), np.int64)
+    st = np.zeros(PYCALL + 1 + PYCALL_OPERANDS, np.int64)
     if result is not None:
       st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
     _status[0] = st

@@ -76,6 +76,8 @@ def emitter(prim):
 
 
 def dtype_of(aval) -> np.dtype:
+  if jc.is_semaphore_dtype(aval.dtype):  # (int64 cells, memory.allocate: only native/dma.py's calls touch them)
+    return np.dtype(np.int64)
   dt = np_dtype(jc.physical_dtype(aval.dtype))
   if dt not in SUPPORTED:
     raise Refused(f"dtype {dt}")
@@ -325,12 +327,13 @@ def _dead_stores(prologue, lines) -> list:
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals", "calls")
 
   def __init__(self, text, gen, kinds, outs):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
     self.kinds, self.written, self.externals = kinds, gen.written, gen.externals
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
+    self.calls = tuple(getattr(gen, "pycalls", ()))  # DMA/semaphore call sites (native/dma.py)
 
 
 def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
