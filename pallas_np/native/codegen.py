@@ -212,9 +212,12 @@ class Gen:
   @contextlib.contextmanager
   def block(self, header: str):
     self.emit(header)
+    start = len(self.lines)
     self.depth += 1
     try:
       yield
+      if len(self.lines) == start:  # (an empty branch: a pl.when's other side)
+        self.emit("pass")
     finally:
       self.depth -= 1
 

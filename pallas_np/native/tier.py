@@ -564,6 +564,8 @@ class NativeLoop:
     try:
       res = fn(st, *args) if self.pycalls is None else self.pycalls(fn, st, args, ctx)
     except IndexError:
+      if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
+        raise
       self._raise_oob(st, args)
     _state["native_calls"] += 1
     return tuple([v.reshape(shape) if shape else dt.type(v)
