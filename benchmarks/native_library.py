@@ -5,6 +5,7 @@ run against the NumPy path.
 
     python benchmarks/native_library.py                      # every case
     python benchmarks/native_library.py --cases gpu_attention,tpu_flash_fwd --budget 2
+    python benchmarks/native_library.py --profile          # where the compiled calls' time goes
 
 The compiled figures are the steady state after the switch: the loops are
 built at the first call (``native_loops="sync"``; a default
@@ -116,12 +117,61 @@ def run_case(name, budget):
   return ms, native_calls, same
 
 
+def profile_case(name, calls=10):
+  """Where a warm compiled call's time goes: ms per call, of which in
+  compiled loops (cProfile: the libraries' own time), of which in BLAS
+  products (each routine timed through a forwarding wrapper,
+  ``blas_calls.timed_routines``; its Python cost is not counted), and the
+  products per call."""
+  import cProfile
+  import pstats
+  from pallas_np.native import blas_calls
+  make, args = CASES[name]()
+  args = jax.block_until_ready(args)
+  fn = make(SYNC)
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  prof = cProfile.Profile()
+  t0 = time.perf_counter()
+  prof.enable()
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+  prof.disable()
+  total = (time.perf_counter() - t0) / calls * 1e3
+  loops = sum(tt for (file, _, func), (_, _, tt, _, _) in pstats.Stats(prof).stats.items()
+              if func.startswith("<built-in method pallas_np_native_loop"))
+  loop_calls = sum(nc for (file, _, func), (_, nc, _, _, _) in pstats.Stats(prof).stats.items()
+                   if func.startswith("<built-in method pallas_np_native_loop"))
+  with blas_calls.timed_routines() as timed:
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+  gemm = sum(timed.seconds.values()) / calls * 1e3
+  products = {k: v // calls for k, v in timed.calls.items() if v}
+  return total, loops / calls * 1e3, gemm, loop_calls // calls, products
+
+
+def main_profile(names):
+  print("| case | ms / call | in compiled loops | of which BLAS | loop calls / call | "
+        "BLAS calls / call |")
+  print("|---|---|---|---|---|---|")
+  for name in names:
+    total, loops, gemm, loop_calls, products = profile_case(name)
+    print(f"| {name} | {total:.2f} | {loops:.2f} ({loops / total:.0%}) | {gemm:.2f} "
+          f"({gemm / max(loops, 1e-9):.0%} of the loops) | {loop_calls} | "
+          f"{', '.join(f'{k} {v}' for k, v in products.items())} |", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="", help="comma-separated (default: all)")
   ap.add_argument("--budget", type=float, default=2.0, help="seconds of warm calls per mode")
+  ap.add_argument("--profile", action="store_true",
+                  help="where the compiled calls' time goes (compiled loops, BLAS products)")
   a = ap.parse_args()
   names = [n for n in a.cases.split(",") if n] or list(CASES)
+  if a.profile:
+    main_profile(names)
+    return
   print("| case | compiled ms | off ms | interpret=True ms | compiled / interpret | "
         "off / interpret | native calls | bits = off |")
   print("|---|---|---|---|---|---|---|---|")

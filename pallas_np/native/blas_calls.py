@@ -227,3 +227,48 @@ def header(bits: int) -> str:
               f"    return _cblas_sig({args!r}, {ret!r})",
               f"_cblas_{name} = _intrinsic(_t_{name})", ""]
   return "\n".join(lines) + "\n"
+
+
+class timed_routines:
+  """Profiling (``benchmarks/native_library.py --profile``): while active,
+  compiled loops call each BLAS routine through a ctypes wrapper that
+  forwards to NumPy's own routine and adds the seconds it took to
+  ``seconds`` (and the call to ``calls``), by routine name. The wrapper
+  costs a Python call per product: time the loops without it."""
+
+  def __init__(self):
+    self.seconds = dict.fromkeys(NAMES, 0.0)
+    self.calls = dict.fromkeys(NAMES, 0)
+    self._wrappers = []
+    self._saved = None
+
+  def __enter__(self):
+    import time  # (profiling only)
+    status()
+    found_ = found()
+    if found_ is None:
+      return self
+    sym = _symbols()
+    real = _ctypes_routines(*sym)
+    cint = ctypes.c_int64 if sym[2] == 64 else ctypes.c_int32
+    kinds = {"e": ctypes.c_int, "i": cint, "f": ctypes.c_float, "d": ctypes.c_double,
+             "p": ctypes.c_void_p, "v": None}
+    template = _status[0]
+    self._saved = template.copy()
+    for k, name in enumerate(NAMES):
+      args, _, ret = ROUTINES[name]
+
+      def wrapper(*a, _fn=real[name], _name=name):
+        t0 = time.perf_counter()
+        r = _fn(*a)
+        self.seconds[_name] += time.perf_counter() - t0
+        self.calls[_name] += 1
+        return r
+      cfn = ctypes.CFUNCTYPE(kinds[ret], *[kinds[c] for c in args])(wrapper)
+      self._wrappers.append(cfn)
+      template[SLOT + k] = ctypes.cast(cfn, ctypes.c_void_p).value
+    return self
+
+  def __exit__(self, *exc):
+    if self._saved is not None:
+      _status[0][:] = self._saved
