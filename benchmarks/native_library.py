@@ -82,6 +82,9 @@ CASES = {
     "gpu_ops_layer_norm_fwd": functools.partial(_bench, "gpu_ops_layer_norm_fwd"),
     "tpu_flash_fwd": functools.partial(_tpu, "flash_fwd"),
     "tpu_splash_fwd": functools.partial(_tpu, "splash_fwd"),
+    "tpu_paged": functools.partial(_tpu, "paged"),
+    "tpu_paged_quantized": functools.partial(_tpu, "paged_quantized"),
+    "tpu_ragged_paged": functools.partial(_tpu, "ragged_paged"),
 }
 
 

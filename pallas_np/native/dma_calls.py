@@ -27,6 +27,8 @@ import ctypes
 import threading
 import types
 
+import numpy as np
+
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.compiler import sourcemap
@@ -48,11 +50,26 @@ class Site:
   position)``, ``("scalar", slot, dtype)`` or ``("literal", value)``),
   the control-flow eqns around it inside the loop (for the error's
   frames) and whether a result comes back (``semaphore_read``)."""
-  __slots__ = ("eqn", "operands", "chain", "result", "fn")
+  __slots__ = ("eqn", "operands", "chain", "result", "fn", "refs", "scalars", "values")
 
   def __init__(self, eqn, operands, chain, result):
     self.eqn, self.operands, self.chain, self.result = eqn, tuple(operands), tuple(chain), result
     self.fn = None  # the NumPy rule's callable, compiled at the first call
+    # What a call fills in a copy of ``values`` (the literals in place):
+    # (operand index, loop operand position) of the refs, (operand index,
+    # slot, the dtype's constructor) of the scalars.
+    self.refs = tuple((k, op[1]) for k, op in enumerate(operands) if op[0] == "ref")
+    self.scalars = tuple((k, op[1], _scalar_type(op[2]))
+                         for k, op in enumerate(operands) if op[0] == "scalar")
+    self.values = [op[1] if op[0] == "literal" else None for op in operands]
+
+
+def _scalar_type(dt):
+  """int64 bits (a Python int) -> the NumPy scalar of ``dt`` they hold."""
+  t = dt.type
+  if dt == np.uint64:
+    return lambda v: t(v & 0xFFFFFFFFFFFFFFFF)
+  return t
 
 
 class _Run:
@@ -79,15 +96,11 @@ def _call(run: _Run, k: int) -> None:
   if site.fn is None:
     site.fn = _compile(site, run.params)
   st, args = run.st, run.args
-  vals = []
-  for op in site.operands:
-    kind = op[0]
-    if kind == "ref":
-      vals.append(args[op[1]])
-    elif kind == "scalar":  # (int64 bits back to the operand's dtype)
-      vals.append(st[op[1]:op[1] + 1].astype(op[2])[0])
-    else:
-      vals.append(op[1])
+  vals = site.values.copy()
+  for k, pos in site.refs:
+    vals[k] = args[pos]
+  for k, slot, to in site.scalars:  # (int64 bits back to the operand's dtype)
+    vals[k] = to(st.item(slot))
   res = site.fn(run.ctx, *vals)
   if site.result:
     st[OPERANDS] = int(res)
