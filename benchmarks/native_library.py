@@ -84,7 +84,6 @@ CASES = {
     "tpu_splash_fwd": functools.partial(_tpu, "splash_fwd"),
     "tpu_paged": functools.partial(_tpu, "paged"),
     "tpu_paged_quantized": functools.partial(_tpu, "paged_quantized"),
-    "tpu_ragged_paged": functools.partial(_tpu, "ragged_paged"),
 }
 
 
