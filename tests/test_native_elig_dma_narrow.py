@@ -9,10 +9,15 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_np.native import codegen
-from pallas_np.native.narrow import PROBES
-from tests.native_elig_util import OFF, SYNC, bits
 from pallas_np import native
+from pallas_np.native import codegen
+from tests.native_elig_util import OFF, SYNC, bits
+
+# float32 bit patterns: NaNs with payloads (quiet, signalling, negative),
+# ties to even, denormals, the largest finite values (overflow to inf).
+PROBES = (0x7FC00001, 0x7F800001, 0xFFC12345, 0x7FA00000, 0xFF800001, 0x00000001, 0x00017FFF,
+          0x00018000, 0x00008000, 0x80008000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x3F808000,
+          0x3F818000, 0x3F807FFF, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000)
 
 
 def _dot_kernel(q_ref, k_ref, o_ref):

@@ -32,7 +32,7 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.compiler import sourcemap
-from pallas_np.native import blas_calls, codegen
+from pallas_np.native import blas_calls, codegen, disk_cache
 
 # Status-array slots: the callback's address, then the scalar operands of
 # the site being called (a semaphore_read's result comes back in the first).
@@ -170,8 +170,11 @@ def runner(loop):
 def _sites_of(loop):
   src = loop.src
   calls = getattr(src, "calls", None)
-  if calls is None:  # (loaded by its pre-key: the sites generated now)
+  if calls is None:  # (loaded by its pre-key: the sites generated now, numbered as compiled)
     src = codegen.loop_source(loop.eqn, loop.clamp, loop.uninitialized)
+    if disk_cache.key(src.text, src.globals, loop.job["args"], loop.job["ret"],
+                      src.externals) != loop.job["key"]:
+      raise RuntimeError("pallas_np: a native loop's pre-key named another source")
     calls = src.calls
   return calls
 
