@@ -152,33 +152,6 @@ def profile_case(name, calls=10):
   return total, loops / calls * 1e3, gemm, loop_calls // calls, products
 
 
-def ab_trans_b(name, rounds=7):
-  """A/B in one process, interleaved: the compiled loops with ``x @ y.T``
-  as a copy of ``y.T`` and a no-transpose GEMM (A: ``trans_b_matches``
-  answering no while its loops are built) vs a transposed-B GEMM (B).
-  The plans differ only by ``race_policy`` (unused without detect_races)."""
-  from pallas_np.native import blas_calls
-  make, args = CASES[name]()
-  args = jax.block_until_ready(args)
-  a_params = pallas_np.InterpretParams(native_loops="sync", race_policy="record")
-  real = blas_calls.trans_b_matches
-  blas_calls.trans_b_matches = lambda *_: False
-  try:
-    fa = make(a_params)
-    ra = jax.block_until_ready(fa(*args))
-  finally:
-    blas_calls.trans_b_matches = real
-  fb = make(SYNC)
-  rb = jax.block_until_ready(fb(*args))
-  same = all(_bits(x) == _bits(y) for x, y in zip(jax.tree_util.tree_leaves(ra),
-                                                  jax.tree_util.tree_leaves(rb)))
-  times = {"a": [], "b": []}
-  for _ in range(rounds):
-    for k, fn in (("a", fa), ("b", fb)):
-      times[k].append(_warm(fn, args, 0.5))
-  return statistics.median(times["a"]), statistics.median(times["b"]), same
-
-
 def main_profile(names):
   print("| case | ms / call | in compiled loops | of which BLAS | loop calls / call | "
         "BLAS calls / call |")
@@ -196,17 +169,8 @@ def main():
   ap.add_argument("--budget", type=float, default=2.0, help="seconds of warm calls per mode")
   ap.add_argument("--profile", action="store_true",
                   help="where the compiled calls' time goes (compiled loops, BLAS products)")
-  ap.add_argument("--ab-trans-b", action="store_true",
-                  help="A/B: x @ y.T through a copy of y.T vs a transposed-B GEMM")
   a = ap.parse_args()
   names = [n for n in a.cases.split(",") if n] or list(CASES)
-  if a.ab_trans_b:
-    print("| case | copy of y.T ms | transposed-B GEMM ms | B / A | bits equal |\n|---|---|---|---|---|")
-    for name in names:
-      ta, tb, same = ab_trans_b(name)
-      print(f"| {name} | {ta:.3f} | {tb:.3f} | {tb / ta:.3f} | {'yes' if same else 'NO'} |",
-            flush=True)
-    return
   if a.profile:
     main_profile(names)
     return
