@@ -123,39 +123,6 @@ def matmul(fns, x, y, out) -> bool:
   return True
 
 
-_trans_b: dict = {}  # (precision, m, n, k) -> whether a transposed-B GEMM gives the same bits
-
-
-def trans_b_matches(p: str, m: int, n: int, k: int) -> bool:
-  """Whether ``?gemm`` with B transposed (row-major ``x @ y.T``, ``y`` of
-  shape (n, k)) gives, for these sizes, the bits of the no-transpose GEMM
-  on ``y.T`` copied to C order (what the NumPy rule calls). BLAS packs B
-  into the same panels either way, but a library may pick another kernel
-  by transposition (OpenBLAS's small-matrix kernels): checked on random
-  operands, once per shape."""
-  key = (p, m, n, k)
-  hit = _trans_b.get(key)
-  if hit is None:
-    hit = False
-    fns = ctypes_routines() if found() is not None else None
-    if fns is not None:
-      dt = np.float32 if p == "s" else np.float64
-      rng = np.random.default_rng(k * 7919 + n * 31 + m)
-      hit = True
-      for _ in range(2):
-        x = rng.standard_normal((m, k)).astype(dt)
-        y = rng.standard_normal((n, k)).astype(dt)
-        want, got = np.empty((m, n), dt), np.empty((m, n), dt)
-        yt = np.ascontiguousarray(y.T)
-        fns[p + "gemm"](ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k,
-                        yt.ctypes.data, n, 0.0, want.ctypes.data, n)
-        fns[p + "gemm"](ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0, x.ctypes.data, k,
-                        y.ctypes.data, k, 0.0, got.ctypes.data, n)
-        hit = hit and np.array_equal(want.view(f"u{want.itemsize}"), got.view(f"u{got.itemsize}"))
-    _trans_b[key] = hit
-  return hit
-
-
 def routine(m: int, k: int, n: int) -> str:
   """What ``np.matmul`` does with C-contiguous (m, k) @ (k, n) operands
   (NumPy's ``matmul.c.src``): ``dot`` (row @ column: ``?dot``, summed into

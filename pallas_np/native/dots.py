@@ -143,13 +143,7 @@ def _blas_dot(gen, eqn, x, y, dt):
   p = "s" if dt == np.float32 else "d"
   c = np_name(dt)
   xs = _stacked(gen, x, (*lb, *lf, *lc), dt)
-  # ``x @ y.T`` (attention's q @ k.T): the NumPy rule copies ``y.T`` to C
-  # order for a no-transpose GEMM; a transposed-B GEMM on ``y`` itself
-  # skips that pass where it gives the same bits (checked for the shape).
-  trans_b = (kind == "gemm" and B == 1 and y.dtype == dt and len(y.shape) == 2
-             and tuple(rc) == (1,) and tuple(rf) == (0,)
-             and blas_calls.trans_b_matches(p, M, N, K))
-  ys = y if trans_b else _stacked(gen, y, (*rb, *rc, *rf), dt)
+  ys = _stacked(gen, y, (*rb, *rc, *rf), dt)
   out = gen.array(out_shape, dt)
   if kind == "noblas":  # NumPy's own loop: 0 + each product in order
     with gen.block(f"for _b in range({B}):"):
@@ -180,9 +174,8 @@ def _blas_dot(gen, eqn, x, y, dt):
     b = f"{py} + _b * {K * N * isz}"
     o = f"{po} + _b * {M * N * isz}"
     if kind == "gemm":
-      tb, ldb = (T, K) if trans_b else (NT, N)
-      gen.emit(f"_cblas_{name}({fp}, {R}, {NT}, {tb}, {M}, {N}, {K}, {one}, {a}, {K}, "
-               f"{b}, {ldb}, {zero}, {o}, {N})")
+      gen.emit(f"_cblas_{name}({fp}, {R}, {NT}, {NT}, {M}, {N}, {K}, {one}, {a}, {K}, "
+               f"{b}, {N}, {zero}, {o}, {N})")
     elif kind == "gemv_row":  # vector @ matrix
       gen.emit(f"_cblas_{name}({fp}, {R}, {T}, {K}, {N}, {one}, {b}, {N}, {a}, 1, {zero}, "
                f"{o}, 1)")
