@@ -50,18 +50,11 @@ class Site:
   position)``, ``("scalar", slot, dtype)`` or ``("literal", value)``),
   the control-flow eqns around it inside the loop (for the error's
   frames) and whether a result comes back (``semaphore_read``)."""
-  __slots__ = ("eqn", "operands", "chain", "result", "fn", "refs", "scalars", "values")
+  __slots__ = ("eqn", "operands", "chain", "result", "call")
 
   def __init__(self, eqn, operands, chain, result):
     self.eqn, self.operands, self.chain, self.result = eqn, tuple(operands), tuple(chain), result
-    self.fn = None  # the NumPy rule's callable, compiled at the first call
-    # What a call fills in a copy of ``values`` (the literals in place):
-    # (operand index, loop operand position) of the refs, (operand index,
-    # slot, the dtype's constructor) of the scalars.
-    self.refs = tuple((k, op[1]) for k, op in enumerate(operands) if op[0] == "ref")
-    self.scalars = tuple((k, op[1], _scalar_type(op[2]))
-                         for k, op in enumerate(operands) if op[0] == "scalar")
-    self.values = [op[1] if op[0] == "literal" else None for op in operands]
+    self.call = None  # call(ctx, st, args): the rule on its operands (_bind, at the first call)
 
 
 def _scalar_type(dt):
@@ -81,29 +74,37 @@ class _Run:
     self.error = None  # (exception, site) of a call that raised
 
 
-def _compile(site: Site, params):
-  """The site's NumPy rule, compiled as the plan compiles it (its
-  ``InterpretParams`` are the kernel's)."""
+def _bind(site: Site, params):
+  """``call(ctx, st, args)``: the site's NumPy rule, compiled as the plan
+  compiles it (with the kernel's ``InterpretParams``), called on its
+  operands: the loop's refs, the scalars from the status array (int64 bits
+  back to their dtype), the literals; one generated line."""
   rule = registry.lookup(site.eqn.primitive)
   info = registry.EqnInfo(site.eqn, types.SimpleNamespace(params=params),
                           (True,) * len(site.eqn.outvars))
   fn = rule.compile(info)
-  return fn.fn if isinstance(fn, registry.NeedsCtx) else fn
+  scope = {"rule": fn.fn if isinstance(fn, registry.NeedsCtx) else fn}
+  parts = []
+  for k, op in enumerate(site.operands):
+    if op[0] == "ref":
+      parts.append(f"args[{op[1]}]")
+    elif op[0] == "scalar":
+      scope[f"to{k}"] = _scalar_type(op[2])
+      parts.append(f"to{k}(st.item({op[1]}))")
+    else:
+      scope[f"c{k}"] = op[1]
+      parts.append(f"c{k}")
+  exec(f"def call(ctx, st, args):\n    return rule(ctx, {', '.join(parts)})\n", scope)  # noqa: S102
+  return scope["call"]
 
 
 def _call(run: _Run, k: int) -> None:
   site = run.sites[k]
-  if site.fn is None:
-    site.fn = _compile(site, run.params)
-  st, args = run.st, run.args
-  vals = site.values.copy()
-  for k, pos in site.refs:
-    vals[k] = args[pos]
-  for k, slot, to in site.scalars:  # (int64 bits back to the operand's dtype)
-    vals[k] = to(st.item(slot))
-  res = site.fn(run.ctx, *vals)
+  if site.call is None:
+    site.call = _bind(site, run.params)
+  res = site.call(run.ctx, run.st, run.args)
   if site.result:
-    st[OPERANDS] = int(res)
+    run.st[OPERANDS] = int(res)
 
 
 def _dispatch(k, _st_address):
