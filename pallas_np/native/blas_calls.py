@@ -21,6 +21,7 @@ elsewhere float dots keep the NumPy path (refused, with the reason).
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -243,7 +244,6 @@ class timed_routines:
     self._saved = None
 
   def __enter__(self):
-    import time  # (profiling only)
     status()
     found_ = found()
     if found_ is None:

@@ -145,7 +145,9 @@ def runner(loop):
   """``run(fn, st, args, ctx)`` calling the compiled loop ``fn`` of
   ``loop`` (a ``tier.NativeLoop``) with its call sites bound to ``ctx``,
   or None where the loop has none. A library loaded by its pre-key has
-  no sites yet: its source is generated again at its first call."""
+  no sites yet: its source is generated again at its first call. (Never
+  a vectorized pass's lanes: DMA and semaphore rules keep the grid
+  sequential, ``primitives/tpu.py``.)"""
   if not has_calls(loop.eqn):
     return None
   sites = []
