@@ -163,7 +163,7 @@ def test_race_detection_keeps_numpy_path():
   recorded there), with the same result as the compiled loop."""
   x = _x()
   before = native.stats()["native_calls"]
-  raced = _make(_params("sync", detect_races=True))(x)
+  raced = _make(_params("sync", detect_races=True, parallel_axes=()))(x)
   assert native.stats()["native_calls"] == before
   got = _make(_params("sync"))(x)
   assert native.stats()["native_calls"] > before
