@@ -5,6 +5,8 @@ run against the NumPy path.
 
     python benchmarks/native_library.py                      # every case
     python benchmarks/native_library.py --cases gpu_attention,tpu_flash_fwd --budget 2
+    python benchmarks/native_library.py --profile          # where the compiled calls' time goes
+    python benchmarks/native_library.py --call-sites       # a DMA/semaphore call site's own cost
 
 The compiled figures are the steady state after the switch: the loops are
 built at the first call (``native_loops="sync"``; a default
@@ -81,6 +83,8 @@ CASES = {
     "gpu_ops_layer_norm_fwd": functools.partial(_bench, "gpu_ops_layer_norm_fwd"),
     "tpu_flash_fwd": functools.partial(_tpu, "flash_fwd"),
     "tpu_splash_fwd": functools.partial(_tpu, "splash_fwd"),
+    "tpu_paged": functools.partial(_tpu, "paged"),
+    "tpu_paged_quantized": functools.partial(_tpu, "paged_quantized"),
 }
 
 
@@ -116,12 +120,127 @@ def run_case(name, budget):
   return ms, native_calls, same
 
 
+def profile_case(name, calls=10):
+  """Where a warm compiled call's time goes: ms per call, of which in
+  compiled loops (cProfile: the libraries' own time), of which in BLAS
+  products (each routine timed through a forwarding wrapper,
+  ``blas_calls.timed_routines``; its Python cost is not counted), and the
+  products per call."""
+  import cProfile
+  import pstats
+  from pallas_np.native import blas_calls
+  make, args = CASES[name]()
+  args = jax.block_until_ready(args)
+  fn = make(SYNC)
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  prof = cProfile.Profile()
+  t0 = time.perf_counter()
+  prof.enable()
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+  prof.disable()
+  total = (time.perf_counter() - t0) / calls * 1e3
+  loops = sum(tt for (file, _, func), (_, _, tt, _, _) in pstats.Stats(prof).stats.items()
+              if func.startswith("<built-in method pallas_np_native_loop"))
+  loop_calls = sum(nc for (file, _, func), (_, nc, _, _, _) in pstats.Stats(prof).stats.items()
+                   if func.startswith("<built-in method pallas_np_native_loop"))
+  with blas_calls.timed_routines() as timed:
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+  gemm = sum(timed.seconds.values()) / calls * 1e3
+  products = {k: v // calls for k, v in timed.calls.items() if v}
+  return total, loops / calls * 1e3, gemm, loop_calls // calls, products
+
+
+def _call_site_kernels():
+  """(name, make(mode) -> fn, args, operations a call): a loop of 4-KiB DMAs
+  started and waited at computed offsets, and a loop of nothing but a
+  semaphore signal and wait (docs/native_dma.md)."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  import jax.numpy as jnp
+  n_dma, n_sem = 256, 2000
+
+  def dma_kernel(x_hbm, o_ref, buf, sem):
+    def body(i, c):
+      cp = pltpu.make_async_copy(x_hbm.at[pl.ds(i % 32 * 8, 8)], buf.at[i % 2], sem.at[i % 2])
+      cp.start()
+      cp.wait()
+      return c
+    lax.fori_loop(0, n_dma, body, 0)
+    o_ref[...] = buf[0]
+
+  def sem_kernel(o_ref, sem):
+    def body(i, c):
+      pl.semaphore_signal(sem, 1)
+      pl.semaphore_wait(sem, 1)
+      return c + 1
+    o_ref[0] = lax.fori_loop(0, n_sem, body, jnp.int32(0))
+
+  def make_dma(mode):
+    return pl.pallas_call(
+        dma_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        interpret=pallas_np.InterpretParams(native_loops=mode))
+
+  def make_sem(mode):
+    return pl.pallas_call(
+        sem_kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+        out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+        scratch_shapes=[pltpu.SemaphoreType.REGULAR],
+        interpret=pallas_np.InterpretParams(native_loops=mode))
+  return [("DMA start + wait", make_dma, (jnp.ones((256, 128), jnp.float32),), n_dma),
+          ("semaphore signal + wait", make_sem, (), n_sem)]
+
+
+def main_call_sites(rounds=7):
+  print("| loop of | compiled us / iteration | NumPy path us / iteration | compiled / NumPy |")
+  print("|---|---|---|---|")
+  for what, make, args, n in _call_site_kernels():
+    fns = {m: make(m) for m in ("sync", "off")}
+    for fn in fns.values():
+      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(fn(*args))
+    times = {m: [] for m in fns}
+    for _ in range(rounds):
+      for m, fn in fns.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times[m].append((time.perf_counter() - t0) / n * 1e6)
+    c, o = statistics.median(times["sync"]), statistics.median(times["off"])
+    print(f"| {what} | {c:.1f} | {o:.1f} | {c / o:.2f} |", flush=True)
+
+
+def main_profile(names):
+  print("| case | ms / call | in compiled loops | of which BLAS | loop calls / call | "
+        "BLAS calls / call |")
+  print("|---|---|---|---|---|---|")
+  for name in names:
+    total, loops, gemm, loop_calls, products = profile_case(name)
+    print(f"| {name} | {total:.2f} | {loops:.2f} ({loops / total:.0%}) | {gemm:.2f} "
+          f"({gemm / max(loops, 1e-9):.0%} of the loops) | {loop_calls} | "
+          f"{', '.join(f'{k} {v}' for k, v in products.items())} |", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="", help="comma-separated (default: all)")
   ap.add_argument("--budget", type=float, default=2.0, help="seconds of warm calls per mode")
+  ap.add_argument("--profile", action="store_true",
+                  help="where the compiled calls' time goes (compiled loops, BLAS products)")
+  ap.add_argument("--call-sites", action="store_true",
+                  help="a DMA/semaphore call site's own cost (compiled vs NumPy path loops)")
   a = ap.parse_args()
   names = [n for n in a.cases.split(",") if n] or list(CASES)
+  if a.call_sites:
+    main_call_sites()
+    return
+  if a.profile:
+    main_profile(names)
+    return
   print("| case | compiled ms | off ms | interpret=True ms | compiled / interpret | "
         "off / interpret | native calls | bits = off |")
   print("|---|---|---|---|---|---|---|---|")

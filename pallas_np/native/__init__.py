@@ -2,7 +2,7 @@
 (docs/performance.md, "The native tier"). numba is imported only when a
 loop is compiled, never by ``import pallas_np``."""
 from pallas_np.native import (  # noqa: F401 (emitters)
-    control, dots, elementwise, masked, reductions, refs, shapes, transcendental)
+    control, dma, dots, elementwise, masked, narrow, reductions, refs, shapes, transcendental)
 from pallas_np.native import refusals  # noqa: F401 (the primitives never compiled)
 from pallas_np.native.tier import HOT_RUNS, MODES, NativeLoop, enabled, stats, wait
 

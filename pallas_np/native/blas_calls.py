@@ -21,6 +21,7 @@ elsewhere float dots keep the NumPy path (refused, with the reason).
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -44,6 +45,11 @@ NAMES = tuple(ROUTINES)
 # over n contiguous floats), after the BLAS routines in the status array:
 # a compiled loop calls the very code the NumPy path runs.
 LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
+# After them: the address of the callback through which a compiled loop
+# runs its DMAs and semaphore operations (``dma_calls``; set by its runner)
+# and the scalar operands of one such call.
+PYCALL = SLOT + len(NAMES) + len(LOOPS)
+PYCALL_OPERANDS = 12
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
@@ -150,7 +156,7 @@ def found():
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
-    st = np.zeros(SLOT + len(NAMES) + len(LOOPS), np.int64)
+    st = np.zeros(PYCALL + 1 + PYCALL_OPERANDS, np.int64)
     if result is not None:
       st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
     _status[0] = st
@@ -222,3 +228,47 @@ def header(bits: int) -> str:
               f"    return _cblas_sig({args!r}, {ret!r})",
               f"_cblas_{name} = _intrinsic(_t_{name})", ""]
   return "\n".join(lines) + "\n"
+
+
+class timed_routines:
+  """Profiling (``benchmarks/native_library.py --profile``): while active,
+  compiled loops call each BLAS routine through a ctypes wrapper that
+  forwards to NumPy's own routine and adds the seconds it took to
+  ``seconds`` (and the call to ``calls``), by routine name. The wrapper
+  costs a Python call per product: time the loops without it."""
+
+  def __init__(self):
+    self.seconds = dict.fromkeys(NAMES, 0.0)
+    self.calls = dict.fromkeys(NAMES, 0)
+    self._wrappers = []
+    self._saved = None
+
+  def __enter__(self):
+    status()
+    found_ = found()
+    if found_ is None:
+      return self
+    sym = _symbols()
+    real = _ctypes_routines(*sym)
+    cint = ctypes.c_int64 if sym[2] == 64 else ctypes.c_int32
+    kinds = {"e": ctypes.c_int, "i": cint, "f": ctypes.c_float, "d": ctypes.c_double,
+             "p": ctypes.c_void_p, "v": None}
+    template = _status[0]
+    self._saved = template.copy()
+    for k, name in enumerate(NAMES):
+      args, _, ret = ROUTINES[name]
+
+      def wrapper(*a, _fn=real[name], _name=name):
+        t0 = time.perf_counter()
+        r = _fn(*a)
+        self.seconds[_name] += time.perf_counter() - t0
+        self.calls[_name] += 1
+        return r
+      cfn = ctypes.CFUNCTYPE(kinds[ret], *[kinds[c] for c in args])(wrapper)
+      self._wrappers.append(cfn)
+      template[SLOT + k] = ctypes.cast(cfn, ctypes.c_void_p).value
+    return self
+
+  def __exit__(self, *exc):
+    if self._saved is not None:
+      _status[0][:] = self._saved

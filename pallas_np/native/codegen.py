@@ -26,6 +26,7 @@ import contextlib
 import math
 import re
 
+import ml_dtypes
 import numpy as np
 
 from pallas_np import _compat as jc
@@ -36,6 +37,16 @@ from pallas_np.dtypes import np_dtype
 SUPPORTED = frozenset(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
     np.uint64, np.float32, np.float64))
+
+# bfloat16 values are held exactly in float32 (their bits << 16), and only
+# where that is exact: the data movement of these primitives, a float32
+# conversion, and the dots and conversions of ``native/narrow.py`` (whose
+# conversion emitter is ``narrow_convert[0]``); nowhere else, and never
+# as a loop operand.
+NARROW = np.dtype(ml_dtypes.bfloat16)
+NARROW_OK = frozenset(("reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
+                       "dot_general", "convert_element_type", *INLINE_CALLS))
+narrow_convert: list = []
 
 # Values one fused elementwise loop holds: numba's compile time grows
 # faster than linearly with the size of one loop body.
@@ -76,10 +87,19 @@ def emitter(prim):
 
 
 def dtype_of(aval) -> np.dtype:
+  if jc.is_semaphore_dtype(aval.dtype):  # (int64 cells, memory.allocate: only native/dma.py's calls touch them)
+    return np.dtype(np.int64)
   dt = np_dtype(jc.physical_dtype(aval.dtype))
+  if dt == NARROW:  # (held in float32: NARROW_OK)
+    return np.dtype(np.float32)
   if dt not in SUPPORTED:
     raise Refused(f"dtype {dt}")
   return dt
+
+
+def is_narrow(aval) -> bool:
+  """A bfloat16 value (held in float32, see ``NARROW``)."""
+  return str(getattr(aval, "dtype", None)) == "bfloat16"
 
 
 def np_name(dt: np.dtype) -> str:
@@ -210,9 +230,12 @@ class Gen:
   @contextlib.contextmanager
   def block(self, header: str):
     self.emit(header)
+    start = len(self.lines)
     self.depth += 1
     try:
       yield
+      if len(self.lines) == start:  # (an empty branch: a pl.when's other side)
+        self.emit("pass")
     finally:
       self.depth -= 1
 
@@ -276,6 +299,11 @@ class Gen:
     for eqn in jaxpr.eqns:
       ins_e = [self.atom(a, env) for a in eqn.invars]
       emit = emitter(eqn.primitive)
+      if any(is_narrow(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        if eqn.primitive.name not in NARROW_OK or not narrow_convert:
+          raise Refused(f"dtype bfloat16 in {eqn.primitive.name}")
+        if eqn.primitive.name == "convert_element_type":
+          emit = narrow_convert[0]
       if eqn.primitive.name not in INLINE_CALLS:
         for v in eqn.outvars:
           if not isinstance(v.aval, jc.AbstractRef):
@@ -325,12 +353,13 @@ def _dead_stores(prologue, lines) -> list:
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals", "calls")
 
   def __init__(self, text, gen, kinds, outs):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
     self.kinds, self.written, self.externals = kinds, gen.written, gen.externals
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
+    self.calls = tuple(getattr(gen, "pycalls", ()))  # DMA/semaphore call sites (native/dma.py)
 
 
 def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
@@ -342,6 +371,8 @@ def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
   gen = Gen(clamp, uninitialized)
   args, ins = [], []
   for k, aval in enumerate(v.aval for v in eqn.invars):
+    if is_narrow(getattr(aval, "inner_aval", aval)):
+      raise Refused("dtype bfloat16 (a loop operand)")
     name = f"a{k}"
     args.append(name)
     if isinstance(aval, jc.AbstractRef):

@@ -17,7 +17,13 @@ the same routines are called, through their addresses in this process
 same summation order, the same bits. (A sub-block of a wider ref reaches
 BLAS with a larger leading dimension on the NumPy path; BLAS packs its
 panels, so the order does not change — the differential tests cover both.)
-Refused: bf16/f16 operands (not held natively), mixed dtypes, an
+bfloat16 x bfloat16 -> float32 (held in float32: ``narrow``): the NumPy
+rule multiplies them in float64 (every product exact, one rounding to
+float32 at the end, as the MXU; ``primitives/dot.py``), so here too: the
+operands are laid out in float64, the float64 routine NumPy picks is
+called, and each result is rounded to float32. One bfloat16 and one
+float32 operand are a float32 product there, and here.
+Refused: f16 operands (not held natively), other mixed dtypes, an
 accumulation in another dtype, products big enough for the NumPy rule to
 wake BLAS's threads (``blas.MULTITHREAD_MACS``), and every float dot where
 NumPy's BLAS is not found or fails its self-check.
@@ -30,7 +36,7 @@ import numpy as np
 
 from pallas_np import blas
 from pallas_np.native import blas_calls
-from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+from pallas_np.native.codegen import Refused, Val, dtype_of, is_narrow, np_name, register
 from pallas_np.native.shapes import gather, linear, row_strides
 
 
@@ -56,6 +62,10 @@ def _dot_general(gen, eqn, ins):
     raise Refused("dot_general accumulating in another dtype")
   if out_dt.kind in "iu" and x.dtype.kind in "iu" and y.dtype.kind in "iu":
     return [_int_dot(gen, eqn, x, y, out_dt)]
+  if all(is_narrow(a.aval) for a in eqn.invars):
+    if out_dt != np.float32 or is_narrow(eqn.outvars[0].aval):
+      raise Refused("a bfloat16 dot_general to another dtype than float32")
+    return [_float_dot(gen, eqn, x, y, np.dtype(np.float64), out_dt)]
   if out_dt.kind == "f" and x.dtype == y.dtype == out_dt:
     return [_float_dot(gen, eqn, x, y, out_dt)]
   raise Refused("a bool or mixed-dtype dot_general")
@@ -81,15 +91,16 @@ def _int_dot(gen, eqn, x, y, out_dt):
   return out
 
 
-def _stacked(gen, v: Val, perm) -> Val:
-  """``v`` transposed by ``perm`` (flat, C order): ``v`` itself when the
-  permutation keeps its order."""
-  if tuple(perm) == tuple(range(len(v.shape))):
+def _stacked(gen, v: Val, perm, dt=None) -> Val:
+  """``v`` transposed by ``perm`` (flat, C order) and converted to ``dt``
+  (exactly: a wider float): ``v`` itself when neither changes it."""
+  dt = v.dtype if dt is None else dt
+  if tuple(perm) == tuple(range(len(v.shape))) and dt == v.dtype:
     return v
   shape = [v.shape[d] for d in perm]
   src = row_strides(v.shape)
-  return gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + linear(
-      (j, src[d]) for j, d in zip(js, perm)) + "]")
+  return gather(gen, shape, dt, lambda js: f"{np_name(dt)}({v.name}[" + linear(
+      (j, src[d]) for j, d in zip(js, perm)) + "])")
 
 
 def _routine_address(gen, name: str, bits: int) -> str:
@@ -107,7 +118,18 @@ def _routine_address(gen, name: str, bits: int) -> str:
   return local
 
 
-def _float_dot(gen, eqn, x, y, dt):
+def _float_dot(gen, eqn, x, y, dt, result=None):
+  """The product in ``dt`` (the operands converted to it), its elements
+  rounded to ``result`` where given."""
+  out = _blas_dot(gen, eqn, x, y, dt)
+  if result is None:
+    return out
+  rounded = gen.array(out.shape, result)
+  gen.elementwise(rounded, lambda a: f"{np_name(result)}({a})", [out])
+  return rounded
+
+
+def _blas_dot(gen, eqn, x, y, dt):
   (lc, rc), (lb, rb), lf, rf, out_shape, _ = _geometry(eqn, x, y)
   B = math.prod(x.shape[d] for d in lb)
   M = math.prod(x.shape[d] for d in lf)
@@ -120,8 +142,8 @@ def _float_dot(gen, eqn, x, y, dt):
   kind = blas_calls.routine(M, K, N)
   p = "s" if dt == np.float32 else "d"
   c = np_name(dt)
-  xs = _stacked(gen, x, (*lb, *lf, *lc))
-  ys = _stacked(gen, y, (*rb, *rc, *rf))
+  xs = _stacked(gen, x, (*lb, *lf, *lc), dt)
+  ys = _stacked(gen, y, (*rb, *rc, *rf), dt)
   out = gen.array(out_shape, dt)
   if kind == "noblas":  # NumPy's own loop: 0 + each product in order
     with gen.block(f"for _b in range({B}):"):

@@ -44,11 +44,11 @@ _REASONS = {
         "wgmma_wait", "wgmma_accumulator_deref_p", "wgmma_accumulator_store_p",
         "tcgen05_mma", "tcgen05_commit_arrive", "conv", "mma", "matmul_lhs_fifo",
         "matmul_pop_fifo", "wgmma_accumulator_deref", "wgmma_accumulator_store"),
-    "it needs the run context (grid position, devices, semaphores, DMAs, barriers, "
-    "random state) or has effects outside its refs": (
-        "program_id", "num_programs", "axis_index", "platform_index", "dma_start",
-        "dma_wait", "semaphore_read", "semaphore_signal", "semaphore_signal_multicast",
-        "semaphore_signal_parallel", "semaphore_wait", "get_barrier_semaphore", "barrier",
+    "it needs the run context (grid position, devices, multicast or parallel semaphore "
+    "signals, barriers, random state) or has effects outside its refs (local DMAs and "
+    "semaphores are calls back into their rules: native/dma.py)": (
+        "program_id", "num_programs", "axis_index", "platform_index",
+        "semaphore_signal_multicast", "semaphore_signal_parallel", "get_barrier_semaphore", "barrier",
         "barrier_arrive", "barrier_test", "barrier_wait", "atomic_cas", "atomic_rmw",
         "sc_fetch_and_add", "mgpu_atomic_store", "multimem_load_reduce", "multimem_store",
         "debug_print", "debug_callback", "debug_barrier_p", "io_callback", "pure_callback",

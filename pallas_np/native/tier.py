@@ -37,7 +37,7 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, blas_calls, codegen, disk_cache, prekey
+from pallas_np.native import aot_worker, blas_calls, codegen, disk_cache, dma_calls, prekey
 
 log = logging.getLogger("pallas_np.native")
 
@@ -278,6 +278,8 @@ class NativeLoop:
     self.clamp = params.bounds_check == "clamp"
     self.uninitialized = params.uninitialized  # (a masked load's fill: native/masked.py)
     self.sync = params.native_loops == "sync"
+    self.params = params  # (the NumPy rules of DMA/semaphore call sites: dma_calls)
+    self.pycalls = None  # dma_calls.runner: the loop's call sites bound to a run
     self.native = None
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
@@ -457,6 +459,7 @@ class NativeLoop:
     self.scalars = [(pos, aval.dtype.type) for pos, (kind, aval)
                     in enumerate(zip(src.kinds, self.invars)) if kind == "s"]
     self.phase = "done"
+    self.pycalls = dma_calls.runner(self)
     self.native = fn  # the swap
     _state["compiled"] += 1
 
@@ -511,7 +514,7 @@ class NativeLoop:
   def __call__(self, ctx, *args):
     fn = self.native
     if fn is not None:
-      res = self.run(fn, args) if self.in_batched is None else self.run_lanes(fn, ctx, args)
+      res = self.run(fn, args, ctx) if self.in_batched is None else self.run_lanes(fn, ctx, args)
       if res is not None:
         return res
       return self.numpy_fn(ctx, *args)
@@ -543,14 +546,14 @@ class NativeLoop:
         return False
     return True
 
-  def run(self, fn, args):
+  def run(self, fn, args, ctx=None):
     """The native loop on ``args`` (the NumPy path's operands): its carries,
     or None if the arguments' types are not those compiled for."""
     if not self._fits(args):
       return None
-    return self._run(fn, args)
+    return self._run(fn, args, ctx)
 
-  def _run(self, fn, args):
+  def _run(self, fn, args, ctx=None):
     if self.scalars:
       args = list(args)
       for pos, t in self.scalars:  # (a scalar operand: its exact type)
@@ -559,8 +562,10 @@ class NativeLoop:
           args[pos] = t(a)
     st = blas_calls.status()  # (with the BLAS and float32-loop addresses: blas_calls)
     try:
-      res = fn(st, *args)
+      res = fn(st, *args) if self.pycalls is None else self.pycalls(fn, st, args, ctx)
     except IndexError:
+      if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
+        raise
       self._raise_oob(st, args)
     _state["native_calls"] += 1
     return tuple([v.reshape(shape) if shape else dt.type(v)

@@ -1,0 +1,205 @@
+"""DMAs and semaphores in a compiled loop: the loop calls back into the
+NumPy path's own rules (docs/native_dma.md).
+
+A TPU DMA's data moves when a wait needs it (``state/dma.py``: queued per
+semaphore, popped oldest first, source read at that moment), its
+bookkeeping lives in the run context and reaches views of arbitrary
+operands; a compiled copy of that machinery would be a second
+implementation to keep exact. So each ``dma_start``, ``dma_wait``,
+``semaphore_signal``, ``semaphore_wait`` and ``semaphore_read`` of a
+compiled loop (a *call site*, ``native/dma.py``) is a call from the
+machine code into this module, through one ctypes callback whose address
+the loop reads from its status array: the scalar operands the loop
+computed travel in the status array's slots from ``OPERANDS`` on, the
+refs are the loop's own operands (the arrays the NumPy path gets), and
+the site's NumPy rule runs on them with the run context. The same bytes
+move at the same points, the semaphores count the same, and an error is
+the rule's own, raised again under frames that name its eqn (as the
+NumPy path's traceback does) once the loop has unwound.
+
+Reads the compiled code makes after a call are fresh loads: the callback
+is an opaque function pointer, so LLVM assumes it writes any memory the
+loop's arguments reach (numba marks no argument ``noalias``).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import types
+
+import numpy as np
+
+from pallas_np import _compat as jc
+from pallas_np import registry
+from pallas_np.compiler import sourcemap
+from pallas_np.native import blas_calls, codegen, disk_cache
+
+# Status-array slots: the callback's address, then the scalar operands of
+# the site being called (a semaphore_read's result comes back in the first).
+ADDRESS = blas_calls.PYCALL
+OPERANDS = ADDRESS + 1
+MAX_OPERANDS = blas_calls.PYCALL_OPERANDS
+# The primitives a compiled loop calls back for (``native/dma.py`` emits them).
+PRIMITIVES = ("dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read")
+
+_tls = threading.local()
+
+
+class Site:
+  """One call site: its eqn, its operands (``("ref", loop operand
+  position)``, ``("scalar", slot, dtype)`` or ``("literal", value)``),
+  the control-flow eqns around it inside the loop (for the error's
+  frames) and whether a result comes back (``semaphore_read``)."""
+  __slots__ = ("eqn", "operands", "chain", "result", "call")
+
+  def __init__(self, eqn, operands, chain, result):
+    self.eqn, self.operands, self.chain, self.result = eqn, tuple(operands), tuple(chain), result
+    self.call = None  # call(ctx, st, args): the rule on its operands (_bind, at the first call)
+
+
+def _scalar_type(dt):
+  """int64 bits (a Python int) -> the NumPy scalar of ``dt`` they hold."""
+  t = dt.type
+  if dt == np.uint64:
+    return lambda v: t(v & 0xFFFFFFFFFFFFFFFF)
+  return t
+
+
+class _Run:
+  """One call of a compiled loop that has call sites."""
+  __slots__ = ("sites", "params", "st", "args", "ctx", "error")
+
+  def __init__(self, sites, params, st, args, ctx):
+    self.sites, self.params, self.st, self.args, self.ctx = sites, params, st, args, ctx
+    self.error = None  # (exception, site) of a call that raised
+
+
+def _bind(site: Site, params):
+  """``call(ctx, st, args)``: the site's NumPy rule, compiled as the plan
+  compiles it (with the kernel's ``InterpretParams``), called on its
+  operands: the loop's refs, the scalars from the status array (int64 bits
+  back to their dtype), the literals; one generated line."""
+  rule = registry.lookup(site.eqn.primitive)
+  info = registry.EqnInfo(site.eqn, types.SimpleNamespace(params=params),
+                          (True,) * len(site.eqn.outvars))
+  fn = rule.compile(info)
+  scope = {"rule": fn.fn if isinstance(fn, registry.NeedsCtx) else fn}
+  parts = []
+  for k, op in enumerate(site.operands):
+    if op[0] == "ref":
+      parts.append(f"args[{op[1]}]")
+    elif op[0] == "scalar":
+      scope[f"to{k}"] = _scalar_type(op[2])
+      parts.append(f"to{k}(st.item({op[1]}))")
+    else:
+      scope[f"c{k}"] = op[1]
+      parts.append(f"c{k}")
+  exec(f"def call(ctx, st, args):\n    return rule(ctx, {', '.join(parts)})\n", scope)  # noqa: S102
+  return scope["call"]
+
+
+def _call(run: _Run, k: int) -> None:
+  site = run.sites[k]
+  if site.call is None:
+    site.call = _bind(site, run.params)
+  res = site.call(run.ctx, run.st, run.args)
+  if site.result:
+    run.st[OPERANDS] = int(res)
+
+
+def _dispatch(k, _st_address):
+  """The ctypes callback: run site ``k`` of the current loop call; 1 if it
+  raised (kept for ``runner`` to raise again), else 0."""
+  run = _tls.run
+  try:
+    _call(run, k)
+  except BaseException as e:  # noqa: BLE001 - raised again once the loop unwound
+    run.error = (e, k)
+    return 1
+  return 0
+
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(_dispatch)
+_ADDRESS_VALUE = ctypes.cast(_CALLBACK, ctypes.c_void_p).value
+
+
+def has_calls(eqn) -> bool:
+  """Whether the loop ``eqn`` holds a call site (at any depth)."""
+  for sub in _jaxprs(eqn):
+    for e in sub.eqns:
+      if e.primitive.name in PRIMITIVES or has_calls(e):
+        return True
+  return False
+
+
+def _jaxprs(eqn):
+  for v in eqn.params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, jc.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, jc.Jaxpr):
+        yield x
+
+
+def runner(loop):
+  """``run(fn, st, args, ctx)`` calling the compiled loop ``fn`` of
+  ``loop`` (a ``tier.NativeLoop``) with its call sites bound to ``ctx``,
+  or None where the loop has none. A library loaded by its pre-key has
+  no sites yet: its source is generated again at its first call. (Never
+  a vectorized pass's lanes: DMA and semaphore rules keep the grid
+  sequential, ``primitives/tpu.py``.)"""
+  if not has_calls(loop.eqn):
+    return None
+  sites = []
+
+  def run(fn, st, args, ctx):
+    if not sites:
+      sites.extend(_sites_of(loop))
+    call = _Run(sites, loop.params, st, args, ctx)
+    prev = getattr(_tls, "run", None)
+    _tls.run = call
+    st[ADDRESS] = _ADDRESS_VALUE
+    try:
+      return fn(st, *args)
+    except RuntimeError:
+      if call.error is None:
+        raise
+      _raise_at(*call.error, sites)
+    finally:
+      _tls.run = prev
+  return run
+
+
+def _sites_of(loop):
+  src = loop.src
+  calls = getattr(src, "calls", None)
+  if calls is None:  # (loaded by its pre-key: the sites generated now, numbered as compiled)
+    src = codegen.loop_source(loop.eqn, loop.clamp, loop.uninitialized)
+    if disk_cache.key(src.text, src.globals, loop.job["args"], loop.job["ret"],
+                      src.externals) != loop.job["key"]:
+      raise RuntimeError("pallas_np: a native loop's pre-key named another source")
+    calls = src.calls
+  return calls
+
+
+def _frame(eqn, inner):
+  """A call of ``inner`` in a frame whose line maps to ``eqn`` (the
+  source map): an error raised under it names ``eqn``."""
+  filename = sourcemap.new_filename("native loop")
+  scope = {"_line_eqns": sourcemap.register(filename, [None, eqn])}
+  exec(compile("def _at(inner):\n    return inner()\n", filename, "exec"), scope)  # noqa: S102
+  at = scope["_at"]
+  return lambda: at(inner)
+
+
+def _raise_at(error, k, sites):
+  """Raise ``error`` (site ``k``'s) under frames naming the site's eqn and
+  the control flow around it, as the NumPy path's plans do."""
+  site = sites[k]
+
+  def again():
+    raise error
+  fn = again
+  for e in reversed((*site.chain, site.eqn)):
+    fn = _frame(e, fn)
+  fn()
