@@ -145,7 +145,8 @@ def body_jaxpr(jaxpr):
     read_vars.append(out)
   if not eqns:
     return None
-  body = jaxpr.replace(invars=[*read_vars, *jaxpr.invars], eqns=eqns, debug_info=None)
+  body = jc.with_leading_invars(jaxpr, read_vars, eqns,
+                                [f"ctx.{field}[{axis}]" for field, axis in reads])
   return body, tuple(reads)
 
 
@@ -168,6 +169,11 @@ class NativeBody(tier.NativeLoop):
   def _refuse(self, why: str) -> None:
     super()._refuse(why)
     _counts["refused"] += 1
+
+  def _run(self, fn, args):
+    res = super()._run(fn, args)  # (a step before the step function is in)
+    _counts["native_calls"] += 1
+    return res
 
 
 def _step_source(guard, reads, nargs) -> str:
@@ -243,6 +249,9 @@ class BodyPlan:
     exec(compile(_step_source(body.guard, self.reads, nargs), "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
+    if body.sync:  # (tests: compiled from the first run, never timed)
+      self.fn = step
+      return
     best = [float("inf"), float("inf")]  # fastest (NumPy, native) grid step
     calls = [0]
     perf = time.perf_counter
@@ -256,11 +265,13 @@ class BodyPlan:
       if dt < best[native]:
         best[native] = dt
       if calls[0] >= PROBE_CALLS:
-        self._decide(step, best)
+        self.decide(step, best)
       return res
     self.fn = probe
 
-  def _decide(self, step, best) -> None:
+  def decide(self, step, best) -> None:
+    """Keep ``step`` where its fastest grid step (``best[1]``) beats the
+    NumPy plan's (``best[0]``) by ``KEEP_RATIO``, else the NumPy plan."""
     if best[1] <= KEEP_RATIO * best[0]:
       self.fn = step
       return
