@@ -30,6 +30,7 @@ plan with ``fn`` the native body's entry.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -48,6 +49,11 @@ KEEP_RATIO = 0.9
 # Primitives a body may not hold: its loops are the loop tier's
 # (control_flow/loops.py wraps them in NativeLoop).
 LOOPS = frozenset(("while", "scan"))
+# The most elements a body's refs and values may have: a wider body spends
+# its time in NumPy's loops, not its dispatch (nothing to gain), and its
+# grid may run on threads (grid/threads.py, from 1 << 15 elements), which a
+# compiled body, holding the GIL, would serialize.
+MAX_ELEMENTS = 1 << 15
 # The run-context reads that become scalar arguments (top level only).
 CONTEXT_READS = {"program_id": "program_ids", "num_programs": "num_programs"}
 
@@ -114,6 +120,19 @@ def _subjaxprs(eqn):
         yield inner
 
 
+def _widest(jaxpr) -> int:
+  """The most elements of a ref or value of ``jaxpr`` (nested ones too)."""
+  n = 0
+  for v in jaxpr.invars:
+    n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
+  for e in jaxpr.eqns:
+    for v in e.outvars:
+      n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
+    for sub in _subjaxprs(e):
+      n = max(n, _widest(sub))
+  return n
+
+
 def _reads_context_below(jaxpr) -> bool:
   """Whether a nested jaxpr of ``jaxpr`` reads a program id or count."""
   for e in jaxpr.eqns:
@@ -127,8 +146,9 @@ def body_jaxpr(jaxpr):
   """(the body with its top-level program id/count reads as leading
   invars, the run-context reads ``(field, axis)`` they stand for), or
   None where no body can be compiled (a loop inside, a read below the top
-  level, an operand that is not a ref)."""
-  if jaxpr.constvars or not jaxpr.eqns or _holds_loop(jaxpr) or _reads_context_below(jaxpr):
+  level, an operand that is not a ref, more than ``MAX_ELEMENTS``)."""
+  if (jaxpr.constvars or not jaxpr.eqns or _holds_loop(jaxpr) or _reads_context_below(jaxpr)
+      or _widest(jaxpr) > MAX_ELEMENTS):
     return None
   if not all(isinstance(v.aval, jc.AbstractRef) for v in jaxpr.invars):
     return None
