@@ -163,6 +163,8 @@ def test_refused_body_runs_the_numpy_plan():
 
 
 def test_bodies_never_wrapped_when_off_or_holding_a_loop():
+  """Off, a loop inside (the loop tier's), a program id below the top
+  level, a value wider than MAX_ELEMENTS: the plan itself, no wrapper."""
   def loop_kernel(x_ref, o_ref):
     o_ref[...] = lax.fori_loop(0, 3, lambda i, v: v * 2.0, x_ref[...])
 
@@ -171,14 +173,20 @@ def test_bodies_never_wrapped_when_off_or_holding_a_loop():
                           lambda: x_ref[...])
   def double_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
+
+  def wide_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + jnp.zeros((bodies.MAX_ELEMENTS + 8, 128), jnp.float32).sum()
   x = _f32(8, 128)
-  for kernel, params in ((double_kernel, OFF), (loop_kernel, SYNC), (when_pid_kernel, SYNC)):
+  for kernel, params, wrapped in ((double_kernel, SYNC, True), (double_kernel, OFF, False),
+                                  (loop_kernel, SYNC, False), (when_pid_kernel, SYNC, False),
+                                  (wide_kernel, SYNC, False)):
     jaxpr = jax.make_jaxpr(lambda v: pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(1,),
         interpret=params)(v))(x)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
     plan = object()
-    assert bodies.wrap(plan, eqn.params["jaxpr"], params) is plan, kernel.__name__
+    got = bodies.wrap(plan, eqn.params["jaxpr"], params)
+    assert isinstance(got, bodies.BodyPlan) if wrapped else got is plan, kernel.__name__
 
 
 def test_a_body_slower_than_its_numpy_plan_is_dropped():
