@@ -163,21 +163,26 @@ def test_refused_body_runs_the_numpy_plan():
 
 
 def test_bodies_never_wrapped_when_off_or_holding_a_loop():
-  """Off, a loop inside (the loop tier's), a program id below the top
-  level, a value wider than MAX_ELEMENTS: the plan itself, no wrapper."""
+  """Off, too few eqns, a loop inside (the loop tier's), a program id below
+  the top level, a value wider than MAX_ELEMENTS: the plan itself, no wrapper."""
   def loop_kernel(x_ref, o_ref):
     o_ref[...] = lax.fori_loop(0, 3, lambda i, v: v * 2.0, x_ref[...])
 
   def when_pid_kernel(x_ref, o_ref):
     o_ref[...] = lax.cond(x_ref[0, 0] > 0, lambda: x_ref[...] + pl.program_id(0),
                           lambda: x_ref[...])
-  def double_kernel(x_ref, o_ref):
+  def double_kernel(x_ref, o_ref):  # (3 eqns: fewer than MIN_EQNS)
     o_ref[...] = x_ref[...] * 2.0
+
+  def poly_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = x * x * 2.0 + 1.0
 
   def wide_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + jnp.zeros((bodies.MAX_ELEMENTS + 8, 128), jnp.float32).sum()
   x = _f32(8, 128)
-  for kernel, params, wrapped in ((double_kernel, SYNC, True), (double_kernel, OFF, False),
+  for kernel, params, wrapped in ((poly_kernel, SYNC, True), (poly_kernel, OFF, False),
+                                  (double_kernel, SYNC, False),
                                   (loop_kernel, SYNC, False), (when_pid_kernel, SYNC, False),
                                   (wide_kernel, SYNC, False)):
     jaxpr = jax.make_jaxpr(lambda v: pl.pallas_call(

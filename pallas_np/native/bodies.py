@@ -54,6 +54,9 @@ LOOPS = frozenset(("while", "scan"))
 # grid may run on threads (grid/threads.py, from 1 << 15 elements), which a
 # compiled body, holding the GIL, would serialize.
 MAX_ELEMENTS = 1 << 15
+# The fewest eqns a compiled body may hold: a copy or two (``copy_8x128``:
+# ~6 us of NumPy) cost less than entering the compiled call.
+MIN_EQNS = 4
 # The run-context reads that become scalar arguments (top level only).
 CONTEXT_READS = {"program_id": "program_ids", "num_programs": "num_programs"}
 
@@ -146,7 +149,8 @@ def body_jaxpr(jaxpr):
   """(the body with its top-level program id/count reads as leading
   invars, the run-context reads ``(field, axis)`` they stand for), or
   None where no body can be compiled (a loop inside, a read below the top
-  level, an operand that is not a ref, more than ``MAX_ELEMENTS``)."""
+  level, an operand that is not a ref, more than ``MAX_ELEMENTS``, fewer
+  than ``MIN_EQNS`` eqns)."""
   if (jaxpr.constvars or not jaxpr.eqns or _holds_loop(jaxpr) or _reads_context_below(jaxpr)
       or _widest(jaxpr) > MAX_ELEMENTS):
     return None
@@ -163,7 +167,7 @@ def body_jaxpr(jaxpr):
       continue
     reads.append((field, int(e.params["axis"])))
     read_vars.append(out)
-  if not eqns:
+  if len(eqns) < MIN_EQNS:
     return None
   body = jc.with_leading_invars(jaxpr, read_vars, eqns,
                                 [f"ctx.{field}[{axis}]" for field, axis in reads])
@@ -239,15 +243,25 @@ class BodyPlan:
     else:
       def numpy_fn(ctx, *args):
         return plan.fn(ctx, *args)
-    self.body = NativeBody(eqn, params, numpy_fn, self._swapped)
-    entry = self.body.entry()
-    if not reads:
-      self.fn = entry
-      return
+    self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped)
     getters = tuple(reads)
+    perf = time.perf_counter
 
     def native_body(ctx, *refs):
-      return entry(ctx, *[getattr(ctx, field)[axis] for field, axis in getters], *refs)
+      """``NativeLoop.entry`` for a body: its usual run while on the NumPy
+      path (``timing``) calls the plan's ``fn`` with no context read and no
+      wrapper; every other run is the body's ``__call__``."""
+      if body.timing:
+        t0 = perf()
+        res = plan.fn(ctx, *refs)
+        body.spent += perf() - t0
+        if ctx is not body.last_ctx:
+          body.last_ctx = ctx
+          body.runs += 1
+        if body.spent >= body.due:
+          body._step((*[getattr(ctx, f)[a] for f, a in getters], *refs))
+        return res
+      return body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
     self.fn = native_body
 
   def _swapped(self, body, fn) -> None:
