@@ -216,3 +216,19 @@ def test_a_body_slower_than_its_numpy_plan_is_dropped():
   assert bodies.stats()["slower"] == slower + 1
   body_plan.fn(None, np.asarray(x), np.asarray(w), out)
   assert len(numpy_calls) == 1
+
+
+def test_a_refused_body_hands_the_grid_its_plan():
+  """After a refusal the grid calls the plan's own function (no wrapper)."""
+  x = _f32(8, 128)
+  fn = pl.pallas_call(_refused_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=(2,), in_specs=[pl.BlockSpec((4, 128), lambda i: (i, 0))],
+                      out_specs=pl.BlockSpec((4, 128), lambda i: (i, 0)), interpret=SYNC)
+  jaxpr = jax.make_jaxpr(fn)(x)
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  calls = []
+  plan = types.SimpleNamespace(fn=lambda ctx, *refs: calls.append(len(refs)))
+  body_plan = bodies.wrap(plan, eqn.params["jaxpr"], SYNC)
+  refs = (np.asarray(x)[:4], np.zeros((4, 128), np.float32))
+  body_plan.fn(None, *refs)  # (refused at this first run)
+  assert body_plan.fn is plan.fn and calls == [2]

@@ -261,7 +261,10 @@ class BodyPlan:
         if body.spent >= body.due:
           body._step((*[getattr(ctx, f)[a] for f, a in getters], *refs))
         return res
-      return body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
+      res = body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
+      if body.native is None and body.phase == "done":  # (refused, failed: for good)
+        self.__dict__.pop("fn", None)  # (the plan's own fn from now on: __getattr__)
+      return res
     self.fn = native_body
 
   def _swapped(self, body, fn) -> None:
@@ -309,11 +312,15 @@ class BodyPlan:
     if best[1] <= KEEP_RATIO * best[0]:
       self.fn = step
       return
-    del self.fn  # (the plan's own fn from now on: __getattr__)
+    self.__dict__.pop("fn", None)  # (the plan's own fn from now on: __getattr__)
     self.body.native = None
     _counts["slower"] += 1
-    tier.log.debug("pallas_np: native body dropped (%.1f us vs NumPy's %.1f us)",
-                   best[1] * 1e6, best[0] * 1e6)
+    why = (f"a kernel body slower compiled ({best[1] * 1e6:.1f} us a step) than its NumPy "
+           f"plan ({best[0] * 1e6:.1f} us)")
+    # (not recorded under the pre-key, as a refusal is: a timing, unlike a
+    # refusal, may differ in the next process; there it costs a load and
+    # PROBE_CALLS / 2 slower steps)
+    tier.log.debug("pallas_np: native body dropped: %s", why)
 
   def __call__(self, ctx, *args):
     return self.fn(ctx, *args)
