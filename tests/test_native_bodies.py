@@ -66,6 +66,24 @@ def test_elementwise_and_reductions_one_point():
   compiled_body_equals_numpy(make, x, w, steps=1)
 
 
+def _rsqrt_kernel(x_ref, o_ref):
+  x = x_ref[...]
+  o_ref[...] = lax.rsqrt(x) * 2.0 + x
+
+
+def test_rsqrt_edge_values():
+  """rsqrt's emitter (the NumPy rule's reciprocal(sqrt(x))) on zeros of
+  both signs, negatives, infinities, NaN, tiny and huge values."""
+  specials = np.array([0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 1e-30, 3e38, 1.0, 2.0, 0.25,
+                       1e-20], np.float32)
+  x = np.abs(_rng.standard_normal((8, 128)).astype(np.float32)) * 100
+  x.reshape(-1)[:specials.size] = specials
+  x = jnp.asarray(x)
+  make = lambda interp: pl.pallas_call(
+      _rsqrt_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interp)
+  compiled_body_equals_numpy(make, x, steps=1)
+
+
 def _acc_kernel(x_ref, y_ref, n_ref, o_ref, acc_ref):
   """Program ids and counts (scalar arguments of the compiled body), an f32
   dot through NumPy's BLAS, an int32 dot, a scratch accumulator across
