@@ -83,12 +83,10 @@ class BodyEqn:
 
   primitive = _BodyPrimitive()
   outvars = ()
-  effects = frozenset()
 
   def __init__(self, jaxpr):
     self.invars = list(jaxpr.invars)
     self.params = {"jaxpr": _closed(jaxpr)}
-    self.source_info = jaxpr.eqns[0].source_info if jaxpr.eqns else None
 
   @staticmethod
   def native_top(gen, eqn, ins, top=True):
@@ -106,6 +104,7 @@ def _closed(jaxpr):
 
 
 def _holds_loop(jaxpr) -> bool:
+  """Whether ``jaxpr`` or a nested jaxpr holds a ``while`` or ``scan``."""
   for e in jaxpr.eqns:
     if e.primitive.name in LOOPS:
       return True
@@ -116,6 +115,7 @@ def _holds_loop(jaxpr) -> bool:
 
 
 def _subjaxprs(eqn):
+  """The jaxprs in ``eqn``'s params (cond branches, call bodies)."""
   for p in eqn.params.values():
     for sub in (p if isinstance(p, (tuple, list)) else (p,)):
       inner = getattr(sub, "jaxpr", sub)
