@@ -90,6 +90,7 @@ class InterpretParams:
       (its build's weighted price) is built in a compile process and used once
       ready, or loaded from the disk cache (``PALLAS_NP_NATIVE_CACHE``);
       ``"sync"``: built at its first run, the caller waiting; ``"off"``: never.
+      Small kernel bodies without loops likewise (docs/native_bodies.md).
       ``PALLAS_NP_NATIVE_LOOPS=0`` turns it off everywhere. Never under
       ``pdb``, ``detect_races``, ``explain``, ``check_avals`` or ``trace``.
     loop_watchdog_s: wall-clock seconds one execution of a ``while_loop``

@@ -28,7 +28,7 @@ from pallas_np._compat.core import (  # noqa: F401
     has_effects, internal_module, is_extended_dtype, is_semaphore_dtype, jax_core,
     lax_internal, lax_slicing, logical_shape, lowering_source,
     merge_callback_args, optional_primitive, physical_aval, physical_dtype, source_summary,
-    subjaxprs, trace_to_jaxpr, tree_unflatten)
+    subjaxprs, trace_to_jaxpr, tree_unflatten, with_leading_invars)
 from pallas_np._compat.versions import (  # noqa: F401
     bf16_to_bool_flushes_denormals, call_hi_primitive_p, digamma_at_zero,
     composite_body, copy_has_barrier, has_user_predicate, hi_primitive_expansion,

@@ -74,6 +74,17 @@ def is_extended_dtype(dtype) -> bool:
   return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.extended)
 
 
+def with_leading_invars(jaxpr, invars, eqns, names):
+  """``jaxpr`` taking ``invars`` (named ``names`` in its debug info) before
+  its own, with ``eqns`` as its eqns (``native/bodies.py``: a kernel body
+  whose program-id reads become arguments)."""
+  dbg = jaxpr.debug_info
+  arg_names = getattr(dbg, "arg_names", None)
+  if arg_names is not None:  # (a NamedTuple in every supported JAX)
+    dbg = dbg._replace(arg_names=(*names, *arg_names))
+  return jaxpr.replace(invars=[*invars, *jaxpr.invars], eqns=list(eqns), debug_info=dbg)
+
+
 def trace_to_jaxpr(fn, avals):
   """ClosedJaxpr of ``fn`` applied to arrays of the given (physical) avals."""
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]

@@ -36,6 +36,12 @@ from pallas_np.params import InterpretParams
 from pallas_np.state import dma
 
 
+# Wrappers of a kernel's sequential plan, ``(plan, jaxpr, params) -> plan``
+# (the same calls, same bits): the native tier registers its compiled kernel
+# bodies here (native/bodies.py), as the grid cannot import the native package.
+PLAN_WRAPPERS: list = []
+
+
 class KernelPlan:
   """A pallas_call compiled for the NumPy interpreter (built once, run many)."""
 
@@ -117,7 +123,10 @@ class KernelPlan:
     """The kernel's sequential plan. Compiled lazily: a vectorized grid
     runs a batched plan instead, and the kernel is the biggest compile."""
     if self._kernel is None:
-      self._kernel = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
+      plan = self.compiler.compile(self.kernel_jaxpr, first_calls=True)
+      for wrap in PLAN_WRAPPERS:  # (the native tier's compiled bodies: native/bodies.py)
+        plan = wrap(plan, self.kernel_jaxpr, self.params)
+      self._kernel = plan
     return self._kernel
 
   def compile(self):

@@ -247,6 +247,15 @@ SCALAR["floor"] = _float_unary("floor")
 SCALAR["ceil"] = _float_unary("ceil")
 
 
+@scalar_op("rsqrt")
+def _rsqrt(dts, out, params):
+  """The NumPy rule's ``reciprocal(sqrt(x))``: two correctly rounded ops."""
+  if out.kind != "f":
+    raise Refused("rsqrt")
+  c = _cast(out)
+  return lambda a: c(f"1.0 / {c(f'np.sqrt({a})')}")
+
+
 @scalar_op("square")
 def _square(dts, out, params):
   if out == np.bool_:

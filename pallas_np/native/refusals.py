@@ -18,7 +18,7 @@ _REASONS = {
         "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "bessel_i0e",
         "bessel_i1e", "cbrt", "cos", "cosh", "digamma", "erf", "erf_inv", "erfc",
         "expm1", "igamma", "igammac", "lgamma", "log1p", "logistic",
-        "polygamma", "pow", "regularized_incomplete_beta", "rsqrt", "sin", "sinh", "tan",
+        "polygamma", "pow", "regularized_incomplete_beta", "sin", "sinh", "tan",
         "zeta", "nextafter", "one_minus_square", "polynomial", "reciprocal", "integer_pow", "round",
         "reduce_precision"),
     "an order-dependent or multi-pass reduction, scan or sort (NumPy's order and NaN "
