@@ -250,3 +250,41 @@ def test_a_refused_body_hands_the_grid_its_plan():
   refs = (np.asarray(x)[:4], np.zeros((4, 128), np.float32))
   body_plan.fn(None, *refs)  # (refused at this first run)
   assert body_plan.fn is plan.fn and calls == [2]
+
+
+def _dma_body_kernel(x_hbm, o_ref, buf, sem, sem_out):
+  """A body without loops holding a local DMA and a semaphore (their NumPy
+  rules called back with the run context: dma_calls), then elementwise ops."""
+  copy = pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], buf, sem)
+  copy.start()
+  pl.semaphore_signal(sem_out, 3)
+  copy.wait()
+  seen = pl.semaphore_read(sem_out)
+  pl.semaphore_wait(sem_out, 3)
+  o_ref[...] = jnp.exp(buf[...] * 0.5) + seen.astype(jnp.float32) - buf[...]
+
+
+def test_body_with_dmas_and_semaphores_runs_its_call_sites():
+  """Merging the DMA call sites with compiled bodies: a body holding a
+  DMA runs through the loop's general run (the call sites need the run
+  context), not the body's step function; before, it called the compiled
+  function with no call sites bound."""
+  x = _f32(24, 128)
+
+  def make(interp):
+    return pl.pallas_call(
+        _dma_body_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA,
+                        pltpu.SemaphoreType.REGULAR],
+        interpret=interp)
+  fn = make(SYNC)
+  before = _native_steps()
+  got = [np.asarray(fn(x)) for _ in range(2)]
+  assert _native_steps() - before == 2, "the compiled body did not run"
+  off = np.asarray(make(OFF)(x))
+  for g in got:
+    np.testing.assert_array_equal(bits(g), bits(off))
+  xs = np.asarray(x)[8:16]
+  np.testing.assert_allclose(got[0], np.exp(xs * np.float32(0.5)) + 3 - xs, rtol=1e-6, atol=1e-6)

@@ -194,8 +194,8 @@ class NativeBody(tier.NativeLoop):
     super()._refuse(why)
     _counts["refused"] += 1
 
-  def _run(self, fn, args):
-    res = super()._run(fn, args)  # (a step before the step function is in)
+  def _run(self, fn, args, ctx=None):
+    res = super()._run(fn, args, ctx)  # (a step before the step function is in)
     _counts["native_calls"] += 1
     return res
 
@@ -270,6 +270,8 @@ class BodyPlan:
   def _swapped(self, body, fn) -> None:
     """The body's library is in: its step function, timed against the
     NumPy plan for the next ``PROBE_CALLS`` grid steps."""
+    if body.pycalls is not None:  # (DMA/semaphore call sites need the run context:
+      return                       # the loop's general run, dma_calls.runner)
     plan, st = self.plan, tier.blas_calls.status()
 
     def oob(args):
