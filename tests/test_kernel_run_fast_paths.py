@@ -369,7 +369,9 @@ def static_access_kernel(x_ref, o_ref, s_ref):
 
 def _kernel_globals_named(fn, args, interp):
   entry = api.eager_entry(fn.jax_callable, interp, args)
-  return {getattr(v, "__name__", None) for v in entry.plan.kernel.kernel.fn.__globals__.values()}
+  kernel = entry.plan.kernel.kernel
+  kernel = getattr(kernel, "plan", kernel)  # (a native body's BodyPlan wraps it: native/bodies.py)
+  return {getattr(v, "__name__", None) for v in kernel.fn.__globals__.values()}
 
 
 @pytest.mark.filterwarnings("ignore:pallas_np. detect_races=True")
