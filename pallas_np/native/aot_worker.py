@@ -101,6 +101,34 @@ def _external(symbol: str, ir: str):
   return call
 
 
+_INT_OPS: dict = {}  # (made once per process: its builds share their typing)
+
+
+def _int_ops() -> dict:
+  """``_sdiv``/``_srem``: LLVM's truncating signed division and remainder
+  of two integers of one type (XLA's ``div``/``rem``; the generated code
+  never passes 0 or -1 as the divisor). numba's ``//`` and ``%`` floor
+  (the generated code would undo that with branches per element) and its
+  ``np.fmod`` of signed integers is an unsigned remainder."""
+  if _INT_OPS:
+    return _INT_OPS
+  from numba import types
+  from numba.extending import intrinsic
+
+  def make(op):
+    @intrinsic
+    def fn(typingctx, a, b):
+      if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.signed):
+        return None
+
+      def codegen(context, builder, signature, args):
+        return getattr(builder, op)(args[0], context.cast(builder, args[1], b, a))
+      return a(a, b), codegen
+    return fn
+  _INT_OPS.update(_sdiv=make("sdiv"), _srem=make("srem"))
+  return _INT_OPS
+
+
 def build(job: dict) -> None:
   t0 = time.perf_counter()
   fresh = "numba" not in sys.modules
@@ -113,7 +141,7 @@ def build(job: dict) -> None:
   if not getattr(pycc_compiler.Flags, "_pallas_np", False):
     _patch_error_model(pycc_compiler)
     pycc_compiler.Flags._pallas_np = True
-  scope = {"np": np}
+  scope = {"np": np, **_int_ops()}
   with np.load(job["consts"]) as consts:
     for k in consts.files:
       v = consts[k]
