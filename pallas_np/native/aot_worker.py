@@ -1,7 +1,7 @@
 """The native tier's compile process: builds one loop's generated source
 into a shared library with numba's ahead-of-time compiler (``numba.pycc``),
 in a process of its own, so that numba's import, typing and LLVM never hold
-the caller's GIL (docs/performance.md, "The native tier").
+the caller's GIL (docs/native.md).
 
 Run as a script (``python aot_worker.py``; it imports neither pallas_np
 nor JAX, only NumPy and numba): it reads one job a line on stdin, a JSON

@@ -1,6 +1,6 @@
 """The native tier: a loop that keeps running is compiled with numba, in a
 process of its own, and then runs as machine code, with the NumPy path's
-bits and errors (docs/performance.md, "The native tier").
+bits and errors (docs/native.md).
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
 At its first run, where this process or the disk cache has pre-keys
