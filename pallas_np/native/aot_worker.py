@@ -234,6 +234,7 @@ def warm_up() -> None:
   ret = numba.types.Tuple((numba.int64, arr("float32"), arr("int32"), arr("bool"),
                            arr("float64"), arr("int64")))
   build_dir = tempfile.mkdtemp(prefix="pallas_np-native-warm-")
+  _warming[:] = [build_dir]
   try:
     cc = CC(MODULE)
     cc.target_cpu = "host"
@@ -241,7 +242,25 @@ def warm_up() -> None:
     cc.export("native_loop", ret(*args))(scope["native_loop"])
     cc._compile_object_files(build_dir)  # noqa: SLF001
   finally:
+    _warming.clear()
     shutil.rmtree(build_dir, ignore_errors=True)
+
+
+_warming: list = []  # the warm-up's build directory while it runs
+
+
+def _orphan_watch(parent: int) -> None:
+  """Ends this process if its parent exits during the warm-up (which reads
+  no input, so it would not see the end of it): a warm-up for a process
+  that is gone is CPU for nothing."""
+  while True:
+    time.sleep(0.2)
+    if not _warming:
+      return
+    if os.getppid() != parent:
+      if _warming[0] is not None:
+        shutil.rmtree(_warming[0], ignore_errors=True)
+      os._exit(0)
 
 
 def main() -> None:
@@ -259,10 +278,17 @@ def main() -> None:
   os.dup2(2, 1)
   sys.stdout = sys.stderr
   if "--warm" in sys.argv:
+    import threading
+    _warming[:] = [None]
+    # (the parent's pid from the command line: it may have exited already)
+    at = sys.argv.index("--warm") + 1
+    parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
+    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     try:
       warm_up()
     except Exception:  # noqa: BLE001 - the first build does it again, and reports
       pass
+    _warming.clear()
   for line in sys.stdin:
     if not line.strip():
       continue

@@ -137,7 +137,7 @@ class _Compiler:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
           [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice", "--warm"] if self.nice else [])],
+           *(["--nice", "--warm", str(os.getpid())] if self.nice else [])],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
