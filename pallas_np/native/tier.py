@@ -184,6 +184,17 @@ def _work():
 
 
 def _submit(loop, step) -> None:
+  """Queues a loop's build step for the tier's thread."""
+  _enqueue(loop, step)
+
+
+def _prestart() -> None:
+  """Has the tier's thread start the background compile process (its
+  warm-up: ``_Compiler.start``) ahead of any build."""
+  _enqueue(None, _compiler.start)
+
+
+def _enqueue(loop, step) -> None:
   with _cond:
     _state["queued"] += 1
     if not _thread:
@@ -364,10 +375,12 @@ class NativeLoop:
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
     self.phase = "priced"
-    if not self.sync and _compiler.proc is None:
-      # (the compile process's one-off setup, ~1-4 s, paid while the
-      # build is not yet due: in the tier's thread, off the caller's)
-      _submit(None, _compiler.start)
+    if not self.sync and _compiler.proc is None and weight() == COMPILE_WEIGHT:
+      # (the compile process's one-off setup, ~1-4 s of a niced process,
+      # paid while the build is not yet due, where a core is idle; else
+      # when the build is queued. Started by the tier's thread: a process
+      # start holds the GIL for milliseconds)
+      _prestart()
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
