@@ -8,6 +8,7 @@ differential tests compile (``native_loops="sync"``) and compare with the
 NumPy path (``"off"``) bit for bit, and with ``interpret=True``."""
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,22 @@ def test_float_max_min_are_two_selects():
   minmax = [line for line in text.splitlines() if "-((-" in line or " != e" in line]
   assert minmax, text
   assert max(line.count(" if ") for line in minmax) == 2, minmax
+
+
+def _shift_kernel(x_ref, y_ref, o_ref):
+  def body(i, x):
+    return lax.shift_left(x, y_ref[...]) + lax.shift_right_arithmetic(x, y_ref[...])
+  o_ref[...] = lax.fori_loop(0, 2, body, x_ref[...])
+
+
+def test_shift_range_test_is_bitwise():
+  """A shift by an array of amounts tests each amount against the width:
+  ``0 <= s < 32`` is two branches per element (short-circuit), ``(0 <= s) &
+  (s < 32)`` none."""
+  x = jnp.ones((2, 128), jnp.int32)
+  text = _loop_source(_shift_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x, x)
+  assert "(0 <= " in text, text
+  assert not re.search(r"0 <= \w+ <", text), text
 
 
 def _divide_kernel(divisors, x_ref, o_ref):

@@ -136,7 +136,7 @@ def _sign(dts, out, params):
   if out.kind == "i":
     return lambda a: c(f"1 if {a} > 0 else (-1 if {a} < 0 else 0)")
   if out.kind == "f":  # NaN and either zero are kept (XLA's sign)
-    return lambda a: c(f"{a} if ({a} != {a} or {a} == 0) else (1.0 if {a} > 0 else -1.0)")
+    return lambda a: c(f"{a} if (({a} != {a}) | ({a} == 0)) else (1.0 if {a} > 0 else -1.0)")
   raise Refused("sign")
 
 
@@ -195,7 +195,7 @@ def _shift_in_range(out, bits):
   """The condition that a shift amount is below the width (XLA shifts a
   wider or negative amount out completely)."""
   if out.kind == "i":
-    return lambda s: f"(0 <= {s} < {bits})"
+    return lambda s: f"((0 <= {s}) & ({s} < {bits}))"  # (bitwise: a chained test branches)
   return lambda s: f"({s} < {bits})"
 
 
