@@ -45,10 +45,13 @@ def _salt():
 
 
 class _Builds:
-  """``tier._submit`` with its builds recorded, not run."""
+  """``tier._submit`` with its builds recorded, not run (and no compile
+  process started ahead of them: ``tier._prestart``)."""
 
   def __init__(self, monkeypatch):
     self.loops = []
+    self.prestarts = []
+    monkeypatch.setattr(tier, "_prestart", lambda: self.prestarts.append(1))
     def submit(loop, step):
       assert step == loop.build
       self.loops.append(loop)
@@ -87,6 +90,26 @@ def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
   assert native.wait(timeout=900)
   assert not builds.loops and not generated
   assert len(calls) <= 1, len(calls)
+
+
+@pytest.mark.parametrize("load,started", [(0.5, True), (5.0, False)])
+def test_compile_process_started_when_a_loop_is_priced(monkeypatch, load, started):
+  """A priced loop has the background compile process started (its warm-up,
+  numba's import and first compile, ~2-4 s, then runs while the loop's
+  NumPy path runs on toward its build's price), where a core is idle; on a
+  busy machine it is started with the build."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  monkeypatch.setattr(tier, "_CPUS", 2)
+  monkeypatch.setattr(tier._compiler, "proc", None)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [load])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(5):
+    f(x)
+  assert not builds.loops
+  assert builds.prestarts == ([1] if started else []), builds.prestarts
 
 
 def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):

@@ -1,5 +1,5 @@
 """The native tier: hot loops compiled to machine code with numba
-(docs/performance.md, "The native tier"). numba is imported only when a
+(docs/native.md). numba is imported only when a
 loop is compiled, never by ``import pallas_np``."""
 from pallas_np.native import (  # noqa: F401 (emitters)
     control, dma, dots, elementwise, masked, narrow, reductions, refs, shapes, transcendental)

@@ -1,7 +1,7 @@
 """The native tier's compile process: builds one loop's generated source
 into a shared library with numba's ahead-of-time compiler (``numba.pycc``),
 in a process of its own, so that numba's import, typing and LLVM never hold
-the caller's GIL (docs/performance.md, "The native tier").
+the caller's GIL (docs/native.md).
 
 Run as a script (``python aot_worker.py``; it imports neither pallas_np
 nor JAX, only NumPy and numba): it reads one job a line on stdin, a JSON
@@ -57,6 +57,28 @@ def _patch_error_model(pycc_compiler):
 _setup = [0.0]  # seconds of one-off work in the current build (see main)
 
 
+# pycc's C helpers are compiled without debug information and at -O1 (the
+# generated loops call only NRT's allocator among them, a few times a call):
+# 6 s instead of 11 s on 2 cores, once per cache directory.
+MIXIN_CFLAGS = ["-O1", "-g0"]
+
+
+def _compile_mixins(cc, build_dir) -> list:
+  """pycc's ``_compile_mixins``, its sources compiled two at a time (this
+  process is niced: a busy caller's core is not taken)."""
+  from concurrent.futures import ThreadPoolExecutor
+  sources = cc._get_mixin_sources()  # noqa: SLF001 - pycc has no public split
+  macros = cc._get_mixin_defines()  # noqa: SLF001
+  include_dirs = cc._toolchain.get_python_include_dirs()  # noqa: SLF001
+
+  def compile_one(k):
+    out = os.path.join(build_dir, f"mixin{k}")
+    return cc._toolchain.compile_objects(  # noqa: SLF001
+        [sources[k]], out, include_dirs=include_dirs, macros=macros, extra_cflags=MIXIN_CFLAGS)
+  with ThreadPoolExecutor(2) as pool:
+    return [o for objs in pool.map(compile_one, range(len(sources))) for o in objs]
+
+
 def _mixins(cc, cache_dir, build_dir):
   """pycc's C helper objects, compiled once per cache directory."""
   mix_dir = os.path.join(cache_dir, "mixins")
@@ -64,7 +86,7 @@ def _mixins(cc, cache_dir, build_dir):
   if found:
     return found
   t0 = time.perf_counter()
-  objs = cc._compile_mixins(build_dir)  # noqa: SLF001 - pycc has no public split
+  objs = _compile_mixins(cc, build_dir)
   _setup[0] += time.perf_counter() - t0
   tmp = tempfile.mkdtemp(dir=cache_dir, prefix="mixins-")
   for k, o in enumerate(objs):
@@ -101,6 +123,34 @@ def _external(symbol: str, ir: str):
   return call
 
 
+_INT_OPS: dict = {}  # (made once per process: its builds share their typing)
+
+
+def _int_ops() -> dict:
+  """``_sdiv``/``_srem``: LLVM's truncating signed division and remainder
+  of two integers of one type (XLA's ``div``/``rem``; the generated code
+  never passes 0 or -1 as the divisor). numba's ``//`` and ``%`` floor
+  (the generated code would undo that with branches per element) and its
+  ``np.fmod`` of signed integers is an unsigned remainder."""
+  if _INT_OPS:
+    return _INT_OPS
+  from numba import types
+  from numba.extending import intrinsic
+
+  def make(op):
+    @intrinsic
+    def fn(typingctx, a, b):
+      if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.signed):
+        return None
+
+      def codegen(context, builder, signature, args):
+        return getattr(builder, op)(args[0], context.cast(builder, args[1], b, a))
+      return a(a, b), codegen
+    return fn
+  _INT_OPS.update(_sdiv=make("sdiv"), _srem=make("srem"))
+  return _INT_OPS
+
+
 def build(job: dict) -> None:
   t0 = time.perf_counter()
   fresh = "numba" not in sys.modules
@@ -113,7 +163,7 @@ def build(job: dict) -> None:
   if not getattr(pycc_compiler.Flags, "_pallas_np", False):
     _patch_error_model(pycc_compiler)
     pycc_compiler.Flags._pallas_np = True
-  scope = {"np": np}
+  scope = {"np": np, **_int_ops()}
   with np.load(job["consts"]) as consts:
     for k in consts.files:
       v = consts[k]
@@ -147,6 +197,72 @@ def build(job: dict) -> None:
     shutil.rmtree(build_dir, ignore_errors=True)
 
 
+_WARM_SOURCE = """
+def native_loop(_st, a, b, c):
+    x = np.empty(4, np.float32)
+    y = np.empty(4, np.int32)
+    z = np.empty(4, np.bool_)
+    w = np.empty(4, np.float64)
+    u = np.empty(4, np.int64)
+    for _c in range(4):
+        x[_c] = np.float32(a[_c] + a[_c]) if a[_c] > 0 else a[_c]
+        y[_c] = np.int32(_sdiv(b[_c], np.int32(3)) + _srem(b[_c], np.int32(5)))
+        z[_c] = c[_c] | (a[_c] > 0)
+        w[_c] = np.float64(a[_c])
+        u[_c] = np.int64(b[_c])
+    return (0, x, y, z, w, u)
+"""
+
+
+def warm_up() -> None:
+  """What every build does once per process, done before the first build
+  arrives (``--warm``: the tier starts this process when a loop is priced,
+  ahead of its build): numba's import, its typing and lowering registries,
+  and the overloads the generated code calls (``np.empty`` of the common
+  dtypes), through pycc's own compile of a small loop (not linked)."""
+  import numba
+  import numpy as np
+  from numba.pycc import CC
+  from numba.pycc import compiler as pycc_compiler
+  if not getattr(pycc_compiler.Flags, "_pallas_np", False):
+    _patch_error_model(pycc_compiler)
+    pycc_compiler.Flags._pallas_np = True
+  scope = {"np": np, **_int_ops()}
+  exec(compile(_WARM_SOURCE, "<warm-up>", "exec"), scope)  # noqa: S102 - our own source
+  arr = lambda dt: numba.types.Array(numba.from_dtype(np.dtype(dt)), 1, "C")
+  args = (arr("int64"), arr("float32"), arr("int32"), arr("bool"))
+  ret = numba.types.Tuple((numba.int64, arr("float32"), arr("int32"), arr("bool"),
+                           arr("float64"), arr("int64")))
+  build_dir = tempfile.mkdtemp(prefix="pallas_np-native-warm-")
+  _warming[:] = [build_dir]
+  try:
+    cc = CC(MODULE)
+    cc.target_cpu = "host"
+    cc.output_dir = build_dir
+    cc.export("native_loop", ret(*args))(scope["native_loop"])
+    cc._compile_object_files(build_dir)  # noqa: SLF001
+  finally:
+    _warming.clear()
+    shutil.rmtree(build_dir, ignore_errors=True)
+
+
+_warming: list = []  # the warm-up's build directory while it runs
+
+
+def _orphan_watch(parent: int) -> None:
+  """Ends this process if its parent exits during the warm-up (which reads
+  no input, so it would not see the end of it): a warm-up for a process
+  that is gone is CPU for nothing."""
+  while True:
+    time.sleep(0.2)
+    if not _warming:
+      return
+    if os.getppid() != parent:
+      if _warming[0] is not None:
+        shutil.rmtree(_warming[0], ignore_errors=True)
+      os._exit(0)
+
+
 def main() -> None:
   # Lowest CPU priority (background builds): on a machine with no idle core
   # the build waits for the caller, not the other way round. A build the
@@ -161,6 +277,18 @@ def main() -> None:
   proto = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)
   sys.stdout = sys.stderr
+  if "--warm" in sys.argv:
+    import threading
+    _warming[:] = [None]
+    # (the parent's pid from the command line: it may have exited already)
+    at = sys.argv.index("--warm") + 1
+    parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
+    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    try:
+      warm_up()
+    except Exception:  # noqa: BLE001 - the first build does it again, and reports
+      pass
+    _warming.clear()
   for line in sys.stdin:
     if not line.strip():
       continue

@@ -146,6 +146,7 @@ class Gen:
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
     self.producers: dict = {}  # var -> the eqn computing it (see reductions.numpy_layout)
+    self.scanned: dict = {}  # id -> the jaxprs whose consumers are recorded (kept alive)
     self.layouts: dict = {}  # var -> its layout on the NumPy path (reductions.numpy_layout)
     self.aliases: dict = {}  # an inlined callee's parameter var -> the caller's atom
     # Functions the code calls that are linked in from LLVM IR (XLA's float
@@ -266,6 +267,25 @@ class Gen:
     self.emit(f"{v.name} = {expr}")
     return v
 
+  def copy_into(self, dst: str, src: str, size: int) -> None:
+    """``dst[:] = src`` for flat arrays of ``size`` elements, as an explicit
+    loop: numba's slice assignment compiles its shape-mismatch error path
+    (a formatted message: ~4 s of the first build in a compile process)."""
+    self.emit(f"for _c in range({size}):")
+    self.emit(f"    {dst}[_c] = {src}[_c]")
+
+  def flat_copy(self, arg: str, shape, dt: np.dtype) -> Val:
+    """A flat C-contiguous copy of the caller's N-d array ``arg`` (any
+    layout), element by element (``np.ascontiguousarray`` and ``reshape``
+    are numba overloads compiled per type: up to ~1 s of a build)."""
+    v = self.array(shape, dt)
+    v.temp = False
+    js = self.nest(shape)
+    flat = " + ".join(f"{j} * {math.prod(shape[k + 1:])}" for k, j in enumerate(js))
+    self.emit(f"{v.name}[{flat}] = {arg}[{', '.join(js)}]")
+    self.close(shape)
+    return v
+
   def owned(self, v: Val) -> Val:
     """``v`` as a value that can be merged into a loop carry or a cond
     output (a module constant array is read-only to numba: copied)."""
@@ -283,15 +303,19 @@ class Gen:
   def run_jaxpr(self, jaxpr, consts, ins: list) -> list:
     """Emit ``jaxpr``'s eqns on ``ins``; its output values."""
     env = {}
-    for eqn in jaxpr.eqns:  # (who reads each value: see shapes' lazy roll)
-      for k, a in enumerate(eqn.invars):
+    if id(jaxpr) not in self.scanned:  # (who reads each value: see shapes' lazy roll)
+      # once per jaxpr: a jitted callee emitted twice (jnp.roll's, called
+      # twice with one trace) has the same vars, read by the same eqns
+      self.scanned[id(jaxpr)] = jaxpr
+      for eqn in jaxpr.eqns:
+        for k, a in enumerate(eqn.invars):
+          if isinstance(a, jc.Var):
+            self.consumers.setdefault(a, []).append((eqn, k))
+        for v in eqn.outvars:
+          self.producers[v] = eqn
+      for a in jaxpr.outvars:
         if isinstance(a, jc.Var):
-          self.consumers.setdefault(a, []).append((eqn, k))
-      for v in eqn.outvars:
-        self.producers[v] = eqn
-    for a in jaxpr.outvars:
-      if isinstance(a, jc.Var):
-        self.consumers.setdefault(a, []).append((None, 0))
+          self.consumers.setdefault(a, []).append((None, 0))
     for v, c in zip(jaxpr.constvars, consts):
       env[v] = self.constant(np.asarray(c), dtype_of(v.aval))
     for v, x in zip(jaxpr.invars, ins):
@@ -382,8 +406,7 @@ def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
     elif aval.shape == ():
       val = Val(name, (), dtype_of(aval), "s")
     else:
-      val = Val(gen.fresh(), aval.shape, dtype_of(aval), "a")
-      gen.emit(f"{val.name} = np.ascontiguousarray({name}).copy().reshape({val.size})")
+      val = gen.flat_copy(name, aval.shape, dtype_of(aval))
     ins.append(val)
   # (a kernel body, native/bodies.py, brings its own top-level emitter)
   outs = getattr(eqn, "native_top", None) or emitter(eqn.primitive)

@@ -48,7 +48,7 @@ def _assign(gen, targets, values) -> None:
       later.append((t.name, v.name))
   for t, v in zip(targets, values):
     if v.kind == "a" and v.temp:
-      gen.emit(f"{t.name}[:] = {v.name}")
+      gen.copy_into(t.name, v.name, t.size)
   if later:  # (one tuple assignment: a scalar carry may pass on another)
     gen.emit(", ".join(t for t, _ in later) + ", = " + ", ".join(n for _, n in later) + ",")
 

@@ -1,5 +1,5 @@
 """Where the native tier's compiled loops live on disk, and how one is
-loaded (docs/performance.md, "The native tier").
+loaded (docs/native.md).
 
 A compiled loop is a shared library (an extension module built by
 ``aot_worker``) named by the SHA-256 of everything that determines its

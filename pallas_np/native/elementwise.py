@@ -103,11 +103,13 @@ def _minmax_maker(is_max):
       return lambda a, b: f"({a} {'|' if is_max else '&'} {b})"
     if out.kind in "iu":
       return lambda a, b: c(f"{a} if {a} {gt} {b} else {b}")
-    # np.maximum: the first NaN operand; XLA's zeros: +0 > -0 (a sum of
-    # two zeros is the max, the negated sum of negations the min)
+    # np.maximum: the first NaN operand (a if it is NaN or wins, else b,
+    # NaN or not); XLA's zeros: +0 > -0 (a sum of two zeros is the max,
+    # the negated sum of negations the min). Two selects on bitwise-combined
+    # conditions: a chain of branches keeps LLVM from vectorizing the loop.
     tie = (lambda a, b: f"{a} + {b}") if is_max else (lambda a, b: f"-((-{a}) + (-{b}))")
-    return lambda a, b: c(f"{a} if {a} != {a} else ({b} if {b} != {b} else ({a} if {a} {gt} {b} "
-                          f"else ({b} if {b} {gt} {a} else ({tie(a, b)} if {a} == 0 else {a}))))")
+    return lambda a, b: (f"({tie(a, b)} if ({a} == {b}) & ({a} == 0) else "
+                         f"({a} if ({a} {gt} {b}) | ({a} != {a}) else {b}))")
   return make
 
 
@@ -134,7 +136,7 @@ def _sign(dts, out, params):
   if out.kind == "i":
     return lambda a: c(f"1 if {a} > 0 else (-1 if {a} < 0 else 0)")
   if out.kind == "f":  # NaN and either zero are kept (XLA's sign)
-    return lambda a: c(f"{a} if ({a} != {a} or {a} == 0) else (1.0 if {a} > 0 else -1.0)")
+    return lambda a: c(f"{a} if (({a} != {a}) | ({a} == 0)) else (1.0 if {a} > 0 else -1.0)")
   raise Refused("sign")
 
 
@@ -146,10 +148,8 @@ def _div(dts, out, params):
   if out.kind == "u":
     top = int(np.iinfo(out).max)
     return lambda a, b: c(f"{top} if {b} == 0 else {a} // {b}")
-  if out.kind == "i":  # truncation; x/0 = -1; INT_MIN/-1 wraps to INT_MIN
-    return lambda a, b: c(
-        f"-1 if {b} == 0 else (-np.int64({a}) if {b} == -1 else ({a} // {b} + "
-        f"(1 if (({a} % {b} != 0) & (({a} < 0) != ({b} < 0))) else 0)))")
+  if out.kind == "i":  # truncation (_sdiv); x/0 = -1; INT_MIN/-1 wraps to INT_MIN
+    return lambda a, b: c(f"-1 if {b} == 0 else (-np.int64({a}) if {b} == -1 else _sdiv({a}, {b}))")
   raise Refused("bool div")
 
 
@@ -160,11 +160,30 @@ def _rem(dts, out, params):
     return lambda a, b: c(f"np.fmod({a}, {b})")
   if out.kind == "u":
     return lambda a, b: c(f"{a} if {b} == 0 else {a} % {b}")
-  if out.kind == "i":  # the dividend's sign; x%0 = x; x%-1 = 0
-    return lambda a, b: c(
-        f"{a} if {b} == 0 else (0 if {b} == -1 else ({a} % {b} - "
-        f"({b} if (({a} % {b} != 0) & (({a} % {b} < 0) != ({a} < 0))) else 0)))")
+  if out.kind == "i":  # the dividend's sign (_srem); x%0 = x; x%-1 = 0
+    return lambda a, b: c(f"{a} if {b} == 0 else (0 if {b} == -1 else _srem({a}, {b}))")
   raise Refused("bool rem")
+
+
+def _const_divisor(make, name):
+  """``div``/``rem`` of signed integers by a constant other than 0 and -1:
+  LLVM's truncating ``sdiv``/``srem`` alone (``_sdiv``/``_srem``), which it
+  turns into multiplications and shifts and vectorizes; the guards for the
+  other divisors are not written at all."""
+  fn = "_sdiv" if name == "div" else "_srem"
+  return lambda dts, out, params: (lambda a, b: f"{fn}({a}, {b})")
+
+
+def _py_sdiv(a, b):
+  """``_sdiv`` on NumPy integer scalars (constant folding): truncation."""
+  q = abs(int(a)) // abs(int(b))
+  return type(a)(q if (a < 0) == (b < 0) else -q)
+
+
+def _py_srem(a, b):
+  """``_srem`` on NumPy integer scalars: the dividend's sign."""
+  r = abs(int(a)) % abs(int(b))
+  return type(a)(-r if a < 0 else r)
 
 
 def _int_types(dt):
@@ -176,7 +195,7 @@ def _shift_in_range(out, bits):
   """The condition that a shift amount is below the width (XLA shifts a
   wider or negative amount out completely)."""
   if out.kind == "i":
-    return lambda s: f"(0 <= {s} < {bits})"
+    return lambda s: f"((0 <= {s}) & ({s} < {bits}))"  # (bitwise: a chained test branches)
   return lambda s: f"({s} < {bits})"
 
 
@@ -310,6 +329,9 @@ def emit_elementwise(gen, eqn, ins, make=None):
     recip = float_reciprocal(np.reshape(gen.globals[ins[1].name], ins[1].shape), out_dt)
     ins = [ins[0], gen.constant(recip, out_dt)]
     make = SCALAR["mul"]
+  if (name in ("div", "rem") and out_dt.kind == "i" and ins[1].glob and ins[1].kind == "s"
+      and int(gen.globals[ins[1].name]) not in (0, -1)):
+    make = _const_divisor(make, name)
   expr = make([v.dtype for v in ins], out_dt, params)
   if any(v.kind == "r" for v in ins):
     raise Refused(f"{name} of a ref")
@@ -332,7 +354,7 @@ def _fold(text, constants):
   expressions cast every result, so NumPy's scalar rules give numba's
   bits)."""
   with np.errstate(all="ignore"):
-    return eval(text, {"np": np, **constants})  # noqa: S307 - our own expression
+    return eval(text, {"np": np, "_sdiv": _py_sdiv, "_srem": _py_srem, **constants})  # noqa: S307 - our own expression
 
 
 register(*SCALAR)(emit_elementwise)

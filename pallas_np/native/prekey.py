@@ -1,5 +1,5 @@
 """A loop's pre-key: a digest of what its generated source is made from,
-cheap enough for a loop's first run (docs/performance.md, "The disk cache").
+cheap enough for a loop's first run (docs/native.md, "The disk cache").
 
 A library is named by the digest of its generated source (``disk_cache.key``);
 generating the source costs 1-20 ms of Python, paid after the loop's NumPy

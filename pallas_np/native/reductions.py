@@ -21,7 +21,7 @@ A float max/min is the same number in any order: the NumPy rule's
 ``np.maximum.reduce`` with XLA's signed zeros (-0.0 < +0.0) and NaN
 propagation. Which NaN, when several of different sign or payload meet, is
 the first one here (the value is NaN either way, as with additions:
-docs/performance.md).
+docs/native.md).
 """
 from __future__ import annotations
 

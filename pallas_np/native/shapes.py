@@ -233,7 +233,7 @@ def _dynamic_update_slice(gen, eqn, ins):
     raise Refused("dynamic_update_slice of a scalar")
   st = _clamped_starts(gen, starts, x.shape, upd.shape)
   out = gen.array(x.shape, x.dtype)
-  gen.emit(f"{out.name}[:] = {x.name}")
+  gen.copy_into(out.name, x.name, x.size)
   js = gen.nest(upd.shape)
   dst = " + ".join(f"({j} + {s}) * {k}" for j, s, k in zip(js, st, row_strides(x.shape)))
   src = upd.at(linear(zip(js, row_strides(upd.shape))))
@@ -256,8 +256,10 @@ def int_reduction(kind):
     c = np_name(dt)
     if dt == np.bool_:
       init = "True" if kind in ("and", "min") else "False"
-      step = {"or": "({a} or {x})", "max": "({a} or {x})",
-              "and": "({a} and {x})", "min": "({a} and {x})"}[kind]
+      # (bitwise, not ``or``/``and``: a short-circuit is a branch per
+      # element, which keeps LLVM from vectorizing the reduction)
+      step = {"or": "({a} | {x})", "max": "({a} | {x})",
+              "and": "({a} & {x})", "min": "({a} & {x})"}[kind]
     else:
       info = np.iinfo(dt)
       init = {"sum": f"{c}(0)", "max": f"{c}({int(info.min)})", "min": f"{c}({int(info.max)})",

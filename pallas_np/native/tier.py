@@ -1,6 +1,6 @@
 """The native tier: a loop that keeps running is compiled with numba, in a
 process of its own, and then runs as machine code, with the NumPy path's
-bits and errors (docs/performance.md, "The native tier").
+bits and errors (docs/native.md).
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
 At its first run, where this process or the disk cache has pre-keys
@@ -70,7 +70,7 @@ _CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
-START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 9.0
+START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
 
 _state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
           "disk_hits": 0, "queued": 0, "compiling": 0}
@@ -125,12 +125,24 @@ class _Compiler:
     with self.lock:
       return self._build(job)
 
-  def _build(self, job: dict) -> dict:
+  def start(self) -> None:
+    """Starts the compile process, if it is not running: a background one
+    imports numba and compiles a small loop first (``aot_worker.warm_up``),
+    while the loop whose build comes next still runs its NumPy path (a
+    ``"sync"`` build is waited for: no warm-up ahead of it)."""
+    with self.lock:
+      self._start()
+
+  def _start(self) -> None:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
-          [sys.executable, "-I", aot_worker.__file__, *(["--nice"] if self.nice else [])],
+          [sys.executable, "-I", aot_worker.__file__,
+           *(["--nice", "--warm", str(os.getpid())] if self.nice else [])],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+  def _build(self, job: dict) -> dict:
+    self._start()
     try:
       self.proc.stdin.write(json.dumps(job) + "\n")
       self.proc.stdin.flush()
@@ -161,8 +173,9 @@ def _work():
         with _cond:
           _state["compiling"] -= 1
     except Exception as e:  # noqa: BLE001 - the NumPy path stays
-      _state["failed"] += 1
-      loop.phase = "done"
+      if loop is not None:
+        _state["failed"] += 1
+        loop.phase = "done"
       log.debug("pallas_np: native loop failed: %r", e)
     finally:
       with _cond:
@@ -171,6 +184,17 @@ def _work():
 
 
 def _submit(loop, step) -> None:
+  """Queues a loop's build step for the tier's thread."""
+  _enqueue(loop, step)
+
+
+def _prestart() -> None:
+  """Has the tier's thread start the background compile process (its
+  warm-up: ``_Compiler.start``) ahead of any build."""
+  _enqueue(None, _compiler.start)
+
+
+def _enqueue(loop, step) -> None:
   with _cond:
     _state["queued"] += 1
     if not _thread:
@@ -353,6 +377,12 @@ class NativeLoop:
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
     self.phase = "priced"
+    if not self.sync and _compiler.proc is None and weight() == COMPILE_WEIGHT:
+      # (the compile process's one-off setup, ~1-4 s of a niced process,
+      # paid while the build is not yet due, where a core is idle; else
+      # when the build is queued. Started by the tier's thread: a process
+      # start holds the GIL for milliseconds)
+      _prestart()
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
