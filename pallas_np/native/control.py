@@ -103,7 +103,6 @@ def _cond(gen, eqn, ins):
     header = ("if True:" if last == 0 else f"if {k.name} == {b}:" if b == 0
               else f"elif {k.name} == {b}:" if b < last else "else:")
     with gen.block(header), gen.inside(eqn):
-      gen.emit("pass")  # (a branch may emit nothing: pl.when's other branch)
       outs = gen.run_jaxpr(branch.jaxpr, branch.consts, ops)
       for r, o in zip(results, outs):
         if o.kind == "r":
