@@ -290,6 +290,39 @@ def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
   assert len(calls) == 1  # (the first run: its pre-key lookup)
 
 
+def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
+  """While its background build is under way (``phase == "building"``:
+  seconds, or minutes on a machine with no idle core), a loop's runs take
+  the NumPy path from its entry function, untimed, never ``__call__``."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "price", lambda lines: 1e-6)
+  monkeypatch.setattr(tier, "_prestart", lambda: None)
+  building = []
+  monkeypatch.setattr(tier, "_submit", lambda loop, step: building.append(loop))
+  calls = []
+  real = tier.NativeLoop.__call__
+
+  def counted(self, ctx, *args):
+    calls.append(1)
+    return real(self, ctx, *args)
+  monkeypatch.setattr(tier.NativeLoop, "__call__", counted)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
+  salt = _salt()
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 1):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert len(building) == 1 and building[0].phase == "building" and building[0].waiting
+  before = len(calls)
+  for _ in range(20):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert len(calls) == before
+  building[0].phase = "done"  # (its build failed: the NumPy path by __call__ from now on)
+  assert not building[0].waiting
+  np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert len(calls) == before + 1
+
+
 def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
   """A loop loaded by its pre-key has no bounds-check sites (no source was
   generated): an out-of-bounds index generates them then and raises the

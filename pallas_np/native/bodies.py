@@ -249,8 +249,9 @@ class BodyPlan:
 
     def native_body(ctx, *refs):
       """``NativeLoop.entry`` for a body: its usual run while on the NumPy
-      path (``timing``) calls the plan's ``fn`` with no context read and no
-      wrapper; every other run is the body's ``__call__``."""
+      path (``timing``, or ``waiting`` for its build) calls the plan's ``fn``
+      with no context read and no wrapper; every other run is the body's
+      ``__call__``."""
       if body.timing:
         t0 = perf()
         res = plan.fn(ctx, *refs)
@@ -261,6 +262,8 @@ class BodyPlan:
         if body.spent >= body.due:
           body._step((*[getattr(ctx, f)[a] for f, a in getters], *refs))
         return res
+      if body.waiting:  # (its build under way: the plan, with no context read, no __call__)
+        return plan.fn(ctx, *refs)
       res = body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
       if body.native is None and body.phase == "done":  # (refused, failed: for good)
         self.__dict__.pop("fn", None)  # (the plan's own fn from now on: __getattr__)

@@ -334,6 +334,9 @@ class NativeLoop:
     self._phase = phase
     # (the entry's usual run: the NumPy path timed, nothing else)
     self.timing = self.prechecked and not self.sync and phase in ("new", "priced")
+    # (a background build under way: the NumPy path, untimed, with no __call__ in between;
+    # seconds to minutes of runs on a busy machine, where ~2 us a run showed in small kernels)
+    self.waiting = not self.sync and phase == "building"
 
   def entry(self):
     """What the loop's plan calls: a plain function (calling this object
@@ -353,6 +356,8 @@ class NativeLoop:
         if loop.spent >= loop.due:
           loop._step(args)
         return res
+      if loop.waiting:
+        return numpy_fn(ctx, *args)
       return loop(ctx, *args)
     # (with the NumPy path's globals, a generated loop function's constants:
     # plans are inspected; the body reads closure cells only)
