@@ -34,22 +34,13 @@ LOOPS = ("while", "scan")
 KERNELS = ("pallas_call", "core_map", "mpmd_map")
 
 
-def _subjaxprs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jc.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jc.Jaxpr):
-        yield x
-
-
 def kernel_jaxprs(jaxpr):
   """The kernel jaxprs of every kernel eqn in ``jaxpr`` (at any depth)."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in KERNELS:
       yield eqn.params.get("name_and_src_info", eqn.primitive.name), eqn.params["jaxpr"]
     else:
-      for sub in _subjaxprs(eqn):
+      for sub in jc.eqn_subjaxprs(eqn):
         yield from kernel_jaxprs(sub)
 
 
@@ -58,7 +49,7 @@ def outermost_loops(jaxpr):
     if eqn.primitive.name in LOOPS:
       yield eqn
     else:
-      for sub in _subjaxprs(eqn):
+      for sub in jc.eqn_subjaxprs(eqn):
         yield from outermost_loops(sub)
 
 

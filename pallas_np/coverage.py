@@ -99,16 +99,6 @@ def is_supported(prim) -> bool:
 
 
 # -- primitives used by the ops kernels ----------------------------------------
-def _sub_jaxprs(params):
-  for v in params.values():
-    items = v if isinstance(v, (tuple, list)) else [v]
-    for x in items:
-      if isinstance(x, jc.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jc.Jaxpr):
-        yield x
-
-
 _MESH_PRIMITIVES = jc.mesh_kernel_primitives()
 
 
@@ -126,7 +116,7 @@ def _walk(jaxpr, found: set, inside_kernel: bool):
       continue
     if inside_kernel:
       found.add(eqn.primitive)
-    for sub in _sub_jaxprs(eqn.params):
+    for sub in jc.eqn_subjaxprs(eqn):
       _walk(sub, found, inside_kernel)
 
 

@@ -269,11 +269,8 @@ def test_the_next_price_leaves_out_one_off_setup(monkeypatch):
   assert tier._builds == [1.5]
 
 
-def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
-  """After its first run, a loop on the NumPy path whose next step is not
-  due runs through its entry function alone (timed, counted), never the
-  NativeLoop object's ``__call__`` (a Python-level call more per run)."""
-  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+def _count_calls(monkeypatch) -> list:
+  """``NativeLoop.__call__`` with its calls counted (the list's length)."""
   calls = []
   real = tier.NativeLoop.__call__
 
@@ -281,6 +278,15 @@ def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
     calls.append(1)
     return real(self, ctx, *args)
   monkeypatch.setattr(tier.NativeLoop, "__call__", counted)
+  return calls
+
+
+def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
+  """After its first run, a loop on the NumPy path whose next step is not
+  due runs through its entry function alone (timed, counted), never the
+  NativeLoop object's ``__call__`` (a Python-level call more per run)."""
+  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  calls = _count_calls(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
   salt = _salt()
   want = np.asarray(_call(salt, OFF, x)(x))
@@ -299,13 +305,7 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   monkeypatch.setattr(tier, "_prestart", lambda: None)
   building = []
   monkeypatch.setattr(tier, "_submit", lambda loop, step: building.append(loop))
-  calls = []
-  real = tier.NativeLoop.__call__
-
-  def counted(self, ctx, *args):
-    calls.append(1)
-    return real(self, ctx, *args)
-  monkeypatch.setattr(tier.NativeLoop, "__call__", counted)
+  calls = _count_calls(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
   salt = _salt()
   want = np.asarray(_call(salt, OFF, x)(x))

@@ -25,7 +25,7 @@ import jax  # noqa: F401  (``jc.jax``)
 from pallas_np._compat.core import (  # noqa: F401
     ArrayImpl, ClosedJaxpr, DropVar, JAXPR_TYPES, Jaxpr, JaxprEqn, Literal, Primitive,
     ShapedArray, Tracer, Var, axis_env_sizes, axis_index_p, debug_callback_p, debug_print_p,
-    has_effects, internal_module, is_extended_dtype, is_semaphore_dtype, jax_core,
+    eqn_subjaxprs, has_effects, internal_module, is_extended_dtype, is_semaphore_dtype, jax_core,
     lax_internal, lax_slicing, logical_shape, lowering_source,
     merge_callback_args, optional_primitive, physical_aval, physical_dtype, source_summary,
     subjaxprs, trace_to_jaxpr, tree_unflatten, with_leading_invars)

@@ -28,6 +28,18 @@ ShapedArray = jax_core.ShapedArray
 subjaxprs = jax_core.subjaxprs  # the Jaxprs in a jaxpr's eqn params (one level)
 
 
+def eqn_subjaxprs(eqn):
+  """The Jaxprs in one eqn's params (cond branches, loop and call bodies;
+  one level), in tuples or lists too: ``jax_core.jaxprs_in_params`` looks
+  in tuples only."""
+  for v in eqn.params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, Jaxpr):
+        yield x
+
+
 def tree_unflatten(treedef, leaves):
   return jax_tree_util.tree_unflatten(treedef, leaves)
 

@@ -108,19 +108,10 @@ def _holds_loop(jaxpr) -> bool:
   for e in jaxpr.eqns:
     if e.primitive.name in LOOPS:
       return True
-    for sub in _subjaxprs(e):
+    for sub in jc.eqn_subjaxprs(e):
       if _holds_loop(sub):
         return True
   return False
-
-
-def _subjaxprs(eqn):
-  """The jaxprs in ``eqn``'s params (cond branches, call bodies)."""
-  for p in eqn.params.values():
-    for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-      inner = getattr(sub, "jaxpr", sub)
-      if isinstance(inner, jc.Jaxpr):
-        yield inner
 
 
 def _widest(jaxpr) -> int:
@@ -131,7 +122,7 @@ def _widest(jaxpr) -> int:
   for e in jaxpr.eqns:
     for v in e.outvars:
       n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
-    for sub in _subjaxprs(e):
+    for sub in jc.eqn_subjaxprs(e):
       n = max(n, _widest(sub))
   return n
 
@@ -139,7 +130,7 @@ def _widest(jaxpr) -> int:
 def _reads_context_below(jaxpr) -> bool:
   """Whether a nested jaxpr of ``jaxpr`` reads a program id or count."""
   for e in jaxpr.eqns:
-    for sub in _subjaxprs(e):
+    for sub in jc.eqn_subjaxprs(e):
       if any(q.primitive.name in CONTEXT_READS for q in sub.eqns) or _reads_context_below(sub):
         return True
   return False

@@ -125,20 +125,11 @@ _ADDRESS_VALUE = ctypes.cast(_CALLBACK, ctypes.c_void_p).value
 
 def has_calls(eqn) -> bool:
   """Whether the loop ``eqn`` holds a call site (at any depth)."""
-  for sub in _jaxprs(eqn):
+  for sub in jc.eqn_subjaxprs(eqn):
     for e in sub.eqns:
       if e.primitive.name in PRIMITIVES or has_calls(e):
         return True
   return False
-
-
-def _jaxprs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jc.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jc.Jaxpr):
-        yield x
 
 
 def runner(loop):

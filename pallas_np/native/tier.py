@@ -208,11 +208,8 @@ def _eqn_count(jaxpr) -> int:
   n = 0
   for e in jaxpr.eqns:
     n += 1
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if isinstance(inner, jc.Jaxpr):
-          n += _eqn_count(inner)
+    for sub in jc.eqn_subjaxprs(e):
+      n += _eqn_count(sub)
   return n
 
 
