@@ -73,8 +73,13 @@ def _compile_mixins(cc, build_dir) -> list:
 
   def compile_one(k):
     out = os.path.join(build_dir, f"mixin{k}")
+    # (normalised: distutils puts the object at out + the source's path and,
+    # with older setuptools (65.5, a fresh venv's), keeps its "pycc/../core"
+    # steps, which the assembler cannot open where "pycc" is not made under
+    # ``out`` too, as in a call of one source)
     return cc._toolchain.compile_objects(  # noqa: SLF001
-        [sources[k]], out, include_dirs=include_dirs, macros=macros, extra_cflags=MIXIN_CFLAGS)
+        [os.path.normpath(sources[k])], out, include_dirs=include_dirs, macros=macros,
+        extra_cflags=MIXIN_CFLAGS)
   with ThreadPoolExecutor(2) as pool:
     return [o for objs in pool.map(compile_one, range(len(sources))) for o in objs]
 
