@@ -288,3 +288,43 @@ def test_body_with_dmas_and_semaphores_runs_its_call_sites():
     np.testing.assert_array_equal(bits(g), bits(off))
   xs = np.asarray(x)[8:16]
   np.testing.assert_allclose(got[0], np.exp(xs * np.float32(0.5)) + 3 - xs, rtol=1e-6, atol=1e-6)
+
+
+def _norm_body_jaxpr(params):
+  x, w = _f32(8, 128), _f32(1, 128)
+  jaxpr = jax.make_jaxpr(lambda a, b: pl.pallas_call(
+      _norm_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), interpret=params)(a, b))(x, w)
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  return eqn.params["jaxpr"]
+
+
+def test_timing_a_body_reads_the_clock_at_one_step_in_sample_steps(monkeypatch):
+  """While a body's NumPy plan is timed (background mode, before its
+  build), one grid step in SAMPLE_STEPS is timed and stands for them all;
+  the others call the plan's function with no clock read (timing every
+  step cost 1-3% of a small kernel). While its build is under way the grid
+  gets the plan's own function, with no wrapper."""
+  background = pallas_np.InterpretParams(native_loops="background")
+  reads = []
+
+  def clock():
+    reads.append(1)
+    return len(reads) * 1e-6  # (each timed step: 1 us)
+  monkeypatch.setattr(bodies.time, "perf_counter", clock)
+  calls = []
+  plan = types.SimpleNamespace(fn=lambda ctx, *refs: calls.append(ctx))
+  body_plan = bodies.wrap(plan, _norm_body_jaxpr(background), background)
+  body = body_plan.body
+  body.prechecked = True  # (as after its first run, with no library found by its pre-key)
+  body.phase = "new"
+  body_plan.route()
+  n = 4 * bodies.SAMPLE_STEPS
+  for _ in range(n):
+    body_plan.fn(types.SimpleNamespace(), None, None, None)
+  assert len(calls) == n
+  assert len(reads) == 2 * n // bodies.SAMPLE_STEPS, "a clock read at every step"
+  assert body.spent == pytest.approx(n * 1e-6)  # (each timed step stands for SAMPLE_STEPS)
+  assert body.runs == n // bodies.SAMPLE_STEPS  # (the runs the timed steps saw)
+  body.phase = "building"  # (its build queued: the plan's own function)
+  body_plan.route()
+  assert body_plan.fn is plan.fn

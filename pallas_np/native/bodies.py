@@ -43,6 +43,9 @@ from pallas_np.native import tier
 # plan (half each, alternating; the NumPy plan's first calls run its lines
 # uncompiled, so the fastest call of each is compared).
 PROBE_CALLS = 24
+# While a body's NumPy plan is timed (before its build), one grid step in
+# this many is timed, standing for them all (BodyPlan).
+SAMPLE_STEPS = 16
 # The compiled body is kept when its fastest call takes at most this share
 # of the NumPy plan's fastest.
 KEEP_RATIO = 0.9
@@ -220,10 +223,38 @@ def _step_source(guard, reads, nargs) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _sampler_source(nrefs: int) -> str:
+  """The grid step of a body whose NumPy plan is being timed: one step in
+  ``SAMPLE_STEPS`` is timed (``_timed``), the others call the plan's
+  function (``_own``) after a countdown, nothing else (the refs as
+  positional arguments: no tuple built)."""
+  refs = "".join(f", a{k}" for k in range(nrefs))
+  return (f"def native_body(ctx{refs}):\n"
+          "    k = _n[0]\n"
+          "    if k:\n"
+          "        _n[0] = k - 1\n"
+          f"        return _own(ctx{refs})\n"
+          f"    _n[0] = {SAMPLE_STEPS - 1}\n"
+          f"    return _timed(ctx{refs})\n")
+
+
 class BodyPlan:
   """A kernel's plan whose ``fn`` runs the body natively where the tier
-  compiled it; every other attribute is the plan's (``fn`` too, once the
-  body is dropped: the plan's own, which changes as the plan compiles)."""
+  compiled it; every other attribute is the plan's. The grid reads ``fn``
+  once per run (``KernelPlan.run_grid``, a one-point run, a mesh program)
+  and calls it at each step; ``route`` sets it, a plain attribute, for the
+  body's state:
+
+  * its NumPy plan timed (before the build is due): the sampler
+    (``_sampler_source``), timing one step in ``SAMPLE_STEPS``, which
+    stands for them all; timing every step cost 1-3% of a small kernel
+    (PERF_LOG 133: two clock reads and the counters, on cache lines the
+    step's NumPy work had evicted);
+  * its build under way, and for good once refused, failed or dropped: the
+    plan's own function (``own``), with nothing in between;
+  * compiled: the step function (after the probe, in background mode);
+  * its first run, ``"sync"``, a body with DMA call sites: ``entry``, the
+    body's ``__call__``."""
 
   def __init__(self, plan, reads, params, eqn):
     self.plan = plan
@@ -235,37 +266,80 @@ class BodyPlan:
       def numpy_fn(ctx, *args):
         return plan.fn(ctx, *args)
     self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped)
+    self.fixed = None  # the step function, the probe, or ``entry``, once compiled
     getters = tuple(reads)
     perf = time.perf_counter
+    scope = {"_n": [0]}
 
-    def native_body(ctx, *refs):
-      """``NativeLoop.entry`` for a body: its usual run while on the NumPy
-      path (``timing``, or ``waiting`` for its build) calls the plan's ``fn``
-      with no context read and no wrapper; every other run is the body's
-      ``__call__``."""
-      if body.timing:
-        t0 = perf()
-        res = plan.fn(ctx, *refs)
-        body.spent += perf() - t0
-        if ctx is not body.last_ctx:
-          body.last_ctx = ctx
-          body.runs += 1
-        if body.spent >= body.due:
-          body._step((*[getattr(ctx, f)[a] for f, a in getters], *refs))
-        return res
-      if body.waiting:  # (its build under way: the plan, with no context read, no __call__)
-        return plan.fn(ctx, *refs)
-      res = body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
-      if body.native is None and body.phase == "done":  # (refused, failed: for good)
-        self.__dict__.pop("fn", None)  # (the plan's own fn from now on: __getattr__)
+    def timed(ctx, *refs):
+      """A timed grid step (``NativeLoop.entry``'s timing run, written for a
+      body): the plan's ``fn``, its seconds counted for the steps it
+      stands for."""
+      t0 = perf()
+      res = plan.fn(ctx, *refs)
+      body.spent += (perf() - t0) * SAMPLE_STEPS
+      if ctx is not body.last_ctx:  # (runs the timed steps saw: a lower bound)
+        body.last_ctx = ctx
+        body.runs += 1
+      if scope["_own"] is not self.own():  # (the plan compiled itself since)
+        scope["_own"] = self.own()
+      if body.spent >= body.due:
+        body._step((*[getattr(ctx, f)[a] for f, a in getters], *refs))
+        self.route()
       return res
-    self.fn = native_body
+
+    def entry(ctx, *refs):
+      """A grid step through the body's ``__call__`` (its first run: the
+      pre-key lookup; ``"sync"``; a DMA body's general run)."""
+      res = body(ctx, *[getattr(ctx, f)[a] for f, a in getters], *refs)
+      if self.fixed is None:
+        self.route()
+      return res
+
+    def settling(ctx, *refs):
+      """The plan's ``fn`` for good, while the plan still runs its first
+      calls through the line runner (which then swaps the plan's ``fn``)."""
+      res = plan.fn(ctx, *refs)
+      if self.fn is settling and getattr(plan, "_compiled", True) is not None:
+        self.fn = plan.fn
+      return res
+    self.entry, self.settling = entry, settling
+    scope.update(_own=settling, _timed=timed)  # (``_own`` set by the first timed step)
+    exec(compile(_sampler_source(len(eqn.invars) - len(reads)), "<native body sampler>",
+                 "exec"), scope)  # noqa: S102
+    self.sampler = scope["native_body"]
+    self.fn = entry
+
+  def route(self) -> None:
+    """``fn`` for the body's state now (see the class doc). The tier's
+    thread may swap the library in meanwhile: ``_swapped`` sets ``fixed``
+    before ``fn``, and ``fixed`` is read again once ``fn`` is set."""
+    body = self.body
+    if self.fixed is None:
+      if body.timing:
+        self.fn = self.sampler
+      elif body.waiting or (body.native is None and body.phase == "done"):
+        self.fn = self.own()
+      else:
+        self.fn = self.entry
+    fixed = self.fixed
+    if fixed is not None:
+      self.fn = fixed
+
+  def own(self):
+    """The plan's own ``fn``, or, while the plan still runs its first calls
+    (a ``compiler.plan.Plan`` not compiled yet), ``settling``."""
+    if getattr(self.plan, "_compiled", True) is None:
+      return self.settling
+    return self.plan.fn
 
   def _swapped(self, body, fn) -> None:
     """The body's library is in: its step function, timed against the
     NumPy plan for the next ``PROBE_CALLS`` grid steps."""
     if body.pycalls is not None:  # (DMA/semaphore call sites need the run context:
-      return                       # the loop's general run, dma_calls.runner)
+      self.fixed = self.entry  # the loop's general run, dma_calls.runner)
+      self.fn = self.entry
+      return
     plan, st = self.plan, tier.blas_calls.status()
 
     def oob(args):
@@ -283,6 +357,7 @@ class BodyPlan:
          scope)  # noqa: S102
     step = scope["native_step"]
     if body.sync:  # (tests: compiled from the first run, never timed)
+      self.fixed = step
       self.fn = step
       return
     best = [float("inf"), float("inf")]  # fastest (NumPy, native) grid step
@@ -300,16 +375,19 @@ class BodyPlan:
       if calls[0] >= PROBE_CALLS:
         self.decide(step, best)
       return res
+    self.fixed = probe
     self.fn = probe
 
   def decide(self, step, best) -> None:
     """Keep ``step`` where its fastest grid step (``best[1]``) beats the
     NumPy plan's (``best[0]``) by ``KEEP_RATIO``, else the NumPy plan."""
     if best[1] <= KEEP_RATIO * best[0]:
+      self.fixed = step
       self.fn = step
       return
-    self.__dict__.pop("fn", None)  # (the plan's own fn from now on: __getattr__)
     self.body.native = None
+    self.fixed = None
+    self.fn = self.own()  # (the plan's own fn from now on)
     _counts["slower"] += 1
     why = (f"a kernel body slower compiled ({best[1] * 1e6:.1f} us a step) than its NumPy "
            f"plan ({best[0] * 1e6:.1f} us)")
