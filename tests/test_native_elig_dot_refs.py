@@ -102,6 +102,7 @@ def test_ref_written_between_get_and_dot_bit_exact():
   compiled_equals_numpy(make, x, w, rtol=1e-4)
   text = _loop_source(make, x, w)
   assert "a0.ctypes.data" not in text  # (copied at the get)
+  assert "a1.ctypes.data" in text  # (w_ref[...] read in place: nothing written after it)
 
 
 def _strided_rows(x_ref, w_ref, o_ref):

@@ -44,7 +44,9 @@ def _access(gen, eqn, ref: Val, idx_atoms, idx_vals):
   if any(v.kind != "s" for v in dyn):
     raise Refused("array ref indices")
   if not access.steps:
-    return (lambda js: f"{ref.name}[{', '.join(js)}]" if js else f"{ref.name}[()]"), ref.shape
+    whole = lambda js: f"{ref.name}[{', '.join(js)}]" if js else f"{ref.name}[()]"
+    whole.parts = [("slice", "0", 1)] * len(ref.shape)  # (dots.ref_operand)
+    return whole, ref.shape
   dims = access.steps[0][1]
   site = len(gen.sites) + 1
   gen.sites.append((eqn, access, gen.ref_positions[ref.name],
