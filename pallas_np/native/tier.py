@@ -32,7 +32,8 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import blas_calls, codegen, disk_cache, dma_calls, prekey, scheduler
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, lanes, prekey,
+                              scheduler)
 
 log = logging.getLogger("pallas_np.native")
 
@@ -144,8 +145,10 @@ class NativeLoop:
 
   def __init__(self, eqn, params, numpy_fn, in_batched=None, out_batched=None):
     functools.update_wrapper(self, numpy_fn)  # (its name and doc: plans are inspected)
+    if in_batched is not None:  # a vectorized pass: all its lanes in one call (lanes.py)
+      eqn = lanes.LanesEqn(eqn, in_batched, out_batched)
     self.eqn = eqn
-    self.in_batched = in_batched  # a vectorized pass: each lane runs the loop
+    self.in_batched = in_batched
     self.out_batched = out_batched
     self.numpy_fn = numpy_fn
     self.clamp = params.bounds_check == "clamp"
@@ -391,9 +394,7 @@ class NativeLoop:
     """The operands' layouts, from the loop's first run (or its pricing)."""
     if self.layouts is not None:
       return
-    if self.in_batched is not None:  # (each lane runs on its lane's views)
-      args = [a[0] if b else a for a, b in zip(args, self.in_batched)]
-    self.layouts = _layouts(args)
+    self.layouts = _layouts(args)  # (a vectorized pass's: its lane-stacked operands')
 
   # -- running ---------------------------------------------------------------------
   def __call__(self, ctx, *args):
@@ -457,17 +458,8 @@ class NativeLoop:
                   for v, (shape, dt) in zip(res[1:], self.outs)])
 
   def run_lanes(self, fn, ctx, args):
-    """The native loop once per lane of a vectorized pass (lanes first;
-    the lanes of one operand share its dtype and layout: checked once)."""
-    flags = self.in_batched
-    lane_args = [a[0] if b else a for a, b in zip(args, flags)]
-    if not self._fits(lane_args):
-      return None
-    lanes = [self._run(fn, lane_args)]
-    for lane in range(1, ctx.batch_size):
-      lanes.append(self._run(fn, [a[lane] if b else a for a, b in zip(args, flags)]))
-    return tuple(np.stack([r[k] for r in lanes]) if b else lanes[0][k]
-                 for k, b in enumerate(self.out_batched))
+    """The native loop on every lane of a vectorized pass, in one call."""
+    return lanes.run(self, fn, ctx, args)
 
   def _raise_oob(self, st, args):
     if self.sites is None:  # (loaded by its pre-key: the sites generated now)
