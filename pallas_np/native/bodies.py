@@ -194,7 +194,7 @@ class NativeBody(tier.NativeLoop):
     return res
 
 
-def _step_source(guard, reads, nargs) -> str:
+def _step_source(guard, reads, nargs, nscratch) -> str:
   """The grid step of a compiled body: each array operand checked against
   the compiled signature (as ``NativeLoop._fits``, unrolled), the context
   reads as scalars of their exact type, one call; any other operand the
@@ -214,7 +214,7 @@ def _step_source(guard, reads, nargs) -> str:
     lines.append(f"    if r{k}.__class__ is not _t{k}: r{k} = _t{k}(r{k})")
   lines.append(f"    if {' and '.join(checks) or 'True'}:")
   lines.append("        try:")
-  lines.append(f"            _fn(_st, {', '.join(ops)})")
+  lines.append(f"            _fn(_st, {', '.join(ops + [f'_s{j}' for j in range(nscratch)])})")
   lines.append("        except IndexError:")
   lines.append(f"            _oob(({', '.join(ops)},))")
   lines.append("        _counts['native_calls'] += 1")
@@ -352,8 +352,11 @@ class BodyPlan:
       scope[f"_dt{pos}"] = dt
     for k, (pos, t) in enumerate(body.scalars):
       scope[f"_t{k}"] = t
+    for j, a in enumerate(body.scratch):  # (the compiled body's buffers: codegen.finish)
+      scope[f"_s{j}"] = a
     nargs = len(body.invars)
-    exec(compile(_step_source(body.guard, self.reads, nargs), "<native body step>", "exec"),
+    exec(compile(_step_source(body.guard, self.reads, nargs, len(body.scratch)),
+                 "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
     if body.sync:  # (tests: compiled from the first run, never timed)

@@ -56,6 +56,9 @@ FUSE_MAX = 12
 # lines 14.8 s), spent in a thread that holds the GIL most of the time. A
 # bigger loop keeps its NumPy path rather than slow its caller for minutes.
 MAX_LINES = 800
+# Elements each buffer's slice of a scratch array is rounded up to (64
+# bytes of float32: the next buffer starts on its own cache line).
+SCRATCH_ALIGN = 16
 # Values a bounds-check site can report in the status array (dynamic index
 # values, or a masked access's lane and coordinates: native/refs.py, masked.py).
 MAX_LEAVES = 8
@@ -136,7 +139,8 @@ class Gen:
     self.clamp = clamp
     self.uninitialized = uninitialized  # InterpretParams.uninitialized (memory.fill_value)
     self.lines: list[str] = []
-    self.prologue: list[str] = []  # the temporaries' allocations
+    self.prologue: list[str] = []  # lines at the function's entry (addresses read from _st)
+    self.temps: list = []  # (name, elements, dtype) of each buffer (``finish`` places them)
     self.depth = 1
     self.globals: dict = {}
     self.count = 0
@@ -259,7 +263,7 @@ class Gen:
     """The buffer of an eqn's array result (allocated once, at the entry:
     an allocation per eqn and iteration would cost more than its loop)."""
     v = Val(self.fresh(), shape, dt, "a", temp=True)
-    self.prologue.append(f"    {v.name} = np.empty({max(v.size, 1)}, {np_name(dt)})")
+    self.temps.append((v.name, max(v.size, 1), dt))
     return v
 
   def scalar(self, expr: str, dt: np.dtype) -> Val:
@@ -355,7 +359,7 @@ def inline_callee(eqn):
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
 
-def _dead_stores(prologue, lines) -> list:
+def _dead_stores(prologue, lines) -> tuple[list, set]:
   """The function's lines without the buffers only their fused loop
   needed: an element value used only in the loop that computes it stays a
   local (a store per element and temporary would keep LLVM from
@@ -372,18 +376,22 @@ def _dead_stores(prologue, lines) -> list:
   dead = {name for name, ks in stores.items() if count.get(name, 0) == len(ks)}
   drop = {k for name in dead for k in stores[name]}
   return ([a for a in prologue if a.split("=", 1)[0].strip() not in dead]
-          + [l for k, l in enumerate(lines) if k not in drop])
+          + [l for k, l in enumerate(lines) if k not in drop]), dead
 
 
 class Source:
   """What ``loop_source`` generated."""
-  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals", "calls")
+  __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals", "calls",
+               "scratch")
 
-  def __init__(self, text, gen, kinds, outs):
+  def __init__(self, text, gen, kinds, outs, scratch=()):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
     self.kinds, self.written, self.externals = kinds, gen.written, gen.externals
     self.outs = outs  # (kind 's' or 'a', dtype) of each result after the status
     self.calls = tuple(getattr(gen, "pycalls", ()))  # DMA/semaphore call sites (native/dma.py)
+    # (dtype, elements) of each scratch array the function takes after its
+    # operands (``finish``): the caller allocates them once and passes them
+    self.scratch = tuple(scratch)
 
 
 def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
@@ -427,12 +435,37 @@ def operand(gen, name: str, k: int, aval) -> Val:
 
 
 def finish(gen, args, kinds, outs) -> Source:
-  """The generated function ``native_loop(_st, *args)`` of ``gen``'s lines
-  (buffers only their fused loop needed dropped); ``kinds`` of its
-  operands, ``outs`` (kind, dtype) of its results after the status."""
-  lines = _dead_stores(gen.prologue, gen.lines)
+  """The generated function ``native_loop(_st, *args, *scratch)`` of
+  ``gen``'s lines (buffers only their fused loop needed dropped); ``kinds``
+  of its operands, ``outs`` (kind, dtype) of its results after the status.
+
+  Its buffers are slices of scratch arrays, one per dtype, that the caller
+  allocates once and passes at every call (``Source.scratch``): an
+  allocation per buffer and call cost a compiled body about half its step
+  (PERF_LOG 131). Sharing them across calls is safe: a call holds the GIL
+  from its entry to its return (numba's ahead-of-time wrapper), and no
+  buffer is returned (a loop returns its carries, fresh copies; a body
+  nothing). A function with DMA or semaphore call sites, which call back
+  into Python (another thread's call may run in between), allocates its
+  buffers at its entry instead."""
+  lines, dead = _dead_stores(gen.prologue, gen.lines)
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
+  temps = [t for t in gen.temps if t[0] not in dead]
+  scratch, head = [], []
+  if getattr(gen, "pycalls", None):
+    head = [f"    {name} = np.empty({n}, {np_name(dt)})" for name, n, dt in temps]
+  else:
+    groups: dict = {}
+    for name, n, dt in temps:
+      groups.setdefault(dt, []).append((name, n))
+    for j, (dt, members) in enumerate(groups.items()):
+      off = 0
+      for name, n in members:
+        head.append(f"    {name} = _s{j}[{off}:{off + n}]")
+        off += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
+      scratch.append((dt, off))
+  params = ", ".join([*args, *(f"_s{j}" for j in range(len(scratch)))])
   text = ("".join(gen.headers.values())
-          + f"def native_loop(_st, {', '.join(args)}):\n" + "\n".join(lines) + "\n")
-  return Source(text, gen, kinds, outs)
+          + f"def native_loop(_st, {params}):\n" + "\n".join(head + lines) + "\n")
+  return Source(text, gen, kinds, outs, scratch)

@@ -142,7 +142,7 @@ def run(loop, fn, ctx, args):
         args[pos] = t(a)
   st = blas_calls.status()
   try:
-    res = fn(st, *args)
+    res = fn(st, *args, *loop.scratch)
   except IndexError:
     lane = int(st[LANE])
     loop._raise_oob(st, [a[lane] if b else a for a, b in zip(args, eqn.in_batched)])  # noqa: SLF001

@@ -108,6 +108,7 @@ def _signature(src, avals, layouts):
     dt = codegen.dtype_of(inner)
     args.append(["a", dt.str, len(inner.shape), contiguous, writeable])
     guard.append((pos, dt, len(inner.shape), contiguous, pos in src.written))
+  args += [["a", np.dtype(dt).str, 1, True, True] for dt, _ in src.scratch]  # (codegen.finish)
   ret = [["s", "int64"]] + [["s", dt.str] if kind == "s" else ["a", dt.str, 1, True, True]
                             for kind, dt in src.outs]
   return args, ret, tuple(guard)
@@ -132,12 +133,14 @@ class _Recorded:
     self.kinds = list(record["kinds"])
     self.written = set(record["written"])
     self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
+    self.scratch = [(np.dtype(dt), n) for dt, n in record.get("scratch", ())]
     self.text, self.sites, self.globals = None, None, None
 
 
 def _record(src, key, args, ret) -> dict:
   return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
-          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret}
+          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret,
+          "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch]}
 
 
 class NativeLoop:
@@ -348,6 +351,7 @@ class NativeLoop:
                     in enumerate(zip(src.kinds, self.invars)) if kind == "s"]
     self.phase = "done"
     self.pycalls = dma_calls.runner(self)
+    self.scratch = [np.empty(n, dt) for dt, n in src.scratch]  # (passed at every call)
     self.native = fn  # the swap
     _state["compiled"] += 1
 
@@ -448,7 +452,8 @@ class NativeLoop:
           args[pos] = t(a)
     st = blas_calls.status()  # (with the BLAS and float32-loop addresses: blas_calls)
     try:
-      res = fn(st, *args) if self.pycalls is None else self.pycalls(fn, st, args, ctx)
+      res = fn(st, *args, *self.scratch) if self.pycalls is None else \
+          self.pycalls(fn, st, args, ctx)
     except IndexError:
       if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
         raise
