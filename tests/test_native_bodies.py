@@ -328,3 +328,30 @@ def test_timing_a_body_reads_the_clock_at_one_step_in_sample_steps(monkeypatch):
   body.phase = "building"  # (its build queued: the plan's own function)
   body_plan.route()
   assert body_plan.fn is plan.fn
+
+
+def test_a_body_takes_its_buffers_as_scratch_arrays():
+  """A compiled body's buffers are slices of scratch arrays the tier
+  allocates once and passes at every step (no allocation per step); a
+  loop's stay allocated at its entry (LLVM vectorizes passes over
+  separate allocations). Steps on different blocks, one after the other,
+  each give the NumPy plan's bits."""
+  from pallas_np.native import codegen
+  body, _ = bodies.body_jaxpr(_norm_body_jaxpr(SYNC))
+  src = codegen.loop_source(bodies.BodyEqn(body), False, "nan")
+  assert src.scratch and "np.empty" not in src.text, src.text
+  jaxpr = jax.make_jaxpr(lambda a: lax.fori_loop(0, 3, lambda i, v: v * v * 2.0 + v, a))(
+      jnp.zeros((8, 128), jnp.float32))
+  (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("while", "scan")]
+  src = codegen.loop_source(loop, False, "nan")
+  assert not src.scratch and "np.empty" in src.text
+  w = _f32(1, 128)
+
+  def make(interp):
+    return pl.pallas_call(_norm_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          interpret=interp)
+  fn, off = make(SYNC), make(OFF)
+  before = _native_steps()
+  for x in (_f32(8, 128), _f32(8, 128) * 100, _f32(8, 128)):
+    np.testing.assert_array_equal(bits(np.asarray(fn(x, w))), bits(np.asarray(off(x, w))))
+  assert _native_steps() - before == 3

@@ -86,6 +86,7 @@ class BodyEqn:
 
   primitive = _BodyPrimitive()
   outvars = ()
+  shared_buffers = True  # (its buffers: scratch arrays passed at each step, codegen.finish)
 
   def __init__(self, jaxpr):
     self.invars = list(jaxpr.invars)

@@ -416,7 +416,8 @@ def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
   outs = outs(gen, eqn, ins, top=True)
   ret = "".join(f", {o.name}" for o in outs)
   gen.emit(f"return (0{ret},)")
-  return finish(gen, args, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs])
+  return finish(gen, args, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs],
+                shared=getattr(eqn, "shared_buffers", False))
 
 
 def operand(gen, name: str, k: int, aval) -> Val:
@@ -434,26 +435,29 @@ def operand(gen, name: str, k: int, aval) -> Val:
   return gen.flat_copy(name, aval.shape, dtype_of(aval))
 
 
-def finish(gen, args, kinds, outs) -> Source:
+def finish(gen, args, kinds, outs, shared=False) -> Source:
   """The generated function ``native_loop(_st, *args, *scratch)`` of
   ``gen``'s lines (buffers only their fused loop needed dropped); ``kinds``
   of its operands, ``outs`` (kind, dtype) of its results after the status.
 
-  Its buffers are slices of scratch arrays, one per dtype, that the caller
-  allocates once and passes at every call (``Source.scratch``): an
-  allocation per buffer and call cost a compiled body about half its step
-  (PERF_LOG 131). Sharing them across calls is safe: a call holds the GIL
-  from its entry to its return (numba's ahead-of-time wrapper), and no
-  buffer is returned (a loop returns its carries, fresh copies; a body
-  nothing). A function with DMA or semaphore call sites, which call back
-  into Python (another thread's call may run in between), allocates its
-  buffers at its entry instead."""
+  Its buffers are allocated at its entry, or, where ``shared`` (a kernel
+  body: ``bodies.BodyEqn``), are slices of scratch arrays, one per dtype,
+  that the caller allocates once and passes at every call
+  (``Source.scratch``): an allocation per buffer and call cost a compiled
+  body about half its step (PERF_LOG 131). Sharing them across calls is
+  safe: a call holds the GIL from its entry to its return (numba's
+  ahead-of-time wrapper), and a body returns nothing. Not for loops: slices
+  of one array may overlap as far as LLVM knows, which keeps it from
+  vectorizing a loop's passes over its buffers (bitonic_fori 20% slower,
+  while_collatz 15%), where separate allocations do not; nor for a
+  function with DMA or semaphore call sites, which call back into Python
+  (another thread's call may run in between)."""
   lines, dead = _dead_stores(gen.prologue, gen.lines)
   if len(lines) > MAX_LINES:
     raise Refused(f"a loop of {len(lines)} generated lines (more than {MAX_LINES}: compile time)")
   temps = [t for t in gen.temps if t[0] not in dead]
   scratch, head = [], []
-  if getattr(gen, "pycalls", None):
+  if not shared or getattr(gen, "pycalls", None):
     head = [f"    {name} = np.empty({n}, {np_name(dt)})" for name, n, dt in temps]
   else:
     groups: dict = {}
