@@ -432,3 +432,39 @@ def test_integer_dot_general_bit_exact():
       int_dot_kernel, out_shape=(jax.ShapeDtypeStruct((16, 8), jnp.int32),
                                  jax.ShapeDtypeStruct((1,), jnp.int32)),
       interpret=interp), a, b, c)
+
+
+def _row_kernel(s_ref, x_ref, o_ref):
+  """Rows read from a start the data gives: in bounds or not by input."""
+  start = s_ref[0, 0]
+
+  def body(i, acc):
+    return acc + x_ref[pl.ds(start + i, 1), :]
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros((1, 128), jnp.int32))
+
+
+def test_one_status_array_per_loop_fresh_after_an_error(monkeypatch):
+  """A compiled loop without DMA call sites reuses its status array across
+  calls (no fresh copy a call); after a bounds-check error it takes a new
+  one, and the next calls give the NumPy path's bits again."""
+  from pallas_np.native import blas_calls
+  x = jnp.asarray(_rng.integers(-99, 99, (8, 128)), jnp.int32)
+
+  def make(interp):
+    return pl.pallas_call(_row_kernel, out_shape=jax.ShapeDtypeStruct((1, 128), jnp.int32),
+                          interpret=interp)
+  fn, off = make(SYNC), make(OFF)
+  ok, bad = jnp.full((1, 1), 2, jnp.int32), jnp.full((1, 1), 6, jnp.int32)
+  np.testing.assert_array_equal(np.asarray(fn(ok, x)), np.asarray(off(ok, x)))  # (built)
+  made = []
+  real = blas_calls.status
+  monkeypatch.setattr(blas_calls, "status", lambda: made.append(1) or real())
+  before = native.stats()["native_calls"]
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(fn(ok, x)), np.asarray(off(ok, x)))
+  assert native.stats()["native_calls"] - before == 3 and not made
+  with pytest.raises(IndexError):
+    fn(bad, x)
+  assert made  # (a fresh status array for the next call)
+  for s in (ok, jnp.full((1, 1), 4, jnp.int32)):
+    np.testing.assert_array_equal(np.asarray(fn(s, x)), np.asarray(off(s, x)))

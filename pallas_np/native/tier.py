@@ -352,6 +352,7 @@ class NativeLoop:
     self.phase = "done"
     self.pycalls = dma_calls.runner(self)
     self.scratch = [np.empty(n, dt) for dt, n in src.scratch]  # (passed at every call)
+    self.status = blas_calls.status()
     self.native = fn  # the swap
     _state["compiled"] += 1
 
@@ -450,11 +451,14 @@ class NativeLoop:
         a = args[pos]
         if a.__class__ is not t:
           args[pos] = t(a)
-    st = blas_calls.status()  # (with the BLAS and float32-loop addresses: blas_calls)
+    # (with the BLAS and float32-loop addresses: blas_calls; one per loop, as its scratch:
+    # a call holds the GIL throughout, unless it calls back into Python: DMA call sites)
+    st = self.status if self.pycalls is None else blas_calls.status()
     try:
       res = fn(st, *args, *self.scratch) if self.pycalls is None else \
           self.pycalls(fn, st, args, ctx)
     except IndexError:
+      self.status = blas_calls.status()  # (the next call's: this one holds the error)
       if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
         raise
       self._raise_oob(st, args)
