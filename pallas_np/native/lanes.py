@@ -144,6 +144,8 @@ def run(loop, fn, ctx, args):
   try:
     res = fn(st, *args, *loop.scratch)
   except IndexError:
+    if not st[0]:  # (no bounds-check site's)
+      raise
     lane = int(st[LANE])
     loop._raise_oob(st, [a[lane] if b else a for a, b in zip(args, eqn.in_batched)])  # noqa: SLF001
   n = ctx.batch_size
