@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
 from pallas_np import _compat as jc
-from pallas_np import lru, whole_program
+from pallas_np import api, lru, whole_program
 from pallas_np.errors import KernelError
 from pallas_np.grid import KernelPlan, run_strategies
 from tests.helpers import assert_identical
@@ -272,3 +272,58 @@ def test_memo_emptied_by_clear_caches():
   assert len(whole_program._jit_params_memo) == 0
   for _ in range(3):
     assert_identical(fn(x), _copy_call(True)(x))
+
+
+# -- the eager call's identity front ---------------------------------------------
+@pytest.fixture
+def signatures(monkeypatch):
+  """Every flat signature an eager ``pallas_np.pallas_call`` builds."""
+  seen = []
+  orig = api.flat_signature
+  monkeypatch.setattr(api, "flat_signature", lambda args: seen.append(1) or orig(args))
+  return seen
+
+
+def test_eager_repeated_call_found_by_identity(signatures):
+  fn, want_fn = _copy_call(pallas_np.InterpretParams()), _copy_call(True)
+  x = jnp.asarray(_f32(8, 128))
+  want = want_fn(x)
+  fn(x)
+  fn(x)
+  signatures.clear()
+  for _ in range(3):
+    assert_identical(fn(x), want)
+  assert signatures == []  # (the front: no signature built)
+  out = fn(x)
+  for _ in range(3):  # a loop feeding the output back: the putter's aval each time
+    out = fn(out)
+  assert_identical(out, want)
+  assert len(signatures) <= 1  # (at most the first output's aval through the signature)
+
+
+def test_eager_front_misses_when_the_arguments_change(signatures):
+  """Shapes, dtypes, weak types and NumPy arguments between warm calls:
+  each call gets its own kernel, bit for bit interpret=True's."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...].astype(o_ref.dtype) * 2 + 1
+  fn = pallas_np.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32))
+  want_fn = pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32), interpret=True)
+  weak = jax.lax.broadcast(jnp.asarray(3.0), (8, 128))
+  assert weak.weak_type
+  xs = [jnp.asarray(_f32(8, 128)), jnp.asarray(rng.integers(-9, 9, (8, 128)), jnp.int32),
+        weak, _f32(8, 128), jnp.asarray(_f32(8, 128)).astype(jnp.bfloat16)]
+  for _ in range(3):
+    for x in xs:
+      for _ in range(2):
+        assert_identical(fn(x), want_fn(x))
+
+
+def test_eager_front_emptied_by_clear_caches(signatures):
+  fn = _copy_call(pallas_np.InterpretParams())
+  x = jnp.asarray(_f32(8, 128))
+  fn(x)
+  fn(x)
+  pallas_np.clear_caches()
+  signatures.clear()
+  assert_identical(fn(x), _copy_call(True)(x))
+  assert signatures == [1]  # (the front was emptied: the call built its signature)
