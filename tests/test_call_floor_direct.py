@@ -22,7 +22,7 @@ import pallas_np
 from pallas_np import _compat as jc
 from pallas_np import api, lru, whole_program
 from pallas_np.errors import KernelError
-from pallas_np.grid import KernelPlan, run_strategies
+from pallas_np.grid import KernelPlan, run_strategies, vectorize
 from tests.helpers import assert_identical
 
 rng = np.random.default_rng(414)
@@ -327,3 +327,52 @@ def test_eager_front_emptied_by_clear_caches(signatures):
   signatures.clear()
   assert_identical(fn(x), _copy_call(True)(x))
   assert signatures == [1]  # (the front was emptied: the call built its signature)
+
+
+# -- grids whose batched pass is declined for the grid alone ------------------------
+def _grid_copy(interpret, grid=(2,)):
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  call = pl.pallas_call if interpret is True else pallas_np.pallas_call
+  return call(copy_kernel, jax.ShapeDtypeStruct((8 * grid[0], 128), jnp.float32), grid=grid,
+              in_specs=[spec], out_specs=spec, interpret=interpret)
+
+
+def test_declined_grid_goes_straight_to_the_loop(monkeypatch):
+  """A two-point grid auto mode does not batch ("too few lanes"): from the
+  second call on, the vectorizer is not asked again; same bits."""
+  fn = _grid_copy(pallas_np.InterpretParams(native_loops="off"))
+  x = jnp.asarray(_f32(16, 128))
+  want = _grid_copy(True)(x)
+  assert_identical(fn(x), want)
+  asked = []
+  orig = vectorize.run_vectorized
+  monkeypatch.setattr(vectorize, "run_vectorized", lambda *a: asked.append(1) or orig(*a))
+  for _ in range(3):
+    assert_identical(fn(x), want)
+  assert asked == []
+  report = [r for r in pallas_np.grid_report() if r["grid"] == (2,)][-1]
+  assert report["mode"] == "sequential" and "too few lanes" in report["why"]
+
+
+def test_declined_grid_with_scalar_prefetch_asked_every_call(monkeypatch):
+  """With scalar prefetch the index maps read its values: the answer is
+  not the grid's alone, the vectorizer is asked on every call."""
+  def kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + s_ref[0]
+
+  def make(interpret):
+    spec = pl.BlockSpec((8, 128), lambda i, s: (i, 0))
+    call = pl.pallas_call if interpret is True else pallas_np.pallas_call
+    return call(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(2,),
+                                                       in_specs=[spec], out_specs=spec),
+                interpret=interpret)
+  fn, want_fn = make(pallas_np.InterpretParams(native_loops="off")), make(True)
+  s, x = jnp.asarray([3], jnp.int32), jnp.asarray(_f32(16, 128))
+  assert_identical(fn(s, x), want_fn(s, x))
+  asked = []
+  orig = vectorize.run_vectorized
+  monkeypatch.setattr(vectorize, "run_vectorized", lambda *a: asked.append(1) or orig(*a))
+  for _ in range(2):
+    assert_identical(fn(s, x), want_fn(s, x))
+  assert asked == [1, 1]

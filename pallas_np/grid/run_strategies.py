@@ -90,7 +90,7 @@ def _run_vectorized(kp, args):
   if kp.vectorizer is None:
     kp.vectorizer = vectorize.GridVectorizer(kp, kp.compiler_params)
   gv = kp.vectorizer
-  if gv.reason is not None:
+  if gv.reason is not None or kp.static_grid in gv.declined_grids:
     return None, None, None
   try:
     out_bufs = vectorize.run_vectorized(kp, gv, lambda: kp.prepare(args))
@@ -103,6 +103,10 @@ def _run_vectorized(kp, args):
   if out_bufs is None:
     return None, None, None
   if isinstance(out_bufs, vectorize.Declined):
+    if out_bufs.every_call:
+      if len(gv.declined_grids) >= 16:  # (as the choices per grid)
+        gv.declined_grids.clear()
+      gv.declined_grids.add(kp.static_grid)
     return None, None, out_bufs.prepared
   kp.last_mode = "vectorized"
   return kp.setup.results(out_bufs), None, None
