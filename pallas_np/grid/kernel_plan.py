@@ -179,21 +179,16 @@ class KernelPlan:
       self._uses_blas = may_use_blas(self.kernel_jaxpr)
     return self._uses_blas
 
-  def direct_runner(self, puts=None):
-    """``run`` as a function of the operand sequence, in one frame where
-    the strategy has such a form (``SinglePoint.direct``: a one-point grid
-    on fresh buffers), else ``run`` itself behind a sequence adapter.
-    ``puts``: per output, ``_compat.exact_array_putter``: the function
-    then returns jax.Arrays. None where ``puts`` is given and the strategy
-    has no direct form (outputs not fresh exact buffers)."""
+  def direct_runner(self, puts):
+    """``run`` as one function of the operand sequence where the strategy
+    has such a form (``SinglePoint.direct``: a one-point grid on fresh
+    buffers), else None. ``puts``: per output, a
+    ``_compat.exact_array_putter``: the function returns jax.Arrays."""
     strategy = self.strategy
     if strategy is None:
       strategy = self._choose_strategy()
     direct = getattr(strategy, "direct", None)
-    run = direct(self, puts) if direct is not None else None
-    if run is not None or puts is not None:
-      return run
-    return lambda args: self.run(*args)
+    return direct(self, puts) if direct is not None else None
 
   def prepare(self, args):
     """``_prepare``: what every run strategy starts from."""

@@ -232,15 +232,15 @@ class SinglePoint:
     return kp.setup.results(out_bufs) if single.padded_outputs else out_bufs
 
 
-  def direct(self, kp, puts=None):
+  def direct(self, kp, puts):
     """``KernelPlan.run`` of this strategy as one function of the operand
     sequence (the per-call floor: no strategy dispatch, no helper frames),
     or None where a run needs more than the kernel on fresh buffers (an
     output aliased to an input or padded, a trace callback, BLAS's thread
     setting). Same steps, same buffers, same errors as ``run``.
     ``puts``: per output, a function of the one-element list ``[buffer]``
-    handing it out (``_compat.exact_array_putter``); the result is then the
-    list of what they return."""
+    handing it out (``_compat.exact_array_putter``); the result is the list
+    of what they return."""
     if self.operand_preps is None:
       self._first_run(kp)
     if (self.fresh_outputs is None or self.padded_outputs or kp.params.trace is not None
@@ -250,7 +250,7 @@ class SinglePoint:
     cuts, scratch = tuple(self.cuts), tuple(self.scratch)
     n_args, name, params = len(preps), kp.name, kp.params
     num_programs, point, program_ids = self.num_programs, self.point, self.program_ids
-    puts = None if puts is None else tuple(puts)
+    puts = tuple(puts)
     n_live = n_args + len(fresh)  # operands dma.check_finished looks at (no scratch)
     quiet, restore = fp_state.quiet_floats, fp_state.restore_floats
 
@@ -280,14 +280,11 @@ class SinglePoint:
       finally:
         restore(token)
       kp.last_mode = "sequential"
-      if puts is None:
-        return outs
       return [put([o]) for put, o in zip(puts, outs)]
 
     if n_args != 1 or len(fresh) != 1 or cuts or scratch:
       return run
-    prep, alloc = preps[0], fresh[0]
-    put = None if puts is None else puts[0]
+    prep, alloc, put = preps[0], fresh[0], puts[0]
 
     def run_one(args):  # one operand, one output, whole blocks: run's steps unrolled
       if len(args) != 1:
@@ -309,7 +306,7 @@ class SinglePoint:
       finally:
         restore(token)
       kp.last_mode = "sequential"
-      return [o] if put is None else [put([o])]
+      return [put([o])]
     return run_one
 
 
