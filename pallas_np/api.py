@@ -296,7 +296,11 @@ class EagerEntry:
       if to_jax is None:
         return self.call, True
       kernel_run = plan.kernel.run
-      run = lambda args: [f(o) for f, o in zip(to_jax, kernel_run(*args))]  # noqa: E731
+      if self.one_output:  # (no comprehension frame: the per-call floor)
+        one = to_jax[0]
+        run = lambda args: [one(kernel_run(*args)[0])]  # noqa: E731
+      else:
+        run = lambda args: [f(o) for f, o in zip(to_jax, kernel_run(*args))]  # noqa: E731
     return run, None if self.one_output else self.out_tree
 
 
