@@ -177,20 +177,44 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
   # Per-call fast path: flat array arguments' signature -> the eager entry
   # (only with no interpret mode forced; the same entry eager_call finds).
   fast = lru.LRU(FAST_CALL_SIGNATURES)
+  # In front of it, the last call whose arguments were all jax.Arrays:
+  # (their avals, its runner), found by the avals' identity (the very
+  # aval objects: the same signature) without building the signature.
+  last = lru.Slot()
 
   @functools.wraps(kernel)
   def call(*args):
     forced = jc.interpret_mode_config.value
     if forced is None:
+      seen = last.value
+      if seen is not None and len(args) == len(seen[0]):
+        for a, aval in zip(args, seen[0]):
+          if type(a) is not jc.ArrayImpl or a.aval is not aval:
+            break
+        else:
+          run, unpack = seen[1]
+          if unpack is None:  # (the one-output program: run's only element)
+            return run(args)[0]
+          return _unpack(seen[1], args)
       sig = flat_signature(args)
       if sig is not None:
-        run = fast.peek(sig)
-        if run is None:
+        hit = fast.peek(sig)
+        if hit is None:
           with gc_pause.first_call():  # (the trace, plans and first run)
-            run = eager_entry(jax_fn, interp, args).runner(args)
-            fast.put(sig, run)
-            return run(args)
-        return run(args)
+            hit = eager_entry(jax_fn, interp, args).runner(args)
+            fast.put(sig, hit)
+            return _unpack(hit, args)
+        avals = []
+        for a in args:
+          if type(a) is not jc.ArrayImpl:
+            break
+          avals.append(a.aval)
+        else:
+          last.value = (tuple(avals), hit)
+        run, unpack = hit
+        if unpack is None:
+          return run(args)[0]
+        return _unpack(hit, args)
     elif not is_numpy_mode(forced):
       # Another interpret mode is forced (pltpu.force_tpu_interpret_mode):
       # JAX reads the config when the call is built, so build it now.
@@ -204,6 +228,16 @@ def pallas_call(kernel, out_shape, *, interpret: Any = "numpy", **kwargs):
 
 
 FAST_CALL_SIGNATURES = 16  # per pallas_np.pallas_call: argument shapes/dtypes kept
+
+
+def _unpack(runner, args):
+  """The call's result from an ``EagerEntry.runner`` pair."""
+  run, unpack = runner
+  if unpack is None:
+    return run(args)[0]
+  if unpack is True:
+    return run(args)
+  return jax.tree_util.tree_unflatten(unpack, run(args))
 
 
 def flat_signature(args) -> tuple | None:
@@ -246,21 +280,28 @@ class EagerEntry:
     return jax.tree_util.tree_unflatten(self.out_tree, self.plan.jax_outputs(outs))
 
   def runner(self, args):
-    """``call`` for flat arguments of ``args``' exact types, shapes and
-    dtypes (``flat_signature``: the caller keys it so): where the program
-    is one kernel taking them as they are, its plan's run straight to
-    jax.Arrays (the per-call floor); else ``call``."""
+    """``(run, unpack)`` for flat arguments of ``args``' exact types,
+    shapes and dtypes (``flat_signature``: the caller keys it so): the
+    call's result is ``run(args)[0]`` where ``unpack`` is None, ``run(args)``
+    where it is True, else ``tree_unflatten(unpack, run(args))``. Where the
+    program is one kernel taking the arguments as they are, ``run`` is its
+    plan's run straight to a list of jax.Arrays (``EagerPlan.direct``, the
+    per-call floor); else ``call``."""
     plan = self.plan
-    kernel, to_jax = plan.kernel, plan.kernel_to_jax()
-    if kernel is None or to_jax is None or not plan.typed_args(args):
-      return self.call
-    run = kernel.run
-    if self.one_output:
-      one = to_jax[0]
-      return lambda args: one(run(*args)[0])
-    out_tree = self.out_tree
-    return lambda args: jax.tree_util.tree_unflatten(
-        out_tree, [f(o) for f, o in zip(to_jax, run(*args))])
+    if plan.kernel is None or not plan.typed_args(args):
+      return self.call, True
+    run = plan.direct()
+    if run is None:
+      to_jax = plan.kernel_to_jax()
+      if to_jax is None:
+        return self.call, True
+      kernel_run = plan.kernel.run
+      if self.one_output:  # (no comprehension frame: the per-call floor)
+        one = to_jax[0]
+        run = lambda args: [one(kernel_run(*args)[0])]  # noqa: E731
+      else:
+        run = lambda args: [f(o) for f, o in zip(to_jax, kernel_run(*args))]  # noqa: E731
+    return run, None if self.one_output else self.out_tree
 
 
 class EagerPlan:
@@ -269,7 +310,7 @@ class EagerPlan:
   A program that is one pallas_call over its own inputs (what
   ``pallas_np.pallas_call`` traces) runs that kernel's plan directly."""
   __slots__ = ("plan", "in_dtypes", "out_weak", "out_avals", "interp", "name", "kernel",
-               "_to_jax")
+               "_to_jax", "_direct")
 
   def __init__(self, closed, interp: InterpretParams, name: str = "pallas_call", *,
                kernel_params_from_eqns: bool = False):
@@ -284,6 +325,7 @@ class EagerPlan:
     self.out_weak = weak if any(weak) else None
     self.out_avals = tuple(closed.out_avals)
     self._to_jax = None  # kernel_to_jax, on first use
+    self._direct = None  # direct, on first use
     self.interp = interp
     self.name = name
     self.kernel = _only_kernel(closed, interp, kernel_params_from_eqns)
@@ -331,6 +373,25 @@ class EagerPlan:
                          for a, w in zip(self.out_avals, weak))
       self._to_jax = makers
     return self._to_jax or None
+
+  def direct(self):
+    """Where the program is one kernel whose outputs are fresh buffers of
+    plain dtypes and whose strategy has a one-frame form
+    (``KernelPlan.direct_runner``), a function of the flat arguments
+    (already of the program's dtypes: ``typed_args``) returning the
+    outputs as jax.Arrays (weak types as traced): ``jax_outputs(run(...))``
+    without the steps between. Else None."""
+    if self._direct is None:
+      direct = False
+      if self.kernel is not None:
+        weak = self.out_weak or (False,) * len(self.out_avals)
+        puts = [jc.exact_array_putter(a.shape, a.dtype, w)
+                if isinstance(a.dtype, np.dtype) and jc.physical_dtype(a.dtype) == a.dtype
+                else None for a, w in zip(self.out_avals, weak)]
+        if None not in puts:
+          direct = self.kernel.direct_runner(puts) or False
+      self._direct = direct
+    return self._direct or None
 
   def jax_outputs(self, outs) -> list:
     """jax.Arrays of ``run``'s outputs (owned), weak types as traced."""

@@ -11,7 +11,7 @@ import collections
 import threading
 import weakref
 
-_all: weakref.WeakSet = weakref.WeakSet()  # every LRU made, for clear_all
+_all: weakref.WeakSet = weakref.WeakSet()  # every LRU and Slot made, for clear_all
 _MISSING = object()
 
 
@@ -81,7 +81,21 @@ class LRU:
     return key in self._data
 
 
+class Slot:
+  """One remembered value (``value``, None when empty) that ``clear_all``
+  empties with the caches: a per-call fast path's last hit, read as a
+  plain attribute (no call)."""
+  __slots__ = ("value", "__weakref__")
+
+  def __init__(self):
+    self.value = None
+    _all.add(self)
+
+  def clear(self) -> None:
+    self.value = None
+
+
 def clear_all() -> None:
-  """Empty every LRU."""
+  """Empty every LRU (and every ``Slot``)."""
   for cache in list(_all):
     cache.clear()

@@ -189,6 +189,7 @@ def _on_cpu(x) -> bool:
 
 
 _cpu_shardings: dict = {}  # sharding -> on one CPU device? (arrays share a few)
+_last_cpu_sharding: list = [None]  # the last sharding _run_routed found on one CPU device
 
 
 def _runs_here(jit_params) -> bool:
@@ -208,14 +209,27 @@ def _run_routed(jit_params, args_flat):
   hit = _routes.peek((id(jaxpr), jc.interpret_mode_config.value))
   if hit is None or hit[0] is not jaxpr or hit[1] is None:
     return None
-  for a in args_flat:
+  plan = hit[1]
+  in_dtypes = plan.in_dtypes
+  # every argument of the program's dtype (EagerPlan.typed_args)?
+  typed = len(args_flat) == len(in_dtypes)
+  for i, a in enumerate(args_flat):
     t = type(a)
     if t is jc.ArrayImpl:
-      if not _on_cpu(a) or a.is_deleted():
+      if a.sharding is not _last_cpu_sharding[0]:  # (a sharding's hash is Python)
+        if not _on_cpu(a):
+          return None
+        _last_cpu_sharding[0] = a.sharding
+      if a.is_deleted():
         return None
     elif t is not np.ndarray:
       return None
-  plan = hit[1]
+    if typed and a.dtype != in_dtypes[i]:
+      typed = False
+  if typed:
+    direct = plan.direct()
+    if direct is not None:
+      return direct(args_flat)
   return plan.jax_outputs(plan.run(args_flat, own_outputs=True))
 
 

@@ -63,7 +63,8 @@ from pallas_np._compat.lowering import (  # noqa: F401
 from pallas_np._compat.jit import (  # noqa: F401
     infer_argnums_and_argnames, install_jit_call_hook, install_jit_params_memo,
     install_jit_run_hook, is_unspecified_sharding, jax_pjit, jit_trace, watch_abstract_eval)
-from pallas_np._compat.arrays import host_array, jax_array_maker, np_to_jax  # noqa: F401
+from pallas_np._compat.arrays import (exact_array_putter, host_array, jax_array_maker,  # noqa: F401
+                                      np_to_jax)
 from pallas_np._compat.prng import jax_prng, jax_threefry  # noqa: F401
 from pallas_np._compat.families import load_imported as load_imported_families  # noqa: F401
 from pallas_np._compat.families import on_first_use  # noqa: F401

@@ -2,6 +2,8 @@
 ``batched_device_put`` out, a buffer view in."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax._src.lib import xla_client as _xc
@@ -45,6 +47,36 @@ def jax_array_maker(shape, dtype, weak_type: bool = False):
         pass
     return np_to_jax(x, weak_type)
   return to_jax
+
+
+def exact_array_putter(shape, dtype, weak_type: bool = False):
+  """``put([x]) -> jax.Array`` for NumPy arrays ``x`` that are *always*
+  fresh ``np.ndarray``s of exactly this shape and (plain) dtype (a kernel
+  run's own output buffers): ``batched_device_put`` with its aval and
+  placement bound, a C call with no Python frame and no guard (the caller
+  vouches for the array: a mismatch would be garbage, see
+  ``jax_array_maker``). The result is what ``np_to_jax`` returns (the same
+  aval, weak type, default-device sharding, uncommitted). None where the
+  dtype is not a NumPy or ml_dtypes one, or this jaxlib lacks the keywords."""
+  dtype = np.dtype(dtype)
+  if not dtype.isbuiltin or dtype.hasobject or _PUT_KEYWORDS is None:
+    return None  # (0: structured or other user dtypes; 2, ml_dtypes' bfloat16 etc.: fine)
+  dev, sharding = _default_placement()
+  aval = ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+  return functools.partial(_xc.batched_device_put, aval, sharding,
+                           **{_PUT_KEYWORDS[0]: [dev], _PUT_KEYWORDS[1]: False})
+
+
+def _put_keywords():
+  """The names of ``batched_device_put``'s ``devices`` and ``committed``
+  parameters, read from its signature (None if it has no such names)."""
+  doc = getattr(_xc.batched_device_put, "__doc__", None) or ""
+  if "devices:" in doc and "committed:" in doc:
+    return ("devices", "committed")
+  return None
+
+
+_PUT_KEYWORDS = _put_keywords()
 
 
 _host_view = getattr(ArrayImpl, "_single_device_array_to_np_array_did_copy", None)

@@ -154,9 +154,7 @@ class KernelPlan:
     new_run()
     strategy = self.strategy
     if strategy is None:  # chosen once, on the first run (run_strategies.choose)
-      self._uses_blas = may_use_blas(self.kernel_jaxpr)
-      strategy = self.strategy = run_strategies.choose(self)
-      self._single = strategy if isinstance(strategy, run_strategies.SinglePoint) else False
+      strategy = self._choose_strategy()
     quiet = fp_state.quiet_floats()  # np.errstate(all="ignore"), cheaply
     try:
       if placement is not None:
@@ -168,6 +166,29 @@ class KernelPlan:
         return strategy.run(self, args)
     finally:
       fp_state.restore_floats(quiet)
+
+  def _choose_strategy(self):
+    self._uses_blas = may_use_blas(self.kernel_jaxpr)
+    strategy = self.strategy = run_strategies.choose(self)
+    self._single = strategy if isinstance(strategy, run_strategies.SinglePoint) else False
+    return strategy
+
+  def uses_blas(self) -> bool:
+    """Whether a run sets BLAS's thread count (``blas.kernel_run``)."""
+    if self._uses_blas is None:
+      self._uses_blas = may_use_blas(self.kernel_jaxpr)
+    return self._uses_blas
+
+  def direct_runner(self, puts):
+    """``run`` as one function of the operand sequence where the strategy
+    has such a form (``SinglePoint.direct``: a one-point grid on fresh
+    buffers), else None. ``puts``: per output, a
+    ``_compat.exact_array_putter``: the function returns jax.Arrays."""
+    strategy = self.strategy
+    if strategy is None:
+      strategy = self._choose_strategy()
+    direct = getattr(strategy, "direct", None)
+    return direct(self, puts) if direct is not None else None
 
   def prepare(self, args):
     """``_prepare``: what every run strategy starts from."""

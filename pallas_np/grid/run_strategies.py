@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 
-from pallas_np import devices, memory, races
-from pallas_np.compiler import RunContext
+from pallas_np import devices, fp_state, memory, races
+from pallas_np.compiler import RunContext, new_run
 from pallas_np.errors import KernelError, UnsupportedError, check_fallback
 from pallas_np.grid import threads, vectorize
 from pallas_np.memory import allocate
@@ -90,7 +90,7 @@ def _run_vectorized(kp, args):
   if kp.vectorizer is None:
     kp.vectorizer = vectorize.GridVectorizer(kp, kp.compiler_params)
   gv = kp.vectorizer
-  if gv.reason is not None:
+  if gv.reason is not None or kp.static_grid in gv.declined_grids:
     return None, None, None
   try:
     out_bufs = vectorize.run_vectorized(kp, gv, lambda: kp.prepare(args))
@@ -103,6 +103,10 @@ def _run_vectorized(kp, args):
   if out_bufs is None:
     return None, None, None
   if isinstance(out_bufs, vectorize.Declined):
+    if out_bufs.every_call:
+      if len(gv.declined_grids) >= 16:  # (as the choices per grid)
+        gv.declined_grids.clear()
+      gv.declined_grids.add(kp.static_grid)
     return None, None, out_bufs.prepared
   kp.last_mode = "vectorized"
   return kp.setup.results(out_bufs), None, None
@@ -174,17 +178,21 @@ class SinglePoint:
     self.num_programs = tuple(np.int32(grid[d]) for d in kp.local_dims)
     return self
 
+  def _first_run(self, kp):
+    """The buffer recipe, from the plan's ``BufferSetup`` (on the first run)."""
+    preps = kp.setup.preps()
+    self.operand_preps = (*preps[0], *preps[1])
+    self.out_preps = preps[2]
+    # Outputs of uninitialised memory: their allocator, called directly.
+    self.fresh_outputs = [getattr(p, "fresh", None) for p in preps[2]]
+    if None in self.fresh_outputs:
+      self.fresh_outputs = None
+
   def run(self, kp, args) -> list[np.ndarray]:
     """The kernel called once on block views of fresh buffers."""
     single = self
     if single.operand_preps is None:
-      preps = kp.setup.preps()
-      single.operand_preps = (*preps[0], *preps[1])
-      single.out_preps = preps[2]
-      # Outputs of uninitialised memory: their allocator, called directly.
-      single.fresh_outputs = [getattr(p, "fresh", None) for p in preps[2]]
-      if None in single.fresh_outputs:
-        single.fresh_outputs = None
+      single._first_run(kp)
     preps = single.operand_preps
     if len(args) != len(preps):
       raise TypeError(f"kernel '{kp.name}' takes {len(preps)} operands, got {len(args)}")
@@ -222,6 +230,84 @@ class SinglePoint:
       raise kp.kernel_error(e, single.point) from e
     kp.last_mode = "sequential"
     return kp.setup.results(out_bufs) if single.padded_outputs else out_bufs
+
+
+  def direct(self, kp, puts):
+    """``KernelPlan.run`` of this strategy as one function of the operand
+    sequence (the per-call floor: no strategy dispatch, no helper frames),
+    or None where a run needs more than the kernel on fresh buffers (an
+    output aliased to an input or padded, a trace callback, BLAS's thread
+    setting). Same steps, same buffers, same errors as ``run``.
+    ``puts``: per output, a function of the one-element list ``[buffer]``
+    handing it out (``_compat.exact_array_putter``); the result is the list
+    of what they return."""
+    if self.operand_preps is None:
+      self._first_run(kp)
+    if (self.fresh_outputs is None or self.padded_outputs or kp.params.trace is not None
+        or kp.uses_blas()):
+      return None
+    preps, fresh = tuple(self.operand_preps), tuple(self.fresh_outputs)
+    cuts, scratch = tuple(self.cuts), tuple(self.scratch)
+    n_args, name, params = len(preps), kp.name, kp.params
+    num_programs, point, program_ids = self.num_programs, self.point, self.program_ids
+    puts = tuple(puts)
+    n_live = n_args + len(fresh)  # operands dma.check_finished looks at (no scratch)
+    quiet, restore = fp_state.quiet_floats, fp_state.restore_floats
+
+    def run(args):
+      if len(args) != n_args:
+        raise TypeError(f"kernel '{name}' takes {n_args} operands, got {len(args)}")
+      new_run()
+      token = quiet()
+      try:
+        operands = [prep(a) for prep, a in zip(preps, args)]
+        outs = [f() for f in fresh]
+        operands += outs
+        for b, idx in cuts:
+          operands[b] = operands[b][idx]
+        for f in scratch:
+          operands.append(f())
+        ctx = RunContext(name, params, program_ids, num_programs)
+        ctx.grid_point = point
+        try:
+          kp.kernel.fn(ctx, *operands)
+          if ctx.rules is not None:
+            dma.check_finished(ctx, operands[:n_live])
+        except KernelError:
+          raise
+        except Exception as e:
+          raise kp.kernel_error(e, point) from e
+      finally:
+        restore(token)
+      kp.last_mode = "sequential"
+      return [put([o]) for put, o in zip(puts, outs)]
+
+    if n_args != 1 or len(fresh) != 1 or cuts or scratch:
+      return run
+    prep, alloc, put = preps[0], fresh[0], puts[0]
+
+    def run_one(args):  # one operand, one output, whole blocks: run's steps unrolled
+      if len(args) != 1:
+        raise TypeError(f"kernel '{name}' takes 1 operands, got {len(args)}")
+      new_run()
+      token = quiet()
+      try:
+        a, o = prep(args[0]), alloc()
+        ctx = RunContext(name, params, program_ids, num_programs)
+        ctx.grid_point = point
+        try:
+          kp.kernel.fn(ctx, a, o)
+          if ctx.rules is not None:
+            dma.check_finished(ctx, [a, o])
+        except KernelError:
+          raise
+        except Exception as e:
+          raise kp.kernel_error(e, point) from e
+      finally:
+        restore(token)
+      kp.last_mode = "sequential"
+      return [put([o])]
+    return run_one
 
 
 class MeshProgram:

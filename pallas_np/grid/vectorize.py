@@ -106,6 +106,10 @@ class GridVectorizer:
     self._chosen: dict[Any, Any] = {}
     # id(choice) -> (choice, SlabRunner or why not): see run_vectorized
     self.runners: dict[Any, Any] = {}
+    # Static grids whose pass was declined before anything ran for a reason
+    # that holds for every call of that grid (Declined.every_call): their
+    # runs go straight to the sequential loop.
+    self.declined_grids: set = set()
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
@@ -218,11 +222,15 @@ class GridVectorizer:
 class Declined:
   """``run_vectorized``'s answer when the analysis says no before anything
   ran: the fresh ``prepare()`` it made, untouched, for the sequential loop
-  (a warm call of a grid auto mode does not batch prepares once)."""
-  __slots__ = ("prepared",)
+  (a warm call of a grid auto mode does not batch prepares once).
+  ``every_call``: the answer depends on the grid alone (a static grid, no
+  scalar prefetch for the index maps to read, no operand layout consulted),
+  so every later call of this grid gets it too."""
+  __slots__ = ("prepared", "every_call")
 
-  def __init__(self, prepared):
+  def __init__(self, prepared, every_call=False):
     self.prepared = prepared
+    self.every_call = every_call
 
 
 def run_vectorized(kp, gv: GridVectorizer, prepare):
@@ -242,9 +250,11 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
   Otherwise: sequential loop."""
   prepared = prepare()
   grid, index_ops, buffers, out_bufs = prepared
+  # (a static grid without scalar prefetch: the choice is the grid's)
+  per_grid_only = kp.static_grid is not None and not kp.num_index
   chosen = gv.choose(grid, index_ops)
   if chosen is None:
-    return Declined(prepared)
+    return Declined(prepared, per_grid_only)
   # The auto limit may look at the layout of partly read inputs (lane views).
   layout = tuple((b.shape, b.strides) for b in buffers) if gv._partly_read else None
   runner = gv.runners.get(id(chosen))
@@ -256,7 +266,7 @@ def run_vectorized(kp, gv: GridVectorizer, prepare):
     gv.runners[id(chosen)] = runner
   if isinstance(runner[1], str):
     gv.last_failure = runner[1]
-    return Declined(prepared)
+    return Declined(prepared, per_grid_only and layout is None)
   if runner[1].one_pass():  # one batched call of the kernel: no loops
     one = runner[1]
     gv.last_layout, gv.last_axes = "lanes-first", one.axes
