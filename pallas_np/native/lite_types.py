@@ -21,7 +21,7 @@ F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 # Integers numba converts to float32 safely (a float32 with any other
 # integer is computed in float64).
-_F32_SAFE = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.uint8))
+_F32_SAFE = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.uint8, np.float32))
 # ... and in a unification (``a if c else b``, ``min``/``max``): uint16 too.
 _F32_UNIFY = _F32_SAFE | {np.dtype(np.uint16)}
 
