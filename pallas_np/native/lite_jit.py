@@ -37,6 +37,10 @@ def _llvm():
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
+    for name in _CTYPES:  # (a NumPy scalar's value right after its header)
+      v = np.dtype(name).type(5)
+      if ctypes.string_at(id(v) + 16, v.itemsize) != v.tobytes():
+        raise RuntimeError(f"NumPy's {name} scalar: its value is not at offset 16")
     _state["tm"] = tm
     _state["llvm"] = llvm
   except Exception:  # noqa: BLE001 - no lite: the numba build
@@ -100,10 +104,28 @@ def load(obj: bytes):
     ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine(llvm))
     ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
     ee.finalize_object()
-    addr = ee.get_function_address("native_loop")
+    addr = ee.get_function_address("lite_entry")
   if not addr:
-    raise RuntimeError("lite: native_loop not found in its object")
+    raise RuntimeError("lite: lite_entry not found in its object")
   return ee, addr
+
+
+class _MethodDef(ctypes.Structure):
+  _fields_ = [("name", ctypes.c_char_p), ("meth", ctypes.c_void_p), ("flags", ctypes.c_int),
+              ("doc", ctypes.c_char_p)]
+
+
+METH_FASTCALL = 0x0080
+_new_function = ctypes.pythonapi.PyCFunction_NewEx
+_new_function.restype = ctypes.py_object
+_new_function.argtypes = [ctypes.POINTER(_MethodDef), ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _builtin(addr):
+  """A builtin function object calling the METH_FASTCALL function at
+  ``addr``, and what must outlive it (its method definition)."""
+  mdef = _MethodDef(b"lite_entry", addr, METH_FASTCALL, None)
+  return _new_function(ctypes.byref(mdef), None, None), mdef
 
 
 def make_callable(obj: bytes, meta: dict, consts: list):
@@ -111,32 +133,42 @@ def make_callable(obj: bytes, meta: dict, consts: list):
   ``meta`` (from ``lite.Translator``): the scalar arguments' dtypes (None
   for arrays), the arena's size, each result's (kind, dtype, size)."""
   ee, addr = load(obj)
-  argtypes = [ctypes.py_object] * 3
-  argtypes += [ctypes.py_object if dt is None else _CTYPES[np.dtype(dt).name] for dt in meta["args"]]
-  argtypes += [ctypes.py_object] * len(consts)
-  cfunc = ctypes.CFUNCTYPE(ctypes.c_int32, *argtypes)(addr)
+  cfunc, keep = _builtin(addr)
+  scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
   size = meta["arena"]
   outs = [(kind, np.dtype(dt), n) for kind, dt, n in meta["outs"]]
   nout = max(len(outs), 1)
   consts = tuple(consts)
   empty, frombuffer, i64, u8 = np.empty, np.frombuffer, np.int64, np.uint8
 
-  pool = []  # arenas of finished calls (a fresh one per call costs page faults)
+  pool = []  # (arena, slots, readers) of finished calls: a fresh arena per call costs page faults
+
+  def fresh():
+    arena, slots = empty(size, u8), empty(nout, i64)
+    readers = []
+    for k, (kind, dt, n) in enumerate(outs):
+      if kind == "s":  # (the scalar's bits at the start of its 8-byte slot)
+        readers.append((True, slots.view(dt), 8 * k // dt.itemsize))
+      else:
+        readers.append((False, dt, n))
+    return arena, slots, readers
 
   def native_loop(st, *args):
-    arena = pool.pop() if pool else empty(size, u8)  # (pop/append: atomic, threads get their own)
-    slots = empty(nout, i64)
-    rc = cfunc(st, arena, slots, *args, *consts)
-    res = [0]
-    if not rc:
-      for k, (kind, dt, n) in enumerate(outs):
-        if kind == "s":
-          res.append(frombuffer(slots, dt, 1, 8 * k)[0])
-        else:  # (copied out: the arena is used again)
-          res.append(frombuffer(arena, dt, n, int(slots[k])).copy())
-    pool.append(arena)
-    if rc:
+    if scalars:  # (the entry reads a scalar's value from its NumPy type's layout)
+      args = list(args)
+      for k, t in scalars:
+        if args[k].__class__ is not t:
+          args[k] = t(args[k])
+    entry = pool.pop() if pool else fresh()  # (pop/append: atomic, threads get their own)
+    arena, slots, readers = entry
+    if cfunc(st, arena, slots, *args, *consts) is not st:
+      pool.append(entry)
       raise IndexError("pallas_np native loop: out-of-bounds ref access")
+    res = [0]
+    for k, (scalar, a, b) in enumerate(readers):
+      # (arrays copied out: the arena is used again)
+      res.append(a[b] if scalar else frombuffer(arena, a, b, int(slots[k])).copy())
+    pool.append(entry)
     return tuple(res)
-  native_loop.engine = ee  # (the machine code lives as long as the function)
+  native_loop.engine = (ee, keep)  # (the machine code lives as long as the function)
   return native_loop
