@@ -345,8 +345,9 @@ class Translator:
     bounds = []
     for a in it.args:
       val, dt = self.expr(a)
-      if isinstance(val, Arr) or dt.kind not in "iub" or dt == lt.U64:
-        raise Refused("lite: range() of a non-integer")
+      if isinstance(val, Arr) or dt != lt.I64:
+        # (numba iterates a range of int32 bounds in int32, of uint64 in uint64)
+        raise Refused("lite: range() of bounds other than int64")
       bounds.append(cast(self.b, val, dt, lt.I64))
     consts = [_literal_int(a) for a in it.args]
     start, stop, step = (I64(0), bounds[0], I64(1)) if len(bounds) == 1 else (

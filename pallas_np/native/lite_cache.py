@@ -3,11 +3,9 @@ in this process (``lite``, ``lite_jit``), its object code kept in the disk
 cache beside the numba libraries, and loaded by the loop's key
 (docs/native.md, "lite").
 
-``PALLAS_NP_NATIVE_COMPILER`` picks the compilers: ``auto`` (default: a
-background build is lite's first, ~0.1-1 s on the tier's thread, and the
-numba build follows under the cost rule and replaces it; ``"sync"`` builds
-are numba's), ``lite`` (lite only, sync builds too; a loop lite refuses
-is built by numba), ``numba`` (never lite).
+``PALLAS_NP_NATIVE_COMPILER`` picks the compiler: ``auto`` (the default)
+and ``lite``: lite first for every build (``"sync"`` ones too), a loop lite
+refuses is priced and built by numba; ``numba``: never lite.
 """
 from __future__ import annotations
 
@@ -34,10 +32,10 @@ def mode() -> str:
   return raw
 
 
-def enabled(sync: bool) -> bool:
-  """Whether a build of this kind tries lite first."""
-  m = mode()
-  return m == "lite" or (m == "auto" and not sync)
+def enabled() -> bool:
+  """Whether builds try lite first (llvmlite's import waits for the
+  first build: a loop that is never built does not pay it)."""
+  return mode() != "numba"
 
 
 def arg_descs(kinds, avals, layouts) -> list:

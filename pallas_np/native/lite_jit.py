@@ -170,5 +170,6 @@ def make_callable(obj: bytes, meta: dict, consts: list):
       res.append(a[b] if scalar else frombuffer(arena, a, b, int(slots[k])).copy())
     pool.append(entry)
     return tuple(res)
+  native_loop.lite = True
   native_loop.engine = (ee, keep)  # (the machine code lives as long as the function)
   return native_loop
