@@ -7,6 +7,8 @@ run against the NumPy path.
     python benchmarks/native_library.py --cases gpu_attention,tpu_flash_fwd --budget 2
     python benchmarks/native_library.py --profile          # where the compiled calls' time goes
     python benchmarks/native_library.py --call-sites       # a DMA/semaphore call site's own cost
+    python benchmarks/native_library.py --time-sources OLD.py NEW.py --operands SPEC
+                                                           # two generated loops, interleaved
 
 The compiled figures are the steady state after the switch: the loops are
 built at the first call (``native_loops="sync"``; a default
@@ -17,6 +19,7 @@ compiled loops (0: a loop was refused; see benchmarks/native_eligibility.py).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import os
@@ -225,6 +228,50 @@ def main_profile(names):
           f"{', '.join(f'{k} {v}' for k, v in products.items())} |", flush=True)
 
 
+def _source_loop(path):
+  """The ``native_loop`` of a generated source kept by the disk cache
+  (``<key>.py`` and its constants ``<key>.npz``), compiled in this
+  process with ``numba.njit`` (the compile process's flags: numpy error
+  model, no fastmath). A linked external (XLA's float32 formulas for
+  vectors under 64 elements) is replaced by NumPy's: timing only."""
+  import numba
+  text = open(path).read().replace("_ext_xla_expf(", "np.exp(")
+  glb = {"np": np}
+  with np.load(path[:-3] + ".npz") as consts:
+    glb.update({k: consts[k][()] for k in consts.files})
+  exec(compile(text, path, "exec"), glb)  # noqa: S102 - our own generated source
+  return numba.njit(error_model="numpy")(glb["native_loop"])
+
+
+def main_time_sources(paths, spec, rounds=40, calls=50):
+  """Two (or more) generated sources of one loop, called alternately in
+  this process on the same operands (``spec``: a Python list, an int a
+  scalar int32, a tuple a float32 array of that shape from a normal
+  distribution, ("i", shape) an int32 array of ``arange % 128``), BLAS on
+  one thread as in a kernel run: µs per call, min and median of rounds."""
+  from pallas_np import blas
+  from pallas_np.native import blas_calls
+  rng = np.random.default_rng(0)
+  args = [np.int32(a) if isinstance(a, int)
+          else (np.arange(int(np.prod(a[1])), dtype=np.int32).reshape(a[1]) % 128
+                if a[0] == "i" else rng.standard_normal(a).astype(np.float32))
+          for a in ast.literal_eval(spec)]
+  st = blas_calls.status()
+  fns = [_source_loop(p) for p in paths]
+  times = [[] for _ in fns]
+  with blas.kernel_run():
+    for fn in fns:
+      fn(st, *args)
+    for _ in range(rounds):
+      for fn, t in zip(fns, times):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+          fn(st, *args)
+        t.append((time.perf_counter() - t0) / calls * 1e6)
+  for p, t in zip(paths, times):
+    print(f"{os.path.basename(p)}: min {min(t):.1f} us, median {statistics.median(t):.1f} us")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="", help="comma-separated (default: all)")
@@ -233,7 +280,13 @@ def main():
                   help="where the compiled calls' time goes (compiled loops, BLAS products)")
   ap.add_argument("--call-sites", action="store_true",
                   help="a DMA/semaphore call site's own cost (compiled vs NumPy path loops)")
+  ap.add_argument("--time-sources", nargs="+", default=None, metavar="SOURCE.py",
+                  help="generated loop sources (disk cache) timed against each other")
+  ap.add_argument("--operands", default="", help="the loop's operands for --time-sources")
   a = ap.parse_args()
+  if a.time_sources:
+    main_time_sources(a.time_sources, a.operands)
+    return
   names = [n for n in a.cases.split(",") if n] or list(CASES)
   if a.call_sites:
     main_call_sites()

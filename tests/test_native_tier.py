@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import tier
+from pallas_np.native import scheduler, tier
 
 OFF = pallas_np.InterpretParams(native_loops="off")
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
@@ -44,9 +44,9 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
   queued or compiling until it is done, the NumPy path's results meanwhile,
   the compiled loop's afterwards."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 0.0)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
   # (a compile process at normal priority: a niced one may wait minutes on a busy machine)
-  monkeypatch.setattr(tier, "_compiler", tier._Compiler(nice=False))
+  monkeypatch.setattr(scheduler, "compiler", scheduler.Compiler(nice=False))
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
   want = np.asarray(_call(salt, OFF, x)(x))
@@ -72,7 +72,7 @@ def test_no_build_while_numpy_path_is_cheaper(monkeypatch):
   """A loop whose NumPy path has cost less than its build's (weighted)
   price is never built: the caller keeps the NumPy path."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 1e9)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1e9)
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
   f = _call(salt, BACKGROUND, x)
@@ -91,10 +91,10 @@ _SECOND_PROCESS = textwrap.dedent("""
     from jax.experimental import pallas as pl
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import tier
+    from pallas_np.native import scheduler, tier
     tier.LOOKUP_PRICE = 0.0
-    tier.COMPILE_WEIGHT = 0.0
-    tier._compiler = tier._Compiler(nice=False)
+    scheduler.COMPILE_WEIGHT = 0.0
+    scheduler.compiler = scheduler.Compiler(nice=False)
     from tests.test_native_tier import _call
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
     f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)

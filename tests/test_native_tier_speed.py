@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import codegen, prekey, tier
+from pallas_np.native import codegen, prekey, scheduler, tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = pallas_np.InterpretParams(native_loops="off")
@@ -45,18 +45,18 @@ def _salt():
 
 
 class _Builds:
-  """``tier._submit`` with its builds recorded, not run (and no compile
-  process started ahead of them: ``tier._prestart``)."""
+  """``scheduler.submit`` with its builds recorded, not run (and no compile
+  process started ahead of them: ``scheduler.prestart``)."""
 
   def __init__(self, monkeypatch):
     self.loops = []
     self.prestarts = []
-    monkeypatch.setattr(tier, "_prestart", lambda: self.prestarts.append(1))
+    monkeypatch.setattr(scheduler, "prestart", lambda: self.prestarts.append(1))
     def submit(loop, step):
       assert step == loop.build
       self.loops.append(loop)
       loop.phase = "done"  # (as a failed build leaves it: the NumPy path)
-    monkeypatch.setattr(tier, "_submit", submit)
+    monkeypatch.setattr(scheduler, "submit", submit)
 
 
 def _load_reader(monkeypatch, load):
@@ -66,7 +66,7 @@ def _load_reader(monkeypatch, load):
   def getloadavg():
     calls.append(1)
     return (load[0],) * 3
-  monkeypatch.setattr(tier.os, "getloadavg", getloadavg)
+  monkeypatch.setattr(scheduler.os, "getloadavg", getloadavg)
   return calls
 
 
@@ -75,7 +75,7 @@ def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
   of a priced loop only adds its time: no source generated (1-20 ms), no
   load average read (a system call; os.cpu_count ~20 us) per run."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   builds = _Builds(monkeypatch)
   calls = _load_reader(monkeypatch, [0.0])
   generated = []
@@ -99,9 +99,9 @@ def test_compile_process_started_when_a_loop_is_priced(monkeypatch, load, starte
   NumPy path runs on toward its build's price), where a core is idle; on a
   busy machine it is started with the build."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
-  monkeypatch.setattr(tier, "_CPUS", 2)
-  monkeypatch.setattr(tier._compiler, "proc", None)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.compiler, "proc", None)
   builds = _Builds(monkeypatch)
   _load_reader(monkeypatch, [load])
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
@@ -116,12 +116,12 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   """On two cores, a load of 1.2 is the caller (~1) and a little more: a
   core is idle and the build's price counts at COMPILE_WEIGHT; at 1.8 no
   core is idle (BUSY_FACTOR times more)."""
-  monkeypatch.setattr(tier, "_CPUS", 2)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
   load = [1.2]
   _load_reader(monkeypatch, load)
-  assert tier.weight() == tier.COMPILE_WEIGHT
+  assert scheduler.weight() == scheduler.COMPILE_WEIGHT
   load[0] = 1.8
-  assert tier.weight() == tier.COMPILE_WEIGHT * tier.BUSY_FACTOR
+  assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
 def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
@@ -129,10 +129,10 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   while the machine is busy and is queued once the load falls (the load
   is looked at again as the loop's cost grows)."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "price", lambda lines: 1e-6)
-  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 1.0)
-  monkeypatch.setattr(tier, "BUSY_FACTOR", 1e9)
-  monkeypatch.setattr(tier, "_CPUS", 2)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1.0)
+  monkeypatch.setattr(scheduler, "BUSY_FACTOR", 1e9)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
   builds = _Builds(monkeypatch)
   load = [5.0]
   _load_reader(monkeypatch, load)
@@ -153,7 +153,7 @@ _PREKEY_PROCESS = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import codegen, prekey, tier
+    from pallas_np.native import codegen, prekey, scheduler, tier
     from tests.test_native_tier_speed import _call
     salt, second = int(sys.argv[1]), sys.argv[2] == "second"
     if second:  # (the library must be found with no source generated)
@@ -200,7 +200,7 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
   """A loop refused once is refused again by its pre-key in the next plan
   (a re-trace, another process) with no source generated."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
   salt = float(_salt())
   x = jnp.asarray(np.linspace(0, 1, 256).reshape(2, 128), jnp.float32)
 
@@ -262,11 +262,11 @@ class _FakeCompileProcess:
 def test_the_next_price_leaves_out_one_off_setup(monkeypatch):
   """A measured build's numba import and pycc C helpers (once per process
   and cache directory) are not charged to the next loop's price."""
-  monkeypatch.setattr(tier, "_builds", [])
-  compiler = tier._Compiler(nice=True)
+  monkeypatch.setattr(scheduler, "builds", [])
+  compiler = scheduler.Compiler(nice=True)
   compiler.proc = _FakeCompileProcess(12.0, 10.5)
   assert compiler.build({"src": "x"})["ok"]
-  assert tier._builds == [1.5]
+  assert scheduler.builds == [1.5]
 
 
 def _count_calls(monkeypatch) -> list:
@@ -285,7 +285,7 @@ def test_usual_run_on_the_numpy_path_is_the_entrys_own(monkeypatch):
   """After its first run, a loop on the NumPy path whose next step is not
   due runs through its entry function alone (timed, counted), never the
   NativeLoop object's ``__call__`` (a Python-level call more per run)."""
-  monkeypatch.setattr(tier, "price", lambda lines: 1000.0)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   calls = _count_calls(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
   salt = _salt()
@@ -301,10 +301,10 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   seconds, or minutes on a machine with no idle core), a loop's runs take
   the NumPy path from its entry function, untimed, never ``__call__``."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "price", lambda lines: 1e-6)
-  monkeypatch.setattr(tier, "_prestart", lambda: None)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
+  monkeypatch.setattr(scheduler, "prestart", lambda: None)
   building = []
-  monkeypatch.setattr(tier, "_submit", lambda loop, step: building.append(loop))
+  monkeypatch.setattr(scheduler, "submit", lambda loop, step: building.append(loop))
   calls = _count_calls(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
   salt = _salt()

@@ -27,6 +27,16 @@ Refused: f16 operands (not held natively), other mixed dtypes, an
 accumulation in another dtype, products big enough for the NumPy rule to
 wake BLAS's threads (``blas.MULTITHREAD_MACS``), and every float dot where
 NumPy's BLAS is not found or fails its self-check.
+
+A ref block read only by a dot (``ref_operand``, called by ``refs``'s
+``get``) is not copied: the dot reads the ref itself. The NumPy rule's
+``get`` is a view of the ref, which ``primitives/dot.blas_operand`` hands
+to BLAS with its row stride where its rows are unit-stride (else a C copy):
+so here, the same pointer and leading dimension (the same call), or the
+same copy; a block the dot needs transposed is gathered from the ref
+straight into the C-order buffer the NumPy rule's copy makes (one pass
+instead of two). Only where no eqn between the ``get`` and the dot can
+write a ref (the value is read at the dot, not at the ``get``).
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ import math
 
 import numpy as np
 
+from pallas_np import _compat as jc
 from pallas_np import blas
 from pallas_np.native import blas_calls
 from pallas_np.native.codegen import Refused, Val, dtype_of, is_narrow, np_name, register
@@ -51,17 +62,80 @@ def _geometry(eqn, x, y):
   return (lc, rc), (lb, rb), lf, rf, out_shape, outer
 
 
+class RefView(Val):
+  """A ref block (``get``) that only a dot reads, not copied (kind "v"):
+  ``at_(js)`` is its element at loop variables ``js``; ``parts`` the
+  indexer's ("int", expr) / ("slice", start expr, stride) per ref axis
+  (None once transposed: never read in place, as the NumPy rule copies a
+  transposed view)."""
+  __slots__ = ("ref", "at_", "parts")
+
+  def transposed(self, gen, perm) -> "RefView":
+    """``transpose`` of this block (``shapes``'s emitter): still a view."""
+    v = RefView(gen.fresh("view"), [self.shape[d] for d in perm], self.dtype, "v")
+    where = {d: i for i, d in enumerate(perm)}
+    v.ref, v.parts = self.ref, None
+    v.at_ = lambda js, at=self.at_: at([js[where[d]] for d in range(len(perm))])
+    return v
+
+
+def _sole_reader(gen, var):
+  readers = gen.consumers.get(var, [])
+  return readers[0][0] if len(readers) == 1 else None
+
+
+def ref_operand(gen, eqn, ref: Val, at, shape, dt, parts):
+  """A ``RefView`` for ``get`` eqn ``eqn`` (ref block ``at``/``parts`` of
+  ``shape``) when its value's one reader is a float ``dot_general`` of the
+  same jaxpr, directly or through one ``transpose``, and no eqn between the
+  ``get`` and the dot can write a ref; else None."""
+  out = eqn.outvars[0]
+  if parts is None or len(shape) != 2 or dt.kind != "f":
+    return None
+  reader = _sole_reader(gen, out)
+  if reader is not None and reader.primitive.name == "transpose":
+    reader = _sole_reader(gen, reader.outvars[0])
+  if reader is None or reader.primitive.name != "dot_general":
+    return None
+  if any(str(a.aval.dtype) != str(out.aval.dtype) for a in reader.invars):
+    return None
+  for jaxpr in gen.scanned.values():
+    eqns = jaxpr.eqns
+    k = next((i for i, e in enumerate(eqns) if e is eqn), None)
+    if k is None:
+      continue
+    end = next((i for i, e in enumerate(eqns) if e is reader), None)
+    if end is None or end < k:
+      return None
+    for e in eqns[k + 1:end]:
+      if any(True for _ in jc.eqn_subjaxprs(e)) or (
+          e.primitive.name != "get"
+          and any(isinstance(getattr(a, "aval", None), jc.AbstractRef) for a in e.invars)):
+        return None
+    v = RefView(gen.fresh("view"), shape, dt, "v")
+    v.ref, v.at_, v.parts = ref, at, tuple(parts)
+    return v
+  return None
+
+
+def _copied(gen, v: Val) -> Val:
+  """``v`` as a flat array (a ``RefView`` gathered from its ref)."""
+  if isinstance(v, RefView):
+    return gather(gen, v.shape, v.dtype, v.at_)
+  return v
+
+
 @register("dot_general")
 def _dot_general(gen, eqn, ins):
   x, y = ins
   out_dt = dtype_of(eqn.outvars[0].aval)
-  if any(v.kind != "a" for v in (x, y)):
+  if any(v.kind not in "av" for v in (x, y)):
     raise Refused("dot_general of a scalar or ref")
   pref = eqn.params.get("preferred_element_type")
   if pref is not None and np.dtype(pref) != out_dt:
     raise Refused("dot_general accumulating in another dtype")
   if out_dt.kind in "iu" and x.dtype.kind in "iu" and y.dtype.kind in "iu":
-    return [_int_dot(gen, eqn, x, y, out_dt)]
+    return [_int_dot(gen, eqn, _copied(gen, x), _copied(gen, y), out_dt)]
   if all(is_narrow(a.aval) for a in eqn.invars):
     if out_dt != np.float32 or is_narrow(eqn.outvars[0].aval):
       raise Refused("a bfloat16 dot_general to another dtype than float32")
@@ -96,8 +170,13 @@ def _stacked(gen, v: Val, perm, dt=None) -> Val:
   (exactly: a wider float): ``v`` itself when neither changes it."""
   dt = v.dtype if dt is None else dt
   if tuple(perm) == tuple(range(len(v.shape))) and dt == v.dtype:
-    return v
+    return _copied(gen, v)
   shape = [v.shape[d] for d in perm]
+  if isinstance(v, RefView):  # (one pass: the ref straight into the C-order copy)
+    def source(js):
+      by_dim = dict(zip(perm, js))
+      return f"{np_name(dt)}({v.at_([by_dim[d] for d in range(len(v.shape))])})"
+    return gather(gen, shape, dt, source)
   src = row_strides(v.shape)
   return gather(gen, shape, dt, lambda js: f"{np_name(dt)}({v.name}[" + linear(
       (j, src[d]) for j, d in zip(js, perm)) + "])")
@@ -142,8 +221,12 @@ def _blas_dot(gen, eqn, x, y, dt):
   kind = blas_calls.routine(M, K, N)
   p = "s" if dt == np.float32 else "d"
   c = np_name(dt)
-  xs = _stacked(gen, x, (*lb, *lf, *lc), dt)
-  ys = _stacked(gen, y, (*rb, *rc, *rf), dt)
+  xperm, yperm = (*lb, *lf, *lc), (*rb, *rc, *rf)
+  direct = kind == "gemm" and B == 1 and blas_calls.found() is not None
+  xd = _direct(gen, x, xperm, dt, M, K) if direct else None
+  yd = _direct(gen, y, yperm, dt, K, N) if direct else None
+  xs = None if xd else _stacked(gen, x, xperm, dt)
+  ys = None if yd else _stacked(gen, y, yperm, dt)
   out = gen.array(out_shape, dt)
   if kind == "noblas":  # NumPy's own loop: 0 + each product in order
     with gen.block(f"for _b in range({B}):"):
@@ -162,9 +245,9 @@ def _blas_dot(gen, eqn, x, y, dt):
   name = p + ("gemm" if kind == "gemm" else "gemv" if kind.startswith("gemv") else "dot")
   fp = _routine_address(gen, name, found[1])
   isz = dt.itemsize
-  px, py, po = gen.fresh("px"), gen.fresh("py"), gen.fresh("po")
-  gen.emit(f"{px} = np.int64({xs.name}.ctypes.data)")
-  gen.emit(f"{py} = np.int64({ys.name}.ctypes.data)")
+  po = gen.fresh("po")
+  px, lda = xd or (gen.scalar(f"np.int64({xs.name}.ctypes.data)", np.dtype(np.int64)).name, K)
+  py, ldb = yd or (gen.scalar(f"np.int64({ys.name}.ctypes.data)", np.dtype(np.int64)).name, N)
   gen.emit(f"{po} = np.int64({out.name}.ctypes.data)")
   one, zero = f"{c}(1.0)", f"{c}(0.0)"
   R, C, NT, T = (blas_calls.ROW_MAJOR, blas_calls.COL_MAJOR, blas_calls.NO_TRANS,
@@ -174,8 +257,8 @@ def _blas_dot(gen, eqn, x, y, dt):
     b = f"{py} + _b * {K * N * isz}"
     o = f"{po} + _b * {M * N * isz}"
     if kind == "gemm":
-      gen.emit(f"_cblas_{name}({fp}, {R}, {NT}, {NT}, {M}, {N}, {K}, {one}, {a}, {K}, "
-               f"{b}, {N}, {zero}, {o}, {N})")
+      gen.emit(f"_cblas_{name}({fp}, {R}, {NT}, {NT}, {M}, {N}, {K}, {one}, {a}, {lda}, "
+               f"{b}, {ldb}, {zero}, {o}, {N})")
     elif kind == "gemv_row":  # vector @ matrix
       gen.emit(f"_cblas_{name}({fp}, {R}, {T}, {K}, {N}, {one}, {b}, {N}, {a}, 1, {zero}, "
                f"{o}, 1)")
@@ -187,3 +270,31 @@ def _blas_dot(gen, eqn, x, y, dt):
       gen.emit(f"{r} = _cblas_{name}({fp}, {K}, {a}, 1, {b}, 1)")
       gen.emit(f"{out.name}[_b] = {c}(np.float64(0.0) + np.float64({r}))")
   return out
+
+
+def _direct(gen, v: Val, perm, dt, rows: int, cols: int):
+  """(pointer local, leading-dimension local) of a ``RefView`` that BLAS
+  reads in place as a (rows, cols) operand, or None. As ``blas_operand``
+  on the NumPy path's view: its own rows (unit-stride elements, a row
+  stride that is a whole number of elements, at least ``cols``), else a C
+  copy (here, at run time, into a buffer of this dot)."""
+  if (not isinstance(v, RefView) or v.parts is None or tuple(perm) != (0, 1)
+      or dt != v.dtype or (v.shape[0], v.shape[1]) != (rows, cols)):
+    return None
+  axes = [(ax, p) for ax, p in enumerate(v.parts) if p[0] == "slice"]
+  if len(axes) != 2:
+    return None
+  (ra, rp), (ca, cp) = axes
+  r, isz = v.ref.name, dt.itemsize
+  offset = " + ".join(f"np.int64({p[1]}) * {r}.strides[{ax}]" for ax, p in enumerate(v.parts))
+  ptr = gen.scalar(f"np.int64({r}.ctypes.data) + {offset or '0'}", np.dtype(np.int64)).name
+  rs = gen.scalar(f"np.int64({r}.strides[{ra}]) * {rp[2]}", np.dtype(np.int64)).name
+  cs = gen.scalar(f"np.int64({r}.strides[{ca}]) * {cp[2]}", np.dtype(np.int64)).name
+  ld = gen.fresh("ld")
+  with gen.block(f"if {cs} == {isz} and {rs} % {isz} == 0 and {rs} >= {cols * isz}:"):
+    gen.emit(f"{ld} = {rs} // {isz}")
+  with gen.block("else:"):  # (NumPy's ascontiguousarray of the view)
+    c = gather(gen, v.shape, dt, v.at_)
+    gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
+    gen.emit(f"{ld} = np.int64({cols})")
+  return ptr, ld

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.native import masked
+from pallas_np.native import dots, masked
 from pallas_np.native.codegen import MAX_LEAVES, Refused, Val, dtype_of, np_name, register
 from pallas_np.state import indexing
 from pallas_np.state.indexing import RefAccess
@@ -44,7 +44,9 @@ def _access(gen, eqn, ref: Val, idx_atoms, idx_vals):
   if any(v.kind != "s" for v in dyn):
     raise Refused("array ref indices")
   if not access.steps:
-    return (lambda js: f"{ref.name}[{', '.join(js)}]" if js else f"{ref.name}[()]"), ref.shape
+    whole = lambda js: f"{ref.name}[{', '.join(js)}]" if js else f"{ref.name}[()]"
+    whole.parts = [("slice", "0", 1)] * len(ref.shape)  # (dots.ref_operand)
+    return whole, ref.shape
   dims = access.steps[0][1]
   site = len(gen.sites) + 1
   gen.sites.append((eqn, access, gen.ref_positions[ref.name],
@@ -81,6 +83,7 @@ def _access(gen, eqn, ref: Val, idx_atoms, idx_vals):
     it = iter(js)
     idx = [p[1] if p[0] == "int" else f"{p[1]} + {next(it)} * {p[2]}" for p in parts]
     return f"{ref.name}[{', '.join(idx)}]" if idx else f"{ref.name}[()]"
+  at.parts = parts  # (a dot's operand read in place: dots.ref_operand)
   return at, tuple(shape)
 
 
@@ -133,7 +136,9 @@ def _get(gen, eqn, ins):
   at, shape = _access(gen, eqn, ins[0], eqn.invars[1:], ins[1:])
   if shape != tuple(eqn.outvars[0].aval.shape):
     raise Refused("get shape")
-  return [_read(gen, at, shape, dtype_of(eqn.outvars[0].aval))]
+  dt = dtype_of(eqn.outvars[0].aval)
+  view = dots.ref_operand(gen, eqn, ins[0], at, shape, dt, getattr(at, "parts", None))
+  return [view if view is not None else _read(gen, at, shape, dt)]
 
 
 @register("swap")

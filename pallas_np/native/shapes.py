@@ -116,6 +116,8 @@ def _slice(gen, eqn, ins):
 def _transpose(gen, eqn, ins):
   x = ins[0]
   perm = tuple(eqn.params["permutation"])
+  if x.kind == "v":  # a ref block only a dot reads (native/dots.py's RefView)
+    return [x.transposed(gen, perm)]
   shape = tuple(eqn.outvars[0].aval.shape)
   in_strides = row_strides(x.shape)
   return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(

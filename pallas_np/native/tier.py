@@ -10,24 +10,19 @@ generated. Else, once the loop's NumPy path has cost ``LOOKUP_PRICE``
 seconds, it gets a price (the measured or estimated build time, from its
 size: no source is generated yet); once its NumPy path has cost
 ``COMPILE_WEIGHT`` times that price (the calls so far stand for the calls
-to come), the tier's one thread generates its source (``codegen``), looks
-the library built from that source up in memory and on disk
-(``disk_cache``) and, not found, sends the build to the compile process
-(``aot_worker``: numba's ahead-of-time compiler, never imported here) and
-waits for it on a pipe, holding no GIL. Until then, and for good when the
+to come), the build is submitted to the tier's one thread (``scheduler``,
+which also prices builds and weighs them against the load): it generates
+the source (``codegen``), looks the library built from that source up in
+memory and on disk (``disk_cache``) and, not found, has the compile
+process build it (``scheduler.Compiler``), waiting on a pipe, holding no
+GIL. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 import types
 
@@ -37,7 +32,7 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, blas_calls, codegen, disk_cache, dma_calls, prekey
+from pallas_np.native import blas_calls, codegen, disk_cache, dma_calls, prekey, scheduler
 
 log = logging.getLogger("pallas_np.native")
 
@@ -53,27 +48,12 @@ ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 LOOKUP_PRICE = 0.02
 # Generated lines per eqn of a loop, for the price before its source exists.
 LINES_PER_EQN = 2
-# A build runs in another process, at the lowest CPU priority: it costs the
-# caller only when the machine has no idle core. Its price counts at this
-# weight, BUSY_FACTOR times more (in full) when the load average leaves no
-# core idle or there is one core. The load average counts the caller itself
-# (a process calling a kernel in a loop adds ~1): a core is idle while the
-# load stays IDLE_MARGIN below the core count.
-COMPILE_WEIGHT = 0.1
-BUSY_FACTOR = 10.0
-IDLE_MARGIN = 0.5
 # While a priced loop's cost is below its price at the busy weight, the
 # load is read again only after its NumPy path cost another RECHECK_SHARE
 # of the price (a run itself only adds and compares: no system call).
 RECHECK_SHARE = 0.02
-_CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
-# A build's seconds before one was measured: numba's import in a new
-# compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
-# helpers once per cache directory.
-START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
 
-_state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
-          "disk_hits": 0, "queued": 0, "compiling": 0}
+_state = scheduler.state  # (the counters: scheduler.stats)
 # Loaded loops by library key: the eager and the jax.jit path of one
 # kernel, its sequential and vectorized plans, and equal loops of other
 # kernels share one library.
@@ -81,10 +61,6 @@ _loaded = LRU(256)
 # Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
 _prekeys = LRU(1024)
 _UNSET = object()
-_cond = threading.Condition()
-_jobs: queue.Queue = queue.Queue()
-_thread: list = []
-_builds: list = []  # measured build seconds (the price of the next)
 
 
 def enabled(params) -> bool:
@@ -98,112 +74,6 @@ def enabled(params) -> bool:
           and getattr(params, "oob_reads", "raise") == "raise")  # (fill: state/past_end.py)
 
 
-def stats() -> dict:
-  """Counters: loops compiled (built or loaded), refused (something outside
-  the table), failed (a build failed), loaded from disk (``disk_hits``),
-  calls that ran compiled code, and loops ``queued`` for the tier thread or
-  ``compiling`` in the compile process now."""
-  return dict(_state)
-
-
-def wait(timeout: float | None = None) -> bool:
-  """Wait until no loop is queued or compiling; False on timeout."""
-  with _cond:
-    return _cond.wait_for(lambda: _state["queued"] + _state["compiling"] == 0, timeout)
-
-
-class _Compiler:
-  """The compile process (``aot_worker``), started on the first build and
-  kept: it exits at the end of its input, when this process exits."""
-
-  def __init__(self, nice: bool):
-    self.proc = None
-    self.nice = nice
-    self.lock = threading.Lock()  # (one build at a time on the pipe)
-
-  def build(self, job: dict) -> dict:
-    with self.lock:
-      return self._build(job)
-
-  def start(self) -> None:
-    """Starts the compile process, if it is not running: a background one
-    imports numba and compiles a small loop first (``aot_worker.warm_up``),
-    while the loop whose build comes next still runs its NumPy path (a
-    ``"sync"`` build is waited for: no warm-up ahead of it)."""
-    with self.lock:
-      self._start()
-
-  def _start(self) -> None:
-    if self.proc is None or self.proc.poll() is not None:
-      self.proc = subprocess.Popen(
-          [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice", "--warm", str(os.getpid())] if self.nice else [])],
-          stdin=subprocess.PIPE,
-          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-
-  def _build(self, job: dict) -> dict:
-    self._start()
-    try:
-      self.proc.stdin.write(json.dumps(job) + "\n")
-      self.proc.stdin.flush()
-      line = self.proc.stdout.readline()
-    except OSError as e:
-      line = json.dumps({"ok": False, "error": f"compile process: {e!r}"})
-    if not line:
-      return {"ok": False, "error": "the compile process exited"}
-    reply = json.loads(line)
-    if reply.get("ok"):  # (the next build's price: without the one-off setup this one paid)
-      _builds.append(max(reply["seconds"] - reply.get("setup_seconds", 0.0), 0.0))
-    return reply
-
-
-_compiler = _Compiler(nice=True)  # background builds
-_sync_compiler = _Compiler(nice=False)  # builds a caller waits for ("sync")
-
-
-def _work():
-  while True:
-    loop, step = _jobs.get()
-    try:
-      with _cond:
-        _state["compiling"] += 1
-      try:
-        step()
-      finally:
-        with _cond:
-          _state["compiling"] -= 1
-    except Exception as e:  # noqa: BLE001 - the NumPy path stays
-      if loop is not None:
-        _state["failed"] += 1
-        loop.phase = "done"
-      log.debug("pallas_np: native loop failed: %r", e)
-    finally:
-      with _cond:
-        _state["queued"] -= 1
-        _cond.notify_all()
-
-
-def _submit(loop, step) -> None:
-  """Queues a loop's build step for the tier's thread."""
-  _enqueue(loop, step)
-
-
-def _prestart() -> None:
-  """Has the tier's thread start the background compile process (its
-  warm-up: ``_Compiler.start``) ahead of any build."""
-  _enqueue(None, _compiler.start)
-
-
-def _enqueue(loop, step) -> None:
-  with _cond:
-    _state["queued"] += 1
-    if not _thread:
-      t = threading.Thread(target=_work, name="pallas_np-native", daemon=True)
-      t.start()
-      _thread.append(t)
-  _jobs.put((loop, step))
-
-
 def _eqn_count(jaxpr) -> int:
   n = 0
   for e in jaxpr.eqns:
@@ -211,24 +81,6 @@ def _eqn_count(jaxpr) -> int:
     for sub in jc.eqn_subjaxprs(e):
       n += _eqn_count(sub)
   return n
-
-
-def price(lines: int) -> float:
-  """Seconds the next build of a loop of ``lines`` generated lines takes
-  in the compile process (measured builds once there are some)."""
-  if _builds:
-    return max(sorted(_builds)[len(_builds) // 2], BASE_PRICE * 0.5) + LINE_PRICE * lines * 0.5
-  mixins = not os.path.isdir(os.path.join(disk_cache.directory(), "mixins"))
-  return START_PRICE + BASE_PRICE + LINE_PRICE * lines + (MIXIN_PRICE if mixins else 0.0)
-
-
-def weight() -> float:
-  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
-  try:
-    busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
-  except (AttributeError, OSError):
-    busy = False
-  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)
 
 
 def _layouts(args) -> tuple:
@@ -375,16 +227,17 @@ class NativeLoop:
     lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
                                 for p in self.eqn.params.values()
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
-    self.price = price(lines)
+    self.price = scheduler.price(lines)
     # (the least weight(): the load is read when it is reached)
-    self.due = 0.0 if self.sync else COMPILE_WEIGHT * self.price
+    self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
-    if not self.sync and _compiler.proc is None and weight() == COMPILE_WEIGHT:
+    if (not self.sync and scheduler.compiler.proc is None
+        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
       # paid while the build is not yet due, where a core is idle; else
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
-      _prestart()
+      scheduler.prestart()
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -419,7 +272,7 @@ class NativeLoop:
         _state["disk_hits"] += 1
       else:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
-        compiler = _sync_compiler if self.sync else _compiler
+        compiler = scheduler.sync_compiler if self.sync else scheduler.compiler
         reply = compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
                                 "ret": self.job["ret"], "externals": self.job["externals"],
                                 "out": path})
@@ -512,7 +365,7 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = weight() * self.price
+        due = scheduler.weight() * self.price
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
           return
@@ -523,7 +376,7 @@ class NativeLoop:
       if self.sync:
         self._guarded(self.build)
       else:
-        _submit(self, self.build)
+        scheduler.submit(self, self.build)
 
   def _guarded(self, step) -> None:
     """``step`` in the caller (``"sync"``): a failure leaves the NumPy path."""

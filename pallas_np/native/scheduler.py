@@ -1,0 +1,167 @@
+"""The native tier's one build scheduler: the tier's thread, its queue of
+build steps, the compile processes (``aot_worker``: numba's ahead-of-time
+compiler, never imported here) and the rule that prices a build and weighs
+it against the caller's load. ``tier.NativeLoop`` decides *when* a loop's
+build is due; this module runs it, off the caller's thread, and counts
+what is queued and compiling (``stats``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+from pallas_np.native import aot_worker, disk_cache
+
+log = logging.getLogger("pallas_np.native")
+
+# A build runs in another process, at the lowest CPU priority: it costs the
+# caller only when the machine has no idle core. Its price counts at this
+# weight, BUSY_FACTOR times more (in full) when the load average leaves no
+# core idle or there is one core. The load average counts the caller itself
+# (a process calling a kernel in a loop adds ~1): a core is idle while the
+# load stays IDLE_MARGIN below the core count.
+COMPILE_WEIGHT = 0.1
+BUSY_FACTOR = 10.0
+IDLE_MARGIN = 0.5
+_CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
+# A build's seconds before one was measured: numba's import in a new
+# compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
+# helpers once per cache directory.
+START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
+
+# The tier's counters (``stats``): loops compiled, refused, failed, reused,
+# loaded from disk, native calls, and builds queued or compiling now.
+state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
+         "disk_hits": 0, "queued": 0, "compiling": 0}
+_cond = threading.Condition()
+_jobs: queue.Queue = queue.Queue()
+_thread: list = []
+builds: list = []  # measured build seconds (the price of the next)
+
+
+def stats() -> dict:
+  """Counters: loops compiled (built or loaded), refused (something outside
+  the table), failed (a build failed), loaded from disk (``disk_hits``),
+  calls that ran compiled code, and loops ``queued`` for the tier thread or
+  ``compiling`` in the compile process now."""
+  return dict(state)
+
+
+def wait(timeout: float | None = None) -> bool:
+  """Wait until no loop is queued or compiling; False on timeout."""
+  with _cond:
+    return _cond.wait_for(lambda: state["queued"] + state["compiling"] == 0, timeout)
+
+
+class Compiler:
+  """The compile process (``aot_worker``), started on the first build and
+  kept: it exits at the end of its input, when this process exits."""
+
+  def __init__(self, nice: bool):
+    self.proc = None
+    self.nice = nice
+    self.lock = threading.Lock()  # (one build at a time on the pipe)
+
+  def build(self, job: dict) -> dict:
+    with self.lock:
+      return self._build(job)
+
+  def start(self) -> None:
+    """Starts the compile process, if it is not running: a background one
+    imports numba and compiles a small loop first (``aot_worker.warm_up``),
+    while the loop whose build comes next still runs its NumPy path (a
+    ``"sync"`` build is waited for: no warm-up ahead of it)."""
+    with self.lock:
+      self._start()
+
+  def _start(self) -> None:
+    if self.proc is None or self.proc.poll() is not None:
+      self.proc = subprocess.Popen(
+          [sys.executable, "-I", aot_worker.__file__,
+           *(["--nice", "--warm", str(os.getpid())] if self.nice else [])],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+  def _build(self, job: dict) -> dict:
+    self._start()
+    try:
+      self.proc.stdin.write(json.dumps(job) + "\n")
+      self.proc.stdin.flush()
+      line = self.proc.stdout.readline()
+    except OSError as e:
+      line = json.dumps({"ok": False, "error": f"compile process: {e!r}"})
+    if not line:
+      return {"ok": False, "error": "the compile process exited"}
+    reply = json.loads(line)
+    if reply.get("ok"):  # (the next build's price: without the one-off setup this one paid)
+      builds.append(max(reply["seconds"] - reply.get("setup_seconds", 0.0), 0.0))
+    return reply
+
+
+compiler = Compiler(nice=True)  # background builds
+sync_compiler = Compiler(nice=False)  # builds a caller waits for ("sync")
+
+
+def _work():
+  while True:
+    loop, step = _jobs.get()
+    try:
+      with _cond:
+        state["compiling"] += 1
+      try:
+        step()
+      finally:
+        with _cond:
+          state["compiling"] -= 1
+    except Exception as e:  # noqa: BLE001 - the NumPy path stays
+      if loop is not None:
+        state["failed"] += 1
+        loop.phase = "done"
+      log.debug("pallas_np: native loop failed: %r", e)
+    finally:
+      with _cond:
+        state["queued"] -= 1
+        _cond.notify_all()
+
+
+def submit(loop, step) -> None:
+  """Queues a loop's build step for the tier's thread."""
+  _enqueue(loop, step)
+
+
+def prestart() -> None:
+  """Has the tier's thread start the background compile process (its
+  warm-up: ``_Compiler.start``) ahead of any build."""
+  _enqueue(None, compiler.start)
+
+
+def _enqueue(loop, step) -> None:
+  with _cond:
+    state["queued"] += 1
+    if not _thread:
+      t = threading.Thread(target=_work, name="pallas_np-native", daemon=True)
+      t.start()
+      _thread.append(t)
+  _jobs.put((loop, step))
+
+def price(lines: int) -> float:
+  """Seconds the next build of a loop of ``lines`` generated lines takes
+  in the compile process (measured builds once there are some)."""
+  if builds:
+    return max(sorted(builds)[len(builds) // 2], BASE_PRICE * 0.5) + LINE_PRICE * lines * 0.5
+  mixins = not os.path.isdir(os.path.join(disk_cache.directory(), "mixins"))
+  return START_PRICE + BASE_PRICE + LINE_PRICE * lines + (MIXIN_PRICE if mixins else 0.0)
+
+
+def weight() -> float:
+  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
+  try:
+    busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
+  except (AttributeError, OSError):
+    busy = False
+  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)
