@@ -32,37 +32,16 @@ import numpy as np
 
 from pallas_np.native import lite_types as lt
 from pallas_np.native.codegen import SUPPORTED, Refused
+from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, _DTYPES, Arr, Expressions, _literal_int,
+                                        cast,
+                                        const, lltype, memtype)
 
-I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-PTR = I8.as_pointer()
 DATA_OFFSET = 16  # PyArrayObject's ``data`` field: after PyObject_HEAD
+STRIDES_OFFSET = 40  # ... its ``strides`` (after nd, dimensions)
 ALIGN = 64
 MAX_ARENA = 64 << 20
-_DTYPES = {dt.name if dt != np.bool_ else "bool_": dt for dt in SUPPORTED}
 
 
-def lltype(dt: np.dtype):
-  if dt == np.bool_:
-    return I1
-  if dt.kind == "f":
-    return ir.FloatType() if dt.itemsize == 4 else ir.DoubleType()
-  return ir.IntType(dt.itemsize * 8)
-
-
-def memtype(dt: np.dtype):
-  return I8 if dt == np.bool_ else lltype(dt)
-
-
-class Arr:
-  """An array value: a data pointer (i8*), its dtype and static shape;
-  ``arena``: a buffer of the call's arena (may be returned)."""
-  __slots__ = ("ptr", "dtype", "shape", "arena")
-
-  def __init__(self, ptr, dtype, shape, arena):
-    self.ptr, self.dtype, self.shape, self.arena = ptr, dtype, tuple(shape), arena
-
-  def sig(self):
-    return ("a", self.dtype, self.shape, self.arena)
 
 
 class Var:
@@ -72,44 +51,7 @@ class Var:
     self.slot, self.sig = slot, sig
 
 
-def cast(b, val, src: np.dtype, dst: np.dtype):
-  """numba's ``context.cast`` between number types."""
-  if src == dst:
-    return val
-  if dst == np.bool_:
-    if src.kind == "f":
-      return b.fcmp_unordered("!=", val, ir.Constant(val.type, 0.0))
-    return b.icmp_unsigned("!=", val, ir.Constant(val.type, 0))
-  t = lltype(dst)
-  if src.kind == "f":
-    if dst.kind == "f":
-      return b.fpext(val, t) if dst.itemsize > src.itemsize else b.fptrunc(val, t)
-    return b.fptosi(val, t) if dst.kind == "i" else b.fptoui(val, t)
-  if dst.kind == "f":
-    return b.sitofp(val, t) if src.kind == "i" else b.uitofp(val, t)
-  sw, dw = val.type.width, t.width
-  if dw < sw:
-    return b.trunc(val, t)
-  if dw == sw:
-    return val
-  return b.sext(val, t) if src.kind == "i" else b.zext(val, t)
-
-
-def const(dt: np.dtype, value):
-  t = lltype(dt)
-  if dt == np.bool_:
-    return ir.Constant(I1, int(bool(value)))
-  if dt.kind == "f":
-    return ir.Constant(t, float(value))
-  return ir.Constant(t, int(np.asarray(value, dt).astype(np.uint64 if dt.kind == "u" else np.int64)))
-
-
-_INTRINSICS = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
-               "trunc": "llvm.trunc"}
-_CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
-
-
-class Translator:
+class Translator(Expressions):
   """One generated function lowered into an LLVM module."""
 
   def __init__(self, text, globals_, args, outs, externals=()):
@@ -133,7 +75,7 @@ class Translator:
   # -- setup ----------------------------------------------------------------------
   def translate(self) -> str:
     params = [PTR, PTR, PTR]
-    for kind, dt, _ in self.args:
+    for kind, dt, *_ in self.args:
       params.append(PTR if kind != "s" else memtype(dt))
     params += [PTR] * len(self.const_arrays)
     fn = ir.Function(self.module, ir.FunctionType(I32, params), name="native_loop")
@@ -153,12 +95,13 @@ class Translator:
         or self.fn_ast.args.defaults):
       raise Refused("lite: the function's arguments")
     self.st_name = names[0]
-    for name, (kind, dt, shape), p in zip(names[1:], self.args, fn.args[3:]):
+    for name, (kind, dt, shape, contiguous), p in zip(names[1:], self.args, fn.args[3:]):
       if kind == "s":
         val = p if dt != np.bool_ else self.b.trunc(p, I1)
         self.assign(name, val, dt)
       else:
-        self.assign_arr(name, Arr(self.data(p), dt, shape, False))
+        strides = None if contiguous else self.strides(p, len(shape))
+        self.assign_arr(name, Arr(self.data(p), dt, shape, False, strides))
     self.gconsts = {}
     for name, p in zip(self.const_arrays, fn.args[3 + len(self.args):]):
       v = self.globals[name]
@@ -202,6 +145,13 @@ class Translator:
   def arena_size(self) -> int:
     return self.arena_static + self.arena_dynamic
 
+  def strides(self, obj, ndim) -> tuple:
+    """The byte strides of the NumPy array whose ``PyObject*`` is ``obj``
+    (its ``strides`` field: a pointer to ``ndim`` intp)."""
+    b = self.b
+    ptr = b.load(b.bitcast(b.gep(obj, [I64(STRIDES_OFFSET)]), I64.as_pointer().as_pointer()))
+    return tuple(b.load(b.gep(ptr, [I64(k)])) for k in range(ndim))
+
   def data(self, obj):
     """The data pointer of the NumPy array whose ``PyObject*`` is ``obj``."""
     b = self.b if hasattr(self, "b") else self.alloca_b
@@ -231,8 +181,8 @@ class Translator:
     if var is not None:
       if var.sig[0] == "s":
         return self.b.load(var.slot), var.sig[1]
-      _, dt, shape, arena = var.sig
-      return Arr(self.b.load(var.slot), dt, shape, arena), None
+      _, dt, shape, arena, strides = var.sig
+      return Arr(self.b.load(var.slot), dt, shape, arena, strides), None
     if name == self.st_name:
       return self.st, None
     if name in self.gconsts:
@@ -507,273 +457,33 @@ class Translator:
           raise Refused("lite: a non-constant status index")
       elif dt.kind == "i":
         i = self.b.select(self.b.icmp_signed("<", i, I64(0)), self.b.add(i, I64(dim)), i)
-      stride = math.prod(arr.shape[k + 1:]) if dim is not None else 1
-      term = i if stride == 1 else self.b.mul(i, I64(stride))
+      if arr.strides is not None:  # (bytes)
+        term = self.b.mul(i, arr.strides[k])
+      else:
+        stride = math.prod(arr.shape[k + 1:]) if dim is not None else 1
+        term = i if stride == 1 else self.b.mul(i, I64(stride))
       flat = term if flat is None else self.b.add(flat, term)
     mt = memtype(arr.dtype)
+    if arr.strides is not None:
+      return arr, self.b.bitcast(self.b.gep(arr.ptr, [flat]), mt.as_pointer())
     ptr = self.b.gep(self.b.bitcast(arr.ptr, mt.as_pointer()), [flat])
     return arr, ptr
-
-  # -- expressions -------------------------------------------------------------------------
-  def expr(self, e):
-    meth = getattr(self, "e_" + type(e).__name__, None)
-    if meth is None:
-      raise Refused(f"lite: expression {type(e).__name__}")
-    return meth(e)
-
-  def scalar(self, e):
-    val, dt = self.expr(e)
-    if isinstance(val, Arr):
-      raise Refused("lite: an array where a scalar was expected")
-    return val, dt
-
-  def e_Constant(self, e):
-    v = e.value
-    if isinstance(v, bool):
-      return const(lt.BOOL, v), lt.BOOL
-    if isinstance(v, int):
-      if not -2**63 <= v < 2**63:
-        raise Refused("lite: an int literal beyond int64")
-      return const(lt.I64, v), lt.I64
-    if isinstance(v, float):
-      return const(lt.F64, v), lt.F64
-    raise Refused(f"lite: constant {type(v).__name__}")
-
-  def e_Name(self, e):
-    return self.load_name(e.id)
-
-  def e_Subscript(self, e):
-    arr, ptr = self.element(e)
-    v = self.b.load(ptr)
-    return (self.b.trunc(v, I1) if arr.dtype == np.bool_ else v), arr.dtype
-
-  def truth(self, v):
-    val, dt = v
-    if isinstance(val, Arr):
-      raise Refused("lite: the truth of an array")
-    return cast(self.b, val, dt, lt.BOOL)
-
-  def e_BinOp(self, e):
-    a, da = self.scalar(e.left)
-    c, dc = self.scalar(e.right)
-    op, b = type(e.op), self.b
-    if op in (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Div):
-      t = lt.arith(da, dc)
-      if op is ast.Div and t.kind != "f":
-        raise Refused("lite: / of integers")
-      x, y = cast(b, a, da, t), cast(b, c, dc, t)
-      if t.kind == "f":
-        fn = {ast.Add: b.fadd, ast.Sub: b.fsub, ast.Mult: b.fmul, ast.Div: b.fdiv}.get(op)
-        if fn is None:
-          raise Refused("lite: // or % of floats")
-        return fn(x, y), t
-      if op in (ast.FloorDiv, ast.Mod):
-        if t.kind != "u":
-          raise Refused("lite: // or % of signed integers")
-        zero = b.icmp_unsigned("==", y, I64(0))
-        q = (b.udiv if op is ast.FloorDiv else b.urem)(x, b.select(zero, I64(1), y))
-        return b.select(zero, I64(0), q), t
-      return {ast.Add: b.add, ast.Sub: b.sub, ast.Mult: b.mul}[op](x, y), t
-    if op in (ast.BitAnd, ast.BitOr, ast.BitXor):
-      t = lt.bitwise(da, dc)
-      if t is None:
-        raise Refused("lite: a bitwise op of floats")
-      x, y = cast(b, a, da, t), cast(b, c, dc, t)
-      return {ast.BitAnd: b.and_, ast.BitOr: b.or_, ast.BitXor: b.xor}[op](x, y), t
-    if op in (ast.LShift, ast.RShift):
-      t = lt.shift(da, dc)
-      if t is None:
-        raise Refused("lite: a shift of floats")
-      x, y = cast(b, a, da, t), cast(b, c, dc, t)
-      if op is ast.LShift:
-        return b.shl(x, y), t
-      return (b.ashr(x, y) if t.kind == "i" else b.lshr(x, y)), t
-    raise Refused(f"lite: operator {op.__name__}")
-
-  def e_UnaryOp(self, e):
-    a, da = self.scalar(e.operand)
-    op, b = type(e.op), self.b
-    if op is ast.Not:
-      return b.xor(self.truth((a, da)), I1(1)), lt.BOOL
-    if op is ast.Invert:
-      if da == np.bool_:
-        return b.xor(a, I1(1)), lt.BOOL
-      if da.kind == "f":
-        raise Refused("lite: ~ of a float")
-      t = lt.negate(da)
-      return b.xor(cast(b, a, da, t), ir.Constant(lltype(t), -1)), t
-    if op is ast.USub:
-      t = lt.negate(da)
-      x = cast(b, a, da, t)
-      return (b.fneg(x) if t.kind == "f" else b.neg(x)), t
-    raise Refused(f"lite: unary {op.__name__}")
-
-  def compare(self, a, da, c, dc, opname):
-    t = lt.compare(da, dc)
-    if t is None:
-      raise Refused("lite: a comparison")
-    b = self.b
-    x, y = cast(b, a, da, t), cast(b, c, dc, t)
-    if t.kind == "f":
-      if opname == "!=":
-        return b.fcmp_unordered("!=", x, y)
-      return b.fcmp_ordered(opname, x, y)
-    if t.kind == "i":
-      return b.icmp_signed(opname, x, y)
-    return b.icmp_unsigned(opname, x, y)
-
-  def e_Compare(self, e):
-    if len(e.ops) != 1 or type(e.ops[0]) not in _CMP:
-      raise Refused("lite: a chained or identity comparison")
-    a, da = self.scalar(e.left)
-    c, dc = self.scalar(e.comparators[0])
-    return self.compare(a, da, c, dc, _CMP[type(e.ops[0])]), lt.BOOL
-
-  def branches(self, cond, make_a, make_b):
-    """``a if cond else b`` as numba lowers it: two blocks and a phi of
-    the unified type."""
-    ba = self.fn.append_basic_block("ifa")
-    bb = self.fn.append_basic_block("ifb")
-    after = self.fn.append_basic_block("ifend")
-    self.b.cbranch(cond, ba, bb)
-    self.b.position_at_end(ba)
-    a, da = make_a()
-    ea = self.b.block
-    self.b.position_at_end(bb)
-    c, dc = make_b()
-    eb = self.b.block
-    t = lt.unify(da, dc)
-    if t is None:
-      raise Refused("lite: a conditional of two types numba does not unify")
-    self.b.position_at_end(ea)
-    a = cast(self.b, a, da, t)
-    self.b.branch(after)
-    ea = self.b.block
-    self.b.position_at_end(eb)
-    c = cast(self.b, c, dc, t)
-    self.b.branch(after)
-    eb = self.b.block
-    self.b.position_at_end(after)
-    phi = self.b.phi(lltype(t))
-    phi.add_incoming(a, ea)
-    phi.add_incoming(c, eb)
-    return phi, t
-
-  def e_IfExp(self, e):
-    cond = self.truth(self.expr(e.test))
-    return self.branches(cond, lambda: self.scalar(e.body), lambda: self.scalar(e.orelse))
-
-  def e_BoolOp(self, e):
-    vals = e.values
-    if len(vals) != 2:
-      raise Refused("lite: a boolean op of more than two operands")
-    a, da = self.scalar(vals[0])
-    if da != np.bool_:
-      raise Refused("lite: and/or of a non-bool")
-
-    def second():
-      c, dc = self.scalar(vals[1])
-      if dc != np.bool_:
-        raise Refused("lite: and/or of a non-bool")
-      return c, dc
-    if isinstance(e.op, ast.And):
-      return self.branches(a, second, lambda: (a, lt.BOOL))
-    return self.branches(a, lambda: (a, lt.BOOL), second)
-
-  def e_Attribute(self, e):
-    raise Refused(f"lite: attribute {e.attr}")
-
-  def e_Call(self, e):
-    if e.keywords:
-      raise Refused("lite: a call with keywords")
-    f = e.func
-    if isinstance(f, ast.Attribute) and f.attr == "copy" and not e.args:
-      arr, _ = self.expr(f.value)
-      if not isinstance(arr, Arr):
-        raise Refused("lite: .copy() of a scalar")
-      return self.copy(arr)
-    dt = self.np_dtype(f)
-    if dt is not None:
-      if len(e.args) != 1:
-        raise Refused("lite: a dtype call")
-      a, da = self.scalar(e.args[0])
-      return cast(self.b, a, da, dt), dt
-    args = [self.scalar(a) for a in e.args]
-    b = self.b
-    if isinstance(f, ast.Attribute) and self.is_np(f, f.attr):
-      name = f.attr
-      if name in _INTRINSICS and len(args) == 1 and args[0][1].kind == "f":
-        (a, da), = args
-        return self.intrinsic(_INTRINSICS[name], a), da
-      if name == "fmod" and len(args) == 2 and args[0][1] == args[1][1] and args[0][1].kind == "f":
-        return b.frem(args[0][0], args[1][0]), args[0][1]
-      raise Refused(f"lite: np.{name}")
-    if not isinstance(f, ast.Name) or f.id in self.vars:
-      raise Refused("lite: a call")
-    name = f.id
-    if name == "abs" and len(args) == 1:
-      (a, da), = args
-      if da.kind == "f":
-        return self.intrinsic("llvm.fabs", a), da
-      if da.kind == "i":
-        return b.select(b.icmp_signed("<", a, ir.Constant(a.type, 0)), b.neg(a), a), da
-      raise Refused("lite: abs of an unsigned or bool")
-    if name in ("min", "max") and len(args) >= 2:
-      acc, dacc = args[0]
-      for v, dv in args[1:]:
-        t = lt.unify(dacc, dv)
-        if t is None:
-          raise Refused("lite: min/max of two types numba does not unify")
-        acc, v = cast(b, acc, dacc, t), cast(b, v, dv, t)
-        pred = self.compare(v, t, acc, t, ">" if name == "max" else "<")
-        acc, dacc = b.select(pred, v, acc), t
-      return acc, dacc
-    if name in ("_sdiv", "_srem") and len(args) == 2:
-      (a, da), (c, dc) = args
-      if da.kind != "i" or dc.kind not in "iu":
-        raise Refused(f"lite: {name} of these types")
-      c = cast(b, c, dc, da)
-      return (b.sdiv(a, c) if name == "_sdiv" else b.srem(a, c)), da
-    if name.startswith("_ext_") and name[5:] in self.externals and len(args) == 1:
-      (a, da), = args
-      if da != lt.F32:
-        raise Refused("lite: an external of a non-float32")
-      fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
-      fn = self.module.globals.get(name[5:]) or ir.Function(self.module, fnty, name[5:])
-      return b.call(fn, [a]), da
-    raise Refused(f"lite: call of {name}")
-
-  def intrinsic(self, name, a):
-    fnty = ir.FunctionType(a.type, [a.type])
-    full = f"{name}.f{32 if isinstance(a.type, ir.FloatType) else 64}"
-    fn = self.module.globals.get(full) or ir.Function(self.module, fnty, full)
-    return self.b.call(fn, [a])
-
 
 def _aligned(n: int) -> int:
   return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _literal_int(e):
-  """The value of an int literal (``3``, ``-1``), else None."""
-  if isinstance(e, ast.Constant) and type(e.value) is int:
-    return e.value
-  if (isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub) and isinstance(e.operand, ast.Constant)
-      and type(e.operand.value) is int):
-    return -e.operand.value
-  return None
-
-
 def translate(src, args) -> tuple:
   """(LLVM IR text, meta, constant arrays) of a ``codegen.Source``;
-  ``args``: each loop operand's (kind 's'/'a'/'r', dtype, static shape).
+  ``args``: each loop operand's (kind 's'/'a'/'r', dtype, static shape,
+  C-contiguous).
   Raises ``Refused`` outside the subset."""
   try:
     tr = Translator(src.text, src.globals, args, src.outs, src.externals)
     text = tr.translate()
   except (RecursionError, SyntaxError) as e:
     raise Refused(f"lite: {type(e).__name__}") from None
-  meta = {"args": [None if kind != "s" else dt.str for kind, dt, _ in args],
+  meta = {"args": [None if kind != "s" else dt.str for kind, dt, *_ in args],
           "arena": tr.arena_size,
           "outs": [[kind, dt.str, n] for (kind, dt), n in zip(src.outs, tr.out_sizes)]}
   return text, meta, [src.globals[k] for k in tr.const_arrays]

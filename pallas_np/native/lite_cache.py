@@ -40,14 +40,14 @@ def enabled() -> bool:
 
 def arg_descs(kinds, avals, layouts) -> list:
   """Each loop operand as ``lite.translate`` takes it: (kind, dtype,
-  static shape); C-contiguous arrays only."""
+  static shape, C-contiguous)."""
   out = []
   for kind, aval, layout in zip(kinds, avals, layouts):
     inner = aval.inner_aval if kind == "r" else aval
     dt = codegen.dtype_of(inner)
-    if kind != "s" and (layout is None or not layout[0]):
-      raise codegen.Refused("lite: an operand that is not C-contiguous")
-    out.append((kind, dt, tuple(inner.shape)))
+    if kind != "s" and layout is None:
+      raise codegen.Refused("lite: a scalar where an array was expected")
+    out.append((kind, dt, tuple(inner.shape), kind == "s" or layout[0]))
   return out
 
 

@@ -37,6 +37,10 @@ def _llvm():
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
+    probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
+    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
+    if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
+      raise RuntimeError("NumPy's array struct: strides are not at offset 40")
     for name in _CTYPES:  # (a NumPy scalar's value right after its header)
       v = np.dtype(name).type(5)
       if ctypes.string_at(id(v) + 16, v.itemsize) != v.tobytes():
