@@ -140,9 +140,67 @@ def test_unknown_forms_are_refused():
   class Src:
     globals, externals = {}, {}
     outs = [("s", np.dtype(np.int64))]
-  for body in ("    return (0, np.sum(a0))", "    x = a0 // 2\n    return (0, x)",
+  for body in ("    return (0, np.sum(a0))", "    x = a0 is a0\n    return (0, x)",
                "    x = a0 ** 2\n    return (0, x)", "    x = a0 if a0 else 1.5\n    return (0, x)",
                "    return (0, a0 < 1 < 2)"):
     Src.text = f"def native_loop(_st, a0):\n{body}\n"
     with pytest.raises(codegen.Refused):
       lite.translate(Src, [("s", np.dtype(np.int64), (), True)])
+
+
+# -- forms the emitters may write, lite against numba's own compile of the text ---------------
+_SNIPPETS = {
+    "floor_divmod": "    return (0, a0 // a1, a0 % a1, np.int32(a0) // np.int32(a1), a1 % 3)",
+    "chained": "    return (0, 0 <= a0 < a1, a1 < a0 <= 5 != a1)",
+    "unsigned_literal": "    u = np.uint64(a0)\n    return (0, u < 32, u + 1 if u > 3 else 0, u >> np.uint64(a1 & 63))",
+    "mixed_float": ("    f = np.float32(a0) * np.float32(0.1)\n"
+                    "    return (0, f + a1, np.float32(f) < a1, max(f, a1), min(f, 2), abs(f - a1))"),
+    "neg_index": ("    x = np.empty(4, np.int64)\n    for _i in range(4):\n        x[_i] = _i * a1\n"
+                  "    return (0, x[-1] + x[a1 % 4 - 4])"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SNIPPETS))
+def test_snippets_match_numba(name):
+  """Edge values through forms with numba's subtler typing (floor division
+  and INT_MIN // -1, chained comparisons, uint64 against int literals in
+  float64, float32 with ints, negative indices), lite's results against
+  numba's own compile of the same text: same types, same bits."""
+  nb = _cached[name]
+  text = f"def native_loop(_st, a0, a1):\n{_SNIPPETS[name]}\n"
+  edge = [0, 1, -1, 2, -7, 7, 3, 5, -(2**63), 2**63 - 1, -(2**31), 2**31 - 1, 100]
+  for a0 in edge:
+    for a1 in edge:
+      args = (np.int64(a0), np.int64(a1))
+      want = nb(np.zeros(8, np.int64), *args)
+      if name not in _compiled:
+        types = nb.nopython_signatures[0].return_type.types[1:]
+
+        class Src:
+          globals, externals = {}, {}
+          outs = [("s", np.dtype(str(t) if str(t) != "bool" else "bool")) for t in types]
+        Src.text = text
+        ir_text, meta, consts = lite.translate(Src, [("s", np.dtype(np.int64), (), True)] * 2)
+        _compiled[name] = (lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts),
+                           [dt for _, dt in Src.outs])
+      fn, dts = _compiled[name]
+      got = fn(np.zeros(8, np.int64), *args)
+      for g, w, dt in zip(got[1:], want[1:], dts):
+        assert np.asarray(g).dtype == dt, (name, a0, a1)
+        assert np.asarray(g).tobytes() == np.asarray(w, dt).tobytes(), (name, a0, a1, g, w)
+
+
+_compiled: dict = {}
+
+
+class _NumbaCache(dict):
+  def __missing__(self, name):
+    numba = pytest.importorskip("numba")
+    from pallas_np.native import aot_worker
+    scope = {"np": np, **aot_worker._int_ops()}
+    exec(f"def native_loop(_st, a0, a1):\n{_SNIPPETS[name]}\n", scope)  # noqa: S102
+    fn = self[name] = numba.njit(error_model="numpy")(scope["native_loop"])
+    return fn
+
+
+_cached = _NumbaCache()

@@ -58,8 +58,10 @@ class Translator(Expressions):
     tree = ast.parse(text)
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     if len(tree.body) != 1 or len(fns) != 1 or fns[0].name != "native_loop":
-      raise Refused("lite: a module other than one function")
+      first = next((n for n in tree.body if n is not fns[-1]), tree.body[0])
+      raise Refused(f"lite: a module other than one function ({ast.dump(first)[:80]})")
     self.fn_ast = fns[0]
+    self.text_lines = text.splitlines()
     self.globals = globals_
     self.args = args  # [(kind 's'|'a'|'r', dtype, shape)]
     self.outs = outs  # [(kind, dtype)]
@@ -201,10 +203,16 @@ class Translator(Expressions):
       self.stmt(s)
 
   def stmt(self, s):
-    meth = getattr(self, "s_" + type(s).__name__, None)
-    if meth is None:
-      raise Refused(f"lite: statement {type(s).__name__}")
-    meth(s)
+    try:
+      meth = getattr(self, "s_" + type(s).__name__, None)
+      if meth is None:
+        raise Refused(f"lite: statement {type(s).__name__}")
+      meth(s)
+    except Refused as e:
+      if getattr(e, "line", None) is None:  # (the innermost statement's line)
+        e.line = self.text_lines[s.lineno - 1].strip()
+        e.args = (f"{e.args[0]} (at: {e.line[:120]})",)
+      raise
 
   def s_Pass(self, s):
     pass

@@ -139,11 +139,7 @@ class Expressions:
           raise Refused("lite: // or % of floats")
         return fn(x, y), t
       if op in (ast.FloorDiv, ast.Mod):
-        if t.kind != "u":
-          raise Refused("lite: // or % of signed integers")
-        zero = b.icmp_unsigned("==", y, I64(0))
-        q = (b.udiv if op is ast.FloorDiv else b.urem)(x, b.select(zero, I64(1), y))
-        return b.select(zero, I64(0), q), t
+        return self.floor_divmod(x, y, t, op is ast.FloorDiv), t
       return {ast.Add: b.add, ast.Sub: b.sub, ast.Mult: b.mul}[op](x, y), t
     if op in (ast.BitAnd, ast.BitOr, ast.BitXor):
       t = lt.bitwise(da, dc)
@@ -193,12 +189,37 @@ class Expressions:
       return b.icmp_signed(opname, x, y)
     return b.icmp_unsigned(opname, x, y)
 
+  def floor_divmod(self, x, y, t, div: bool):
+    """numba's integer ``//`` or ``%`` (``_int_divmod_impl``): Python's
+    floor semantics; 0 for a divisor 0 (the NumPy error model) and for
+    INT_MIN // -1 (both results), as selects around a divisor that
+    cannot trap."""
+    b = self.b
+    bad = b.icmp_unsigned("==", y, I64(0))
+    if t.kind == "u":
+      safe = b.select(bad, I64(1), y)
+      return b.select(bad, I64(0), (b.udiv if div else b.urem)(x, safe))
+    bad = b.or_(bad, b.and_(b.icmp_signed("==", x, I64(-2**63)), b.icmp_signed("==", y, I64(-1))))
+    safe = b.select(bad, I64(1), y)
+    q, r = b.sdiv(x, safe), b.srem(x, safe)
+    fix = b.and_(b.icmp_signed("!=", r, I64(0)), b.icmp_signed("<", b.xor(safe, r), I64(0)))
+    res = b.select(fix, b.sub(q, I64(1)), q) if div else b.select(fix, b.add(r, safe), r)
+    return b.select(bad, I64(0), res)
+
   def e_Compare(self, e):
-    if len(e.ops) != 1 or type(e.ops[0]) not in _CMP:
-      raise Refused("lite: a chained or identity comparison")
-    a, da = self.scalar(e.left)
-    c, dc = self.scalar(e.comparators[0])
-    return self.compare(a, da, c, dc, _CMP[type(e.ops[0])]), lt.BOOL
+    """``a < b``; a chain ``a <= b < c`` as Python (and numba) evaluate
+    it: each operand once, the next comparison only where this one holds."""
+    if any(type(op) not in _CMP for op in e.ops):
+      raise Refused("lite: an identity or membership comparison")
+    left = self.scalar(e.left)
+
+    def chain(left, k):
+      right = self.scalar(e.comparators[k])
+      c = self.compare(*left, *right, _CMP[type(e.ops[k])])
+      if k == len(e.ops) - 1:
+        return c, lt.BOOL
+      return self.branches(c, lambda: chain(right, k + 1), lambda: (I1(0), lt.BOOL))
+    return chain(left, 0)
 
   def branches(self, cond, make_a, make_b):
     """``a if cond else b`` as numba lowers it: two blocks and a phi of
