@@ -20,7 +20,7 @@ ENV = "PALLAS_NP_NATIVE_COMPILER"
 CHOICES = ("auto", "lite", "numba")
 # Seconds a lite build is priced at (translation ~10-50 ms of Python under
 # the GIL, LLVM ~0.1-1 s without it): the cost rule makes it due early.
-PRICE = 0.3
+PRICE = 0.1
 FORMAT = 1
 _memo: dict = {}  # library key -> loaded lite function
 
