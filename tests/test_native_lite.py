@@ -49,10 +49,29 @@ INT_DTYPES = [jnp.int8, jnp.int16, jnp.int32, jnp.int64, jnp.uint8, jnp.uint16, 
               jnp.uint64]
 
 
+def _ints64(dt, shape=(8, 128)):
+  """``_ints`` for int64/uint64: edge values (the extremes, 0, +-1, shift
+  amounts around 64) and random bits."""
+  rng = np.random.default_rng(11)
+  v = rng.integers(0, 2**64, size=shape, dtype=np.uint64).view(dt)
+  info = np.iinfo(dt)
+  edge = np.array([info.min, info.max, 0, 1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 100, 255,
+                   info.max - 1], dtype=object)
+  flat = v.reshape(-1)
+  flat[:edge.size * 4] = np.array([dt.type(e) for e in np.tile(edge, 4)], dt)
+  if dt.kind == "i":
+    flat[edge.size * 4:edge.size * 5] = -np.arange(1, edge.size + 1)
+  v[::3] = rng.integers(0, 70, size=shape).astype(dt)[::3]  # shift amounts, small divisors
+  return jnp.asarray(v)
+
+
 @pytest.mark.parametrize("dt", INT_DTYPES)
 def test_integer_ops_bit_exact(lite_only, dt):
-  if np.dtype(dt).itemsize == 8 and not jax.config.jax_enable_x64:
-    pytest.skip("64-bit integers need jax_enable_x64")
+  if np.dtype(dt).itemsize == 8:  # (64-bit values: JAX's x64 mode)
+    with jax.enable_x64(True):
+      x, y = _ints64(np.dtype(dt)), _ints64(np.dtype(dt))
+      _lite_three_ways(functools.partial(_elementwise_call, _int_ops, N_INT_OPS, dt), x, y)
+    return
   x, y = _ints(np.dtype(dt)), _ints(np.dtype(dt))
   _lite_three_ways(functools.partial(_elementwise_call, _int_ops, N_INT_OPS, dt), x, y)
 

@@ -103,8 +103,10 @@ class Expressions:
     if isinstance(v, bool):
       return const(lt.BOOL, v), lt.BOOL
     if isinstance(v, int):
+      if 2**63 <= v < 2**64:  # (numba types it uint64)
+        return const(lt.U64, v), lt.U64
       if not -2**63 <= v < 2**63:
-        raise Refused("lite: an int literal beyond int64")
+        raise Refused("lite: an int literal beyond 64 bits")
       return const(lt.I64, v), lt.I64
     if isinstance(v, float):
       return const(lt.F64, v), lt.F64
