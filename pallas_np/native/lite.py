@@ -32,7 +32,7 @@ import numpy as np
 
 from pallas_np.native import lite_types as lt
 from pallas_np.native.codegen import SUPPORTED, Refused
-from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, _DTYPES, Arr, Expressions, _literal_int,
+from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, DTYPE_NAMES, Arr, Expressions, literal_int,
                                         cast,
                                         const, lltype, memtype)
 
@@ -307,7 +307,7 @@ class Translator(Expressions):
         # (numba iterates a range of int32 bounds in int32, of uint64 in uint64)
         raise Refused("lite: range() of bounds other than int64")
       bounds.append(cast(self.b, val, dt, lt.I64))
-    consts = [_literal_int(a) for a in it.args]
+    consts = [literal_int(a) for a in it.args]
     start, stop, step = (I64(0), bounds[0], I64(1)) if len(bounds) == 1 else (
         bounds[0], bounds[1], bounds[2] if len(bounds) == 3 else I64(1))
     if len(bounds) == 3 and (consts[2] is None or consts[2] <= 0):
@@ -349,7 +349,7 @@ class Translator(Expressions):
 
   def s_Return(self, s):
     v = s.value
-    if not isinstance(v, ast.Tuple) or len(v.elts) != len(self.outs) + 1 or _literal_int(v.elts[0]) != 0:
+    if not isinstance(v, ast.Tuple) or len(v.elts) != len(self.outs) + 1 or literal_int(v.elts[0]) != 0:
       raise Refused("lite: the return")
     vals = [self.expr(e) for e in v.elts[1:]]
     sizes = [math.prod(val.shape) if isinstance(val, Arr) else 1 for val, _ in vals]
@@ -376,8 +376,8 @@ class Translator(Expressions):
             and f.value.id == "np" and "np" not in self.vars)
 
   def np_dtype(self, node):
-    if isinstance(node, ast.Attribute) and self.is_np(node, node.attr) and node.attr in _DTYPES:
-      return _DTYPES[node.attr]
+    if isinstance(node, ast.Attribute) and self.is_np(node, node.attr) and node.attr in DTYPE_NAMES:
+      return DTYPE_NAMES[node.attr]
     return None
 
   def empty(self, call):
@@ -385,7 +385,7 @@ class Translator(Expressions):
     outside loops: each runs once)."""
     if len(call.args) != 2 or call.keywords or len(self.loops):
       raise Refused("lite: np.empty other than (n, dtype) at the top")
-    n, dt = _literal_int(call.args[0]), self.np_dtype(call.args[1])
+    n, dt = literal_int(call.args[0]), self.np_dtype(call.args[1])
     if n is None or n < 0 or dt is None:
       raise Refused("lite: np.empty of a non-constant size or dtype")
     off = self.arena_static
@@ -460,7 +460,7 @@ class Translator(Expressions):
       i = cast(self.b, val, dt, lt.I64)
       dim = arr.shape[k]
       if dim is None:  # (the status array: constant indices only)
-        c = _literal_int(e)
+        c = literal_int(e)
         if c is None or c < 0:
           raise Refused("lite: a non-constant status index")
       elif dt.kind == "i":

@@ -14,7 +14,7 @@ from pallas_np.native.codegen import SUPPORTED, Refused
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 PTR = I8.as_pointer()
-_DTYPES = {dt.name if dt != np.bool_ else "bool_": dt for dt in SUPPORTED}
+DTYPE_NAMES = {dt.name if dt != np.bool_ else "bool_": dt for dt in SUPPORTED}
 
 
 def lltype(dt: np.dtype):
@@ -344,7 +344,7 @@ class Expressions:
     return self.b.call(fn, [a])
 
 
-def _literal_int(e):
+def literal_int(e):
   """The value of an int literal (``3``, ``-1``), else None."""
   if isinstance(e, ast.Constant) and type(e.value) is int:
     return e.value
