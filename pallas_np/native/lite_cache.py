@@ -23,6 +23,7 @@ CHOICES = ("auto", "lite", "numba")
 PRICE = 0.1
 FORMAT = 1
 _memo: dict = {}  # library key -> loaded lite function
+prepared: list = []  # (non-empty once ``prepare`` was queued)
 
 
 def mode() -> str:
@@ -36,6 +37,12 @@ def enabled() -> bool:
   """Whether builds try lite first (llvmlite's import waits for the
   first build: a loop that is never built does not pay it)."""
   return mode() != "numba"
+
+
+def prepare() -> None:
+  """llvmlite's import and the target machine (the first build's one-off
+  part), ahead of it."""
+  lite_jit.available()
 
 
 def arg_descs(kinds, avals, layouts) -> list:

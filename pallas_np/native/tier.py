@@ -240,6 +240,11 @@ class NativeLoop:
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
       scheduler.prestart()
+    if self.lite and not self.sync and not lite_cache.prepared:
+      # (llvmlite's import and LLVM's set-up, ~50-100 ms, done while the
+      # build is not yet due)
+      lite_cache.prepared.append(1)
+      scheduler.prepare(lite_cache.prepare)
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
