@@ -1,6 +1,6 @@
-"""The native tier: a loop that keeps running is compiled with numba, in a
-process of its own, and then runs as machine code, with the NumPy path's
-bits and errors (docs/native.md).
+"""The native tier: a loop that keeps running is compiled (lite, in this
+process, or numba, in a process of its own) and then runs as machine
+code, with the NumPy path's bits and errors (docs/native.md).
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
 At its first run, where this process or the disk cache has pre-keys
@@ -13,9 +13,12 @@ size: no source is generated yet); once its NumPy path has cost
 to come), the build is submitted to the tier's one thread (``scheduler``,
 which also prices builds and weighs them against the load): it generates
 the source (``codegen``), looks the library built from that source up in
-memory and on disk (``disk_cache``) and, not found, has the compile
-process build it (``scheduler.Compiler``), waiting on a pipe, holding no
-GIL. Until then, and for good when the
+memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
+compiles it in this process with lite (``lite_cache``: the source
+translated to LLVM IR, ~0.05-0.5 s, priced at ``lite_cache.PRICE``) or,
+where lite refuses it, prices it again for the compile process, which
+builds it with numba (``scheduler.Compiler``; the tier's thread waits on
+a pipe, holding no GIL). Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
