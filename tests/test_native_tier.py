@@ -11,6 +11,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -107,12 +108,15 @@ _SECOND_PROCESS = textwrap.dedent("""
 """)
 
 
-def test_second_process_loads_the_library_from_disk(tmp_path):
-  """The first process builds the loop into the cache directory; a second
-  one finds it there at its first lookup: no build, no numba import, and
-  the compiled loop runs."""
+@pytest.mark.parametrize("compiler,suffix", [("numba", ".so"), ("auto", ".o")])
+def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix):
+  """The first process builds the loop into the cache directory (numba's
+  library, or lite's object: native/lite_cache.py); a second one finds it
+  there at its first lookup: no build, no numba import, and the compiled
+  loop runs."""
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
+             PALLAS_NP_NATIVE_COMPILER=compiler,
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   runs = []
   for _ in range(2):
@@ -125,4 +129,4 @@ def test_second_process_loads_the_library_from_disk(tmp_path):
   # native from the first run on (its pre-key: tests/test_native_tier_speed.py)
   assert int(runs[1][2]) == 2 * tier.HOT_RUNS + 1
   assert int(runs[0][2]) < int(runs[1][2])
-  assert any(p.endswith(".so") for p in os.listdir(next(tmp_path.iterdir())))
+  assert any(p.endswith(suffix) for p in os.listdir(next(tmp_path.iterdir())))

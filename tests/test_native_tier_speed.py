@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import codegen, prekey, scheduler, tier
+from pallas_np.native import codegen, lite_cache, prekey, scheduler, tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = pallas_np.InterpretParams(native_loops="off")
@@ -98,6 +98,7 @@ def test_compile_process_started_when_a_loop_is_priced(monkeypatch, load, starte
   numba's import and first compile, ~2-4 s, then runs while the loop's
   NumPy path runs on toward its build's price), where a core is idle; on a
   busy machine it is started with the build."""
+  monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
@@ -128,6 +129,7 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   """A loop whose cost pays for its build only at the idle weight waits
   while the machine is busy and is queued once the load falls (the load
   is looked at again as the loop's cost grows)."""
+  monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1.0)
@@ -300,6 +302,7 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   """While its background build is under way (``phase == "building"``:
   seconds, or minutes on a machine with no idle core), a loop's runs take
   the NumPy path from its entry function, untimed, never ``__call__``."""
+  monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
   monkeypatch.setattr(scheduler, "prestart", lambda: None)
@@ -344,3 +347,24 @@ def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
   after = native.stats()
   assert after["disk_hits"] == before["disk_hits"] + 1  # (loaded by its pre-key, not built)
   assert str(got.value) == str(want.value)
+
+
+def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
+  """With lite (the default compiler), a loop is priced at lite's build
+  (``lite_cache.PRICE``, ~0.3 s: an in-process compile) instead of numba's
+  seconds, and no compile process is started ahead of it: the build is
+  queued as soon as the loop ran ``HOT_RUNS`` times and cost
+  ``COMPILE_WEIGHT`` x that price."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)  # (numba's: never due here)
+  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [0.5])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 73 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 1):
+    f(x)
+  assert len(builds.loops) == 1 and builds.loops[0].price == 1e-6
+  assert not builds.prestarts

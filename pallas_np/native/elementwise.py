@@ -206,8 +206,10 @@ def _shift_left(dts, out, params):
   bits, _, _ = _int_types(out)
   c = _cast(out)
   ok = _shift_in_range(out, bits)
+  # (the 0 of the result's type: numba unifies a uint64 with an int literal into float64)
+  zero = f"np.{out.name}(0)"
   return lambda a, s: c(f"(np.int64({a}) << np.int64({s})) if {ok(s)} else 0") if out.itemsize < 8 \
-      else c(f"({a} << {s}) if {ok(s)} else 0")
+      else c(f"({a} << {s}) if {ok(s)} else {zero}")
 
 
 @scalar_op("shift_right_logical")
@@ -217,7 +219,7 @@ def _shift_right_logical(dts, out, params):
   bits, u, _ = _int_types(out)
   c = _cast(out)
   ok = _shift_in_range(out, bits)
-  return lambda a, s: c(f"({u}({a}) >> {u}({s})) if {ok(s)} else 0")
+  return lambda a, s: c(f"({u}({a}) >> {u}({s})) if {ok(s)} else {u}(0)")  # (see shift_left)
 
 
 @scalar_op("shift_right_arithmetic")

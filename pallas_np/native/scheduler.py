@@ -37,7 +37,8 @@ START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
 # The tier's counters (``stats``): loops compiled, refused, failed, reused,
 # loaded from disk, native calls, and builds queued or compiling now.
 state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
-         "disk_hits": 0, "queued": 0, "compiling": 0}
+         "disk_hits": 0, "queued": 0, "compiling": 0, "lite": 0,
+         "lite_refused": 0}
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
@@ -138,6 +139,12 @@ def prestart() -> None:
   """Has the tier's thread start the background compile process (its
   warm-up: ``_Compiler.start``) ahead of any build."""
   _enqueue(None, compiler.start)
+
+
+def prepare(step) -> None:
+  """Has the tier's thread run ``step``, a one-off setup ahead of the
+  builds that need it (lite's llvmlite import and target machine)."""
+  _enqueue(None, step)
 
 
 def _enqueue(loop, step) -> None:

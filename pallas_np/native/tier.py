@@ -1,6 +1,6 @@
-"""The native tier: a loop that keeps running is compiled with numba, in a
-process of its own, and then runs as machine code, with the NumPy path's
-bits and errors (docs/native.md).
+"""The native tier: a loop that keeps running is compiled (lite, in this
+process, or numba, in a process of its own) and then runs as machine
+code, with the NumPy path's bits and errors (docs/native.md).
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
 At its first run, where this process or the disk cache has pre-keys
@@ -13,9 +13,12 @@ size: no source is generated yet); once its NumPy path has cost
 to come), the build is submitted to the tier's one thread (``scheduler``,
 which also prices builds and weighs them against the load): it generates
 the source (``codegen``), looks the library built from that source up in
-memory and on disk (``disk_cache``) and, not found, has the compile
-process build it (``scheduler.Compiler``), waiting on a pipe, holding no
-GIL. Until then, and for good when the
+memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
+compiles it in this process with lite (``lite_cache``: the source
+translated to LLVM IR, ~0.05-0.5 s, priced at ``lite_cache.PRICE``) or,
+where lite refuses it, prices it again for the compile process, which
+builds it with numba (``scheduler.Compiler``; the tier's thread waits on
+a pipe, holding no GIL). Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
@@ -32,8 +35,8 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, lanes, prekey,
-                              scheduler)
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, lanes, lite_cache,
+                              prekey, scheduler)
 
 log = logging.getLogger("pallas_np.native")
 
@@ -179,6 +182,7 @@ class NativeLoop:
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
+    self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
 
   @property
   def phase(self) -> str:
@@ -233,17 +237,22 @@ class NativeLoop:
     lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
                                 for p in self.eqn.params.values()
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
-    self.price = scheduler.price(lines)
+    self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
-    if (not self.sync and scheduler.compiler.proc is None
+    if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
       # paid while the build is not yet due, where a core is idle; else
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
       scheduler.prestart()
+    if self.lite and not self.sync and not lite_cache.prepared:
+      # (llvmlite's import and LLVM's set-up, ~50-100 ms, done while the
+      # build is not yet due)
+      lite_cache.prepared.append(1)
+      scheduler.prepare(lite_cache.prepare)
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -274,8 +283,12 @@ class NativeLoop:
     if fn is None:
       path = disk_cache.library_path(k)
       fn = disk_cache.load(path)
+      if fn is None and self.lite:
+        fn = self._build_lite(k)
+        if fn is None and not self.sync:
+          return  # (priced again for the numba build)
       if fn is not None:
-        _state["disk_hits"] += 1
+        _state["disk_hits"] += fn is not self.job.get("lite_built")
       else:
         srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
         compiler = scheduler.sync_compiler if self.sync else scheduler.compiler
@@ -293,8 +306,35 @@ class NativeLoop:
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
-    self._remember(_record(self.src, k, self.job["args"], self.job["ret"]))
+    record = _record(self.src, k, self.job["args"], self.job["ret"])
+    if getattr(fn, "lite", False):
+      record["lite"] = True
+    self._remember(record)
     self._swap(fn)
+
+  def _build_lite(self, k):
+    """The loop's lite function: from memory or disk, else compiled now
+    in this process (``lite_cache``); None where lite refuses it: the loop
+    is then priced for the numba build (the cost rule) and stays on the
+    NumPy path until that is due ("sync": built by numba now)."""
+    fn = lite_cache.load(k)
+    if fn is not None:
+      return fn
+    try:
+      if self.src.calls:
+        raise codegen.Refused("lite: DMA call sites")
+      fn = lite_cache.build(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
+                                                               self.layouts))
+    except Exception as e:  # noqa: BLE001 - Refused, or LLVM's own error: numba builds it
+      _state["lite_refused"] += 1
+      log.debug("pallas_np: lite refused a loop (%s)", e)
+      self.lite = False
+      if not self.sync:
+        self._price()
+      return None
+    _state["lite"] += 1
+    self.job["lite_built"] = fn
+    return fn
 
   def _refuse(self, why: str) -> None:
     _state["refused"] += 1
@@ -333,7 +373,8 @@ class NativeLoop:
     if fn is not None:
       _state["reused"] += 1
     else:
-      fn = disk_cache.load(disk_cache.library_path(k))
+      fn = (lite_cache.load(k) if record.get("lite")
+            else disk_cache.load(disk_cache.library_path(k)))
       if fn is None:
         return
       _state["disk_hits"] += 1

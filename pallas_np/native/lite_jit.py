@@ -1,0 +1,179 @@
+"""lite's machine code: the IR ``lite`` writes, optimised and compiled by
+llvmlite in this process (a ctypes call: LLVM runs without the GIL), kept
+as an object file (the disk cache's), loaded into an MCJIT engine, and
+called through ctypes with the pycc library's convention as the tier sees
+it: ``fn(st, *args) -> (0, *results)`` (docs/native.md, "lite").
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from pallas_np.native.codegen import Refused
+
+_lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
+_state: dict = {}
+OPT_LEVEL = 3
+_CTYPES = {"bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
+           "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8,
+           "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64,
+           "float32": ctypes.c_float, "float64": ctypes.c_double}
+
+
+def _llvm():
+  """llvmlite's binding with the native target (once per process); None
+  where llvmlite is missing or this NumPy's array struct is not the one
+  the compiled code reads."""
+  if "llvm" in _state:
+    return _state["llvm"]
+  try:
+    import llvmlite.binding as llvm
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = _target_machine(llvm)
+    probe = np.arange(3, dtype=np.int64)
+    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
+    if addr != probe.ctypes.data:
+      raise RuntimeError("NumPy's array struct: data is not at offset 16")
+    probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
+    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
+    if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
+      raise RuntimeError("NumPy's array struct: strides are not at offset 40")
+    for name in _CTYPES:  # (a NumPy scalar's value right after its header)
+      v = np.dtype(name).type(5)
+      if ctypes.string_at(id(v) + 16, v.itemsize) != v.tobytes():
+        raise RuntimeError(f"NumPy's {name} scalar: its value is not at offset 16")
+    _state["tm"] = tm
+    _state["llvm"] = llvm
+  except Exception:  # noqa: BLE001 - no lite: the numba build
+    _state["llvm"] = None
+  return _state["llvm"]
+
+
+def _target_machine(llvm):
+  """A target machine for the host CPU. An MCJIT engine owns (and frees)
+  the one it is given: each engine gets its own."""
+  target = llvm.Target.from_default_triple()
+  return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                      features=llvm.get_host_cpu_features().flatten(),
+                                      opt=OPT_LEVEL, reloc="default", codemodel="jitdefault")
+
+
+def available() -> bool:
+  return _llvm() is not None
+
+
+def target_name() -> str:
+  """What compiled objects depend on (the disk cache's key): CPU and LLVM."""
+  llvm = _llvm()
+  return f"{llvm.get_host_cpu_name()}-{'.'.join(map(str, llvm.llvm_version_info))}-o{OPT_LEVEL}"
+
+
+def compile_ir(text: str, externals: dict) -> bytes:
+  """The object code of ``text`` (with the IR modules of its externals
+  linked in), optimised as numba optimises (loops vectorized)."""
+  llvm = _llvm()
+  if llvm is None:
+    raise Refused("lite: llvmlite is not available")
+  with _lock:
+    tm = _state["tm"]
+    mod = llvm.parse_assembly(text)
+    for ir_text in externals.values():
+      mod.link_in(llvm.parse_assembly(ir_text))
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    mod.verify()
+    _optimize(llvm, tm, mod)
+    return bytes(tm.emit_object(mod))
+
+
+def _optimize(llvm, tm, mod) -> None:
+  """The module pipeline at ``OPT_LEVEL``, loops vectorized as numba's
+  are, not unrolled: unrolling doubled a build's time (bitonic: 0.2 s ->
+  0.55 s) for no faster loop (PERF_LOG, "[lite]")."""
+  pto = llvm.create_pipeline_tuning_options(speed_level=OPT_LEVEL)
+  pto.loop_vectorization = True
+  pto.slp_vectorization = True
+  pto.loop_unrolling = False
+  pb = llvm.create_pass_builder(tm, pto)
+  pb.getModulePassManager().run(mod, pb)
+
+
+def load(obj: bytes):
+  """(engine, address of ``native_loop``) of an object file."""
+  llvm = _llvm()
+  with _lock:
+    ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine(llvm))
+    ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    ee.finalize_object()
+    addr = ee.get_function_address("lite_entry")
+  if not addr:
+    raise RuntimeError("lite: lite_entry not found in its object")
+  return ee, addr
+
+
+class _MethodDef(ctypes.Structure):
+  _fields_ = [("name", ctypes.c_char_p), ("meth", ctypes.c_void_p), ("flags", ctypes.c_int),
+              ("doc", ctypes.c_char_p)]
+
+
+METH_FASTCALL = 0x0080
+_new_function = ctypes.pythonapi.PyCFunction_NewEx
+_new_function.restype = ctypes.py_object
+_new_function.argtypes = [ctypes.POINTER(_MethodDef), ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _builtin(addr):
+  """A builtin function object calling the METH_FASTCALL function at
+  ``addr``, and what must outlive it (its method definition)."""
+  mdef = _MethodDef(b"lite_entry", addr, METH_FASTCALL, None)
+  return _new_function(ctypes.byref(mdef), None, None), mdef
+
+
+def make_callable(obj: bytes, meta: dict, consts: list):
+  """``fn(st, *args) -> (0, *results)``, as the pycc library's function:
+  ``meta`` (from ``lite.Translator``): the scalar arguments' dtypes (None
+  for arrays), the arena's size, each result's (kind, dtype, size)."""
+  ee, addr = load(obj)
+  cfunc, keep = _builtin(addr)
+  scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
+  size = meta["arena"]
+  outs = [(kind, np.dtype(dt), n) for kind, dt, n in meta["outs"]]
+  nout = max(len(outs), 1)
+  consts = tuple(consts)
+  empty, frombuffer, i64, u8 = np.empty, np.frombuffer, np.int64, np.uint8
+
+  pool = []  # (arena, slots, readers) of finished calls: a fresh arena per call costs page faults
+
+  def fresh():
+    arena, slots = empty(size, u8), empty(nout, i64)
+    readers = []
+    for k, (kind, dt, n) in enumerate(outs):
+      if kind == "s":  # (the scalar's bits at the start of its 8-byte slot)
+        readers.append((True, slots.view(dt), 8 * k // dt.itemsize))
+      else:
+        readers.append((False, dt, n))
+    return arena, slots, readers
+
+  def native_loop(st, *args):
+    if scalars:  # (the entry reads a scalar's value from its NumPy type's layout)
+      args = list(args)
+      for k, t in scalars:
+        if args[k].__class__ is not t:
+          args[k] = t(args[k])
+    entry = pool.pop() if pool else fresh()  # (pop/append: atomic, threads get their own)
+    arena, slots, readers = entry
+    if cfunc(st, arena, slots, *args, *consts) is not st:
+      pool.append(entry)
+      raise IndexError("pallas_np native loop: out-of-bounds ref access")
+    res = [0]
+    for k, (scalar, a, b) in enumerate(readers):
+      # (arrays copied out: the arena is used again)
+      res.append(a[b] if scalar else frombuffer(arena, a, b, int(slots[k])).copy())
+    pool.append(entry)
+    return tuple(res)
+  native_loop.lite = True
+  native_loop.engine = (ee, keep)  # (the machine code lives as long as the function)
+  return native_loop
