@@ -141,12 +141,6 @@ def prestart() -> None:
   _enqueue(None, compiler.start)
 
 
-def prepare(step) -> None:
-  """Has the tier's thread run ``step``, a one-off setup ahead of the
-  builds that need it (lite's llvmlite import and target machine)."""
-  _enqueue(None, step)
-
-
 def _enqueue(loop, step) -> None:
   with _cond:
     state["queued"] += 1

@@ -65,6 +65,7 @@ _loaded = LRU(256)
 # Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
 _prekeys = LRU(1024)
 _UNSET = object()
+_set_up: list = []  # (NativeLoop._price: the one-off set-up, done)
 
 
 def enabled(params) -> bool:
@@ -241,6 +242,20 @@ class NativeLoop:
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
+    # (the one-off set-up every build needs, done here, in the caller, once
+    # per process: the pre-key's digest of the sources, ~200 stat calls,
+    # 1.5 ms; the BLAS and libm addresses, 6 ms; lite's llvmlite import and
+    # target machine, 30-60 ms. On the tier's thread each of their system
+    # and ctypes calls waits for the GIL behind a busy caller: they took
+    # 0.4-0.9 s each there, and a cold lite build landed after ~1.5 s
+    # instead of ~0.2 s: PERF_LOG 138)
+    if not _set_up:
+      prekey.code_version()
+      blas_calls.status()
+      _set_up.append(1)
+    if self.lite and not self.sync and not lite_cache.prepared:
+      lite_cache.prepared.append(1)
+      lite_cache.prepare()
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
@@ -248,11 +263,6 @@ class NativeLoop:
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
       scheduler.prestart()
-    if self.lite and not self.sync and not lite_cache.prepared:
-      # (llvmlite's import and LLVM's set-up, ~50-100 ms, done while the
-      # build is not yet due)
-      lite_cache.prepared.append(1)
-      scheduler.prepare(lite_cache.prepare)
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
