@@ -368,3 +368,27 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
     f(x)
   assert len(builds.loops) == 1 and builds.loops[0].price == 1e-6
   assert not builds.prestarts
+
+
+def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch):
+  """The one-off set-up a priced loop does in the caller (the pre-key's
+  source digest, the BLAS addresses, lite's import: ``NativeLoop._price``)
+  never raises into the kernel's call: where it fails, the loop's calls go
+  on with the NumPy path's results."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "_set_up", [])
+  set_up = []
+
+  def broken():
+    set_up.append(1)
+    raise OSError("no sources to read")
+  monkeypatch.setattr(prekey, "code_version", broken)
+  builds = _Builds(monkeypatch)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
+  salt = _salt()
+  want = np.asarray(_call(salt, OFF, x)(x))
+  f = _call(salt, BACKGROUND, x)
+  for _ in range(5):
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+  assert set_up, "the set-up was not reached: the test tests nothing"
+  del builds

@@ -249,13 +249,16 @@ class NativeLoop:
     # and ctypes calls waits for the GIL behind a busy caller: they took
     # 0.4-0.9 s each there, and a cold lite build landed after ~1.5 s
     # instead of ~0.2 s: PERF_LOG 138)
-    if not _set_up:
-      prekey.code_version()
-      blas_calls.status()
-      _set_up.append(1)
-    if self.lite and not self.sync and not lite_cache.prepared:
-      lite_cache.prepared.append(1)
-      lite_cache.prepare()
+    try:  # (a failure here is the build's: the NumPy path stays, the call goes on)
+      if not _set_up:
+        _set_up.append(1)
+        prekey.code_version()
+        blas_calls.status()
+      if self.lite and not self.sync and not lite_cache.prepared:
+        lite_cache.prepared.append(1)
+        lite_cache.prepare()
+    except Exception as e:  # noqa: BLE001
+      log.debug("pallas_np: native tier set-up failed: %r", e)
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
