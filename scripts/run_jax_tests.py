@@ -210,6 +210,9 @@ def run_file(args, tests_dir, path, log_dir) -> dict:
   if os.path.exists(log):
     with open(log) as f:
       rows = [json.loads(l) for l in f if l.strip()]
+    # Under pytest-xdist the controller receives each worker's reports and
+    # the plugin, loaded in both, writes every test twice: one row per id.
+    rows = list({r["id"]: r for r in rows}.values())
   with open(os.path.join(log_dir, name + ".out")) as f:
     tail = f.read()[-3000:]
   return {"file": name, "rows": rows, "rc": rc, "timed_out": timed_out, "tail": tail,

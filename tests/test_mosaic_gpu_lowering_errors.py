@@ -216,6 +216,28 @@ def test_warp_code_loads_and_stores_scalars_only():
     _run(_warp_copy(True), x)
 
 
+def _warp_inline_mgpu(shape):
+  """A warp's body calls ``inline_mgpu`` returning ``shape`` and stores it
+  (JAX's ``test_inline_mgpu_in_warp_rejects_non_scalar``)."""
+  def body(y_ref):
+    @plgpu.warp_map
+    def _(warp_id):
+      @plgpu.inline_mgpu(arg_types=(), return_type=plgpu.ShapeDtypeStruct(
+          shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+      def bad(ctx):
+        raise AssertionError("the lowering refuses the kernel before its body runs")
+      y_ref[...] = bad()
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32))
+
+
+def test_inline_mgpu_in_a_warp_returns_scalars_only():
+  """Mosaic GPU's lowering rejects the inline_mgpu eqn itself, before the
+  store after it (whose own check says "Can only store scalars")."""
+  with pytest.raises(ValueError, match=r"inline_mgpu in a single-warp context only supports "
+                     r"scalar return types\. Got shape=\(128,\)\."):
+    _run(_warp_inline_mgpu((128,)))
+
+
 def test_reshard_in_a_kernel_under_an_explicit_mesh_is_the_value():
   """Traced under a mesh with explicit axes, a kernel body holds ``reshard``
   eqns (a sharding change of a value): the value itself."""

@@ -42,6 +42,8 @@ def _check_scalar_accesses(jaxpr) -> None:
   for eqn in jaxpr.eqns:
     if is_warp_map(eqn.params):
       continue
+    if eqn.primitive is jc.mgpu_primitive("inline_mgpu_p"):
+      _check_inline_mgpu(eqn)
     if eqn.primitive is sp.get_p and eqn.outvars[0].aval.shape:
       raise ValueError(f"Can only load scalars in warp-level code (pallas_np, as Mosaic GPU's "
                        f"lowering: a load of {eqn.outvars[0].aval.str_short()} at "
@@ -55,6 +57,23 @@ def _check_scalar_accesses(jaxpr) -> None:
       for sub in (v if isinstance(v, (tuple, list)) else (v,)):
         if isinstance(sub, jc.JAXPR_TYPES):
           _check_scalar_accesses(sub)
+
+
+def _check_inline_mgpu(eqn) -> None:
+  """As Mosaic GPU's lowering of ``inline_mgpu`` in a warp's body, in program
+  order (so before a later store's check): the body runs per warp, which has
+  no layout for an array argument or result."""
+  for r in eqn.params.get("flat_ret_ty") or ():
+    if getattr(r, "shape", ()):
+      raise ValueError("inline_mgpu in a single-warp context only supports scalar return "
+                       f"types. Got shape={tuple(r.shape)}. (pallas_np, as Mosaic GPU's "
+                       f"lowering: at {jc.source_summary(eqn.source_info)})")
+  for v in eqn.invars:
+    aval = v.aval
+    if not isinstance(aval, jc.AbstractRef) and getattr(aval, "shape", ()):
+      raise ValueError("inline_mgpu in a single-warp context only supports scalar arrays "
+                       f"(and Refs). Got {aval}. (pallas_np, as Mosaic GPU's lowering: at "
+                       f"{jc.source_summary(eqn.source_info)})")
 
 
 def compile_warp_map(e: registry.EqnInfo):
