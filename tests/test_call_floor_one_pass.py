@@ -209,10 +209,11 @@ def test_new_shapes_and_dtypes_get_their_own_plan():
       assert_identical(fn(a, b), want(a, b))
 
 
-def test_scalar_prefetch_grids_have_no_front():
-  """The pass of a grid whose index maps read scalar prefetch depends on
-  those values: no front."""
-  idx = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+def test_scalar_prefetch_grids_look_their_choice_up_per_call(monkeypatch):
+  """A grid whose index maps read scalar prefetch: the pass depends on the
+  values, so the front (``PrefetchPassFront``) looks the choice up on each
+  call; values it has no runner for go to the full path, which builds one."""
+  built = _front_of(monkeypatch)
   x = _f32(16, 128)
 
   def make(interp):
@@ -224,10 +225,24 @@ def test_scalar_prefetch_grids_have_no_front():
                     out_specs=pl.BlockSpec((1, 128), lambda i, idx: (i, 0))),
                 interpret=interp)
   fn, want = make(pallas_np.InterpretParams()), make(True)
-  for _ in range(3):
+  idx1 = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+  idx2 = jnp.asarray((np.asarray(idx1) + 3) % 16, jnp.int32)
+  assert_identical(fn(idx1, x), want(idx1, x))
+  assert isinstance(built[-1][1], pass_front.PrefetchPassFront)
+  full = _count_full_path(monkeypatch)
+  assert_identical(fn(idx1, x), want(idx1, x))
+  assert full == []
+  assert_identical(fn(idx2, x), want(idx2, x))  # new values: their runner built
+  assert full == [1]
+  for idx in (idx2, idx1, idx2):
     assert_identical(fn(idx, x), want(idx, x))
-    idx = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
-  import gc
-  fronts = [o.front for o in gc.get_objects() if isinstance(o, vectorize.GridVectorizer)
-            and getattr(o.kp, "name", None) == "gather_kernel"]
-  assert fronts and not any(fronts)
+  assert full == [1]
+  bad = jnp.asarray([0, 1, 2, 3, 4, 5, 6, 99], jnp.int32)  # a block past the end
+  with pytest.raises(Exception) as front_err:
+    fn(bad, x)
+  kp = built[-1][0]
+  kp.vectorizer.front = False
+  with pytest.raises(Exception) as full_err:
+    fn(bad, x)
+  assert (type(front_err.value), str(front_err.value)) == (type(full_err.value),
+                                                            str(full_err.value))

@@ -47,12 +47,14 @@ class OnePassFront:
   @classmethod
   def of(cls, kp):
     """The front of ``kp``'s last run where that run was one batched pass
-    of a static grid without scalar prefetch on buffers whose layout the
-    pass never looks at, else None."""
+    of a static grid on buffers whose layout the pass never looks at (with
+    scalar prefetch: a ``PrefetchPassFront``), else None."""
     gv = kp.vectorizer
     grid = kp.static_grid
-    if gv is None or grid is None or kp.num_index or gv.reason is not None or gv._partly_read:
+    if gv is None or grid is None or gv.reason is not None or gv._partly_read:
       return None
+    if kp.num_index:
+      return PrefetchPassFront.of(kp)
     chosen = gv._chosen.get(grid)
     entry = gv.runners.get(id(chosen)) if chosen is not None else None
     if (entry is None or entry[0] is not chosen or isinstance(entry[1], str)
@@ -85,6 +87,66 @@ class OnePassFront:
       gv.last_failure, gv.front = e, None
       return None, None
     except Exception as e:  # (as _run_vectorized: rerun sequentially, then compared)
+      gv.last_failure, gv.front = e, None
+      return None, e
+    finally:
+      if progress is not None:
+        progress.close()
+    gv.last_layout, gv.last_axes = "lanes-first", runner.axes
+    kp.last_mode = "vectorized"
+    return (kp.setup.results(out_bufs) if self.padded else out_bufs), None
+
+
+class PrefetchPassFront:
+  """``OnePassFront`` for a static grid whose index maps read scalar
+  prefetch: the choice depends on the prefetch values, so it and its runner
+  are looked up on each call as the full path does (``GridVectorizer.choose``,
+  cached per values); only the layers around them are skipped. A call whose
+  choice has no one-pass runner yet goes to the full path (which builds it)."""
+  __slots__ = ("gv", "grid", "n_args", "index_preps", "in_preps", "out_preps", "total",
+               "padded")
+
+  def __init__(self, gv, grid, n_args, index_preps, in_preps, out_preps, padded):
+    self.gv = gv
+    self.grid = grid
+    self.n_args = n_args
+    self.index_preps = index_preps
+    self.in_preps = in_preps
+    self.out_preps = out_preps
+    self.total = math.prod(grid)
+    self.padded = padded
+
+  @classmethod
+  def of(cls, kp):
+    index_preps, in_preps, out_preps = kp.setup.preps()
+    padded = any(geo.needs_padding for geo in kp.blocks[kp.num_inputs:])
+    return cls(kp.vectorizer, kp.static_grid, kp.num_index + kp.num_inputs, tuple(index_preps),
+               tuple(in_preps), tuple(out_preps), padded)
+
+  def __call__(self, kp, args):
+    """As ``OnePassFront.__call__``."""
+    gv = self.gv
+    if len(args) != self.n_args or kp.vectorizer is not gv or gv.reason is not None:
+      gv.front = None
+      return None
+    progress = None
+    try:
+      n = len(self.index_preps)
+      index_ops = [prep(a) for prep, a in zip(self.index_preps, args)]
+      chosen = gv.choose(self.grid, index_ops)
+      entry = gv.runners.get(id(chosen)) if chosen is not None else None
+      if (entry is None or entry[0] is not chosen or isinstance(entry[1], str)
+          or entry[2] is not vectorize.LANES_LAST or not entry[1].one_pass()):
+        return None
+      runner = entry[1]
+      progress = debugging.progress_bar(kp.name, self.total, kp.params)
+      in_bufs = [prep(x) for prep, x in zip(self.in_preps, args[n:])]
+      out_bufs = [prep(args, index_ops + in_bufs) for prep in self.out_preps]
+      runner.run_one_pass(index_ops, in_bufs + out_bufs, progress)
+    except vectorize.NotBatchable as e:
+      gv.last_failure, gv.front = e, None
+      return None, None
+    except Exception as e:
       gv.last_failure, gv.front = e, None
       return None, e
     finally:
