@@ -109,6 +109,21 @@ def test_warm_one_pass_calls_skip_the_full_path(monkeypatch, make, args):
   assert kp.last_mode == "vectorized"
 
 
+def test_routed_jit_calls_take_the_front(monkeypatch):
+  """``jax.jit`` of a numpy-mode call (the routed whole-program path) runs
+  the same kernel plan: its warm calls take the front too."""
+  built = _front_of(monkeypatch)
+  fn, want_fn = jax.jit(_softmax(pallas_np.InterpretParams())), _softmax(True)
+  x = _bf16(32, 256)
+  assert_identical(fn(x), want_fn(x))
+  assert built and isinstance(built[-1][1], pass_front.OnePassFront)
+  full = _count_full_path(monkeypatch)
+  for _ in range(3):
+    x = _bf16(32, 256)
+    assert_identical(fn(x), want_fn(x))
+  assert full == []
+
+
 def test_front_steps_aside_when_the_choice_or_runner_changes(monkeypatch):
   built = _front_of(monkeypatch)
   fn, want_fn = _softmax(pallas_np.InterpretParams()), _softmax(True)
