@@ -27,7 +27,7 @@ import numpy as np
 from pallas_np import devices, fp_state, memory, races
 from pallas_np.compiler import RunContext, new_run
 from pallas_np.errors import KernelError, UnsupportedError, check_fallback
-from pallas_np.grid import threads, vectorize
+from pallas_np.grid import pass_front, threads, vectorize
 from pallas_np.memory import allocate
 from pallas_np.state import dma
 
@@ -51,7 +51,7 @@ class GridRun:
     fallback = None  # (path, exception) of a fast path that failed
     prepared = None  # fresh buffers the vectorizer made and did not use
     if kp.params.vectorize is not False and kp.several_points:
-      out, failure, prepared = _run_vectorized(kp, args)
+      out, failure, prepared = _front_or_vectorized(kp, args)
       if out is not None:
         return out
       fallback = failure and ("vectorized", failure)
@@ -78,6 +78,17 @@ class GridRun:
       check_fallback(fallback[1], fallback[0], kp.name)
     kp.last_mode = "sequential"
     return kp.setup.results(out_bufs)
+
+
+def _front_or_vectorized(kp, args):
+  """``_run_vectorized`` through the front of a warm one-pass grid where it
+  has one that still holds (``pass_front``)."""
+  gv = kp.vectorizer
+  if gv is not None and gv.front:
+    done = gv.front(kp, args)
+    if done is not None:
+      return done[0], done[1], None
+  return _run_vectorized(kp, args)
 
 
 def _run_vectorized(kp, args):
@@ -109,6 +120,8 @@ def _run_vectorized(kp, args):
       gv.declined_grids.add(kp.static_grid)
     return None, None, out_bufs.prepared
   kp.last_mode = "vectorized"
+  if gv.front is None:
+    gv.front = pass_front.OnePassFront.of(kp) or False
   return kp.setup.results(out_bufs), None, None
 
 

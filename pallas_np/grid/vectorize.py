@@ -112,6 +112,9 @@ class GridVectorizer:
     self.declined_grids: set = set()
     # Cleared when a pass with shared outputs found lanes that communicate.
     self.shared_outputs_ok = True
+    # pass_front.OnePassFront of a one-pass grid's warm calls: None until a
+    # run looks for one, False where that run found none.
+    self.front = None
     self._lanes_last = None  # prefers_lanes_last(kp), computed once
     self._loop_axes = None  # loop_axes(kp), computed once
     self._partly_read = None  # partly_read_operands(kp), computed once

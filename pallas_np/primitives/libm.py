@@ -294,6 +294,16 @@ def call(name: str, *operands, out=None) -> np.ndarray:
   compiler can chain these into a dying operand (``passes.in_place``)."""
   loop = _loop(name)
   dt = np.float64 if name in DOUBLE_FUNCTIONS else np.float32
+  if out is not None and len(operands) == 1 and operands[0] is out and type(out) is np.ndarray:
+    # In place into its own operand (passes.in_place: softmax's exp): what
+    # the general path below does for it, without its broadcast and copies
+    # (the per-call floor).
+    flags = out.flags
+    if out.dtype == dt and flags.c_contiguous and flags.writeable:
+      if out.size:
+        data = out.ctypes.data
+        loop(data, data, out.size)
+      return out
   ops = np.broadcast_arrays(*[np.asarray(v, dt) for v in operands])
   ops = [np.ascontiguousarray(v) for v in ops]
   shape = ops[0].shape
