@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from pallas_np.native.codegen import Refused
+from pallas_np.native.lite_headers import RUNTIME_ERROR
 
 _lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
 _state: dict = {}
@@ -37,6 +38,9 @@ def _llvm():
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
+    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_headers.DIMS_OFFSET)
+    if ctypes.c_int64.from_address(dims).value != 3:
+      raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
     probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
     strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
     if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
@@ -167,6 +171,8 @@ def make_callable(obj: bytes, meta: dict, consts: list):
     arena, slots, readers = entry
     if cfunc(st, arena, slots, *args, *consts) is not st:
       pool.append(entry)
+      if st[0] == RUNTIME_ERROR:  # (lite_headers: the prologue's missing addresses)
+        raise RuntimeError("pallas_np native loop: no BLAS or loop addresses in its status")
       raise IndexError("pallas_np native loop: out-of-bounds ref access")
     res = [0]
     for k, (scalar, a, b) in enumerate(readers):
