@@ -92,7 +92,7 @@ class Headers:
         raise Refused(f"lite: a module function {node.name}")
     if main is None:
       raise Refused("lite: no native_loop")
-    return _RuntimeErrors().visit(main)
+    return _RuntimeErrors().visit(main) if "RuntimeError" in text else main
 
   # -- statements -----------------------------------------------------------------------
   def s_Expr(self, s):
