@@ -324,7 +324,8 @@ class NativeLoop:
       if self.src.calls:
         raise codegen.Refused("lite: DMA call sites")
       fn = lite_cache.build(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
-                                                               self.layouts))
+                                                               self.layouts),
+                            background=not self.sync)
     except Exception as e:  # noqa: BLE001 - Refused, or LLVM's own error: numba builds it
       _state["lite_refused"] += 1
       log.debug("pallas_np: lite refused a loop (%s)", e)
