@@ -101,6 +101,7 @@ _SECOND_PROCESS = textwrap.dedent("""
     from pallas_np import native
     from pallas_np.native import scheduler, tier
     tier.LOOKUP_PRICE = 0.0
+    tier.SETUP_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = 0.0
     scheduler.compiler = scheduler.Compiler(nice=False)
     from tests.test_native_tier import _call
