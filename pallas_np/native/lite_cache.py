@@ -85,16 +85,15 @@ def load(k: str):
   return fn
 
 
-def build(k: str, src, descs, background: bool = False):
+def build(k: str, src, descs):
   """Translate, compile and load ``src`` (a ``codegen.Source``), keeping
-  its object on disk; raises ``codegen.Refused`` outside lite's subset.
-  ``background``: LLVM at the lowest priority (``lite_jit.compile_ir``)."""
+  its object on disk; raises ``codegen.Refused`` outside lite's subset."""
   if not lite_jit.available():
     raise codegen.Refused("lite: llvmlite is not available")
   # (a body's scratch arrays, codegen.finish: flat, passed after the operands at every call)
   descs = list(descs) + [("a", np.dtype(dt), (n,), True) for dt, n in src.scratch]
   text, meta, consts = lite.translate(src, descs)
-  obj = lite_jit.compile_ir(text, src.externals, nice=background)
+  obj = lite_jit.compile_ir(text, src.externals)
   meta["consts"] = [name for name, v in src.globals.items() if isinstance(v, np.ndarray)]
   fn = _memo[k] = lite_jit.make_callable(obj, meta, consts)
   if meta["consts"]:

@@ -7,7 +7,6 @@ it: ``fn(st, *args) -> (0, *results)`` (docs/native.md, "lite").
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
@@ -76,38 +75,12 @@ def target_name() -> str:
   return f"{llvm.get_host_cpu_name()}-{'.'.join(map(str, llvm.llvm_version_info))}-o{OPT_LEVEL}"
 
 
-def compile_ir(text: str, externals: dict, nice: bool = False) -> bytes:
+def compile_ir(text: str, externals: dict) -> bytes:
   """The object code of ``text`` (with the IR modules of its externals
-  linked in), optimised as numba optimises (loops vectorized). ``nice``
-  (a background build): LLVM runs in a thread of its own at the lowest
-  priority, as numba's compile process does, so that on a busy machine it
-  takes no core from the caller (PERF_LOG, "[headers]"); only that thread
-  is niced, and it ends with the build."""
+  linked in), optimised as numba optimises (loops vectorized)."""
   llvm = _llvm()
   if llvm is None:
     raise Refused("lite: llvmlite is not available")
-  if nice and hasattr(os, "setpriority"):
-    out: list = []
-
-    def niced():
-      try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # (this thread only)
-      except OSError:
-        pass
-      try:
-        out.append(_compile(llvm, text, externals))
-      except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-        out.append(e)
-    t = threading.Thread(target=niced, name="pallas_np-lite-llvm", daemon=True)
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-      raise out[0]
-    return out[0]
-  return _compile(llvm, text, externals)
-
-
-def _compile(llvm, text, externals) -> bytes:
   with _lock:
     tm = _state["tm"]
     mod = llvm.parse_assembly(text)

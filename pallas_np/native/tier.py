@@ -324,8 +324,7 @@ class NativeLoop:
       if self.src.calls:
         raise codegen.Refused("lite: DMA call sites")
       fn = lite_cache.build(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
-                                                               self.layouts),
-                            background=not self.sync)
+                                                               self.layouts))
     except Exception as e:  # noqa: BLE001 - Refused, or LLVM's own error: numba builds it
       _state["lite_refused"] += 1
       log.debug("pallas_np: lite refused a loop (%s)", e)
