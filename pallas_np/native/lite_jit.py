@@ -6,6 +6,7 @@ it: ``fn(st, *args) -> (0, *results)`` (docs/native.md, "lite").
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 
@@ -17,6 +18,7 @@ from pallas_np.native.lite_headers import RUNTIME_ERROR
 _lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
 _state: dict = {}
 OPT_LEVEL = 3
+EXIT_WAIT = 60.0  # seconds an exiting process waits for a build in LLVM (~0.1-1 s)
 _CTYPES = {"bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
            "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8,
            "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64,
@@ -81,6 +83,9 @@ def compile_ir(text: str, externals: dict) -> bytes:
   llvm = _llvm()
   if llvm is None:
     raise Refused("lite: llvmlite is not available")
+  if "exit_guard" not in _state:
+    _state["exit_guard"] = True
+    atexit.register(_wait_for_llvm)
   with _lock:
     tm = _state["tm"]
     mod = llvm.parse_assembly(text)
@@ -91,6 +96,14 @@ def compile_ir(text: str, externals: dict) -> bytes:
     mod.verify()
     _optimize(llvm, tm, mod)
     return bytes(tm.emit_object(mod))
+
+
+def _wait_for_llvm() -> None:
+  """At exit: a build still in LLVM on the tier's (daemon) thread is
+  waited for, and none starts after: exit's C++ destructors under a
+  running pass aborted the process ("An asserting value handle still
+  pointed to this value!")."""
+  _lock.acquire(timeout=EXIT_WAIT)
 
 
 def _optimize(llvm, tm, mod) -> None:
