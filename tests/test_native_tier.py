@@ -24,6 +24,13 @@ BACKGROUND = pallas_np.InterpretParams(native_loops="background")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _no_set_up_price(monkeypatch):
+  """The cost rule of builds, not of the process's one-off set-up
+  (``tier.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
+  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+
+
 def _kernel(salt):
   """A small loop kernel whose source is new to the disk cache (``salt``:
   a constant of the loop body), so its build is really queued."""
@@ -94,6 +101,7 @@ _SECOND_PROCESS = textwrap.dedent("""
     from pallas_np import native
     from pallas_np.native import scheduler, tier
     tier.LOOKUP_PRICE = 0.0
+    tier.SETUP_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = 0.0
     scheduler.compiler = scheduler.Compiler(nice=False)
     from tests.test_native_tier import _call

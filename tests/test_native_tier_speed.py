@@ -26,6 +26,13 @@ OFF = pallas_np.InterpretParams(native_loops="off")
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
 
 
+@pytest.fixture(autouse=True)
+def _no_set_up_price(monkeypatch):
+  """The cost rule of builds, not of the process's one-off set-up
+  (``tier.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
+  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+
+
 def _kernel(salt):
   """A small loop kernel new to the disk cache (``salt``: a body constant)."""
   def kernel(x_ref, o_ref):
@@ -372,10 +379,11 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
 
 def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch):
   """The one-off set-up a priced loop does in the caller (the pre-key's
-  source digest, the BLAS addresses, lite's import: ``NativeLoop._price``)
+  source digest, the BLAS addresses, lite's import: ``NativeLoop._one_off_set_up``)
   never raises into the kernel's call: where it fails, the loop's calls go
   on with the NumPy path's results."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
   monkeypatch.setattr(tier, "_set_up", [])
   set_up = []
 
@@ -391,3 +399,33 @@ def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch)
   for _ in range(5):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
   assert set_up, "the set-up was not reached: the test tests nothing"
+
+
+def test_the_first_build_waits_for_the_set_up_price(monkeypatch):
+  """A process's first build (its one-off set-up in the caller: llvmlite's
+  import, the BLAS addresses, ~0.06 s) is due only once the loop's NumPy
+  path cost ``SETUP_PRICE`` beyond the build's own price: a kernel called
+  a few dozen times never pays the set-up. Once it is done, the next
+  loops' builds are due at their price alone."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
+  monkeypatch.setattr(tier, "_set_up", [])
+  monkeypatch.setattr(lite_cache, "prepared", [])
+  monkeypatch.setattr(lite_cache, "prepare", lambda: None)
+  monkeypatch.setattr(tier, "SETUP_PRICE", 1e9)
+  builds = _Builds(monkeypatch)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    f(x)
+  assert not builds.loops and not tier._set_up, "built before its set-up's price was spent"
+  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  g = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    g(x)
+  assert len(builds.loops) == 1 and tier._set_up == [1]
+  monkeypatch.setattr(tier, "SETUP_PRICE", 1e9)  # (done: not priced again)
+  h = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    h(x)
+  assert len(builds.loops) == 2

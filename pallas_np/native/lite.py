@@ -32,6 +32,7 @@ import numpy as np
 
 from pallas_np.native import lite_types as lt
 from pallas_np.native.codegen import SUPPORTED, Refused
+from pallas_np.native.lite_headers import Headers
 from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, DTYPE_NAMES, Arr, Expressions, literal_int,
                                         cast,
                                         const, lltype, memtype)
@@ -51,16 +52,11 @@ class Var:
     self.slot, self.sig = slot, sig
 
 
-class Translator(Expressions):
+class Translator(Headers, Expressions):
   """One generated function lowered into an LLVM module."""
 
   def __init__(self, text, globals_, args, outs, externals=()):
-    tree = ast.parse(text)
-    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    if len(tree.body) != 1 or len(fns) != 1 or fns[0].name != "native_loop":
-      first = next((n for n in tree.body if n is not fns[-1]), tree.body[0])
-      raise Refused(f"lite: a module other than one function ({ast.dump(first)[:80]})")
-    self.fn_ast = fns[0]
+    self.fn_ast = self.module_function(text)  # (its headers: lite_headers)
     self.text_lines = text.splitlines()
     self.globals = globals_
     self.args = args  # [(kind 's'|'a'|'r', dtype, shape)]

@@ -6,16 +6,19 @@ it: ``fn(st, *args) -> (0, *results)`` (docs/native.md, "lite").
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 
 import numpy as np
 
 from pallas_np.native.codegen import Refused
+from pallas_np.native.lite_headers import RUNTIME_ERROR
 
 _lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
 _state: dict = {}
 OPT_LEVEL = 3
+EXIT_WAIT = 60.0  # seconds an exiting process waits for a build in LLVM (~0.1-1 s)
 _CTYPES = {"bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
            "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8,
            "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64,
@@ -37,6 +40,9 @@ def _llvm():
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
+    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_headers.DIMS_OFFSET)
+    if ctypes.c_int64.from_address(dims).value != 3:
+      raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
     probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
     strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
     if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
@@ -77,6 +83,9 @@ def compile_ir(text: str, externals: dict) -> bytes:
   llvm = _llvm()
   if llvm is None:
     raise Refused("lite: llvmlite is not available")
+  if "exit_guard" not in _state:
+    _state["exit_guard"] = True
+    atexit.register(_wait_for_llvm)
   with _lock:
     tm = _state["tm"]
     mod = llvm.parse_assembly(text)
@@ -87,6 +96,14 @@ def compile_ir(text: str, externals: dict) -> bytes:
     mod.verify()
     _optimize(llvm, tm, mod)
     return bytes(tm.emit_object(mod))
+
+
+def _wait_for_llvm() -> None:
+  """At exit: a build still in LLVM on the tier's (daemon) thread is
+  waited for, and none starts after: exit's C++ destructors under a
+  running pass aborted the process ("An asserting value handle still
+  pointed to this value!")."""
+  _lock.acquire(timeout=EXIT_WAIT)
 
 
 def _optimize(llvm, tm, mod) -> None:
@@ -167,6 +184,8 @@ def make_callable(obj: bytes, meta: dict, consts: list):
     arena, slots, readers = entry
     if cfunc(st, arena, slots, *args, *consts) is not st:
       pool.append(entry)
+      if st[0] == RUNTIME_ERROR:  # (lite_headers: the prologue's missing addresses)
+        raise RuntimeError("pallas_np native loop: no BLAS or loop addresses in its status")
       raise IndexError("pallas_np native loop: out-of-bounds ref access")
     res = [0]
     for k, (scalar, a, b) in enumerate(readers):

@@ -65,7 +65,11 @@ _loaded = LRU(256)
 # Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
 _prekeys = LRU(1024)
 _UNSET = object()
-_set_up: list = []  # (NativeLoop._price: the one-off set-up, done)
+_set_up: list = []  # (NativeLoop._one_off_set_up: done)
+# NumPy-path seconds a process's first build waits for beyond its price:
+# the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.06 s) is paid
+# only once the loop has cost that much (the cost rule, for the set-up).
+SETUP_PRICE = 0.06
 
 
 def enabled(params) -> bool:
@@ -242,23 +246,6 @@ class NativeLoop:
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
-    # (the one-off set-up every build needs, done here, in the caller, once
-    # per process: the pre-key's digest of the sources, ~200 stat calls,
-    # 1.5 ms; the BLAS and libm addresses, 6 ms; lite's llvmlite import and
-    # target machine, 30-60 ms. On the tier's thread each of their system
-    # and ctypes calls waits for the GIL behind a busy caller: they took
-    # 0.4-0.9 s each there, and a cold lite build landed after ~1.5 s
-    # instead of ~0.2 s: PERF_LOG 138)
-    try:  # (a failure here is the build's: the NumPy path stays, the call goes on)
-      if not _set_up:
-        _set_up.append(1)
-        prekey.code_version()
-        blas_calls.status()
-      if self.lite and not self.sync and not lite_cache.prepared:
-        lite_cache.prepared.append(1)
-        lite_cache.prepare()
-    except Exception as e:  # noqa: BLE001
-      log.debug("pallas_np: native tier set-up failed: %r", e)
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
@@ -427,7 +414,7 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = scheduler.weight() * self.price
+        due = scheduler.weight() * self.price + (0.0 if self._set_up_done() else SETUP_PRICE)
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
           return
@@ -435,10 +422,36 @@ class NativeLoop:
           return  # (looked at again next run)
       self.phase = "building"
       self.due = float("inf")
+      self._one_off_set_up()
       if self.sync:
         self._guarded(self.build)
       else:
         scheduler.submit(self, self.build)
+
+  def _set_up_done(self) -> bool:
+    return bool(_set_up) and (not self.lite or self.sync or bool(lite_cache.prepared))
+
+  def _one_off_set_up(self) -> None:
+    """The one-off set-up every build needs, in the caller, once per
+    process, when its first build is due: the pre-key's digest of the
+    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms;
+    lite's llvmlite import and target machine, 40-60 ms (most of it
+    llvmlite's Python). On the tier's thread each of their system and
+    ctypes calls waits for the GIL behind a busy caller: they took
+    0.4-0.9 s each there, and a cold lite build landed after ~1.5 s
+    instead of ~0.2 s (PERF_LOG 138). Its cost is priced in (``_step``:
+    ``SETUP_PRICE`` more NumPy-path seconds before the first build), so
+    that a kernel called a few dozen times never pays it."""
+    try:  # (a failure here is the build's: the NumPy path stays, the call goes on)
+      if not _set_up:
+        _set_up.append(1)
+        prekey.code_version()
+        blas_calls.status()
+      if self.lite and not self.sync and not lite_cache.prepared:
+        lite_cache.prepared.append(1)
+        lite_cache.prepare()
+    except Exception as e:  # noqa: BLE001
+      log.debug("pallas_np: native tier set-up failed: %r", e)
 
   def _guarded(self, step) -> None:
     """``step`` in the caller (``"sync"``): a failure leaves the NumPy path."""
