@@ -19,8 +19,20 @@ allocates per call holding every ``np.empty`` buffer (static offsets) and
 every ``.copy()`` (bump-allocated: a copy inside a ``while`` is refused,
 inside ``for`` loops of constant trip counts the arena has room for all);
 ``outs`` receives each returned scalar's bits, or an array's offset in the
-arena. It returns 0, or 1 where the source raises ``IndexError`` (its
-bounds-check site and index values are in ``st``, as numba's would be).
+arena (and, after those, each returned array's element count). It returns
+0, or 1 where the source raises ``IndexError`` (its bounds-check site and
+index values are in ``st``, as numba's would be).
+
+Shapes known only at run time (the lane loop of a vectorized pass,
+``native/lanes.py``): a static dimension 0 of an operand (a lane-stacked
+operand's lane axis) is read from its array struct (``dimensions``), as
+are ``a.shape[k]``; ``a[i]`` of an N-d array is a view (pointer and
+stride arithmetic, no Python object); an ``np.empty`` of a run-time size at
+the function's top level (before any store to an operand) is placed after
+the static part of the arena: where the arena is too small the function
+returns 2 with the bytes it needs in ``outs[0]``, and the caller runs it
+again in a larger arena (nothing was written but the arena and ``st``); a
+negative size returns 3 (numba's ``ValueError``).
 """
 from __future__ import annotations
 
@@ -37,7 +49,8 @@ from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, DTYPE_NAMES, Arr,
                                         const, lltype, memtype)
 
 DATA_OFFSET = 16  # PyArrayObject's ``data`` field: after PyObject_HEAD
-STRIDES_OFFSET = 40  # ... its ``strides`` (after nd, dimensions)
+DIMS_OFFSET = 32  # ... its ``dimensions`` (after nd)
+STRIDES_OFFSET = 40  # ... its ``strides``
 ALIGN = 64
 MAX_ARENA = 64 << 20
 
@@ -72,7 +85,9 @@ class Translator(Expressions):
     self.arena_dynamic = 0
     self.trips = [1]  # copies per iteration of the enclosing loops (None: unbounded)
     self.loops = []  # (continue block, break block)
-    self.out_sizes = None  # each result's element count (the return's)
+    self.out_sizes = None  # each result's element count (the return's; None: run-time)
+    self.branches_open = 0  # enclosing ``if`` statements
+    self.effects = False  # whether a store to an operand was emitted
 
   # -- setup ----------------------------------------------------------------------
   def translate(self) -> str:
@@ -92,6 +107,7 @@ class Translator(Expressions):
     self.arena = self.data(arena)
     self.outs_ptr = self.data(outs)
     self.top = self.alloca_b.alloca(I64, name="top")
+    self.dtop = self.alloca_b.alloca(I64, name="dtop")  # (run-time sized buffers)
     names = [a.arg for a in self.fn_ast.args.args]
     if (len(names) != len(self.args) + 1 or self.fn_ast.args.vararg or self.fn_ast.args.kwonlyargs
         or self.fn_ast.args.defaults):
@@ -103,7 +119,7 @@ class Translator(Expressions):
         self.assign(name, val, dt)
       else:
         strides = None if contiguous else self.strides(p, len(shape))
-        self.assign_arr(name, Arr(self.data(p), dt, shape, False, strides))
+        self.assign_arr(name, Arr(self.data(p), dt, self.arg_shape(p, shape), False, strides))
     self.gconsts = {}
     for name, p in zip(self.const_arrays, fn.args[3 + len(self.args):]):
       v = self.globals[name]
@@ -115,6 +131,7 @@ class Translator(Expressions):
       raise Refused("lite: the function does not end with its return")
     # the static buffers first in the arena, the ``.copy()``s after them
     self.alloca_b.store(I64(self.arena_static), self.top)
+    self.alloca_b.store(I64(self.arena_size), self.dtop)
     self.alloca_b.branch(body)
     self.fastcall_entry(fn)
     return str(self.module)
@@ -125,7 +142,9 @@ class Translator(Expressions):
     call several): each argument is an array's ``PyObject*`` or a NumPy
     scalar whose value follows its header (``lite_jit`` checks both
     layouts once per process). It returns ``args[0]`` (the status array)
-    when the loop ran, ``args[1]`` where it raised, with a new reference."""
+    when the loop ran, ``args[1]`` (the arena) where it raised IndexError,
+    ``args[2]`` (the slots) where the arena is too small, ``args[3]`` where
+    an ``np.empty`` size is negative, with a new reference."""
     fn = ir.Function(self.module, ir.FunctionType(PTR, [PTR, PTR.as_pointer(), I64]),
                      name="lite_entry")
     b = ir.IRBuilder(fn.append_basic_block())
@@ -138,7 +157,8 @@ class Translator(Expressions):
       else:
         vals.append(b.load(b.bitcast(b.gep(obj, [I64(DATA_OFFSET)]), t.as_pointer())))
     rc = b.call(loop, vals)
-    res = b.select(b.icmp_signed("==", rc, I32(0)), b.load(objs), b.load(b.gep(objs, [I64(1)])))
+    # (return code k: the k-th argument, the status array where the loop ran)
+    res = b.load(b.gep(objs, [b.sext(rc, I64)]))
     refcnt = b.bitcast(res, I64.as_pointer())
     b.store(b.add(b.load(refcnt), I64(1)), refcnt)  # (Py_INCREF of a mortal object)
     b.ret(res)
@@ -146,6 +166,30 @@ class Translator(Expressions):
   @property
   def arena_size(self) -> int:
     return self.arena_static + self.arena_dynamic
+
+  def arg_shape(self, obj, shape) -> tuple:
+    """An operand's static shape, its dimensions 0 (a lane-stacked
+    operand's lane axis, or an empty one) read from its array struct."""
+    if all(shape):
+      return tuple(shape)
+    b = self.b
+    ptr = b.load(b.bitcast(b.gep(obj, [I64(DIMS_OFFSET)]), I64.as_pointer().as_pointer()))
+    return tuple(d if d else b.load(b.gep(ptr, [I64(k)])) for k, d in enumerate(shape))
+
+  def extent(self, dims):
+    """The product of ``dims`` (ints, or i64 values read at run time): an
+    int where all are static, else an i64 value."""
+    static, dyn = 1, None
+    for d in dims:
+      if d is None:
+        raise Refused("lite: the extent of the status array")
+      if isinstance(d, int):
+        static *= d
+      else:
+        dyn = d if dyn is None else self.b.mul(dyn, d)
+    if dyn is None:
+      return static
+    return dyn if static == 1 else self.b.mul(dyn, I64(static))
 
   def strides(self, obj, ndim) -> tuple:
     """The byte strides of the NumPy array whose ``PyObject*`` is ``obj``
@@ -244,6 +288,7 @@ class Translator(Expressions):
       if isinstance(val, Arr):
         raise Refused("lite: an array stored into an element")
       arr, ptr = self.element(t)
+      self.effects = self.effects or not arr.arena and arr.shape != (None,)  # (not the status)
       self.b.store(self.to_mem(cast(self.b, val, dt, arr.dtype), arr.dtype), ptr)
       return
     raise Refused(f"lite: assignment to {type(t).__name__}")
@@ -257,11 +302,13 @@ class Translator(Expressions):
     other = self.fn.append_basic_block("else")
     after = self.fn.append_basic_block("endif")
     self.b.cbranch(cond, then, other)
+    self.branches_open += 1
     for blk, body in ((then, s.body), (other, s.orelse)):
       self.b.position_at_end(blk)
       self.block(body)
       if not self.b.block.is_terminated:
         self.b.branch(after)
+    self.branches_open -= 1
     self.b.position_at_end(after)
 
   def s_While(self, s):
@@ -315,6 +362,14 @@ class Translator(Expressions):
     trips = None
     if all(c is not None for c in consts):
       trips = len(range(*consts))
+    outer = self.trips[-1]
+    # (an unknown trip count: each iteration's copies in the same part of the arena, from where
+    # ``top`` was at the loop's entry; only where no array copied in one iteration is read in the
+    # next, checked below)
+    reuse = trips is None and outer is not None
+    if reuse:
+      mark = self.alloca_b.alloca(I64, name="mark")
+      self.b.store(self.b.load(self.top), mark)
     counter = self.alloca_b.alloca(I64, name="i")
     self.b.store(start, counter)
     head = self.fn.append_basic_block("for")
@@ -328,9 +383,18 @@ class Translator(Expressions):
     self.b.position_at_end(body)
     self.assign(s.target.id, i, lt.I64)
     self.loops.append((incr, after))
-    outer = self.trips[-1]
-    self.trips.append(None if outer is None or trips is None else outer * trips)
+    if reuse:
+      self.b.store(self.b.load(mark), self.top)
+      self.trips.append(outer)
+    else:
+      self.trips.append(None if outer is None or trips is None else outer * trips)
     self.block(s.body)
+    if reuse:
+      for name in _read_before_set(s.body, {s.target.id}) & _assigned(s.body):
+        var = self.vars.get(name)
+        if var is not None and var.sig[0] == "a" and var.sig[3]:
+          raise Refused(f"lite: {name}, an array of the arena, carried across the iterations "
+                        "of a loop of unknown trip count")
     self.trips.pop()
     self.loops.pop()
     if not self.b.block.is_terminated:
@@ -352,9 +416,10 @@ class Translator(Expressions):
     if not isinstance(v, ast.Tuple) or len(v.elts) != len(self.outs) + 1 or literal_int(v.elts[0]) != 0:
       raise Refused("lite: the return")
     vals = [self.expr(e) for e in v.elts[1:]]
-    sizes = [math.prod(val.shape) if isinstance(val, Arr) else 1 for val, _ in vals]
-    if self.out_sizes is not None and self.out_sizes != sizes:
-      raise Refused("lite: returns of different sizes")
+    counts = [self.extent(val.shape) if isinstance(val, Arr) else 1 for val, _ in vals]
+    sizes = [n if isinstance(n, int) else None for n in counts]
+    if self.out_sizes is not None and (self.out_sizes != sizes or None in sizes):
+      raise Refused("lite: returns of different or run-time sizes")
     self.out_sizes = sizes
     base = self.b.ptrtoint(self.arena, I64)
     for k, ((val, dt), (kind, want)) in enumerate(zip(vals, self.outs)):
@@ -368,6 +433,9 @@ class Translator(Expressions):
           raise Refused("lite: a returned array not allocated by the loop")
         off = self.b.sub(self.b.ptrtoint(val.ptr, I64), base)
         self.b.store(off, self.b.bitcast(slot, I64.as_pointer()))
+        if not isinstance(counts[k], int):  # (its element count, after the offsets)
+          count = self.b.gep(self.outs_ptr, [I64(8 * (len(self.outs) + k))])
+          self.b.store(counts[k], self.b.bitcast(count, I64.as_pointer()))
     self.b.ret(I32(0))
 
   # -- arrays -------------------------------------------------------------------------------
@@ -386,12 +454,48 @@ class Translator(Expressions):
     if len(call.args) != 2 or call.keywords or len(self.loops):
       raise Refused("lite: np.empty other than (n, dtype) at the top")
     n, dt = literal_int(call.args[0]), self.np_dtype(call.args[1])
-    if n is None or n < 0 or dt is None:
-      raise Refused("lite: np.empty of a non-constant size or dtype")
+    if dt is None:
+      raise Refused("lite: np.empty of a non-constant dtype")
+    if n is None:
+      return self.empty_at_run_time(call.args[0], dt)
+    if n < 0:
+      raise Refused("lite: np.empty of a negative size")
     off = self.arena_static
     self.arena_static += _aligned(n * dt.itemsize)
     ptr = self.alloc(I64(off))
     return Arr(ptr, dt, (n,), True), None
+
+  def empty_at_run_time(self, size, dt):
+    """``np.empty(n, dtype)`` of a size computed at run time, placed after
+    the arena's static part (``dtop``): the function returns 2 (the bytes
+    it needs in ``outs[0]``) where the arena is too small, 3 where ``n``
+    is negative (numba's ValueError). Only where running the function
+    again changes nothing: at the top level, before any store to an
+    operand."""
+    if self.branches_open or self.effects or not self.args:
+      raise Refused("lite: np.empty of a run-time size after a branch or a store")
+    val, vdt = self.scalar(size)
+    if vdt.kind not in "iu" or vdt == lt.U64:
+      raise Refused("lite: np.empty of a size other than a signed integer")
+    b = self.b
+    n = cast(b, val, vdt, lt.I64)
+    self.exit_if(b.icmp_signed("<", n, I64(0)), 3)
+    limit = (1 << 48) // dt.itemsize  # (past it: a size no arena holds; MemoryError)
+    nbytes = b.mul(b.select(b.icmp_signed(">", n, I64(limit)), I64(limit), n), I64(dt.itemsize))
+    off = b.load(self.dtop)
+    end = b.add(off, b.and_(b.add(nbytes, I64(ALIGN - 1)), I64(-ALIGN)))
+    arena_obj = self.fn.args[1]
+    dims = b.load(b.bitcast(b.gep(arena_obj, [I64(DIMS_OFFSET)]), I64.as_pointer().as_pointer()))
+    short = b.icmp_signed(">", end, b.load(dims))
+    with b.if_then(short, likely=False):
+      b.store(end, b.bitcast(self.outs_ptr, I64.as_pointer()))
+      b.ret(I32(2))
+    b.store(end, self.dtop)
+    return Arr(self.alloc(off), dt, (n,), True), None
+
+  def exit_if(self, cond, rc):
+    with self.b.if_then(cond, likely=False):
+      self.b.ret(I32(rc))
 
   def alloc(self, offset):
     """A buffer of the arena at ``offset``, through a call LLVM sees as
@@ -413,7 +517,7 @@ class Translator(Expressions):
     trips = self.trips[-1]
     if trips is None:
       raise Refused("lite: .copy() inside a while loop or a loop of unknown trip count")
-    if any(d is None for d in arr.shape):
+    if any(not isinstance(d, int) for d in arr.shape):
       raise Refused("lite: .copy() of an array of unknown shape")
     n = math.prod(arr.shape)
     nbytes = _aligned(n * arr.dtype.itemsize)
@@ -438,15 +542,18 @@ class Translator(Expressions):
     self.b.position_at_end(after)
     return Arr(ptr, arr.dtype, (n,), True), None
 
-  def element(self, node):
+  def element(self, node, view=False):
     """(array, element pointer) of ``a[i]`` / ``a[i, j, ...]`` (numba's
-    basic indexing: a negative index counts from the end, no check)."""
+    basic indexing: a negative index counts from the end, no check);
+    where ``view``, fewer indices than the array's rank give (None, the
+    sub-array ``Arr``): numba's view, its pointer moved by the indices'
+    strides, the trailing dimensions and strides kept."""
     arr, _ = self.expr(node.value)
     if not isinstance(arr, Arr):
       raise Refused("lite: indexing a scalar")
     idx = node.slice
     idxs = idx.elts if isinstance(idx, ast.Tuple) else [idx]
-    if len(idxs) != len(arr.shape):
+    if len(idxs) > len(arr.shape) or len(idxs) < len(arr.shape) and not view:
       raise Refused("lite: an index of another rank")
     flat = None
     for k, e in enumerate(idxs):
@@ -464,18 +571,73 @@ class Translator(Expressions):
         if c is None or c < 0:
           raise Refused("lite: a non-constant status index")
       elif dt.kind == "i":
-        i = self.b.select(self.b.icmp_signed("<", i, I64(0)), self.b.add(i, I64(dim)), i)
+        dim = I64(dim) if isinstance(dim, int) else dim
+        i = self.b.select(self.b.icmp_signed("<", i, I64(0)), self.b.add(i, dim), i)
       if arr.strides is not None:  # (bytes)
         term = self.b.mul(i, arr.strides[k])
       else:
-        stride = math.prod(arr.shape[k + 1:]) if dim is not None else 1
-        term = i if stride == 1 else self.b.mul(i, I64(stride))
+        stride = self.extent(arr.shape[k + 1:]) if dim is not None else 1
+        term = i if stride == 1 else self.b.mul(i, I64(stride) if isinstance(stride, int) else stride)
       flat = term if flat is None else self.b.add(flat, term)
     mt = memtype(arr.dtype)
     if arr.strides is not None:
-      return arr, self.b.bitcast(self.b.gep(arr.ptr, [flat]), mt.as_pointer())
+      ptr = self.b.gep(arr.ptr, [flat])
+      if len(idxs) < len(arr.shape):
+        rest = arr.strides[len(idxs):]
+        return None, Arr(ptr, arr.dtype, arr.shape[len(idxs):], False, rest)
+      return arr, self.b.bitcast(ptr, mt.as_pointer())
     ptr = self.b.gep(self.b.bitcast(arr.ptr, mt.as_pointer()), [flat])
+    if len(idxs) < len(arr.shape):  # (a C-contiguous view of a C-contiguous array)
+      return None, Arr(self.b.bitcast(ptr, PTR), arr.dtype, arr.shape[len(idxs):], False)
     return arr, ptr
+
+  def shape_item(self, node):
+    """``a.shape[k]`` (numba's intp: int64): a static dimension, or the
+    one read from the operand's array struct."""
+    arr, _ = self.expr(node.value.value)
+    k = literal_int(node.slice)
+    if not isinstance(arr, Arr) or k is None or not -len(arr.shape) <= k < len(arr.shape):
+      raise Refused("lite: .shape[k] other than of an array at a constant k")
+    dim = arr.shape[k]
+    if dim is None:
+      raise Refused("lite: the status array's shape")
+    return (I64(dim) if isinstance(dim, int) else dim), lt.I64
+
+def _loads(node) -> set:
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _assigned(stmts) -> set:
+  return {n.id for s in stmts for n in ast.walk(s)
+          if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _read_before_set(stmts, defined) -> set:
+  """The names ``stmts`` may read before they assign them (a name set in
+  a nested block counts as set only within it)."""
+  early: set = set()
+
+  def walk(stmts, defined):
+    for s in stmts:
+      if isinstance(s, ast.Assign):
+        early.update(_loads(s.value) - defined)
+        for t in s.targets:
+          early.update(_loads(t) - defined)
+          defined |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)
+                      and isinstance(n.ctx, ast.Store)}
+      elif isinstance(s, ast.For):
+        early.update(_loads(s.iter) - defined)
+        walk(s.body, defined | _loads(s.target) | {n.id for n in ast.walk(s.target)
+                                                    if isinstance(n, ast.Name)})
+      elif isinstance(s, (ast.While, ast.If)):
+        early.update(_loads(s.test) - defined)
+        walk(s.body, set(defined))
+        walk(s.orelse, set(defined))
+      else:
+        early.update(_loads(s) - defined)
+  walk(stmts, set(defined))
+  return early
+
 
 def _aligned(n: int) -> int:
   return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -116,7 +116,11 @@ class Expressions:
     return self.load_name(e.id)
 
   def e_Subscript(self, e):
-    arr, ptr = self.element(e)
+    if isinstance(e.value, ast.Attribute) and e.value.attr == "shape":
+      return self.shape_item(e)
+    arr, ptr = self.element(e, view=True)
+    if arr is None:  # (a view: fewer indices than the rank)
+      return ptr, None
     v = self.b.load(ptr)
     return (self.b.trunc(v, I1) if arr.dtype == np.bool_ else v), arr.dtype
 
