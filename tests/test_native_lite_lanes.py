@@ -210,3 +210,69 @@ def test_lane_forms_outside_the_subset_are_refused(body):
   with pytest.raises(codegen.Refused):
     _lite_fn(f"def native_loop(_st, a0, a1):\n{body}\n",
              [("a", np.dtype(np.int64)), ("s", np.dtype(np.int64))])
+
+
+# -- a kernel body's scratch arrays and their constant slices ----------------------------------------
+@pytest.mark.parametrize("name", ["rsqrt", "masked"])
+def test_kernel_body_with_scratch_built_by_lite(lite_only, name):  # noqa: F811
+  """A compiled kernel body takes its buffers as constant slices of
+  scratch arrays (``codegen.finish``): lite builds it; the bits of off and
+  interpret=True's values (test_native_bodies' kernels)."""
+  from tests import test_native_bodies as tb
+  x = np.abs(_rng.standard_normal((8, 128)).astype(np.float32)) * 100
+  x.reshape(-1)[:6] = [0.0, -0.0, -1.0, np.inf, np.nan, 1e-30]
+  before = native.stats()
+  if name == "rsqrt":
+    x = jnp.asarray(x)
+    make = lambda interp: pl.pallas_call(
+        tb._rsqrt_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interp)
+    tb.compiled_body_equals_numpy(make, x, steps=1)
+  else:
+    x = jnp.asarray(x[0, :50])
+    import functools
+    make = lambda interp: pl.pallas_call(
+        functools.partial(tb._masked_kernel, n=50), out_shape=jax.ShapeDtypeStruct((50,), x.dtype),
+        interpret=interp)
+    tb.compiled_body_equals_numpy(make, x, steps=1)
+  _lite_built(before)
+
+
+def test_kernel_body_out_of_bounds_by_lite(lite_only):  # noqa: F811
+  """A body built by lite reading a ref past its end: the NumPy plan's
+  IndexError."""
+  from tests import test_native_bodies as tb
+  x = jnp.asarray(_rng.standard_normal((32, 128)).astype(np.float32))
+  before = native.stats()
+  tb.compiled_body_equals_numpy(tb._gather_call, jnp.asarray([8], jnp.int32), x, steps=1)
+  _lite_built(before)
+  bad = jnp.asarray([30], jnp.int32)
+  with pytest.raises(IndexError) as native_error:
+    tb._gather_call(tb.SYNC)(bad, x)
+  with pytest.raises(IndexError) as numpy_error:
+    tb._gather_call(tb.OFF)(bad, x)
+  assert str(native_error.value) == str(numpy_error.value)
+
+
+def test_constant_slices_match_numba():
+  """``a[lo:hi]`` of a 1-d operand and of an arena buffer, written and
+  returned: numba's bits; bounds past the array are refused."""
+  numba = pytest.importorskip("numba")
+  text = ("def native_loop(_st, a0, a1):\n    v = a0[2:7]\n    w = np.empty(8, np.int64)\n"
+          "    u = w[1:6]\n    for i in range(5):\n        u[i] = v[i] * a1 + v[-1 - i]\n"
+          "    return (0, w[1:6].copy(), u[4])\n")
+  scope = {"np": np}
+  exec(text, scope)  # noqa: S102
+  nb = numba.njit(error_model="numpy")(scope["native_loop"])
+  src = _Src()
+  src.text, src.outs = text, [("a", np.dtype(np.int64)), ("s", np.dtype(np.int64))]
+  arr = ("a", np.dtype(np.int64), (9,), True)
+  ir_text, meta, consts = lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])
+  fn = lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts)
+  a0 = _rng.integers(-2**40, 2**40, 9)
+  for a1 in (0, 3, -7):
+    want, got = nb(np.zeros(8, np.int64), a0, np.int64(a1)), fn(np.zeros(8, np.int64), a0, np.int64(a1))
+    for g, w in zip(got[1:], want[1:]):
+      assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+  src.text = text.replace("a0[2:7]", "a0[2:10]")
+  with pytest.raises(codegen.Refused):
+    lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])

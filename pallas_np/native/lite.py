@@ -591,6 +591,21 @@ class Translator(Expressions):
       return None, Arr(self.b.bitcast(ptr, PTR), arr.dtype, arr.shape[len(idxs):], False)
     return arr, ptr
 
+  def const_slice(self, node) -> Arr:
+    """``a[lo:hi]`` of constant bounds within a 1-d C-contiguous array (a
+    kernel body's buffer in its scratch array, ``codegen.finish``): the
+    view numba makes, its pointer moved by ``lo``; of an arena buffer, a
+    part of the arena."""
+    arr, _ = self.expr(node.value)
+    sl = node.slice
+    lo, hi = literal_int(sl.lower), literal_int(sl.upper)
+    if (not isinstance(arr, Arr) or len(arr.shape) != 1 or not isinstance(arr.shape[0], int)
+        or arr.strides is not None or sl.step is not None or lo is None or hi is None
+        or not 0 <= lo <= hi <= arr.shape[0]):
+      raise Refused("lite: a slice other than a[lo:hi] of constants within a 1-d array")
+    ptr = self.b.gep(arr.ptr, [I64(lo * arr.dtype.itemsize)])
+    return Arr(ptr, arr.dtype, (hi - lo,), arr.arena)
+
   def shape_item(self, node):
     """``a.shape[k]`` (numba's intp: int64): a static dimension, or the
     one read from the operand's array struct."""
@@ -648,6 +663,8 @@ def translate(src, args) -> tuple:
   ``args``: each loop operand's (kind 's'/'a'/'r', dtype, static shape,
   C-contiguous).
   Raises ``Refused`` outside the subset."""
+  # (a kernel body's scratch arrays, after its operands: codegen.finish)
+  args = [*args, *(("a", np.dtype(dt), (n,), True) for dt, n in getattr(src, "scratch", ()))]
   try:
     tr = Translator(src.text, src.globals, args, src.outs, src.externals)
     text = tr.translate()

@@ -118,6 +118,8 @@ class Expressions:
   def e_Subscript(self, e):
     if isinstance(e.value, ast.Attribute) and e.value.attr == "shape":
       return self.shape_item(e)
+    if isinstance(e.slice, ast.Slice):
+      return self.const_slice(e), None
     arr, ptr = self.element(e, view=True)
     if arr is None:  # (a view: fewer indices than the rank)
       return ptr, None
