@@ -34,14 +34,14 @@ def _llvm():
     llvm.initialize_native_asmprinter()
     tm = _target_machine(llvm)
     probe = np.arange(3, dtype=np.int64)
-    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
+    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
     probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
-    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
+    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite_arrays.STRIDES_OFFSET)
     if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
       raise RuntimeError("NumPy's array struct: strides are not at offset 40")
-    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite.DIMS_OFFSET)
+    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_arrays.DIMS_OFFSET)
     if (ctypes.c_int64 * 2).from_address(dims)[:] != list(probe.shape):
       raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
     for name in _CTYPES:  # (a NumPy scalar's value right after its header)
