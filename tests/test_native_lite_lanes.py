@@ -149,26 +149,36 @@ class _Src:
   globals, externals = {}, {}
 
 
-def _lite_fn(text, outs):
+def _lite_fn(text, outs, contiguous=True):
   src = _Src()
   src.text, src.outs = text, outs
-  ir_text, meta, consts = lite.translate(src, [_ARR, ("s", np.dtype(np.int64), (), True)])
+  arr = (*_ARR[:3], contiguous)
+  ir_text, meta, consts = lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])
   return lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts)
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("name", sorted(_SNIPPETS))
-def test_lane_forms_match_numba(name):
+def test_lane_forms_match_numba(name, contiguous):
+  if name == "copies" and not contiguous:
+    with pytest.raises(codegen.Refused, match="strided"):  # (.copy() of a strided view)
+      _lite_fn(f"def native_loop(_st, a0, a1):\n{_SNIPPETS[name]}\n",
+               [("a", np.dtype(np.int64)), ("s", np.dtype(np.int64))], contiguous)
+    return
   """Each form on arrays of 0..9 lanes (the arena grown and the call run
-  again where it is too small, in either order of sizes): the types and
-  bits of numba's compile of the same text, its IndexError."""
+  again where it is too small, in either order of sizes), C-contiguous or
+  strided (views through the byte strides): the types and bits of numba's
+  compile of the same text, its IndexError."""
   numba = pytest.importorskip("numba")
   text = f"def native_loop(_st, a0, a1):\n{_SNIPPETS[name]}\n"
   scope = {"np": np}
   exec(text, scope)  # noqa: S102
   nb = numba.njit(error_model="numpy")(scope["native_loop"])
-  fn = _lite_fn(text, [("a", np.dtype(np.int64)), ("s", np.dtype(np.int64))])
+  fn = _lite_fn(text, [("a", np.dtype(np.int64)), ("s", np.dtype(np.int64))], contiguous)
   for lanes_ in (0, 1, 9, 2, 5):
-    a0 = _rng.integers(-2**40, 2**40, (lanes_, 3))
+    a0 = _rng.integers(-2**40, 2**40, (lanes_, 3) if contiguous else (lanes_ * 2, 7))
+    if not contiguous:  # (rows and columns strided)
+      a0 = a0[::2, 1::2]
     for a1 in (0, 2, 3, -5):
       st = np.zeros(8, np.int64)
       try:
@@ -205,6 +215,8 @@ def test_negative_run_time_size_raises_numbas_error():
     # an element store of a row (numba broadcasts it), .shape of the status array
     "    a0[0] = 1\n    return (0, a0[0].copy(), a1)",
     "    return (0, a0[0].copy(), _st.shape[0])",
+    # .copy() of an array of a run-time shape
+    "    c = a0.copy()\n    return (0, a0[0].copy(), c[1, 0])",
 ])
 def test_lane_forms_outside_the_subset_are_refused(body):
   with pytest.raises(codegen.Refused):
@@ -276,3 +288,19 @@ def test_constant_slices_match_numba():
   src.text = text.replace("a0[2:7]", "a0[2:10]")
   with pytest.raises(codegen.Refused):
     lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])
+
+
+def test_a_copy_keeps_its_rank():
+  """``.copy()`` of a 2-d array is 2-d (numba's): ``c[1]`` is a row there,
+  so lite refuses it as a scalar; ``c[1, 2]`` is the element."""
+  src = _Src()
+  src.outs = [("s", np.dtype(np.int64))]
+  arr = ("a", np.dtype(np.int64), (2, 3), True)
+  src.text = "def native_loop(_st, a0):\n    c = a0.copy()\n    return (0, c[1])\n"
+  with pytest.raises(codegen.Refused):
+    lite.translate(src, [arr])
+  src.text = "def native_loop(_st, a0):\n    c = a0.copy()\n    a0[1, 2] = 0\n    return (0, c[1, 2])\n"
+  ir_text, meta, consts = lite.translate(src, [arr])
+  fn = lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts)
+  a0 = np.arange(6).reshape(2, 3)
+  assert fn(np.zeros(8, np.int64), a0)[1] == 5 and a0[1, 2] == 0

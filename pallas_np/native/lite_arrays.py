@@ -139,12 +139,15 @@ class Arrays:
     return self.b.call(fn, [self.arena, offset])
 
   def copy(self, arr: Arr):
-    """``arr.copy()``: a fresh flat buffer bump-allocated in the arena."""
+    """``arr.copy()``: a fresh C-contiguous buffer of ``arr``'s shape,
+    bump-allocated in the arena (a byte copy: a strided array is refused)."""
     trips = self.trips[-1]
     if trips is None:
       raise Refused("lite: .copy() inside a while loop or a loop of unknown trip count")
     if any(not isinstance(d, int) for d in arr.shape):
       raise Refused("lite: .copy() of an array of unknown shape")
+    if arr.strides is not None:
+      raise Refused("lite: .copy() of a strided array")
     n = math.prod(arr.shape)
     nbytes = aligned(n * arr.dtype.itemsize)
     self.arena_dynamic += nbytes * trips
@@ -166,7 +169,7 @@ class Arrays:
     self.b.store(self.b.add(i, I64(1)), counter)
     self.b.branch(head)
     self.b.position_at_end(after)
-    return Arr(ptr, arr.dtype, (n,), True), None
+    return Arr(ptr, arr.dtype, arr.shape, True), None
 
   def element(self, node, view=False):
     """(array, element pointer) of ``a[i]`` / ``a[i, j, ...]`` (numba's
