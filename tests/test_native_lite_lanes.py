@@ -304,3 +304,55 @@ def test_a_copy_keeps_its_rank():
   fn = lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts)
   a0 = np.arange(6).reshape(2, 3)
   assert fn(np.zeros(8, np.int64), a0)[1] == 5 and a0[1, 2] == 0
+
+
+def test_same_size_view_matches_numba():
+  """``x.view(np.uint32)`` of float32 buffers (the bfloat16 rounding's
+  form, native/narrow.py), read and written through: numba's bits; a view
+  of another item size is refused."""
+  numba = pytest.importorskip("numba")
+  text = ("def native_loop(_st, a0, a1):\n    x = np.empty(4, np.float32)\n    out = np.empty(4, np.float32)\n"
+          "    for _i in range(4):\n        x[_i] = a0[_i] * np.float32(a1)\n"
+          "    ub = x.view(np.uint32)\n    ob = out.view(np.uint32)\n"
+          "    for _i in range(4):\n        b = np.uint64(ub[_i])\n"
+          "        ob[_i] = np.uint32((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000)\n"
+          "    return (0, out.copy(), ub[3])\n")
+  scope = {"np": np}
+  exec(text, scope)  # noqa: S102
+  nb = numba.njit(error_model="numpy")(scope["native_loop"])
+  src = _Src()
+  src.text, src.outs = text, [("a", np.dtype(np.float32)), ("s", np.dtype(np.uint32))]
+  arr = ("a", np.dtype(np.float32), (4,), True)
+  ir_text, meta, consts = lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])
+  fn = lite_jit.make_callable(lite_jit.compile_ir(ir_text, {}), meta, consts)
+  a0 = np.array([1.00390625, -3.1, np.inf, 1e-39], np.float32)
+  for a1 in (1, 3, -7):
+    want, got = nb(np.zeros(8, np.int64), a0, np.int64(a1)), fn(np.zeros(8, np.int64), a0, np.int64(a1))
+    assert str(nb.nopython_signatures[0].return_type.types[2]) == "uint32"  # (numba's type)
+    for g, w in zip(got[1:], want[1:]):
+      g = np.asarray(g)
+      assert g.tobytes() == np.asarray(w, g.dtype).tobytes()
+  src.text = text.replace("x.view(np.uint32)", "x.view(np.uint16)")
+  with pytest.raises(codegen.Refused):
+    lite.translate(src, [arr, ("s", np.dtype(np.int64), (), True)])
+
+
+def test_bf16_rounding_loop_built_by_lite(lite_only):  # noqa: F811
+  """A loop rounding float32 to bfloat16 (its bits through ``.view``):
+  lite builds it; NaN payloads, ties, denormals and overflow give off's
+  bits and interpret=True's."""
+  from tests import test_native_elig_dma_narrow as tn
+  rng = np.random.default_rng(5)
+  pattern = np.concatenate([np.array(tn.PROBES, np.uint32),
+                            rng.integers(0, 1 << 32, 1024 - len(tn.PROBES), dtype=np.uint32)])
+  x = jnp.asarray(pattern.view(np.float32).reshape(8, 128))
+  make = lambda interp: pl.pallas_call(tn._round_kernel, out_shape=jax.ShapeDtypeStruct(
+      (8, 128), jnp.float32), interpret=interp)
+  before = native.stats()
+  got = [np.asarray(make(tn.SYNC)(x)) for _ in range(2)]
+  _lite_built(before)
+  off, interpreted = np.asarray(make(tn.OFF)(x)), np.asarray(make(True)(x))
+  for g in got:
+    np.testing.assert_array_equal(g.view(np.uint32), off.view(np.uint32))
+    # (values: XLA folds the loop's 0.0 + x to x, keeping -0.0 where off and lite give 0.0)
+    np.testing.assert_array_equal(g, interpreted)

@@ -235,6 +235,18 @@ class Arrays:
     ptr = self.b.gep(arr.ptr, [I64(lo * arr.dtype.itemsize)])
     return Arr(ptr, arr.dtype, (hi - lo,), arr.arena)
 
+  def same_size_view(self, value, dtype_node) -> Arr:
+    """``a.view(np.<dtype>)`` of a dtype of ``a``'s item size (the
+    bfloat16 rounding's bits, ``native/narrow.py``): numba's view, the same
+    memory, shape and strides read as the other type (a bool, or another
+    item size, is refused)."""
+    arr, _ = self.expr(value)
+    dt = self.np_dtype(dtype_node)
+    if (not isinstance(arr, Arr) or dt is None or dt == np.bool_ or arr.dtype == np.bool_
+        or dt.itemsize != arr.dtype.itemsize or arr.shape == (None,)):
+      raise Refused("lite: a .view() other than of a same-size non-bool dtype")
+    return Arr(arr.ptr, dt, arr.shape, arr.arena, arr.strides)
+
   def shape_item(self, node):
     """``a.shape[k]`` (numba's intp: int64): a static dimension, or the
     one read from the operand's array struct."""

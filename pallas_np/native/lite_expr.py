@@ -292,6 +292,8 @@ class Expressions:
       if not isinstance(arr, Arr):
         raise Refused("lite: .copy() of a scalar")
       return self.copy(arr)
+    if isinstance(f, ast.Attribute) and f.attr == "view" and len(e.args) == 1:
+      return self.same_size_view(f.value, e.args[0]), None
     dt = self.np_dtype(f)
     if dt is not None:
       if len(e.args) != 1:
