@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 import pallas_np
 from benchmarks.small_kernels import bitonic_fori_kernel
 from pallas_np import native
-from pallas_np.native import blas_calls, codegen, lanes
+from pallas_np.native import codegen, lanes, tier
 from tests.native_elig_util import bits
 
 _rng = np.random.default_rng(4141)
@@ -24,14 +24,24 @@ def _params(mode, vectorize=None):
 
 
 def _calls_of_compiled_code(monkeypatch):
-  """Counts the compiled calls: each takes one fresh status array."""
+  """Counts the compiled calls of the lanes path (``lanes.run``) and of
+  the sequential one (``NativeLoop._run``)."""
   made = []
-  real = blas_calls.status
+  real_run, real_seq = lanes.run, tier.NativeLoop._run
 
-  def status():
-    made.append(1)
-    return real()
-  monkeypatch.setattr(blas_calls, "status", status)
+  def counted(fn):
+    def call(*args):
+      made.append(1)
+      return fn(*args)
+    return call
+
+  def run(loop, fn, ctx, args):
+    return real_run(loop, counted(fn), ctx, args)
+
+  def seq(self, fn, args, ctx=None):
+    return real_seq(self, counted(fn), args, ctx)
+  monkeypatch.setattr(lanes, "run", run)
+  monkeypatch.setattr(tier.NativeLoop, "_run", seq)
   return made
 
 

@@ -140,10 +140,13 @@ def run(loop, fn, ctx, args):
       a = args[pos]
       if a.__class__ is not t:
         args[pos] = t(a)
-  st = blas_calls.status()
+  # (the loop's own status array, as ``NativeLoop._run``'s: a call holds the GIL throughout,
+  # a loop with DMA call sites is refused here)
+  st = loop.status
   try:
     res = fn(st, *args, *loop.scratch)
   except IndexError:
+    loop.status = blas_calls.status()  # (the next call's: this one holds the error)
     if not st[0]:  # (no bounds-check site's)
       raise
     lane = int(st[LANE])

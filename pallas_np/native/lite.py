@@ -19,30 +19,34 @@ allocates per call holding every ``np.empty`` buffer (static offsets) and
 every ``.copy()`` (bump-allocated: a copy inside a ``while`` is refused,
 inside ``for`` loops of constant trip counts the arena has room for all);
 ``outs`` receives each returned scalar's bits, or an array's offset in the
-arena. It returns 0, or 1 where the source raises ``IndexError`` (its
-bounds-check site and index values are in ``st``, as numba's would be).
+arena (and, after those, each returned array's element count). It returns
+0, or 1 where the source raises ``IndexError`` (its bounds-check site and
+index values are in ``st``, as numba's would be).
+
+Shapes known only at run time (the lane loop of a vectorized pass,
+``native/lanes.py``): a static dimension 0 of an operand (a lane-stacked
+operand's lane axis) is read from its array struct (``dimensions``), as
+are ``a.shape[k]``; ``a[i]`` of an N-d array is a view (pointer and
+stride arithmetic, no Python object); an ``np.empty`` of a run-time size at
+the function's top level (before any store to an operand) is placed after
+the static part of the arena: where the arena is too small the function
+returns 2 with the bytes it needs in ``outs[0]``, and the caller runs it
+again in a larger arena (nothing was written but the arena and ``st``); a
+negative size returns 3 (numba's ``ValueError``).
 """
 from __future__ import annotations
 
 import ast
-import math
 
 import llvmlite.ir as ir
 import numpy as np
 
 from pallas_np.native import lite_types as lt
 from pallas_np.native.codegen import SUPPORTED, Refused
+from pallas_np.native.lite_arrays import DATA_OFFSET, Arrays, assigned_names, read_before_set
+from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, Arr, Expressions, cast, const, literal_int,
+                                        lltype, memtype)
 from pallas_np.native.lite_headers import Headers
-from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, DTYPE_NAMES, Arr, Expressions, literal_int,
-                                        cast,
-                                        const, lltype, memtype)
-
-DATA_OFFSET = 16  # PyArrayObject's ``data`` field: after PyObject_HEAD
-STRIDES_OFFSET = 40  # ... its ``strides`` (after nd, dimensions)
-ALIGN = 64
-MAX_ARENA = 64 << 20
-
-
 
 
 class Var:
@@ -52,7 +56,7 @@ class Var:
     self.slot, self.sig = slot, sig
 
 
-class Translator(Headers, Expressions):
+class Translator(Headers, Arrays, Expressions):
   """One generated function lowered into an LLVM module."""
 
   def __init__(self, text, globals_, args, outs, externals=()):
@@ -68,7 +72,9 @@ class Translator(Headers, Expressions):
     self.arena_dynamic = 0
     self.trips = [1]  # copies per iteration of the enclosing loops (None: unbounded)
     self.loops = []  # (continue block, break block)
-    self.out_sizes = None  # each result's element count (the return's)
+    self.out_sizes = None  # each result's element count (the return's; None: run-time)
+    self.branches_open = 0  # enclosing ``if`` statements
+    self.effects = False  # whether a store to an operand was emitted
 
   # -- setup ----------------------------------------------------------------------
   def translate(self) -> str:
@@ -88,6 +94,7 @@ class Translator(Headers, Expressions):
     self.arena = self.data(arena)
     self.outs_ptr = self.data(outs)
     self.top = self.alloca_b.alloca(I64, name="top")
+    self.dtop = self.alloca_b.alloca(I64, name="dtop")  # (run-time sized buffers)
     names = [a.arg for a in self.fn_ast.args.args]
     if (len(names) != len(self.args) + 1 or self.fn_ast.args.vararg or self.fn_ast.args.kwonlyargs
         or self.fn_ast.args.defaults):
@@ -99,7 +106,7 @@ class Translator(Headers, Expressions):
         self.assign(name, val, dt)
       else:
         strides = None if contiguous else self.strides(p, len(shape))
-        self.assign_arr(name, Arr(self.data(p), dt, shape, False, strides))
+        self.assign_arr(name, Arr(self.data(p), dt, self.arg_shape(p, shape), False, strides))
     self.gconsts = {}
     for name, p in zip(self.const_arrays, fn.args[3 + len(self.args):]):
       v = self.globals[name]
@@ -111,6 +118,7 @@ class Translator(Headers, Expressions):
       raise Refused("lite: the function does not end with its return")
     # the static buffers first in the arena, the ``.copy()``s after them
     self.alloca_b.store(I64(self.arena_static), self.top)
+    self.alloca_b.store(I64(self.arena_size), self.dtop)
     self.alloca_b.branch(body)
     self.fastcall_entry(fn)
     return str(self.module)
@@ -121,7 +129,9 @@ class Translator(Headers, Expressions):
     call several): each argument is an array's ``PyObject*`` or a NumPy
     scalar whose value follows its header (``lite_jit`` checks both
     layouts once per process). It returns ``args[0]`` (the status array)
-    when the loop ran, ``args[1]`` where it raised, with a new reference."""
+    when the loop ran, ``args[1]`` (the arena) where it raised IndexError,
+    ``args[2]`` (the slots) where the arena is too small, ``args[3]`` where
+    an ``np.empty`` size is negative, with a new reference."""
     fn = ir.Function(self.module, ir.FunctionType(PTR, [PTR, PTR.as_pointer(), I64]),
                      name="lite_entry")
     b = ir.IRBuilder(fn.append_basic_block())
@@ -134,7 +144,8 @@ class Translator(Headers, Expressions):
       else:
         vals.append(b.load(b.bitcast(b.gep(obj, [I64(DATA_OFFSET)]), t.as_pointer())))
     rc = b.call(loop, vals)
-    res = b.select(b.icmp_signed("==", rc, I32(0)), b.load(objs), b.load(b.gep(objs, [I64(1)])))
+    # (return code k: the k-th argument, the status array where the loop ran)
+    res = b.load(b.gep(objs, [b.sext(rc, I64)]))
     refcnt = b.bitcast(res, I64.as_pointer())
     b.store(b.add(b.load(refcnt), I64(1)), refcnt)  # (Py_INCREF of a mortal object)
     b.ret(res)
@@ -142,19 +153,6 @@ class Translator(Headers, Expressions):
   @property
   def arena_size(self) -> int:
     return self.arena_static + self.arena_dynamic
-
-  def strides(self, obj, ndim) -> tuple:
-    """The byte strides of the NumPy array whose ``PyObject*`` is ``obj``
-    (its ``strides`` field: a pointer to ``ndim`` intp)."""
-    b = self.b
-    ptr = b.load(b.bitcast(b.gep(obj, [I64(STRIDES_OFFSET)]), I64.as_pointer().as_pointer()))
-    return tuple(b.load(b.gep(ptr, [I64(k)])) for k in range(ndim))
-
-  def data(self, obj):
-    """The data pointer of the NumPy array whose ``PyObject*`` is ``obj``."""
-    b = self.b if hasattr(self, "b") else self.alloca_b
-    slot = b.gep(obj, [I64(DATA_OFFSET)])
-    return b.load(b.bitcast(slot, PTR.as_pointer()))
 
   # -- variables ------------------------------------------------------------------------
   def assign(self, name, val, dt):
@@ -240,6 +238,7 @@ class Translator(Headers, Expressions):
       if isinstance(val, Arr):
         raise Refused("lite: an array stored into an element")
       arr, ptr = self.element(t)
+      self.effects = self.effects or not arr.arena and arr.shape != (None,)  # (not the status)
       self.b.store(self.to_mem(cast(self.b, val, dt, arr.dtype), arr.dtype), ptr)
       return
     raise Refused(f"lite: assignment to {type(t).__name__}")
@@ -253,11 +252,13 @@ class Translator(Headers, Expressions):
     other = self.fn.append_basic_block("else")
     after = self.fn.append_basic_block("endif")
     self.b.cbranch(cond, then, other)
+    self.branches_open += 1
     for blk, body in ((then, s.body), (other, s.orelse)):
       self.b.position_at_end(blk)
       self.block(body)
       if not self.b.block.is_terminated:
         self.b.branch(after)
+    self.branches_open -= 1
     self.b.position_at_end(after)
 
   def s_While(self, s):
@@ -311,6 +312,14 @@ class Translator(Headers, Expressions):
     trips = None
     if all(c is not None for c in consts):
       trips = len(range(*consts))
+    outer = self.trips[-1]
+    # (an unknown trip count: each iteration's copies in the same part of the arena, from where
+    # ``top`` was at the loop's entry; only where no array copied in one iteration is read in the
+    # next, checked below)
+    reuse = trips is None and outer is not None
+    if reuse:
+      mark = self.alloca_b.alloca(I64, name="mark")
+      self.b.store(self.b.load(self.top), mark)
     counter = self.alloca_b.alloca(I64, name="i")
     self.b.store(start, counter)
     head = self.fn.append_basic_block("for")
@@ -324,9 +333,18 @@ class Translator(Headers, Expressions):
     self.b.position_at_end(body)
     self.assign(s.target.id, i, lt.I64)
     self.loops.append((incr, after))
-    outer = self.trips[-1]
-    self.trips.append(None if outer is None or trips is None else outer * trips)
+    if reuse:
+      self.b.store(self.b.load(mark), self.top)
+      self.trips.append(outer)
+    else:
+      self.trips.append(None if outer is None or trips is None else outer * trips)
     self.block(s.body)
+    if reuse:
+      for name in read_before_set(s.body, {s.target.id}) & assigned_names(s.body):
+        var = self.vars.get(name)
+        if var is not None and var.sig[0] == "a" and var.sig[3]:
+          raise Refused(f"lite: {name}, an array of the arena, carried across the iterations "
+                        "of a loop of unknown trip count")
     self.trips.pop()
     self.loops.pop()
     if not self.b.block.is_terminated:
@@ -348,9 +366,10 @@ class Translator(Headers, Expressions):
     if not isinstance(v, ast.Tuple) or len(v.elts) != len(self.outs) + 1 or literal_int(v.elts[0]) != 0:
       raise Refused("lite: the return")
     vals = [self.expr(e) for e in v.elts[1:]]
-    sizes = [math.prod(val.shape) if isinstance(val, Arr) else 1 for val, _ in vals]
-    if self.out_sizes is not None and self.out_sizes != sizes:
-      raise Refused("lite: returns of different sizes")
+    counts = [self.extent(val.shape) if isinstance(val, Arr) else 1 for val, _ in vals]
+    sizes = [n if isinstance(n, int) else None for n in counts]
+    if self.out_sizes is not None and (self.out_sizes != sizes or None in sizes):
+      raise Refused("lite: returns of different or run-time sizes")
     self.out_sizes = sizes
     base = self.b.ptrtoint(self.arena, I64)
     for k, ((val, dt), (kind, want)) in enumerate(zip(vals, self.outs)):
@@ -364,124 +383,18 @@ class Translator(Headers, Expressions):
           raise Refused("lite: a returned array not allocated by the loop")
         off = self.b.sub(self.b.ptrtoint(val.ptr, I64), base)
         self.b.store(off, self.b.bitcast(slot, I64.as_pointer()))
+        if not isinstance(counts[k], int):  # (its element count, after the offsets)
+          count = self.b.gep(self.outs_ptr, [I64(8 * (len(self.outs) + k))])
+          self.b.store(counts[k], self.b.bitcast(count, I64.as_pointer()))
     self.b.ret(I32(0))
-
-  # -- arrays -------------------------------------------------------------------------------
-  def is_np(self, f, name):
-    return (isinstance(f, ast.Attribute) and f.attr == name and isinstance(f.value, ast.Name)
-            and f.value.id == "np" and "np" not in self.vars)
-
-  def np_dtype(self, node):
-    if isinstance(node, ast.Attribute) and self.is_np(node, node.attr) and node.attr in DTYPE_NAMES:
-      return DTYPE_NAMES[node.attr]
-    return None
-
-  def empty(self, call):
-    """``np.empty(n, np.<dtype>)``: a static buffer of the arena (only
-    outside loops: each runs once)."""
-    if len(call.args) != 2 or call.keywords or len(self.loops):
-      raise Refused("lite: np.empty other than (n, dtype) at the top")
-    n, dt = literal_int(call.args[0]), self.np_dtype(call.args[1])
-    if n is None or n < 0 or dt is None:
-      raise Refused("lite: np.empty of a non-constant size or dtype")
-    off = self.arena_static
-    self.arena_static += _aligned(n * dt.itemsize)
-    ptr = self.alloc(I64(off))
-    return Arr(ptr, dt, (n,), True), None
-
-  def alloc(self, offset):
-    """A buffer of the arena at ``offset``, through a call LLVM sees as
-    an allocation (``noalias``, not inlined): as numba's NRT allocations,
-    the buffers are known to be distinct from each other and from the
-    arguments, which keeps runtime alias checks out of the loops."""
-    fn = self.module.globals.get("lite_alloc")
-    if fn is None:
-      fn = ir.Function(self.module, ir.FunctionType(PTR, [PTR, I64]), "lite_alloc")
-      fn.linkage = "internal"
-      fn.attributes.add("noinline")
-      fn.return_value.attributes.add("noalias")
-      b = ir.IRBuilder(fn.append_basic_block())
-      b.ret(b.gep(fn.args[0], [fn.args[1]]))
-    return self.b.call(fn, [self.arena, offset])
-
-  def copy(self, arr: Arr):
-    """``arr.copy()``: a fresh flat buffer bump-allocated in the arena."""
-    trips = self.trips[-1]
-    if trips is None:
-      raise Refused("lite: .copy() inside a while loop or a loop of unknown trip count")
-    if any(d is None for d in arr.shape):
-      raise Refused("lite: .copy() of an array of unknown shape")
-    n = math.prod(arr.shape)
-    nbytes = _aligned(n * arr.dtype.itemsize)
-    self.arena_dynamic += nbytes * trips
-    if self.arena_size > MAX_ARENA:
-      raise Refused("lite: the loop's buffers exceed the arena")
-    top = self.b.load(self.top)
-    ptr = self.alloc(top)
-    self.b.store(self.b.add(top, I64(nbytes)), self.top)
-    # an element loop (LLVM turns it into memcpy)
-    counter = self.alloca_b.alloca(I64, name="c")
-    self.b.store(I64(0), counter)
-    head, body, after = (self.fn.append_basic_block(n_) for n_ in ("cp", "cpbody", "cpend"))
-    self.b.branch(head)
-    self.b.position_at_end(head)
-    i = self.b.load(counter)
-    self.b.cbranch(self.b.icmp_signed("<", i, I64(n * arr.dtype.itemsize)), body, after)
-    self.b.position_at_end(body)
-    self.b.store(self.b.load(self.b.gep(arr.ptr, [i])), self.b.gep(ptr, [i]))
-    self.b.store(self.b.add(i, I64(1)), counter)
-    self.b.branch(head)
-    self.b.position_at_end(after)
-    return Arr(ptr, arr.dtype, (n,), True), None
-
-  def element(self, node):
-    """(array, element pointer) of ``a[i]`` / ``a[i, j, ...]`` (numba's
-    basic indexing: a negative index counts from the end, no check)."""
-    arr, _ = self.expr(node.value)
-    if not isinstance(arr, Arr):
-      raise Refused("lite: indexing a scalar")
-    idx = node.slice
-    idxs = idx.elts if isinstance(idx, ast.Tuple) else [idx]
-    if len(idxs) != len(arr.shape):
-      raise Refused("lite: an index of another rank")
-    flat = None
-    for k, e in enumerate(idxs):
-      if isinstance(e, ast.Slice):
-        raise Refused("lite: a slice")
-      val, dt = self.expr(e)
-      if isinstance(val, Arr) or dt.kind not in "iu" and dt != np.bool_:
-        raise Refused("lite: a non-integer index")
-      if dt == np.bool_:
-        raise Refused("lite: a bool index")
-      i = cast(self.b, val, dt, lt.I64)
-      dim = arr.shape[k]
-      if dim is None:  # (the status array: constant indices only)
-        c = literal_int(e)
-        if c is None or c < 0:
-          raise Refused("lite: a non-constant status index")
-      elif dt.kind == "i":
-        i = self.b.select(self.b.icmp_signed("<", i, I64(0)), self.b.add(i, I64(dim)), i)
-      if arr.strides is not None:  # (bytes)
-        term = self.b.mul(i, arr.strides[k])
-      else:
-        stride = math.prod(arr.shape[k + 1:]) if dim is not None else 1
-        term = i if stride == 1 else self.b.mul(i, I64(stride))
-      flat = term if flat is None else self.b.add(flat, term)
-    mt = memtype(arr.dtype)
-    if arr.strides is not None:
-      return arr, self.b.bitcast(self.b.gep(arr.ptr, [flat]), mt.as_pointer())
-    ptr = self.b.gep(self.b.bitcast(arr.ptr, mt.as_pointer()), [flat])
-    return arr, ptr
-
-def _aligned(n: int) -> int:
-  return (n + ALIGN - 1) // ALIGN * ALIGN
-
 
 def translate(src, args) -> tuple:
   """(LLVM IR text, meta, constant arrays) of a ``codegen.Source``;
   ``args``: each loop operand's (kind 's'/'a'/'r', dtype, static shape,
   C-contiguous).
   Raises ``Refused`` outside the subset."""
+  # (a kernel body's scratch arrays, after its operands: codegen.finish)
+  args = [*args, *(("a", np.dtype(dt), (n,), True) for dt, n in getattr(src, "scratch", ()))]
   try:
     tr = Translator(src.text, src.globals, args, src.outs, src.externals)
     text = tr.translate()

@@ -90,8 +90,6 @@ def build(k: str, src, descs):
   its object on disk; raises ``codegen.Refused`` outside lite's subset."""
   if not lite_jit.available():
     raise codegen.Refused("lite: llvmlite is not available")
-  # (a body's scratch arrays, codegen.finish: flat, passed after the operands at every call)
-  descs = list(descs) + [("a", np.dtype(dt), (n,), True) for dt, n in src.scratch]
   text, meta, consts = lite.translate(src, descs)
   obj = lite_jit.compile_ir(text, src.externals)
   meta["consts"] = [name for name, v in src.globals.items() if isinstance(v, np.ndarray)]

@@ -116,7 +116,13 @@ class Expressions:
     return self.load_name(e.id)
 
   def e_Subscript(self, e):
-    arr, ptr = self.element(e)
+    if isinstance(e.value, ast.Attribute) and e.value.attr == "shape":
+      return self.shape_item(e)
+    if isinstance(e.slice, ast.Slice):
+      return self.const_slice(e), None
+    arr, ptr = self.element(e, view=True)
+    if arr is None:  # (a view: fewer indices than the rank)
+      return ptr, None
     v = self.b.load(ptr)
     return (self.b.trunc(v, I1) if arr.dtype == np.bool_ else v), arr.dtype
 
@@ -286,6 +292,8 @@ class Expressions:
       if not isinstance(arr, Arr):
         raise Refused("lite: .copy() of a scalar")
       return self.copy(arr)
+    if isinstance(f, ast.Attribute) and f.attr == "view" and len(e.args) == 1:
+      return self.same_size_view(f.value, e.args[0]), None
     dt = self.np_dtype(f)
     if dt is not None:
       if len(e.args) != 1:

@@ -18,8 +18,7 @@ caller.
   its result through a pointer; LLVM inlines it as numba's would be.
 - ``import math as _math``: ``_math.copysign`` (``llvm.copysign``).
 - what the prologues and dots read: ``_st.shape[0]``, ``X.ctypes.data``,
-  ``X.strides[k]`` (an operand's, from its array struct), a slice
-  ``_sJ[a:b]`` of a body's scratch array (codegen.finish), ``raise
+  ``X.strides[k]`` (an operand's, from its array struct), ``raise
   RuntimeError`` (the status' slot 0 set to ``RUNTIME_ERROR``; ``lite_jit``
   raises it), a call as a statement and ``x += y``.
 
@@ -36,11 +35,11 @@ import numpy as np
 from pallas_np.native import blas_calls
 from pallas_np.native import lite_types as lt
 from pallas_np.native.codegen import Refused
+from pallas_np.native.lite_arrays import DIMS_OFFSET
 from pallas_np.native.lite_expr import I32, I64, PTR, Arr, cast, const, lltype, literal_int
 
 NJIT = "from numba import njit as _njit\n"
 MATH = "import math as _math\n"
-DIMS_OFFSET = 32  # PyArrayObject's ``dimensions`` field (after data, nd)
 RUNTIME_ERROR = -7  # status slot 0 where the source raised RuntimeError (lite_jit raises it)
 # the intrinsics' argument kinds as numba types them (blas_calls.header's ``nt``)
 _NT = {"e": lt.I64, "i": lt.I64, "f": lt.F32, "d": lt.F64, "p": lt.I64, "q": lt.I64}
@@ -128,11 +127,10 @@ class Headers:
 
   def e_Subscript(self, e):
     v = e.value
-    if isinstance(v, ast.Attribute) and v.attr in ("shape", "strides") and isinstance(v.value, ast.Name):
+    if (isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name)
+        and (v.attr == "strides" or (v.attr == "shape" and v.value.id == self.st_name))):
       return self.array_field(v.value.id, v.attr, literal_int(e.slice))
-    if isinstance(e.slice, ast.Slice):
-      return self.scratch_slice(e)
-    return super().e_Subscript(e)
+    return super().e_Subscript(e)  # (other shapes and a[lo:hi]: lite_arrays)
 
   def array_field(self, name, field, k):
     """``_st.shape[0]``, ``X.strides[k]`` of an operand: read from the
@@ -160,18 +158,6 @@ class Headers:
     if self.helper_of is not None or name not in names[1:]:
       raise Refused(f"lite: the array struct of {name} (not an operand)")
     return self.fn.args[3 + names.index(name) - 1]
-
-  def scratch_slice(self, e):
-    """``a[lo:hi]`` of a flat array (a body's scratch, codegen.finish):
-    a view of constant bounds."""
-    arr, _ = self.expr(e.value)
-    s = e.slice
-    lo, hi = literal_int(s.lower), literal_int(s.upper)
-    if (not isinstance(arr, Arr) or len(arr.shape) != 1 or arr.strides is not None or s.step is not None
-        or lo is None or hi is None or not 0 <= lo <= hi <= arr.shape[0]):
-      raise Refused("lite: a slice other than [lo:hi] of a flat array")
-    ptr = self.b.gep(arr.ptr, [I64(lo * arr.dtype.itemsize)])
-    return Arr(ptr, arr.dtype, (hi - lo,), False), None
 
   def e_BoolOp(self, e):
     """``a and b and c``: ``a and (b and c)`` (Python's and numba's)."""
@@ -266,6 +252,7 @@ class Headers:
     sub.helper_of = main
     sub.fn_ast, sub.vars, sub.loops, sub.trips, sub.gconsts = node, {}, [], [None], {}
     sub.st_name, sub.ret_dtype, sub.arena_static, sub.arena_dynamic = None, None, 0, 0
+    sub.out_sizes, sub.branches_open, sub.effects = None, 0, False  # (lite_arrays' bookkeeping)
     params = [PTR] + [PTR if isinstance(v, Arr) else lltype(dt) for v, dt in vals]
     fn = ir.Function(main.module, ir.FunctionType(ir.VoidType(), params),
                      name=f"{name}.{len(main.helper_fns)}")
@@ -281,6 +268,7 @@ class Headers:
       else:
         sub.assign(arg.arg, p, dt)
     sub.block(node.body)
+    main.effects |= sub.effects  # (a store through an operand: no run-time np.empty after it)
     if not sub.b.block.is_terminated or sub.ret_dtype is None:
       raise Refused(f"lite: {name} does not end with a return")
     sub.alloca_b.branch(body)

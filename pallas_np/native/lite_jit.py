@@ -37,16 +37,16 @@ def _llvm():
     llvm.initialize_native_asmprinter()
     tm = _target_machine(llvm)
     probe = np.arange(3, dtype=np.int64)
-    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite.DATA_OFFSET)
+    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
     if addr != probe.ctypes.data:
       raise RuntimeError("NumPy's array struct: data is not at offset 16")
-    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_headers.DIMS_OFFSET)
-    if ctypes.c_int64.from_address(dims).value != 3:
-      raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
     probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
-    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite.STRIDES_OFFSET)
+    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite_arrays.STRIDES_OFFSET)
     if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
       raise RuntimeError("NumPy's array struct: strides are not at offset 40")
+    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_arrays.DIMS_OFFSET)
+    if (ctypes.c_int64 * 2).from_address(dims)[:] != list(probe.shape):
+      raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
     for name in _CTYPES:  # (a NumPy scalar's value right after its header)
       v = np.dtype(name).type(5)
       if ctypes.string_at(id(v) + 16, v.itemsize) != v.tobytes():
@@ -152,7 +152,9 @@ def _builtin(addr):
 def make_callable(obj: bytes, meta: dict, consts: list):
   """``fn(st, *args) -> (0, *results)``, as the pycc library's function:
   ``meta`` (from ``lite.Translator``): the scalar arguments' dtypes (None
-  for arrays), the arena's size, each result's (kind, dtype, size)."""
+  for arrays), the arena's size, each result's (kind, dtype, size; None:
+  reported by the call). A call that needs a larger arena (run-time sized
+  buffers) says so and runs again in one."""
   ee, addr = load(obj)
   cfunc, keep = _builtin(addr)
   scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
@@ -165,7 +167,7 @@ def make_callable(obj: bytes, meta: dict, consts: list):
   pool = []  # (arena, slots, readers) of finished calls: a fresh arena per call costs page faults
 
   def fresh():
-    arena, slots = empty(size, u8), empty(nout, i64)
+    arena, slots = empty(size, u8), empty(2 * nout, i64)
     readers = []
     for k, (kind, dt, n) in enumerate(outs):
       if kind == "s":  # (the scalar's bits at the start of its 8-byte slot)
@@ -182,15 +184,23 @@ def make_callable(obj: bytes, meta: dict, consts: list):
           args[k] = t(args[k])
     entry = pool.pop() if pool else fresh()  # (pop/append: atomic, threads get their own)
     arena, slots, readers = entry
-    if cfunc(st, arena, slots, *args, *consts) is not st:
+    done = cfunc(st, arena, slots, *args, *consts)
+    while done is slots:  # (too small an arena: the bytes needed in slots[0])
+      arena = empty(max(int(slots[0]), 2 * arena.size), u8)
+      entry = (arena, slots, readers)
+      done = cfunc(st, arena, slots, *args, *consts)
+    if done is not st:
       pool.append(entry)
-      if st[0] == RUNTIME_ERROR:  # (lite_headers: the prologue's missing addresses)
-        raise RuntimeError("pallas_np native loop: no BLAS or loop addresses in its status")
-      raise IndexError("pallas_np native loop: out-of-bounds ref access")
+      if done is arena:
+        if st[0] == RUNTIME_ERROR:  # (lite_headers: the prologue's missing addresses)
+          raise RuntimeError("pallas_np native loop: no BLAS or loop addresses in its status")
+        raise IndexError("pallas_np native loop: out-of-bounds ref access")
+      raise ValueError("negative dimensions are not allowed")
     res = [0]
     for k, (scalar, a, b) in enumerate(readers):
       # (arrays copied out: the arena is used again)
-      res.append(a[b] if scalar else frombuffer(arena, a, b, int(slots[k])).copy())
+      res.append(a[b] if scalar else frombuffer(arena, a, b if b is not None else int(slots[nout + k]),
+                                                int(slots[k])).copy())
     pool.append(entry)
     return tuple(res)
   native_loop.lite = True
