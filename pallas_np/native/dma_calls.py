@@ -30,15 +30,16 @@ import types
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.compiler import sourcemap
-from pallas_np.native import blas_calls, codegen, disk_cache
+from pallas_np.native import blas_calls, codegen, disk_cache, dma_queue
 
 # Status-array slots: the callback's address, then the scalar operands of
 # the site being called (a semaphore_read's result comes back in the first).
 ADDRESS = blas_calls.PYCALL
 OPERANDS = ADDRESS + 1
 MAX_OPERANDS = blas_calls.PYCALL_OPERANDS
+MODE = dma_queue.MODE  # what the compiled DMA queue may do (dma_queue)
 # The primitives a compiled loop calls back for (``native/dma.py`` emits them).
 PRIMITIVES = ("dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read")
 
@@ -50,11 +51,12 @@ class Site:
   position)``, ``("scalar", slot, dtype)`` or ``("literal", value)``),
   the control-flow eqns around it inside the loop (for the error's
   frames) and whether a result comes back (``semaphore_read``)."""
-  __slots__ = ("eqn", "operands", "chain", "result", "call")
+  __slots__ = ("eqn", "operands", "chain", "result", "call", "writes")
 
   def __init__(self, eqn, operands, chain, result):
     self.eqn, self.operands, self.chain, self.result = eqn, tuple(operands), tuple(chain), result
     self.call = None  # call(ctx, st, args): the rule on its operands (_bind, at the first call)
+    self.writes = ()  # loop operand positions a compiled form writes (dma_queue)
 
 
 def _scalar_type(dt):
@@ -67,11 +69,54 @@ def _scalar_type(dt):
 
 class _Run:
   """One call of a compiled loop that has call sites."""
-  __slots__ = ("sites", "params", "st", "args", "ctx", "error")
+  __slots__ = ("sites", "params", "st", "args", "ctx", "error", "fixed", "order")
 
   def __init__(self, sites, params, st, args, ctx):
     self.sites, self.params, self.st, self.args, self.ctx = sites, params, st, args, ctx
     self.error = None  # (exception, site) of a call that raised
+    # The compiled DMA queue is off for the whole call (``dma_queue.MODE``
+    # 2): a multi-device run or a race detector (locks, recorded
+    # accesses), or a read-only ref that a compiled form writes (the NumPy
+    # rule's write raises).
+    self.fixed = (ctx.device is not None or races.current() is not None
+                  or any(not args[p].flags.writeable for site in sites for p in site.writes))
+    self.order = {}  # id -> (Dma, start order) of the DMAs this call started on the NumPy path
+    self.mode()
+
+  def mode(self) -> None:
+    """The status slots the compiled queue reads: ``MODE`` and the
+    semaphores the NumPy queue holds DMAs on."""
+    st = self.st
+    st[MODE] = 2 if self.fixed else 0
+    rules = self.ctx.rules
+    dma = rules.dma if rules is not None else None
+    if dma is None:
+      st[dma_queue.PENDING_N] = 0
+      return
+    pending = [key for key, tasks in dma.tasks.items() if tasks]
+    st[dma_queue.PENDING_N] = len(pending)
+    if len(pending) <= dma_queue.PENDING_MAX:
+      st[dma_queue.PENDING:dma_queue.PENDING + len(pending)] = pending
+    else:
+      st[dma_queue.PENDING_N] = dma_queue.PENDING_MAX + 1
+
+  def started(self, order: int, before: int) -> None:
+    """The DMA a start site just queued on the NumPy path takes its place
+    in start order (``DmaState.dmas``, which a kernel's end completes in
+    order): a row flushed late is older than DMAs flushed before it."""
+    dmas = self.ctx.rules.dma.dmas
+    if len(dmas) <= before:
+      return  # (nothing queued: a copy of size 0)
+    new = dmas[-1]
+    self.order[id(new)] = (new, order)
+    j = len(dmas) - 1
+    while j > 0:
+      prev = self.order.get(id(dmas[j - 1]))
+      if prev is None or prev[0] is not dmas[j - 1] or prev[1] < order:
+        break
+      j -= 1
+    if j < len(dmas) - 1:
+      dmas.insert(j, dmas.pop())
 
 
 def _bind(site: Site, params):
@@ -102,9 +147,16 @@ def _call(run: _Run, k: int) -> None:
   site = run.sites[k]
   if site.call is None:
     site.call = _bind(site, run.params)
+  order = int(run.st[dma_queue.ORDER])
+  if order >= 0:
+    rules = run.ctx.rules
+    before = len(rules.dma.dmas) if rules is not None and rules.dma is not None else 0
   res = site.call(run.ctx, run.st, run.args)
   if site.result:
     run.st[OPERANDS] = int(res)
+  if order >= 0:
+    run.started(order, before)
+  run.mode()
 
 
 def _dispatch(k, _st_address):
