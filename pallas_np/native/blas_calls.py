@@ -50,7 +50,7 @@ LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
 # and the scalar operands of one such call.
 PYCALL = SLOT + len(NAMES) + len(LOOPS)
 PYCALL_OPERANDS = 12
-PYCALL_EXTRA = 11  # the compiled DMA queue's slots (dma_queue.MODE ...)
+PYCALL_EXTRA = 14  # the compiled DMA queue's slots (dma_queue.MODE ...)
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up

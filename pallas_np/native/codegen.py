@@ -415,8 +415,6 @@ def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:
   outs = getattr(eqn, "native_top", None) or emitter(eqn.primitive)
   outs = outs(gen, eqn, ins, top=True)
   ret = "".join(f", {o.name}" for o in outs)
-  for at_exit in getattr(gen, "at_exit", ()):  # (the DMA queue's flush: dma_queue)
-    at_exit()
   gen.emit(f"return (0{ret},)")
   return finish(gen, args, [v.kind for v in ins], [(o.kind, o.dtype) for o in outs],
                 shared=getattr(eqn, "shared_buffers", False))

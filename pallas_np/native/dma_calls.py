@@ -32,7 +32,8 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np import races, registry
 from pallas_np.compiler import sourcemap
-from pallas_np.native import blas_calls, codegen, disk_cache, dma_queue
+from pallas_np.native import blas_calls, codegen, disk_cache, dma_queue, dma_stash
+from pallas_np.state import dma as dma_state
 
 # Status-array slots: the callback's address, then the scalar operands of
 # the site being called (a semaphore_read's result comes back in the first).
@@ -69,7 +70,7 @@ def _scalar_type(dt):
 
 class _Run:
   """One call of a compiled loop that has call sites."""
-  __slots__ = ("sites", "params", "st", "args", "ctx", "error", "fixed", "order")
+  __slots__ = ("sites", "params", "st", "args", "ctx", "error", "fixed", "stash")
 
   def __init__(self, sites, params, st, args, ctx):
     self.sites, self.params, self.st, self.args, self.ctx = sites, params, st, args, ctx
@@ -80,8 +81,7 @@ class _Run:
     # rule's write raises).
     self.fixed = (ctx.device is not None or races.current() is not None
                   or any(not args[p].flags.writeable for site in sites for p in site.writes))
-    self.order = {}  # id -> (Dma, start order) of the DMAs this call started on the NumPy path
-    self.mode()
+    self.stash = None  # the compiled queue (dma_stash.Stash), set by the runner
 
   def mode(self) -> None:
     """The status slots the compiled queue reads: ``MODE`` and the
@@ -99,24 +99,6 @@ class _Run:
       st[dma_queue.PENDING:dma_queue.PENDING + len(pending)] = pending
     else:
       st[dma_queue.PENDING_N] = dma_queue.PENDING_MAX + 1
-
-  def started(self, order: int, before: int) -> None:
-    """The DMA a start site just queued on the NumPy path takes its place
-    in start order (``DmaState.dmas``, which a kernel's end completes in
-    order): a row flushed late is older than DMAs flushed before it."""
-    dmas = self.ctx.rules.dma.dmas
-    if len(dmas) <= before:
-      return  # (nothing queued: a copy of size 0)
-    new = dmas[-1]
-    self.order[id(new)] = (new, order)
-    j = len(dmas) - 1
-    while j > 0:
-      prev = self.order.get(id(dmas[j - 1]))
-      if prev is None or prev[0] is not dmas[j - 1] or prev[1] < order:
-        break
-      j -= 1
-    if j < len(dmas) - 1:
-      dmas.insert(j, dmas.pop())
 
 
 def _bind(site: Site, params):
@@ -144,18 +126,25 @@ def _bind(site: Site, params):
 
 
 def _call(run: _Run, k: int) -> None:
-  site = run.sites[k]
+  """Site ``k`` of the loop call owning the row or callback (``CALL_OWNER``:
+  a flushed row may come from an earlier loop call, with its operands)."""
+  st = run.st
+  sites, params, args = run.stash.owners[int(st[dma_queue.CALL_OWNER])]
+  site = sites[k]
   if site.call is None:
-    site.call = _bind(site, run.params)
-  order = int(run.st[dma_queue.ORDER])
+    site.call = _bind(site, params)
+  order = int(st[dma_queue.ORDER])
   if order >= 0:
-    rules = run.ctx.rules
-    before = len(rules.dma.dmas) if rules is not None and rules.dma is not None else 0
-  res = site.call(run.ctx, run.st, run.args)
+    before = len(dma_state.state_of(run.ctx).dmas)
+  try:
+    res = site.call(run.ctx, st, args)
+  except BaseException as e:  # noqa: BLE001 - raised again once the loop unwound
+    run.error = (e, site)
+    raise
   if site.result:
-    run.st[OPERANDS] = int(res)
+    st[OPERANDS] = int(res)
   if order >= 0:
-    run.started(order, before)
+    run.stash.started(run.ctx, order, before)
   run.mode()
 
 
@@ -166,7 +155,8 @@ def _dispatch(k, _st_address):
   try:
     _call(run, k)
   except BaseException as e:  # noqa: BLE001 - raised again once the loop unwound
-    run.error = (e, k)
+    if run.error is None:
+      run.error = (e, run.sites[k])
     return 1
   return 0
 
@@ -199,6 +189,16 @@ def runner(loop):
     if not sites:
       sites.extend(_sites_of(loop))
     call = _Run(sites, loop.params, st, args, ctx)
+    dmas = dma_state.state_of(ctx)
+    stash, dmas.native = dmas.native, None  # (the loop's own now: settle() must not flush it)
+    if stash is None:
+      stash = dma_stash.Stash(_bind)
+    elif call.fixed:  # (nothing runs compiled in this call: its rows join the NumPy queue)
+      stash.flush(ctx)
+    call.stash = stash
+    st[dma_queue.QADDR] = stash.q.ctypes.data
+    st[dma_queue.OWNER] = stash.own(sites, loop.params, args)
+    call.mode()
     prev = getattr(_tls, "run", None)
     _tls.run = call
     st[ADDRESS] = _ADDRESS_VALUE
@@ -207,9 +207,12 @@ def runner(loop):
     except RuntimeError:
       if call.error is None:
         raise
-      _raise_at(*call.error, sites)
+      _raise_at(*call.error)
     finally:
       _tls.run = prev
+      stash.settled()
+      if stash.live():
+        dmas.native = stash
   return run
 
 
@@ -235,11 +238,9 @@ def _frame(eqn, inner):
   return lambda: at(inner)
 
 
-def _raise_at(error, k, sites):
-  """Raise ``error`` (site ``k``'s) under frames naming the site's eqn and
+def _raise_at(error, site):
+  """Raise ``error`` (``site``'s) under frames naming the site's eqn and
   the control flow around it, as the NumPy path's plans do."""
-  site = sites[k]
-
   def again():
     raise error
   fn = again

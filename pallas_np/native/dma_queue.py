@@ -41,19 +41,23 @@ from pallas_np.state.indexing import RefAccess
 OPERANDS = blas_calls.PYCALL + 1  # (dma_calls.OPERANDS)
 # Status slots after the callback's operands (``blas_calls.PYCALL_EXTRA``):
 # what the compiled queue may do (0: on, 2: off for this call), the start
-# order of the DMA a callback starts (-1: none), and the semaphores the
-# NumPy queue holds DMAs on (their count; ``PENDING_MAX`` + 1: more than
-# fit, every wait calls back).
+# order of the DMA a callback starts (-1: none), the queue's address, the
+# owner number of this loop call and of the row a callback flushes, and
+# the semaphores the NumPy queue holds DMAs on (their count;
+# ``PENDING_MAX`` + 1: more than fit, every wait calls back).
 MODE = OPERANDS + blas_calls.PYCALL_OPERANDS
-ORDER, PENDING_N, PENDING = MODE + 1, MODE + 2, MODE + 3
-PENDING_MAX = blas_calls.PYCALL_EXTRA - 3
+ORDER, QADDR, OWNER, CALL_OWNER = MODE + 1, MODE + 2, MODE + 3, MODE + 4
+PENDING_N = MODE + 5
+PENDING = PENDING_N + 1
+PENDING_MAX = blas_calls.PYCALL_EXTRA - (PENDING - MODE)
 CAPACITY = 64  # rows; a start finding the queue full calls back (after a flush)
 RANK = 4  # the most dims a compiled DMA window has
 # Row 0 of the queue: head, tail, the next start order. Then a row per
 # DMA: site, semaphore address, source and destination byte addresses,
-# item size, start order, shape (RANK), source strides, destination
-# strides (bytes; leading dims padded with 1s), the site's scalar operands.
-SITE, SEM, SRC, DST, ITEM, SEQ, SHAPE = 0, 1, 2, 3, 4, 5, 6
+# item size, start order, owner (the loop call whose operands it names:
+# ``dma_stash``), shape (RANK), source strides, destination strides
+# (bytes; leading dims padded with 1s), the site's scalar operands.
+SITE, SEM, SRC, DST, ITEM, SEQ, OWN, SHAPE = 0, 1, 2, 3, 4, 5, 6, 7
 SSTR, DSTR = SHAPE + RANK, SHAPE + 2 * RANK
 SCALARS = SHAPE + 3 * RANK
 WIDTH = SCALARS + blas_calls.PYCALL_OPERANDS
@@ -61,6 +65,7 @@ ALL, NONE = -1, -2  # a callback's flush: every row, no row
 
 HEADER = "\n".join([
     "from numba import njit as _njit",
+    "from numba import carray as _carray",
     "from numba.core import cgutils as _cgutils",
     "",
     "def _t_ld64(typingctx, addr):",
@@ -86,6 +91,12 @@ HEADER = "\n".join([
     "        return context.get_dummy_value()",
     "    return _nt.void(_nt.int64, _nt.int64, _nt.int64), codegen",
     "_mcpy = _intrinsic(_t_mcpy)",
+    "",
+    "def _t_qptr(typingctx, addr):",
+    "    def codegen(context, builder, sig, llargs):",
+    "        return builder.inttoptr(llargs[0], _lir.IntType(64).as_pointer())",
+    "    return _nt.CPointer(_nt.int64)(_nt.int64), codegen",
+    "_qptr = _intrinsic(_t_qptr)",
     "",
     "@_njit",
     "def _dq_strided(base, row, strides, out, gather):",
@@ -179,6 +190,7 @@ HEADER = "\n".join([
     "            for j in range(%d):" % blas_calls.PYCALL_OPERANDS,
     "                _st[%d + j] = q[r + 1, %d + j]" % (OPERANDS, SCALARS),
     "            _st[%d] = q[r + 1, %d]" % (ORDER, SEQ),
+    "            _st[%d] = q[r + 1, %d]" % (CALL_OWNER, OWN),
     "            site = q[r + 1, 0]",
     "            q[r + 1, 0] = -1",
     "            if _pycall(_st[%d], site, _st.ctypes.data) != 0:" % blas_calls.PYCALL,
@@ -197,6 +209,7 @@ HEADER = "\n".join([
     "    for j in range(len(scalars) - 1):",
     "        _st[%d + j] = scalars[j]" % OPERANDS,
     "    _st[%d] = -1" % ORDER,
+    "    _st[%d] = _st[%d]" % (CALL_OWNER, OWNER),
     "    if starts:",
     "        _st[%d] = q[0, 2]" % ORDER,
     "        q[0, 2] += 1",
@@ -205,12 +218,11 @@ HEADER = "\n".join([
 
 
 def setup(gen) -> None:
-  """The queue at the function's entry (once), its flush at the exit."""
+  """The queue (``dma_stash.Stash.q``, by address) at the function's entry."""
   if "dma_queue" in gen.headers:
     return
   gen.headers["dma_queue"] = HEADER
-  gen.prologue.append(f"    _dq = np.zeros(({CAPACITY + 1}, {WIDTH}), np.int64)")
-  gen.at_exit = [lambda: _raise_if(gen, f"_dq_flush(_st, _dq, {ALL})")]
+  gen.prologue.append(f"    _dq = _carray(_qptr(_st[{QADDR}]), ({CAPACITY + 1}, {WIDTH}))")
 
 
 def _raise_if(gen, call) -> None:
@@ -400,7 +412,7 @@ def emit_start(gen, eqn, ins, k, scalars, callback):
     return None
   pad = RANK - len(shape)
   fields = [(SITE, str(k)), (SEM, sem[1]), (SRC, s.addr), (DST, d.addr),
-            (ITEM, str(s.ref.dtype.itemsize)), (SEQ, "0")]
+            (ITEM, str(s.ref.dtype.itemsize)), (SEQ, "0"), (OWN, f"_st[{OWNER}]")]
   fields += [(SHAPE + j, n) for j, n in enumerate(["1"] * pad + shape)]
   fields += [(SSTR + j, st) for j, st in enumerate(["0"] * pad + [st for _, st in s.dims])]
   fields += [(DSTR + j, st) for j, st in enumerate(["0"] * pad + [st for _, st in d.dims])]
