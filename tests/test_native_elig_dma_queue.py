@@ -190,3 +190,50 @@ def test_in_flight_at_kernel_end_as_numpy(mode):
   with pytest.raises(RuntimeError) as got:
     make(_params(mode))(x)
   assert str(got.value) == str(want.value)
+
+
+G, LONG = 3, 40
+
+
+def _across_grid_points(x_hbm, o_ref, buf, sem):
+  """Paged attention's pattern: the next copy started in one grid point's
+  loop is waited in the next grid point's (its rows outlive the loop
+  call: ``dma_stash``); 3 * 40 copies pass through a 64-row queue."""
+  p = pl.program_id(0)
+  o_ref[...] = jnp.zeros_like(o_ref)
+
+  def copy(g):
+    return pltpu.make_async_copy(x_hbm.at[pl.ds(g * R, R)], buf.at[g % 2], sem.at[g % 2])
+
+  def body(i, carry):
+    g = p * LONG + i
+
+    @pl.when(g == 0)
+    def _():
+      copy(g).start()
+
+    @pl.when(g + 1 < G * LONG)
+    def _():
+      copy(g + 1).start()
+    copy(g).wait()
+    o_ref[...] = o_ref[...] * 3 + buf[g % 2]  # (int32: exact in XLA too)
+    return carry
+  lax.fori_loop(0, LONG, body, 0)
+
+
+def test_dmas_waited_in_the_next_grid_point(callbacks):
+  make = lambda interp: pl.pallas_call(
+      _across_grid_points, grid=(G,),
+      out_shape=jax.ShapeDtypeStruct((G * R, 128), jnp.int32),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((R, 128), lambda p: (p, 0)),
+      scratch_shapes=[pltpu.VMEM((2, R, 128), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
+      interpret=interp)
+  x = jnp.asarray(np.random.default_rng(11).integers(-2**31, 2**31, (G * LONG * R, 128)),
+                  jnp.int32)
+  want = make(_params("off"))(x)
+  calls = callbacks[0]
+  got = make(_params("sync"))(x)
+  assert callbacks[0] == calls, f"{callbacks[0] - calls} callbacks"
+  np.testing.assert_array_equal(bits(got), bits(want))
+  np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))

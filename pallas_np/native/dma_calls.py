@@ -72,7 +72,7 @@ class _Run:
   """One call of a compiled loop that has call sites."""
   __slots__ = ("sites", "params", "st", "args", "ctx", "error", "fixed", "stash")
 
-  def __init__(self, sites, params, st, args, ctx):
+  def __init__(self, sites, params, st, args, ctx, writes=()):
     self.sites, self.params, self.st, self.args, self.ctx = sites, params, st, args, ctx
     self.error = None  # (exception, site) of a call that raised
     # The compiled DMA queue is off for the whole call (``dma_queue.MODE``
@@ -80,7 +80,7 @@ class _Run:
     # accesses), or a read-only ref that a compiled form writes (the NumPy
     # rule's write raises).
     self.fixed = (ctx.device is not None or races.current() is not None
-                  or any(not args[p].flags.writeable for site in sites for p in site.writes))
+                  or any(not args[p].flags.writeable for p in writes))
     self.stash = None  # the compiled queue (dma_stash.Stash), set by the runner
 
   def mode(self) -> None:
@@ -184,11 +184,15 @@ def runner(loop):
   if not has_calls(loop.eqn):
     return None
   sites = []
+  writes = None  # the operand positions compiled DMA forms write
 
   def run(fn, st, args, ctx):
+    nonlocal writes
     if not sites:
       sites.extend(_sites_of(loop))
-    call = _Run(sites, loop.params, st, args, ctx)
+    if writes is None:
+      writes = sorted({p for site in sites for p in site.writes})
+    call = _Run(sites, loop.params, st, args, ctx, writes)
     dmas = dma_state.state_of(ctx)
     stash, dmas.native = dmas.native, None  # (the loop's own now: settle() must not flush it)
     if stash is None:
