@@ -237,3 +237,36 @@ def test_dmas_waited_in_the_next_grid_point(callbacks):
   assert callbacks[0] == calls, f"{callbacks[0] - calls} callbacks"
   np.testing.assert_array_equal(bits(got), bits(want))
   np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
+
+
+def _left_for_the_end(x_hbm, o_ref, buf, sem):
+  """Grid point 0's loop starts a copy nobody waits for; grid point 1's
+  loop runs (the row stays queued through it): the kernel's end names
+  the grid point that started it."""
+  p = pl.program_id(0)
+  o_ref[...] = jnp.zeros_like(o_ref)
+
+  def body(i, carry):
+    @pl.when(jnp.logical_and(p == 0, i == STEPS - 1))
+    def _():
+      pltpu.make_async_copy(x_hbm.at[pl.ds(i * R, R)], buf.at[0], sem.at[0]).start()
+    o_ref[...] += jnp.float32(1)
+    return carry
+  lax.fori_loop(0, STEPS, body, 0)
+
+
+def test_in_flight_names_its_grid_point(callbacks):
+  make = lambda interp: pl.pallas_call(
+      _left_for_the_end, grid=(2,), out_shape=jax.ShapeDtypeStruct((2 * R, 128), jnp.float32),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((R, 128), lambda p: (p, 0)),
+      scratch_shapes=[pltpu.VMEM((2, R, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+      interpret=interp)
+  x = jnp.zeros((STEPS * R, 128), jnp.float32)
+  with pytest.raises(RuntimeError, match=r"grid point \(0,\)") as want:
+    make(_params("off"))(x)
+  calls = callbacks[0]
+  with pytest.raises(RuntimeError) as got:
+    make(_params("sync"))(x)
+  assert callbacks[0] == calls, "the start called back"
+  assert str(got.value) == str(want.value)

@@ -129,7 +129,7 @@ def _call(run: _Run, k: int) -> None:
   """Site ``k`` of the loop call owning the row or callback (``CALL_OWNER``:
   a flushed row may come from an earlier loop call, with its operands)."""
   st = run.st
-  sites, params, args = run.stash.owners[int(st[dma_queue.CALL_OWNER])]
+  sites, params, args, point = run.stash.owners[int(st[dma_queue.CALL_OWNER])]
   site = sites[k]
   if site.call is None:
     site.call = _bind(site, params)
@@ -144,7 +144,7 @@ def _call(run: _Run, k: int) -> None:
   if site.result:
     st[OPERANDS] = int(res)
   if order >= 0:
-    run.stash.started(run.ctx, order, before)
+    run.stash.started(run.ctx, order, before, point)
   run.mode()
 
 
@@ -201,7 +201,7 @@ def runner(loop):
       stash.flush(ctx)
     call.stash = stash
     st[dma_queue.QADDR] = stash.q.ctypes.data
-    st[dma_queue.OWNER] = stash.own(sites, loop.params, args)
+    st[dma_queue.OWNER] = stash.own(sites, loop.params, args, ctx.grid_point)
     call.mode()
     prev = getattr(_tls, "run", None)
     _tls.run = call

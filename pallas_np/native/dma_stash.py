@@ -33,8 +33,9 @@ class Stash:
     self.owners: list = []
     self.order: dict = {}  # id -> (Dma, start order) of the DMAs flushed to the NumPy path
 
-  def own(self, sites, params, args) -> int:
-    self.owners.append((sites, params, args))
+  def own(self, sites, params, args, grid_point) -> int:
+    """A loop call's number: its sites, parameters, operands and grid point."""
+    self.owners.append((sites, params, args, grid_point))
     return len(self.owners) - 1
 
   def live(self) -> bool:
@@ -47,14 +48,16 @@ class Stash:
       self.order.clear()
       self.q[0, 0] = self.q[0, 1] = 0
 
-  def started(self, ctx, order: int, before: int) -> None:
+  def started(self, ctx, order: int, before: int, grid_point) -> None:
     """The DMA a start site just queued on the NumPy path takes its place
     in start order (``DmaState.dmas``, which a kernel's end completes in
-    order): a row flushed late is older than DMAs flushed before it."""
+    order): a row flushed late is older than DMAs flushed before it; it
+    was started at the grid point of its loop call (its error names it)."""
     dmas = ctx.rules.dma.dmas
     if len(dmas) <= before:
       return  # (nothing queued: a copy of size 0)
     new = dmas[-1]
+    new.grid_point = grid_point
     self.order[id(new)] = (new, order)
     j = len(dmas) - 1
     while j > 0:
@@ -73,7 +76,7 @@ class Stash:
       row = q[r + 1]
       if row[dma_queue.SITE] < 0:
         continue
-      sites, params, args = self.owners[int(row[dma_queue.OWN])]
+      sites, params, args, point = self.owners[int(row[dma_queue.OWN])]
       site = sites[int(row[dma_queue.SITE])]
       if site.call is None:
         site.call = self.bind(site, params)
@@ -81,6 +84,6 @@ class Stash:
       row[dma_queue.SITE] = -1
       before = len(ctx.rules.dma.dmas)
       site.call(ctx, st, args)
-      self.started(ctx, int(row[dma_queue.SEQ]), before)
+      self.started(ctx, int(row[dma_queue.SEQ]), before, point)
     q[0, 0] = q[0, 1]
     self.settled()
