@@ -270,3 +270,35 @@ def test_in_flight_names_its_grid_point(callbacks):
     make(_params("sync"))(x)
   assert callbacks[0] == calls, "the start called back"
   assert str(got.value) == str(want.value)
+
+
+def _strided(x_ref, o_ref, buf, sem):
+  """Windows of stride 2 and 3 on both sides (an element at a time) from
+  a whole VMEM ref, on a 0-d semaphore."""
+  o_ref[...] = jnp.zeros_like(o_ref)
+  buf[...] = jnp.zeros_like(buf)
+
+  def body(i, carry):
+    cp = pltpu.make_async_copy(x_ref.at[pl.ds(i % 2, 4, stride=2), pl.ds(1, 32, stride=3)],
+                               buf.at[pl.ds(1, 4), pl.ds(2, 32, stride=2)], sem)
+    cp.start()
+    cp.wait()
+    o_ref[...] = o_ref[...] * 2.0 + buf[...]
+    buf[...] = buf[...] * 0.5
+    return carry
+  lax.fori_loop(0, STEPS, body, 0)
+
+
+def test_strided_windows(callbacks):
+  make = lambda interp: pl.pallas_call(
+      _strided, out_shape=jax.ShapeDtypeStruct((R, 128), jnp.float32),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.VMEM((R, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+      interpret=interp)
+  x = jnp.arange(R * 128, dtype=jnp.float32).reshape(R, 128)
+  calls = callbacks[0]
+  got = make(_params("sync"))(x)
+  assert callbacks[0] == calls, "the loop's DMAs called back"
+  np.testing.assert_array_equal(bits(got), bits(make(_params("off"))(x)))
+  np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
