@@ -302,3 +302,26 @@ def test_strided_windows(callbacks):
   assert callbacks[0] == calls, "the loop's DMAs called back"
   np.testing.assert_array_equal(bits(got), bits(make(_params("off"))(x)))
   np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
+
+
+def _signals(o_ref, sem):
+  """Local signals and decrementing waits in the loop, compiled (counts
+  in place); the count read after it on the NumPy path."""
+  def body(i, carry):
+    pl.semaphore_signal(sem, i + 2)
+    pl.semaphore_wait(sem, i + 1)
+    return carry + 1
+  n = lax.fori_loop(0, STEPS, body, jnp.int32(0))
+  o_ref[0] = pl.semaphore_read(sem) * 100 + n
+
+
+def test_semaphore_signal_and_wait_compiled(callbacks):
+  make = lambda interp: pl.pallas_call(
+      _signals, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+      scratch_shapes=[pltpu.SemaphoreType.REGULAR], interpret=interp)
+  calls = callbacks[0]
+  got = make(_params("sync"))()
+  assert callbacks[0] == calls, "the loop's signals and waits called back"
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(make(_params("off"))()))
+  assert int(np.asarray(got)[0]) == STEPS * 100 + STEPS

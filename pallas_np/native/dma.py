@@ -88,7 +88,7 @@ def _call_site(gen, eqn, ins):
   starts = eqn.primitive.name == "dma_start"
 
   def callback(flush=dma_queue.ALL):  # (a signal or read leaves the queues alone)
-    if eqn.primitive.name in ("semaphore_signal", "semaphore_read"):
+    if eqn.primitive.name in dma_calls.QUEUE_FREE:
       flush = dma_queue.NONE
     dma_queue.emit_callback(gen, k, names, flush, starts)
   name, writes = eqn.primitive.name, None
@@ -96,6 +96,10 @@ def _call_site(gen, eqn, ins):
     writes = dma_queue.emit_start(gen, eqn, ins, k, names, callback)
   elif name == "dma_wait":
     writes = dma_queue.emit_wait(gen, eqn, ins, k, callback)
+  elif name == "semaphore_signal":
+    writes = dma_queue.emit_signal(gen, eqn, ins, callback)
+  elif name == "semaphore_wait":
+    writes = dma_queue.emit_semaphore_wait(gen, eqn, ins, callback)
   if writes is None:
     callback()
   else:  # (a read-only one turns the compiled queue off: the NumPy rule raises)

@@ -44,6 +44,10 @@ MODE = dma_queue.MODE  # what the compiled DMA queue may do (dma_queue)
 # The primitives a compiled loop calls back for (``native/dma.py`` emits them).
 PRIMITIVES = ("dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read")
 
+# Sites whose rules never read or change a DMA queue: no flush before them
+# (``dma.py``), no new ``MODE``/``PENDING`` after them.
+QUEUE_FREE = ("semaphore_signal", "semaphore_read")
+
 _tls = threading.local()
 
 
@@ -145,7 +149,8 @@ def _call(run: _Run, k: int) -> None:
     st[OPERANDS] = int(res)
   if order >= 0:
     run.stash.started(run.ctx, order, before, point)
-  run.mode()
+  if site.eqn.primitive.name not in QUEUE_FREE:
+    run.mode()
 
 
 def _dispatch(k, _st_address):

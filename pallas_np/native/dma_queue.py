@@ -446,3 +446,58 @@ def emit_wait(gen, eqn, ins, k, callback):
                  f"_dq_wait(_st, _dq, {sem[1]}, {value})):"):
     callback(_flush_of(sem))
   return (sem[2],)
+
+
+def _scalar(eqn, ins, node):
+  """An int64 expression of a scalar operand (an invar, a literal or a
+  static baked into the tree), or None."""
+  if isinstance(node, OperandPos):
+    a = eqn.invars[node.k]
+    if isinstance(a, jc.Literal):
+      node = a.val
+    else:
+      v = ins[node.k]
+      return f"np.int64({v.name})" if v.kind == "s" and v.dtype.kind in "iu" else None
+  if isinstance(node, bool) or np.ndim(node) != 0 or np.asarray(node).dtype.kind not in "iu":
+    return None
+  return str(int(node))
+
+
+def _sem_operand(eqn, ins, ref, transforms):
+  node = jc.TransformedRef(ref, tuple(transforms)) if transforms else ref
+  return _sem_cell(eqn, ins, node)
+
+
+def emit_signal(gen, eqn, ins, callback):
+  """A local ``semaphore_signal`` compiled: its count incremented in place
+  (``dma.signal`` without a device's lock or race detector: MODE 0)."""
+  ref, transforms, inc, device_id, core_index = positions(eqn, eqn.params["args_tree"])
+  if device_id is not None or core_index is not None:
+    return None
+  sem, inc = _sem_operand(eqn, ins, ref, transforms), _scalar(eqn, ins, inc)
+  if sem is None or inc is None:
+    return None
+  with gen.block(f"if _st[{MODE}] == 0{_if_all(sem[0])}:"):
+    gen.emit(f"_st64({sem[1]}, _ld64({sem[1]}) + {inc})")
+  with gen.block("else:"):
+    callback(NONE)
+  return (sem[2],)
+
+
+def emit_semaphore_wait(gen, eqn, ins, callback):
+  """A ``semaphore_wait`` that decrements, compiled as a DMA wait is
+  (``dma.wait``: the DMAs queued on it popped while its count is too low)."""
+  ref, transforms, value, decrement = positions(eqn, eqn.params["args_tree"])
+  dec = decrement
+  if isinstance(dec, OperandPos):
+    a = eqn.invars[dec.k]
+    dec = a.val if isinstance(a, jc.Literal) else None
+  if dec is not None and (np.ndim(dec) != 0 or np.asarray(dec).dtype != np.bool_):
+    dec = None
+  sem, value = _sem_operand(eqn, ins, ref, transforms), _scalar(eqn, ins, value)
+  if dec is None or not bool(dec) or sem is None or value is None:
+    return None
+  with gen.block(f"if not ({' and '.join(sem[0]) or 'True'} and "
+                 f"_dq_wait(_st, _dq, {sem[1]}, {value})):"):
+    callback(_flush_of(sem))
+  return (sem[2],)
