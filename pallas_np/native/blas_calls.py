@@ -50,6 +50,7 @@ LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
 # and the scalar operands of one such call.
 PYCALL = SLOT + len(NAMES) + len(LOOPS)
 PYCALL_OPERANDS = 12
+PYCALL_EXTRA = 14  # the compiled DMA queue's slots (dma_queue.MODE ...)
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
@@ -156,7 +157,7 @@ def found():
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
-    st = np.zeros(PYCALL + 1 + PYCALL_OPERANDS, np.int64)
+    st = np.zeros(PYCALL + 1 + PYCALL_OPERANDS + PYCALL_EXTRA, np.int64)
     if result is not None:
       st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
     _status[0] = st

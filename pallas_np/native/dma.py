@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 
 from pallas_np import _compat as jc
-from pallas_np.native import dma_calls
+from pallas_np.native import dma_calls, dma_queue
 from pallas_np.native.codegen import Refused, dtype_of, np_name, register
 
 HEADER = "\n".join([
@@ -59,10 +59,11 @@ def _call_site(gen, eqn, ins):
   sites = getattr(gen, "pycalls", None)
   if sites is None:
     sites = gen.pycalls = []
-    need = dma_calls.OPERANDS + dma_calls.MAX_OPERANDS
+    need = dma_queue.PENDING + dma_queue.PENDING_MAX
     gen.prologue.append(f"    if _st.shape[0] < {need}: "
                         "raise RuntimeError('pallas_np native loop: no callback slots')")
-  operands, slot = [], dma_calls.OPERANDS
+    dma_queue.setup(gen)
+  operands, scalars, slot = [], [], dma_calls.OPERANDS
   for a, v in zip(eqn.invars, ins):
     if isinstance(a.aval, jc.AbstractRef):
       if v.kind != "r" or v.name not in gen.ref_positions:
@@ -74,7 +75,7 @@ def _call_site(gen, eqn, ins):
       if slot >= dma_calls.OPERANDS + dma_calls.MAX_OPERANDS:
         raise Refused(f"{eqn.primitive.name} with more than {dma_calls.MAX_OPERANDS} "
                       "scalar operands")
-      gen.emit(f"_st[{slot}] = np.int64({v.name})")
+      scalars.append((slot, v.name))
       operands.append(("scalar", slot, v.dtype))
       slot += 1
     else:
@@ -82,8 +83,27 @@ def _call_site(gen, eqn, ins):
   result = eqn.primitive.name == "semaphore_read"
   k = len(sites)
   sites.append(dma_calls.Site(eqn, operands, [e for e in gen.stack if e is not None], result))
-  with gen.block(f"if _pycall(_st[{dma_calls.ADDRESS}], {k}, _st.ctypes.data) != 0:"):
-    gen.emit("raise RuntimeError('pallas_np native loop: a DMA or semaphore call raised')")
+
+  names = [name for _, name in scalars]
+  starts = eqn.primitive.name == "dma_start"
+
+  def callback(flush=dma_queue.ALL):  # (a signal or read leaves the queues alone)
+    if eqn.primitive.name in dma_calls.QUEUE_FREE:
+      flush = dma_queue.NONE
+    dma_queue.emit_callback(gen, k, names, flush, starts)
+  name, writes = eqn.primitive.name, None
+  if name == "dma_start":
+    writes = dma_queue.emit_start(gen, eqn, ins, k, names, callback)
+  elif name == "dma_wait":
+    writes = dma_queue.emit_wait(gen, eqn, ins, k, callback)
+  elif name == "semaphore_signal":
+    writes = dma_queue.emit_signal(gen, eqn, ins, callback)
+  elif name == "semaphore_wait":
+    writes = dma_queue.emit_semaphore_wait(gen, eqn, ins, callback)
+  if writes is None:
+    callback()
+  else:  # (a read-only one turns the compiled queue off: the NumPy rule raises)
+    sites[k].writes = tuple(gen.ref_positions[r] for r in writes)
   gen.fuse = None
   if not result:
     return []

@@ -30,17 +30,23 @@ import types
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np import registry
+from pallas_np import races, registry
 from pallas_np.compiler import sourcemap
-from pallas_np.native import blas_calls, codegen, disk_cache
+from pallas_np.native import blas_calls, codegen, disk_cache, dma_queue, dma_stash
+from pallas_np.state import dma as dma_state
 
 # Status-array slots: the callback's address, then the scalar operands of
 # the site being called (a semaphore_read's result comes back in the first).
 ADDRESS = blas_calls.PYCALL
 OPERANDS = ADDRESS + 1
 MAX_OPERANDS = blas_calls.PYCALL_OPERANDS
+MODE = dma_queue.MODE  # what the compiled DMA queue may do (dma_queue)
 # The primitives a compiled loop calls back for (``native/dma.py`` emits them).
 PRIMITIVES = ("dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read")
+
+# Sites whose rules never read or change a DMA queue: no flush before them
+# (``dma.py``), no new ``MODE``/``PENDING`` after them.
+QUEUE_FREE = ("semaphore_signal", "semaphore_read")
 
 _tls = threading.local()
 
@@ -50,11 +56,12 @@ class Site:
   position)``, ``("scalar", slot, dtype)`` or ``("literal", value)``),
   the control-flow eqns around it inside the loop (for the error's
   frames) and whether a result comes back (``semaphore_read``)."""
-  __slots__ = ("eqn", "operands", "chain", "result", "call")
+  __slots__ = ("eqn", "operands", "chain", "result", "call", "writes")
 
   def __init__(self, eqn, operands, chain, result):
     self.eqn, self.operands, self.chain, self.result = eqn, tuple(operands), tuple(chain), result
     self.call = None  # call(ctx, st, args): the rule on its operands (_bind, at the first call)
+    self.writes = ()  # loop operand positions a compiled form writes (dma_queue)
 
 
 def _scalar_type(dt):
@@ -67,11 +74,35 @@ def _scalar_type(dt):
 
 class _Run:
   """One call of a compiled loop that has call sites."""
-  __slots__ = ("sites", "params", "st", "args", "ctx", "error")
+  __slots__ = ("sites", "params", "st", "args", "ctx", "error", "fixed", "stash")
 
-  def __init__(self, sites, params, st, args, ctx):
+  def __init__(self, sites, params, st, args, ctx, writes=()):
     self.sites, self.params, self.st, self.args, self.ctx = sites, params, st, args, ctx
     self.error = None  # (exception, site) of a call that raised
+    # The compiled DMA queue is off for the whole call (``dma_queue.MODE``
+    # 2): a multi-device run or a race detector (locks, recorded
+    # accesses), or a read-only ref that a compiled form writes (the NumPy
+    # rule's write raises).
+    self.fixed = (ctx.device is not None or races.current() is not None
+                  or any(not args[p].flags.writeable for p in writes))
+    self.stash = None  # the compiled queue (dma_stash.Stash), set by the runner
+
+  def mode(self) -> None:
+    """The status slots the compiled queue reads: ``MODE`` and the
+    semaphores the NumPy queue holds DMAs on."""
+    st = self.st
+    st[MODE] = 2 if self.fixed else 0
+    rules = self.ctx.rules
+    dma = rules.dma if rules is not None else None
+    if dma is None:
+      st[dma_queue.PENDING_N] = 0
+      return
+    pending = [key for key, tasks in dma.tasks.items() if tasks]
+    st[dma_queue.PENDING_N] = len(pending)
+    if len(pending) <= dma_queue.PENDING_MAX:
+      st[dma_queue.PENDING:dma_queue.PENDING + len(pending)] = pending
+    else:
+      st[dma_queue.PENDING_N] = dma_queue.PENDING_MAX + 1
 
 
 def _bind(site: Site, params):
@@ -99,12 +130,27 @@ def _bind(site: Site, params):
 
 
 def _call(run: _Run, k: int) -> None:
-  site = run.sites[k]
+  """Site ``k`` of the loop call owning the row or callback (``CALL_OWNER``:
+  a flushed row may come from an earlier loop call, with its operands)."""
+  st = run.st
+  sites, params, args, point = run.stash.owners[int(st[dma_queue.CALL_OWNER])]
+  site = sites[k]
   if site.call is None:
-    site.call = _bind(site, run.params)
-  res = site.call(run.ctx, run.st, run.args)
+    site.call = _bind(site, params)
+  order = int(st[dma_queue.ORDER])
+  if order >= 0:
+    before = len(dma_state.state_of(run.ctx).dmas)
+  try:
+    res = site.call(run.ctx, st, args)
+  except BaseException as e:  # noqa: BLE001 - raised again once the loop unwound
+    run.error = (e, site)
+    raise
   if site.result:
-    run.st[OPERANDS] = int(res)
+    st[OPERANDS] = int(res)
+  if order >= 0:
+    run.stash.started(run.ctx, order, before, point)
+  if site.eqn.primitive.name not in QUEUE_FREE:
+    run.mode()
 
 
 def _dispatch(k, _st_address):
@@ -114,7 +160,8 @@ def _dispatch(k, _st_address):
   try:
     _call(run, k)
   except BaseException as e:  # noqa: BLE001 - raised again once the loop unwound
-    run.error = (e, k)
+    if run.error is None:
+      run.error = (e, run.sites[k])
     return 1
   return 0
 
@@ -142,11 +189,25 @@ def runner(loop):
   if not has_calls(loop.eqn):
     return None
   sites = []
+  writes = None  # the operand positions compiled DMA forms write
 
   def run(fn, st, args, ctx):
+    nonlocal writes
     if not sites:
       sites.extend(_sites_of(loop))
-    call = _Run(sites, loop.params, st, args, ctx)
+    if writes is None:
+      writes = sorted({p for site in sites for p in site.writes})
+    call = _Run(sites, loop.params, st, args, ctx, writes)
+    dmas = dma_state.state_of(ctx)
+    stash, dmas.native = dmas.native, None  # (the loop's own now: settle() must not flush it)
+    if stash is None:
+      stash = dma_stash.Stash(_bind)
+    elif call.fixed:  # (nothing runs compiled in this call: its rows join the NumPy queue)
+      stash.flush(ctx)
+    call.stash = stash
+    st[dma_queue.QADDR] = stash.q.ctypes.data
+    st[dma_queue.OWNER] = stash.own(sites, loop.params, args, ctx.grid_point)
+    call.mode()
     prev = getattr(_tls, "run", None)
     _tls.run = call
     st[ADDRESS] = _ADDRESS_VALUE
@@ -155,9 +216,12 @@ def runner(loop):
     except RuntimeError:
       if call.error is None:
         raise
-      _raise_at(*call.error, sites)
+      _raise_at(*call.error)
     finally:
       _tls.run = prev
+      stash.settled()
+      if stash.live():
+        dmas.native = stash
   return run
 
 
@@ -183,11 +247,9 @@ def _frame(eqn, inner):
   return lambda: at(inner)
 
 
-def _raise_at(error, k, sites):
-  """Raise ``error`` (site ``k``'s) under frames naming the site's eqn and
+def _raise_at(error, site):
+  """Raise ``error`` (``site``'s) under frames naming the site's eqn and
   the control flow around it, as the NumPy path's plans do."""
-  site = sites[k]
-
   def again():
     raise error
   fn = again

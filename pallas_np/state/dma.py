@@ -28,12 +28,23 @@ STARTED, READ, DONE = 0, 1, 2
 
 class DmaState:
   """Per-run DMA bookkeeping (``RunContext.rules.dma``)."""
-  __slots__ = ("tasks", "dmas", "barrier")
+  __slots__ = ("tasks", "dmas", "barrier", "native")
 
   def __init__(self):
     self.tasks: dict[int, list] = {}  # semaphore address -> FIFO of callables (start order)
     self.dmas: list[Dma] = []  # started, not yet completed
     self.barrier = None
+    self.native = None  # DMAs compiled loops queued in machine code (native/dma_stash.py)
+
+
+def settle(ctx) -> None:
+  """DMAs a compiled loop left in its machine-code queue join this queue
+  (in start order) before anything here reads or changes it."""
+  rules = ctx.rules
+  st = rules.dma if rules is not None else None
+  if st is not None and st.native is not None:
+    native, st.native = st.native, None
+    native.flush(ctx)
 
 
 def state_of(ctx) -> DmaState:
@@ -110,6 +121,7 @@ def check_shapes(src: np.ndarray, dst: np.ndarray):
 def start(ctx, src, dst, dst_sem, src_sem, *, add, source, nbytes=None):
   """Queue a DMA; ``nbytes`` overrides what it signals (an indexed DMA that
   skips ignored rows still signals the whole copy)."""
+  settle(ctx)
   st = state_of(ctx)
   dma = Dma(src, dst, src_sem, dst_sem, add, source, ctx.grid_point, nbytes)
   if isinstance(src[0], np.ndarray) and src[0][src[1]].size == 0:  # a traced pl.ds size of 0: nothing to move or wait for
@@ -132,6 +144,7 @@ def wait(ctx, cell: np.ndarray, value: int, *, what: str, decrement: bool = True
   interpret mode runs them newest first) while it is too low. In a multi-device run
   (``ctx.device``) a wait still too low blocks until another device signals
   it, or raises when no device ever can (``pallas_np.devices``)."""
+  settle(ctx)
   with devices.lock(ctx):
     if cell[()] < value:
       st = ctx.rules.dma if ctx.rules is not None else None
@@ -254,6 +267,7 @@ def check_finished(ctx, operands=()):
   it completes at some time after its start; now is one such time). Any other
   pending DMA (a scratch semaphore or destination) can never be waited on:
   it raises."""
+  settle(ctx)
   st = ctx.rules.dma if ctx.rules is not None else None
   if st is None:
     return
