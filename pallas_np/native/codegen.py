@@ -53,9 +53,11 @@ narrow_convert: list = []
 FUSE_MAX = 12
 # Generated lines a loop may have: numba's compile time grows with them
 # (~2.5 s plus ~0.02 s a line on the 2-core machine: 101 lines 4.7 s, 600
-# lines 14.8 s), spent in a thread that holds the GIL most of the time. A
-# bigger loop keeps its NumPy path rather than slow its caller for minutes.
-MAX_LINES = 800
+# lines 14.8 s; faster than linearly beyond: tpu_paged_quantized's 822
+# lines took 157 s at load ~2.5, PERF_LOG 143). The build runs in the
+# compile process (no GIL of the caller's) once the cost rule says so; a
+# bigger loop keeps its NumPy path rather than hold a core for many minutes.
+MAX_LINES = 1000
 # Elements each buffer's slice of a scratch array is rounded up to (64
 # bytes of float32: the next buffer starts on its own cache line).
 SCRATCH_ALIGN = 16
