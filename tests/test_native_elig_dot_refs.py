@@ -125,3 +125,46 @@ def test_strided_block_copied_as_numpy_does_bit_exact():
     return pl.pallas_call(_strided_rows, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32),
                           interpret=interp)
   compiled_equals_numpy(make, x, w, rtol=1e-4)
+
+
+def _decode_qk(q_ref, k_ref, v_ref, o_ref):
+  """GPU decode attention's ``q @ k.T`` (a ``transpose`` eqn between the
+  ``get`` and the dot), then ``p @ v``, at a dynamic row offset."""
+  def body(j, acc):
+    k = k_ref[pl.ds(j * 16, 16), :]  # (16, 32)
+    s = jnp.dot(q_ref[...], k.T)  # (8, 16)
+    return acc + jnp.dot(jnp.exp(s * 0.1), v_ref[pl.ds(j * 16, 16), :])
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _make_decode_qk(interp):
+  return pl.pallas_call(_decode_qk, out_shape=jax.ShapeDtypeStruct((8, 24), jnp.float32),
+                        interpret=interp)
+
+
+def _decode_qk_args():
+  rng = np.random.default_rng(10)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((8, 32), (64, 32), (64, 24)))
+
+
+_ROW_ORDER_GATHER = re.compile(
+    r"for (j\d+) in range\((\d+)\):\n\s+for (j\d+) in range\((\d+)\):\n"
+    r"\s+\w+\[[^\]\n]*\] = (?:np\.float32\()?a0\[v\d+ \+ (j\d+) \* 1, 0 \+ (j\d+) \* 1\]")
+
+
+@needs_blas
+@pytest.mark.parametrize("make,args", [(_make_decode_qk, _decode_qk_args),
+                                       (_make_attention, _attention_args)],
+                         ids=["transpose_eqn", "contracting_dims"])
+def test_transposed_block_gathered_in_ref_row_order(make, args):
+  """k's block, needed transposed by sgemm, is copied from the ref row by
+  row (the outer loop walks the ref's rows: reading it down its columns
+  cost GQA decode ~0.2 ms a call, PERF_LOG); the copy holds the same
+  elements, so the bits equal the NumPy path's and interpret=True's."""
+  compiled_equals_numpy(make, *args(), rtol=1e-4)
+  text = _loop_source(make, *args())
+  found = _ROW_ORDER_GATHER.findall(text)
+  assert len(found) == 1, text
+  outer, rows, inner, cols, row_var, col_var = found[0]
+  assert (row_var, col_var, rows, cols) == (outer, inner, "16", "32"), found

@@ -67,8 +67,9 @@ class RefView(Val):
   ``at_(js)`` is its element at loop variables ``js``; ``parts`` the
   indexer's ("int", expr) / ("slice", start expr, stride) per ref axis
   (None once transposed: never read in place, as the NumPy rule copies a
-  transposed view)."""
-  __slots__ = ("ref", "at_", "parts")
+  transposed view); ``order`` (None: the block's own) the block axis each
+  axis of a transposed view is."""
+  __slots__ = ("ref", "at_", "parts", "order")
 
   def transposed(self, gen, perm) -> "RefView":
     """``transpose`` of this block (``shapes``'s emitter): still a view."""
@@ -76,6 +77,8 @@ class RefView(Val):
     where = {d: i for i, d in enumerate(perm)}
     v.ref, v.parts = self.ref, None
     v.at_ = lambda js, at=self.at_: at([js[where[d]] for d in range(len(perm))])
+    order = self.order or tuple(range(len(perm)))
+    v.order = tuple(order[d] for d in perm)
     return v
 
 
@@ -113,7 +116,7 @@ def ref_operand(gen, eqn, ref: Val, at, shape, dt, parts):
           and any(isinstance(getattr(a, "aval", None), jc.AbstractRef) for a in e.invars)):
         return None
     v = RefView(gen.fresh("view"), shape, dt, "v")
-    v.ref, v.at_, v.parts = ref, at, tuple(parts)
+    v.ref, v.at_, v.parts, v.order = ref, at, tuple(parts), None
     return v
   return None
 
@@ -121,8 +124,30 @@ def ref_operand(gen, eqn, ref: Val, at, shape, dt, parts):
 def _copied(gen, v: Val) -> Val:
   """``v`` as a flat array (a ``RefView`` gathered from its ref)."""
   if isinstance(v, RefView):
+    if v.order is not None:
+      return _gathered(gen, v, range(len(v.shape)), v.dtype)
     return gather(gen, v.shape, v.dtype, v.at_)
   return v
+
+
+def _gathered(gen, v: "RefView", perm, dt) -> Val:
+  """The C-order copy of ``v`` transposed by ``perm``, in ``dt``, its loops
+  in the ref block's own axis order: the block is read row by row and the
+  copy written strided (a K block read down its columns for ``q @ k.T``
+  cost GQA decode ~0.2 ms a call, PERF_LOG). The same elements, so the
+  same bits, whatever the order."""
+  order = v.order or tuple(range(len(v.shape)))
+  base = [0] * len(order)
+  for i, b in enumerate(order):
+    base[b] = v.shape[i]
+  shape = [v.shape[d] for d in perm]
+  out = gen.array(shape, dt)
+  js = gen.nest(base)  # (one loop per block axis, outermost first)
+  dst = row_strides(shape)
+  gen.emit(f"{out.name}[{linear((js[order[d]], dst[k]) for k, d in enumerate(perm))}] = "
+           f"{np_name(dt)}({v.at_([js[b] for b in order])})")
+  gen.close(base)
+  return out
 
 
 @register("dot_general")
@@ -173,10 +198,7 @@ def _stacked(gen, v: Val, perm, dt=None) -> Val:
     return _copied(gen, v)
   shape = [v.shape[d] for d in perm]
   if isinstance(v, RefView):  # (one pass: the ref straight into the C-order copy)
-    def source(js):
-      by_dim = dict(zip(perm, js))
-      return f"{np_name(dt)}({v.at_([by_dim[d] for d in range(len(v.shape))])})"
-    return gather(gen, shape, dt, source)
+    return _gathered(gen, v, perm, dt)
   src = row_strides(v.shape)
   return gather(gen, shape, dt, lambda js: f"{np_name(dt)}({v.name}[" + linear(
       (j, src[d]) for j, d in zip(js, perm)) + "])")
