@@ -56,9 +56,8 @@ class OnePassFront:
     if kp.num_index:
       return PrefetchPassFront.of(kp)
     chosen = gv._chosen.get(grid)
-    entry = gv.runners.get(id(chosen)) if chosen is not None else None
-    if (entry is None or entry[0] is not chosen or isinstance(entry[1], str)
-        or entry[2] is not vectorize.LANES_LAST or not entry[1].one_pass()):
+    entry = _one_pass_entry(gv, chosen)
+    if entry is None:
       return None
     index_preps, in_preps, out_preps = kp.setup.preps()
     if index_preps:
@@ -77,24 +76,7 @@ class OnePassFront:
         or vectorize.LANES_LAST is not self.lanes_last):
       gv.front = None
       return None
-    runner = self.runner
-    progress = debugging.progress_bar(kp.name, self.total, kp.params)
-    try:
-      in_bufs = [prep(x) for prep, x in zip(self.in_preps, args)]
-      out_bufs = [prep(args, in_bufs) for prep in self.out_preps]
-      runner.run_one_pass((), in_bufs + out_bufs, progress)
-    except vectorize.NotBatchable as e:  # (as _run_vectorized: the sequential loop runs it)
-      gv.last_failure, gv.front = e, None
-      return None, None
-    except Exception as e:  # (as _run_vectorized: rerun sequentially, then compared)
-      gv.last_failure, gv.front = e, None
-      return None, e
-    finally:
-      if progress is not None:
-        progress.close()
-    gv.last_layout, gv.last_axes = "lanes-first", runner.axes
-    kp.last_mode = "vectorized"
-    return (kp.setup.results(out_bufs) if self.padded else out_bufs), None
+    return _one_pass(kp, self.runner, self, args, 0, [])
 
 
 class PrefetchPassFront:
@@ -129,29 +111,49 @@ class PrefetchPassFront:
     if len(args) != self.n_args or kp.vectorizer is not gv or gv.reason is not None:
       gv.front = None
       return None
-    progress = None
+    n = len(self.index_preps)
     try:
-      n = len(self.index_preps)
       index_ops = [prep(a) for prep, a in zip(self.index_preps, args)]
-      chosen = gv.choose(self.grid, index_ops)
-      entry = gv.runners.get(id(chosen)) if chosen is not None else None
-      if (entry is None or entry[0] is not chosen or isinstance(entry[1], str)
-          or entry[2] is not vectorize.LANES_LAST or not entry[1].one_pass()):
-        return None
-      runner = entry[1]
-      progress = debugging.progress_bar(kp.name, self.total, kp.params)
-      in_bufs = [prep(x) for prep, x in zip(self.in_preps, args[n:])]
-      out_bufs = [prep(args, index_ops + in_bufs) for prep in self.out_preps]
-      runner.run_one_pass(index_ops, in_bufs + out_bufs, progress)
-    except vectorize.NotBatchable as e:
-      gv.last_failure, gv.front = e, None
-      return None, None
-    except Exception as e:
-      gv.last_failure, gv.front = e, None
-      return None, e
-    finally:
-      if progress is not None:
-        progress.close()
-    gv.last_layout, gv.last_axes = "lanes-first", runner.axes
-    kp.last_mode = "vectorized"
-    return (kp.setup.results(out_bufs) if self.padded else out_bufs), None
+      entry = _one_pass_entry(gv, gv.choose(self.grid, index_ops))
+    except Exception as e:  # noqa: BLE001 - as the full path's failures
+      return _failed(gv, e)
+    if entry is None:
+      return None
+    return _one_pass(kp, entry[1], self, args, n, index_ops)
+
+
+def _one_pass_entry(gv, chosen):
+  """The vectorizer's runner entry of ``chosen`` where it is a one-pass
+  runner for the current lane layout, else None."""
+  entry = gv.runners.get(id(chosen)) if chosen is not None else None
+  if (entry is None or entry[0] is not chosen or isinstance(entry[1], str)
+      or entry[2] is not vectorize.LANES_LAST or not entry[1].one_pass()):
+    return None
+  return entry
+
+
+def _failed(gv, e):
+  """As ``_run_vectorized``: a pass that cannot batch goes to the
+  sequential loop; any other failure reruns the call sequentially and is
+  compared there. The front is dropped either way."""
+  gv.last_failure, gv.front = e, None
+  return (None, None) if isinstance(e, vectorize.NotBatchable) else (None, e)
+
+
+def _one_pass(kp, runner, front, args, n, index_ops):
+  """The full path's buffers, one batched pass and results, for a front
+  (``args[n:]`` the kernel's inputs after ``n`` scalar-prefetch operands)."""
+  gv = front.gv
+  progress = debugging.progress_bar(kp.name, front.total, kp.params)
+  try:
+    in_bufs = [prep(x) for prep, x in zip(front.in_preps, args[n:])]
+    out_bufs = [prep(args, index_ops + in_bufs) for prep in front.out_preps]
+    runner.run_one_pass(index_ops, in_bufs + out_bufs, progress)
+  except Exception as e:  # noqa: BLE001 - as the full path's failures
+    return _failed(gv, e)
+  finally:
+    if progress is not None:
+      progress.close()
+  gv.last_layout, gv.last_axes = "lanes-first", runner.axes
+  kp.last_mode = "vectorized"
+  return (kp.setup.results(out_bufs) if front.padded else out_bufs), None
