@@ -63,7 +63,10 @@ def test_bitonic_lane_loop_built_by_lite(lite_only, rows):  # noqa: F811
 
 
 def _lane_loop_kernel(x_ref, n_ref, o_ref):
-  """Per-lane and shared operands, ref reads at a dynamic row."""
+  """Per-lane and shared operands, ref reads at a dynamic row. (The same
+  body as test_native_lanes' kernel, written here on purpose: its source
+  lines make its own plan, so this file's lite build is not a plan the
+  other file's run already holds a compiled loop in.)"""
   pid = pl.program_id(0)
 
   def body(i, c):
