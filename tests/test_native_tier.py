@@ -53,6 +53,7 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
   the compiled loop's afterwards."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   # (a compile process at normal priority: a niced one may wait minutes on a busy machine)
   monkeypatch.setattr(scheduler, "compiler", scheduler.Compiler(nice=False))
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
@@ -81,6 +82,7 @@ def test_no_build_while_numpy_path_is_cheaper(monkeypatch):
   price is never built: the caller keeps the NumPy path."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1e9)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
   f = _call(salt, BACKGROUND, x)
@@ -103,7 +105,9 @@ _SECOND_PROCESS = textwrap.dedent("""
     tier.LOOKUP_PRICE = 0.0
     tier.SETUP_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = 0.0
+    scheduler.CALLER_PRICE = 0.0
     scheduler.compiler = scheduler.Compiler(nice=False)
+    scheduler.lite_compiler = scheduler.Compiler(nice=False, lite=True)
     from tests.test_native_tier import _call
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
     f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
@@ -112,20 +116,28 @@ _SECOND_PROCESS = textwrap.dedent("""
         assert native.wait(900)
     f(x)
     s = native.stats()
-    print(s["disk_hits"], s["compiled"], s["native_calls"], 'numba' in sys.modules)
+    print(s["disk_hits"], s["compiled"], s["native_calls"], 'numba' in sys.modules,
+          'llvmlite.binding' in sys.modules)
 """)
 
 
-@pytest.mark.parametrize("compiler,suffix", [("numba", ".so"), ("auto", ".o")])
-def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix):
+@pytest.mark.parametrize("compiler,suffix,cc", [("numba", ".so", None), ("auto", ".so", None),
+                                                ("auto", ".o", "false")])
+def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix, cc):
   """The first process builds the loop into the cache directory (numba's
-  library, or lite's object: native/lite_cache.py); a second one finds it
-  there at its first lookup: no build, no numba import, and the compiled
-  loop runs."""
+  library, or lite's, linked by the C compiler: native/lite_cache.py); a
+  second one finds it there at its first lookup: no build, no numba
+  import, and the compiled loop runs. Neither process imports llvmlite's
+  LLVM binding (lite's build is the compile process's, its library a
+  dlopen; libm's loops come from their own warm cache), except
+  where no C compiler links lite's object (``CC=false``): both processes
+  then load the object with llvmlite's MCJIT."""
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
              PALLAS_NP_NATIVE_COMPILER=compiler,
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  if cc is not None:
+    env["CC"] = cc
   runs = []
   for _ in range(2):
     out = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(salt)], cwd=ROOT, env=env,
@@ -137,4 +149,8 @@ def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix):
   # native from the first run on (its pre-key: tests/test_native_tier_speed.py)
   assert int(runs[1][2]) == 2 * tier.HOT_RUNS + 1
   assert int(runs[0][2]) < int(runs[1][2])
-  assert any(p.endswith(suffix) for p in os.listdir(next(tmp_path.iterdir())))
+  files = os.listdir(next(tmp_path.iterdir()))
+  assert any(p.endswith(suffix) for p in files)
+  if compiler == "auto":
+    assert any(".lite" in p and p.endswith(suffix) for p in files), files
+    assert runs[0][4] == runs[1][4] == ("True" if suffix == ".o" else "False")

@@ -58,7 +58,8 @@ class _Builds:
   def __init__(self, monkeypatch):
     self.loops = []
     self.prestarts = []
-    monkeypatch.setattr(scheduler, "prestart", lambda: self.prestarts.append(1))
+    monkeypatch.setattr(scheduler, "prestart",
+                        lambda which=None: self.prestarts.append(which or scheduler.compiler))
     def submit(loop, step):
       assert step == loop.build
       self.loops.append(loop)
@@ -117,7 +118,7 @@ def test_compile_process_started_when_a_loop_is_priced(monkeypatch, load, starte
   for _ in range(5):
     f(x)
   assert not builds.loops
-  assert builds.prestarts == ([1] if started else []), builds.prestarts
+  assert builds.prestarts == ([scheduler.compiler] if started else []), builds.prestarts
 
 
 def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
@@ -140,6 +141,7 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "BUSY_FACTOR", 1e9)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
   builds = _Builds(monkeypatch)
@@ -210,6 +212,7 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
   (a re-trace, another process) with no source generated."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   salt = float(_salt())
   x = jnp.asarray(np.linspace(0, 1, 256).reshape(2, 128), jnp.float32)
 
@@ -312,7 +315,8 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
-  monkeypatch.setattr(scheduler, "prestart", lambda: None)
+  monkeypatch.setattr(scheduler, "prestart", lambda which=None: None)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   building = []
   monkeypatch.setattr(scheduler, "submit", lambda loop, step: building.append(loop))
   calls = _count_calls(monkeypatch)
@@ -358,12 +362,15 @@ def test_a_loop_loaded_by_prekey_raises_the_numpy_error(tmp_path, monkeypatch):
 
 def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
   """With lite (the default compiler), a loop is priced at lite's build
-  (``lite_cache.PRICE``, ~0.3 s: an in-process compile) instead of numba's
-  seconds, and no compile process is started ahead of it: the build is
-  queued as soon as the loop ran ``HOT_RUNS`` times and cost
-  ``COMPILE_WEIGHT`` x that price."""
+  (``lite_cache.PRICE``, ~0.3 s of lite's compile process) instead of
+  numba's seconds, and lite's compile process (not numba's) is started
+  when the loop is priced, ahead of its build: the build is queued as
+  soon as the loop ran ``HOT_RUNS`` times and cost ``COMPILE_WEIGHT`` x
+  that price and ``CALLER_PRICE`` (the caller's own part)."""
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)  # (numba's: never due here)
   monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
@@ -374,12 +381,12 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
   for _ in range(tier.HOT_RUNS + 1):
     f(x)
   assert len(builds.loops) == 1 and builds.loops[0].price == 1e-6
-  assert not builds.prestarts
+  assert builds.prestarts == [scheduler.lite_compiler]
 
 
 def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch):
   """The one-off set-up a priced loop does in the caller (the pre-key's
-  source digest, the BLAS addresses, lite's import: ``NativeLoop._one_off_set_up``)
+  source digest, the BLAS addresses: ``NativeLoop._one_off_set_up``)
   never raises into the kernel's call: where it fails, the loop's calls go
   on with the NumPy path's results."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
@@ -402,16 +409,15 @@ def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch)
 
 
 def test_the_first_build_waits_for_the_set_up_price(monkeypatch):
-  """A process's first build (its one-off set-up in the caller: llvmlite's
-  import, the BLAS addresses, ~0.06 s) is due only once the loop's NumPy
+  """A process's first build (its one-off set-up in the caller: the
+  pre-key's digest, the BLAS addresses, ~0.01 s) is due only once the loop's NumPy
   path cost ``SETUP_PRICE`` beyond the build's own price: a kernel called
   a few dozen times never pays the set-up. Once it is done, the next
   loops' builds are due at their price alone."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   monkeypatch.setattr(tier, "_set_up", [])
-  monkeypatch.setattr(lite_cache, "prepared", [])
-  monkeypatch.setattr(lite_cache, "prepare", lambda: None)
   monkeypatch.setattr(tier, "SETUP_PRICE", 1e9)
   builds = _Builds(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)

@@ -4,7 +4,9 @@ in a process of its own, so that numba's import, typing and LLVM never hold
 the caller's GIL (docs/native.md).
 
 Run as a script (``python aot_worker.py``; it imports neither pallas_np
-nor JAX, only NumPy and numba): it reads one job a line on stdin, a JSON
+nor JAX, only NumPy and numba, or for lite's jobs ``{"kind": "lite", ...}``
+llvmlite and lite's own modules: ``lite_worker``): it reads one job a line
+on stdin, a JSON
 object ``{"src", "consts", "args", "ret", "out"}`` (the source file, its
 constants as an ``.npz``, the argument and result types, the library to
 write), builds it and answers one line ``{"ok": bool, "error", "seconds"}``
@@ -28,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 MODULE = "pallas_np_native_loop"
 
@@ -268,6 +271,21 @@ def _orphan_watch(parent: int) -> None:
       os._exit(0)
 
 
+def _lite():
+  """``lite_worker`` (lite's builds), imported under stand-in packages
+  for ``pallas_np`` and ``pallas_np.native``: their ``__init__`` (JAX) is
+  never run here, only lite's own modules."""
+  if "pallas_np.native.lite_worker" not in sys.modules:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name, path in (("pallas_np", os.path.dirname(here)), ("pallas_np.native", here)):
+      if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [path]
+        sys.modules[name] = pkg
+  import importlib
+  return importlib.import_module("pallas_np.native.lite_worker")
+
+
 def main() -> None:
   # Lowest CPU priority (background builds): on a machine with no idle core
   # the build waits for the caller, not the other way round. A build the
@@ -290,7 +308,7 @@ def main() -> None:
     parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     try:
-      warm_up()
+      _lite().warm_up() if "--lite" in sys.argv else warm_up()
     except Exception:  # noqa: BLE001 - the first build does it again, and reports
       pass
     _warming.clear()
@@ -300,8 +318,12 @@ def main() -> None:
     t0 = time.perf_counter()
     _setup[0] = 0.0
     try:
-      build(json.loads(line))
-      reply = {"ok": True}
+      job = json.loads(line)
+      if job.get("kind") == "lite":
+        reply = _lite().build(job)
+      else:
+        build(job)
+        reply = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported to the parent
       reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
     reply["seconds"] = time.perf_counter() - t0

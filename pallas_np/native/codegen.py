@@ -33,10 +33,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.compiler import INLINE_CALLS
 from pallas_np.dtypes import np_dtype
-
-SUPPORTED = frozenset(np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float32, np.float64))
+from pallas_np.native.contract import SUPPORTED, Refused  # noqa: F401 - (re-exported: lite reads them without JAX)
 
 # bfloat16 values are held exactly in float32 (their bits << 16), and only
 # where that is exact: the data movement of these primitives, a float32
@@ -64,10 +61,6 @@ SCRATCH_ALIGN = 16
 # Values a bounds-check site can report in the status array (dynamic index
 # values, or a masked access's lane and coordinates: native/refs.py, masked.py).
 MAX_LEAVES = 8
-
-
-class Refused(Exception):
-  """This loop is not compiled (it keeps running on the NumPy path)."""
 
 
 def register(*prims):

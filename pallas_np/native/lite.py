@@ -42,7 +42,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from pallas_np.native import lite_types as lt
-from pallas_np.native.codegen import SUPPORTED, Refused
+from pallas_np.native.contract import SUPPORTED, Refused
 from pallas_np.native.lite_arrays import DATA_OFFSET, Arrays, assigned_names, read_before_set
 from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, Arr, Expressions, cast, const, literal_int,
                                         lltype, memtype)

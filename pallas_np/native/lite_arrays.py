@@ -13,7 +13,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from pallas_np.native import lite_types as lt
-from pallas_np.native.codegen import Refused
+from pallas_np.native.contract import Refused
 from pallas_np.native.lite_expr import I32, I64, PTR, DTYPE_NAMES, Arr, cast, literal_int, memtype
 
 DATA_OFFSET = 16  # PyArrayObject's ``data`` field: after PyObject_HEAD

@@ -1,7 +1,10 @@
-"""lite builds as the tier sees them: a loop's generated source compiled
-in this process (``lite``, ``lite_jit``), its object code kept in the disk
-cache beside the numba libraries, and loaded by the loop's key
-(docs/native.md, "lite").
+"""lite builds as the tier sees them: a loop's generated source handed to
+the compile process (``aot_worker``, whose ``lite_worker`` translates,
+compiles and links it), the shared library it writes kept in the disk
+cache beside the numba libraries, and loaded by the loop's key with a
+``dlopen`` (``lite_jit.load_library``): the caller's process never imports
+llvmlite, unless a build could only be kept as an object (no C compiler
+linked it: MCJIT loads it) (docs/native.md, "lite").
 
 ``PALLAS_NP_NATIVE_COMPILER`` picks the compiler: ``auto`` (the default)
 and ``lite``: lite first for every build (``"sync"`` ones too), a loop lite
@@ -14,16 +17,17 @@ import os
 
 import numpy as np
 
-from pallas_np.native import codegen, disk_cache, lite, lite_jit
+from pallas_np.native import codegen, disk_cache, lite_jit
 
 ENV = "PALLAS_NP_NATIVE_COMPILER"
 CHOICES = ("auto", "lite", "numba")
-# Seconds a lite build is priced at (translation ~10-50 ms of Python under
-# the GIL, LLVM ~0.1-1 s without it): the cost rule makes it due early.
-PRICE = 0.1
-FORMAT = 1
+# Seconds of the compile process a lite build is priced at (the caller's
+# share of them: ``scheduler.weight``): translation ~0.05-0.2 s and LLVM
+# ~0.1-1 s, in the compile process. The caller's own part, the source's
+# generation and the library's load, is ``scheduler.CALLER_PRICE``.
+PRICE = 0.3
+FORMAT = 2  # (1: objects loaded by MCJIT in the caller)
 _memo: dict = {}  # library key -> loaded lite function
-prepared: list = []  # (non-empty once ``prepare`` was queued)
 
 
 def mode() -> str:
@@ -34,33 +38,25 @@ def mode() -> str:
 
 
 def enabled() -> bool:
-  """Whether builds try lite first (llvmlite's import waits for the
-  first build: a loop that is never built does not pay it)."""
-  return mode() != "numba"
-
-
-def prepare() -> None:
-  """llvmlite's import and the target machine (the first build's one-off
-  part), ahead of it."""
-  lite_jit.available()
+  """Whether builds try lite first."""
+  return mode() != "numba" and lite_jit.available()
 
 
 def arg_descs(kinds, avals, layouts) -> list:
-  """Each loop operand as ``lite.translate`` takes it: (kind, dtype,
-  static shape, C-contiguous)."""
+  """Each loop operand as ``lite.translate`` takes it: [kind, dtype,
+  static shape, C-contiguous] (JSON, for the compile process)."""
   out = []
   for kind, aval, layout in zip(kinds, avals, layouts):
     inner = aval.inner_aval if kind == "r" else aval
     dt = codegen.dtype_of(inner)
     if kind != "s" and layout is None:
       raise codegen.Refused("lite: a scalar where an array was expected")
-    out.append((kind, dt, tuple(inner.shape), kind == "s" or layout[0]))
+    out.append([kind, dt.str, list(inner.shape), bool(kind == "s" or layout[0])])
   return out
 
 
-def _paths(k: str) -> tuple[str, str]:
-  base = os.path.join(disk_cache.directory(), f"{k}.lite{FORMAT}-{lite_jit.target_name()}")
-  return base + ".o", base + ".json"
+def _base(k: str) -> str:
+  return os.path.join(disk_cache.directory(), f"{k}.lite{FORMAT}-{lite_jit.target_name()}")
 
 
 def load(k: str):
@@ -69,37 +65,30 @@ def load(k: str):
   fn = _memo.get(k)
   if fn is not None or not lite_jit.available():
     return fn
-  obj_path, meta_path = _paths(k)
+  base = _base(k)
   try:
-    with open(meta_path) as f:
+    with open(base + ".json") as f:
       meta = json.load(f)
-    with open(obj_path, "rb") as f:
-      obj = f.read()
     consts = []
     if meta["consts"]:
       with np.load(os.path.join(disk_cache.directory(), f"{k}.npz")) as z:
         consts = [np.ascontiguousarray(z[n]) for n in meta["consts"]]
+    if os.path.exists(base + ".so"):
+      fn = lite_jit.callable_at(*lite_jit.load_library(base + ".so"), meta, consts)
+    else:
+      with open(base + ".o", "rb") as f:
+        fn = lite_jit.make_callable(f.read(), meta, consts)
   except (OSError, ValueError, KeyError):
     return None
-  fn = _memo[k] = lite_jit.make_callable(obj, meta, consts)
+  _memo[k] = fn
   return fn
 
 
-def build(k: str, src, descs):
-  """Translate, compile and load ``src`` (a ``codegen.Source``), keeping
-  its object on disk; raises ``codegen.Refused`` outside lite's subset."""
-  if not lite_jit.available():
-    raise codegen.Refused("lite: llvmlite is not available")
-  text, meta, consts = lite.translate(src, descs)
-  obj = lite_jit.compile_ir(text, src.externals)
-  meta["consts"] = [name for name, v in src.globals.items() if isinstance(v, np.ndarray)]
-  fn = _memo[k] = lite_jit.make_callable(obj, meta, consts)
-  if meta["consts"]:
-    disk_cache.write_job(k, src.text, src.globals)
-  obj_path, meta_path = _paths(k)
-  for path, data in ((obj_path, obj), (meta_path, json.dumps(meta).encode())):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  return fn
+def job(k: str, src, descs) -> dict:
+  """The compile process's job for ``src`` (a ``codegen.Source``): its
+  text and constants written beside the build (``disk_cache.write_job``)."""
+  srcfile, consts = disk_cache.write_job(k, src.text, src.globals)
+  return {"kind": "lite", "src": srcfile, "consts": consts, "descs": descs,
+          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs],
+          "scratch": [[np.dtype(dt).str, int(n)] for dt, n in getattr(src, "scratch", ())],
+          "externals": dict(src.externals or {}), "out": _base(k)}

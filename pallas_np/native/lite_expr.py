@@ -10,7 +10,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from pallas_np.native import lite_types as lt
-from pallas_np.native.codegen import SUPPORTED, Refused
+from pallas_np.native.contract import SUPPORTED, Refused
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 PTR = I8.as_pointer()

@@ -32,15 +32,14 @@ import ast
 import llvmlite.ir as ir
 import numpy as np
 
-from pallas_np.native import blas_calls
+from pallas_np.native import contract
 from pallas_np.native import lite_types as lt
-from pallas_np.native.codegen import Refused
+from pallas_np.native.contract import RUNTIME_ERROR, Refused
 from pallas_np.native.lite_arrays import DIMS_OFFSET
 from pallas_np.native.lite_expr import I32, I64, PTR, Arr, cast, const, lltype, literal_int
 
 NJIT = "from numba import njit as _njit\n"
 MATH = "import math as _math\n"
-RUNTIME_ERROR = -7  # status slot 0 where the source raised RuntimeError (lite_jit raises it)
 # the intrinsics' argument kinds as numba types them (blas_calls.header's ``nt``)
 _NT = {"e": lt.I64, "i": lt.I64, "f": lt.F32, "d": lt.F64, "p": lt.I64, "q": lt.I64}
 _RET = {"v": None, "f": lt.F32, "d": lt.F64}
@@ -50,7 +49,7 @@ def _known_headers():
   """(text, what it defines) of every header lite reads."""
   out = [(NJIT, "njit"), (MATH, "math")]
   for bits in (64, 32):
-    out.append((blas_calls.header(bits), ("cblas", bits)))
+    out.append((contract.cblas_header(bits), ("cblas", bits)))
   return out
 
 
@@ -189,7 +188,7 @@ class Headers:
 
   def cblas_call(self, name, args):
     """``_cblas_<name>(address, *args)``: blas_calls.header's intrinsic."""
-    routines = {**blas_calls.ROUTINES, "loop1": ("ppq", "f", "v")}
+    routines = {**contract.ROUTINES, "loop1": ("ppq", "f", "v")}
     if name not in routines:
       raise Refused(f"lite: _cblas_{name}")
     kinds, _, ret = routines[name]

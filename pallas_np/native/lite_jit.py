@@ -1,57 +1,74 @@
 """lite's machine code: the IR ``lite`` writes, optimised and compiled by
-llvmlite in this process (a ctypes call: LLVM runs without the GIL), kept
-as an object file (the disk cache's), loaded into an MCJIT engine, and
-called through ctypes with the pycc library's convention as the tier sees
-it: ``fn(st, *args) -> (0, *results)`` (docs/native.md, "lite").
+llvmlite in the compile process (``lite_worker``), kept as a shared
+library (the object linked by the C compiler; where that fails, the object
+itself, loaded into an MCJIT engine), and called as a CPython builtin with
+the pycc library's convention as the tier sees it: ``fn(st, *args) -> (0,
+*results)`` (docs/native.md, "lite"). The caller loads a library with
+``ctypes.CDLL``: it never imports llvmlite unless a library could not be
+linked.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import glob
+import importlib.util
+import os
+import subprocess
 import threading
 
 import numpy as np
 
-from pallas_np.native.codegen import Refused
-from pallas_np.native.lite_headers import RUNTIME_ERROR
+from pallas_np.native.contract import RUNTIME_ERROR, Refused
 
 _lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
 _state: dict = {}
 OPT_LEVEL = 3
-EXIT_WAIT = 60.0  # seconds an exiting process waits for a build in LLVM (~0.1-1 s)
+EXIT_WAIT = 60.0  # seconds an exiting process waits for LLVM on another thread (~0.1-1 s)
+LINK_TIMEOUT = 60.0  # seconds the C compiler may take to link one object
 _CTYPES = {"bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
            "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8,
            "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64,
            "float32": ctypes.c_float, "float64": ctypes.c_double}
 
 
+def _layout_ok() -> bool:
+  """Whether this NumPy's array and scalar structs are the ones the
+  compiled code reads (a few ctypes reads, once per process)."""
+  if "layout" in _state:
+    return _state["layout"]
+  ok = True
+  try:
+    probe = np.arange(3, dtype=np.int64)
+    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
+    ok &= addr == probe.ctypes.data
+    probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
+    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite_arrays.STRIDES_OFFSET)
+    ok &= (ctypes.c_int64 * 2).from_address(strides)[:] == list(probe.strides)
+    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_arrays.DIMS_OFFSET)
+    ok &= (ctypes.c_int64 * 2).from_address(dims)[:] == list(probe.shape)
+    for name in _CTYPES:  # (a NumPy scalar's value right after its header)
+      v = np.dtype(name).type(5)
+      ok &= ctypes.string_at(id(v) + 16, v.itemsize) == v.tobytes()
+  except Exception:  # noqa: BLE001 - no lite: the numba build
+    ok = False
+  _state["layout"] = bool(ok)
+  return _state["layout"]
+
+
 def _llvm():
-  """llvmlite's binding with the native target (once per process); None
-  where llvmlite is missing or this NumPy's array struct is not the one
-  the compiled code reads."""
+  """llvmlite's binding with the native target (once per process: the
+  compile process's, or the caller's where a library is an object); None
+  where llvmlite is missing or NumPy's structs are not the expected ones."""
   if "llvm" in _state:
     return _state["llvm"]
   try:
+    if not _layout_ok():
+      raise RuntimeError("NumPy's array or scalar struct is not the one lite reads")
     import llvmlite.binding as llvm
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    tm = _target_machine(llvm)
-    probe = np.arange(3, dtype=np.int64)
-    addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
-    if addr != probe.ctypes.data:
-      raise RuntimeError("NumPy's array struct: data is not at offset 16")
-    probe = np.arange(6, dtype=np.int32).reshape(2, 3).T
-    strides = ctypes.c_void_p.from_address(id(probe) + 40).value  # (lite_arrays.STRIDES_OFFSET)
-    if (ctypes.c_int64 * 2).from_address(strides)[:] != list(probe.strides):
-      raise RuntimeError("NumPy's array struct: strides are not at offset 40")
-    dims = ctypes.c_void_p.from_address(id(probe) + 32).value  # (lite_arrays.DIMS_OFFSET)
-    if (ctypes.c_int64 * 2).from_address(dims)[:] != list(probe.shape):
-      raise RuntimeError("NumPy's array struct: dimensions are not at offset 32")
-    for name in _CTYPES:  # (a NumPy scalar's value right after its header)
-      v = np.dtype(name).type(5)
-      if ctypes.string_at(id(v) + 16, v.itemsize) != v.tobytes():
-        raise RuntimeError(f"NumPy's {name} scalar: its value is not at offset 16")
-    _state["tm"] = tm
+    _state["tm"] = _target_machine(llvm)
     _state["llvm"] = llvm
   except Exception:  # noqa: BLE001 - no lite: the numba build
     _state["llvm"] = None
@@ -59,22 +76,41 @@ def _llvm():
 
 
 def _target_machine(llvm):
-  """A target machine for the host CPU. An MCJIT engine owns (and frees)
-  the one it is given: each engine gets its own."""
+  """A target machine for the host CPU, position-independent code (the
+  object is linked into a shared library). An MCJIT engine owns (and
+  frees) the one it is given: each engine gets its own."""
   target = llvm.Target.from_default_triple()
   return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
                                       features=llvm.get_host_cpu_features().flatten(),
-                                      opt=OPT_LEVEL, reloc="default", codemodel="jitdefault")
+                                      opt=OPT_LEVEL, reloc="pic", codemodel="jitdefault")
+
+
+def _llvmlite_version() -> str | None:
+  """llvmlite's version without importing it (~50 ms): its dist-info
+  directory's name; None where it is not installed."""
+  if "version" not in _state:
+    spec = importlib.util.find_spec("llvmlite")
+    version = None
+    if spec is not None and spec.origin:
+      site = os.path.dirname(os.path.dirname(spec.origin))
+      found = sorted(glob.glob(os.path.join(site, "llvmlite-*.dist-info")))
+      version = (os.path.basename(found[-1])[len("llvmlite-"):-len(".dist-info")] if found
+                 else str(int(os.stat(spec.origin).st_mtime)))
+    _state["version"] = version
+  return _state["version"]
 
 
 def available() -> bool:
-  return _llvm() is not None
+  """Whether lite can build here (llvmlite installed, for the compile
+  process, and NumPy's structs as the compiled code reads them), without
+  importing llvmlite."""
+  return _llvmlite_version() is not None and _layout_ok()
 
 
 def target_name() -> str:
-  """What compiled objects depend on (the disk cache's key): CPU and LLVM."""
-  llvm = _llvm()
-  return f"{llvm.get_host_cpu_name()}-{'.'.join(map(str, llvm.llvm_version_info))}-o{OPT_LEVEL}"
+  """What compiled code depends on beside the disk cache directory's CPU
+  id: llvmlite's (so LLVM's) version and the optimisation level."""
+  return f"llvmlite{_llvmlite_version()}-o{OPT_LEVEL}"
 
 
 def compile_ir(text: str, externals: dict) -> bytes:
@@ -98,11 +134,24 @@ def compile_ir(text: str, externals: dict) -> bytes:
     return bytes(tm.emit_object(mod))
 
 
+def link_shared(obj_path: str, lib_path: str) -> bool:
+  """Links an object into a shared library with the C compiler (``cc``,
+  or ``$CC``; libm for what LLVM lowers to calls); False where none
+  links it (the object is then loaded by MCJIT)."""
+  cc = os.environ.get("CC", "").split() or ["cc"]
+  try:
+    done = subprocess.run([*cc, "-shared", "-o", lib_path, obj_path, "-lm"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, timeout=LINK_TIMEOUT, check=False)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return done.returncode == 0 and os.path.exists(lib_path)
+
+
 def _wait_for_llvm() -> None:
-  """At exit: a build still in LLVM on the tier's (daemon) thread is
-  waited for, and none starts after: exit's C++ destructors under a
-  running pass aborted the process ("An asserting value handle still
-  pointed to this value!")."""
+  """At exit: a build still in LLVM on another thread is waited for, and
+  none starts after: exit's C++ destructors under a running pass aborted
+  the process ("An asserting value handle still pointed to this value!")."""
   _lock.acquire(timeout=EXIT_WAIT)
 
 
@@ -119,8 +168,14 @@ def _optimize(llvm, tm, mod) -> None:
 
 
 def load(obj: bytes):
-  """(engine, address of ``native_loop``) of an object file."""
+  """(engine, address of ``lite_entry``) of an object file (MCJIT: the
+  fallback where no library was linked)."""
   llvm = _llvm()
+  if llvm is None:
+    raise RuntimeError("lite: llvmlite is not available to load an object")
+  if "exit_guard" not in _state:
+    _state["exit_guard"] = True
+    atexit.register(_wait_for_llvm)
   with _lock:
     ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine(llvm))
     ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
@@ -129,6 +184,16 @@ def load(obj: bytes):
   if not addr:
     raise RuntimeError("lite: lite_entry not found in its object")
   return ee, addr
+
+
+def load_library(path: str):
+  """(library, address of ``lite_entry``) of a linked shared library
+  (``ctypes.CDLL``: a ``dlopen``, no llvmlite)."""
+  lib = ctypes.CDLL(path)
+  addr = ctypes.cast(lib.lite_entry, ctypes.c_void_p).value
+  if not addr:
+    raise RuntimeError(f"lite: lite_entry not found in {path}")
+  return lib, addr
 
 
 class _MethodDef(ctypes.Structure):
@@ -150,12 +215,17 @@ def _builtin(addr):
 
 
 def make_callable(obj: bytes, meta: dict, consts: list):
-  """``fn(st, *args) -> (0, *results)``, as the pycc library's function:
+  """``callable_at`` of an object file's code (MCJIT)."""
+  return callable_at(*load(obj), meta, consts)
+
+
+def callable_at(engine, addr: int, meta: dict, consts: list):
+  """``fn(st, *args) -> (0, *results)``, as the pycc library's function,
+  of the ``lite_entry`` at ``addr`` (``engine``: what holds its code):
   ``meta`` (from ``lite.Translator``): the scalar arguments' dtypes (None
   for arrays), the arena's size, each result's (kind, dtype, size; None:
   reported by the call). A call that needs a larger arena (run-time sized
   buffers) says so and runs again in one."""
-  ee, addr = load(obj)
   cfunc, keep = _builtin(addr)
   scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
   size = meta["arena"]
@@ -204,5 +274,5 @@ def make_callable(obj: bytes, meta: dict, consts: list):
     pool.append(entry)
     return tuple(res)
   native_loop.lite = True
-  native_loop.engine = (ee, keep)  # (the machine code lives as long as the function)
+  native_loop.engine = (engine, keep)  # (the machine code lives as long as the function)
   return native_loop

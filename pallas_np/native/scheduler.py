@@ -1,7 +1,7 @@
 """The native tier's one build scheduler: the tier's thread, its queue of
-build steps, the compile processes (``aot_worker``: numba's ahead-of-time
-compiler, never imported here) and the rule that prices a build and weighs
-it against the caller's load. ``tier.NativeLoop`` decides *when* a loop's
+build steps, the compile processes (``aot_worker``: lite's translator and
+LLVM, or numba's ahead-of-time compiler, neither imported here) and the
+rule that prices a build and weighs it against the caller's load. ``tier.NativeLoop`` decides *when* a loop's
 build is due; this module runs it, off the caller's thread, and counts
 what is queued and compiling (``stats``).
 """
@@ -33,6 +33,14 @@ _CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
 START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
+# numba's time grows faster than linearly with a loop's lines (600 lines
+# 14.8 s, 822 lines 157 s at load ~2.5: PERF_LOG 143): each line costs
+# LINE_PRICE more per LONG_LINES lines before it.
+LONG_LINES = 250
+# Seconds any build costs the caller itself, in full: the source's
+# generation (1-20 ms of Python on the tier's thread, under the GIL), the
+# job's files and the library's load (a dlopen).
+CALLER_PRICE = 0.02
 
 # The tier's counters (``stats``): loops compiled, refused, failed, reused,
 # loaded from disk, native calls, and builds queued or compiling now.
@@ -63,9 +71,10 @@ class Compiler:
   """The compile process (``aot_worker``), started on the first build and
   kept: it exits at the end of its input, when this process exits."""
 
-  def __init__(self, nice: bool):
+  def __init__(self, nice: bool, lite: bool = False):
     self.proc = None
     self.nice = nice
+    self.lite = lite  # (a background process for lite's builds: its warm-up is lite's)
     self.lock = threading.Lock()  # (one build at a time on the pipe)
 
   def build(self, job: dict) -> dict:
@@ -84,7 +93,8 @@ class Compiler:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
           [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice", "--warm", str(os.getpid())] if self.nice else [])],
+           *(["--nice", "--warm", str(os.getpid())] if self.nice else []),
+           *(["--lite"] if self.lite else [])],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
@@ -99,13 +109,14 @@ class Compiler:
     if not line:
       return {"ok": False, "error": "the compile process exited"}
     reply = json.loads(line)
-    if reply.get("ok"):  # (the next build's price: without the one-off setup this one paid)
+    if reply.get("ok") and job.get("kind") != "lite":  # (the next build's price: without the one-off setup this one paid)
       builds.append(max(reply["seconds"] - reply.get("setup_seconds", 0.0), 0.0))
     return reply
 
 
-compiler = Compiler(nice=True)  # background builds
-sync_compiler = Compiler(nice=False)  # builds a caller waits for ("sync")
+compiler = Compiler(nice=True)  # background numba builds
+lite_compiler = Compiler(nice=True, lite=True)  # background lite builds
+sync_compiler = Compiler(nice=False)  # builds a caller waits for ("sync"), lite's and numba's
 
 
 def _work():
@@ -135,10 +146,11 @@ def submit(loop, step) -> None:
   _enqueue(loop, step)
 
 
-def prestart() -> None:
-  """Has the tier's thread start the background compile process (its
-  warm-up: ``_Compiler.start``) ahead of any build."""
-  _enqueue(None, compiler.start)
+def prestart(which=None) -> None:
+  """Has the tier's thread start a background compile process (``which``,
+  numba's by default; its warm-up: ``Compiler.start``) ahead of any build
+  (a ``Popen``: ~1 ms of the caller's GIL, on the tier's thread)."""
+  _enqueue(None, (which or compiler).start)
 
 
 def _enqueue(loop, step) -> None:
@@ -153,10 +165,11 @@ def _enqueue(loop, step) -> None:
 def price(lines: int) -> float:
   """Seconds the next build of a loop of ``lines`` generated lines takes
   in the compile process (measured builds once there are some)."""
+  per_lines = LINE_PRICE * lines * (1.0 + lines / LONG_LINES)
   if builds:
-    return max(sorted(builds)[len(builds) // 2], BASE_PRICE * 0.5) + LINE_PRICE * lines * 0.5
+    return max(sorted(builds)[len(builds) // 2], BASE_PRICE * 0.5) + per_lines * 0.5
   mixins = not os.path.isdir(os.path.join(disk_cache.directory(), "mixins"))
-  return START_PRICE + BASE_PRICE + LINE_PRICE * lines + (MIXIN_PRICE if mixins else 0.0)
+  return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
 
 
 def weight() -> float:

@@ -1,5 +1,5 @@
-"""The native tier: a loop that keeps running is compiled (lite, in this
-process, or numba, in a process of its own) and then runs as machine
+"""The native tier: a loop that keeps running is compiled (by lite or
+numba, in a compile process beside the caller's) and then runs as machine
 code, with the NumPy path's bits and errors (docs/native.md).
 
 ``NativeLoop`` wraps a loop rule's callable (the NumPy path) and times it.
@@ -14,11 +14,11 @@ to come), the build is submitted to the tier's one thread (``scheduler``,
 which also prices builds and weighs them against the load): it generates
 the source (``codegen``), looks the library built from that source up in
 memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
-compiles it in this process with lite (``lite_cache``: the source
-translated to LLVM IR, ~0.05-0.5 s, priced at ``lite_cache.PRICE``) or,
-where lite refuses it, prices it again for the compile process, which
-builds it with numba (``scheduler.Compiler``; the tier's thread waits on
-a pipe, holding no GIL). Until then, and for good when the
+has it built by a compile process (``scheduler.Compiler``; the tier's
+thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
+``lite_worker``: the source translated to LLVM IR and linked into a shared
+library, ~0.1-1 s, priced at ``lite_cache.PRICE``) or, where lite refuses
+it, priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
@@ -67,9 +67,9 @@ _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
 # NumPy-path seconds a process's first build waits for beyond its price:
-# the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.06 s) is paid
+# the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
-SETUP_PRICE = 0.06
+SETUP_PRICE = 0.01
 
 
 def enabled(params) -> bool:
@@ -246,6 +246,11 @@ class NativeLoop:
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
+    if not self.sync and self.lite and scheduler.lite_compiler.proc is None:
+      # (lite's compile process: Python, NumPy and llvmlite's import and a
+      # target machine, ~0.3 s of a niced process, while the build is not
+      # yet due; its start costs the caller a Popen, ~1 ms)
+      scheduler.prestart(scheduler.lite_compiler)
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
@@ -313,8 +318,10 @@ class NativeLoop:
     self._swap(fn)
 
   def _build_lite(self, k):
-    """The loop's lite function: from memory or disk, else compiled now
-    in this process (``lite_cache``); None where lite refuses it: the loop
+    """The loop's lite function: from memory or disk, else built by lite's
+    compile process (``lite_cache.job``; the tier's thread waits on its
+    pipe, holding no GIL) and loaded from disk; None where lite refuses
+    it, or its build fails (LLVM's or the process's own error): the loop
     is then priced for the numba build (the cost rule) and stays on the
     NumPy path until that is due ("sync": built by numba now)."""
     fn = lite_cache.load(k)
@@ -323,8 +330,15 @@ class NativeLoop:
     try:
       if self.src.calls:
         raise codegen.Refused("lite: DMA call sites")
-      fn = lite_cache.build(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
-                                                               self.layouts))
+      job = lite_cache.job(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
+                                                             self.layouts))
+      compiler = scheduler.sync_compiler if self.sync else scheduler.lite_compiler
+      reply = compiler.build(job)
+      if not reply.get("ok"):
+        raise codegen.Refused(reply.get("refused") or f"lite's build failed: {reply.get('error')}")
+      fn = lite_cache.load(k)
+      if fn is None:
+        raise disk_cache.LoadError(f"{job['out']}: not written by its build")
     except Exception as e:  # noqa: BLE001 - Refused, or LLVM's own error: numba builds it
       _state["lite_refused"] += 1
       log.debug("pallas_np: lite refused a loop (%s)", e)
@@ -414,7 +428,8 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = scheduler.weight() * self.price + (0.0 if self._set_up_done() else SETUP_PRICE)
+        due = (scheduler.weight() * self.price + scheduler.CALLER_PRICE
+               + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
           return
@@ -428,28 +443,21 @@ class NativeLoop:
       else:
         scheduler.submit(self, self.build)
 
-  def _set_up_done(self) -> bool:
-    return bool(_set_up) and (not self.lite or self.sync or bool(lite_cache.prepared))
-
   def _one_off_set_up(self) -> None:
     """The one-off set-up every build needs, in the caller, once per
     process, when its first build is due: the pre-key's digest of the
-    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms;
-    lite's llvmlite import and target machine, 40-60 ms (most of it
-    llvmlite's Python). On the tier's thread each of their system and
-    ctypes calls waits for the GIL behind a busy caller: they took
-    0.4-0.9 s each there, and a cold lite build landed after ~1.5 s
-    instead of ~0.2 s (PERF_LOG 138). Its cost is priced in (``_step``:
-    ``SETUP_PRICE`` more NumPy-path seconds before the first build), so
-    that a kernel called a few dozen times never pays it."""
+    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms.
+    On the tier's thread each of their system and ctypes calls waits for
+    the GIL behind a busy caller (0.4-0.9 s each there: PERF_LOG 138).
+    Its cost is priced in (``_step``: ``SETUP_PRICE`` more NumPy-path
+    seconds before the first build), so that a kernel called a few dozen
+    times never pays it. (llvmlite's import and target machine, 40-60 ms,
+    are the compile process's: ``lite_worker``.)"""
     try:  # (a failure here is the build's: the NumPy path stays, the call goes on)
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
         blas_calls.status()
-      if self.lite and not self.sync and not lite_cache.prepared:
-        lite_cache.prepared.append(1)
-        lite_cache.prepare()
     except Exception as e:  # noqa: BLE001
       log.debug("pallas_np: native tier set-up failed: %r", e)
 
