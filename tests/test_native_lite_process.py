@@ -1,0 +1,187 @@
+"""lite's builds in the compile process (native/lite_worker.py, run by
+aot_worker): the process imports lite without JAX or pallas_np's package;
+a loop it built gives the NumPy path's bits and numba's build's, in
+background and "sync" builds; a compile process that fails or exits is a
+refused lite build (numba's then, or the NumPy path), never an exception in
+the caller; and a process that exits while a build is pending exits.
+(tests/test_native_lite.py's differential tests run through the same
+process: its "sync" builds are the compile process's.)"""
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pallas_np
+from benchmarks.small_kernels import collatz_kernel, cumsum_fori_kernel
+from pallas_np import native
+from pallas_np.lru import LRU
+from pallas_np.native import aot_worker, disk_cache, lite_cache, lite_jit, scheduler, tier
+from tests.test_native_lite import _floats, _kernel_call
+
+pytestmark = pytest.mark.skipif(not lite_jit.available(), reason="llvmlite is not installed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFF = pallas_np.InterpretParams(native_loops="off")
+SYNC = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+  """A cache of the test's own, nothing loaded or planned in memory."""
+  pallas_np.clear_caches()
+  monkeypatch.setattr(disk_cache, "_dir", [str(tmp_path)])
+  monkeypatch.setattr(tier, "_loaded", LRU(256))
+  monkeypatch.setattr(tier, "_prekeys", LRU(1024))
+  monkeypatch.setattr(lite_cache, "_memo", {})
+  return tmp_path
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
+
+
+def _x_collatz():
+  import jax.numpy as jnp
+  return jnp.asarray(np.random.default_rng(3).integers(1, 60, (2, 128)), jnp.int32)
+
+
+def test_the_compile_process_imports_lite_without_jax():
+  """``aot_worker._lite`` (what a lite job imports) brings lite's modules
+  in with neither JAX nor pallas_np's package (``__init__``) nor numba."""
+  code = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {os.path.dirname(aot_worker.__file__)!r})
+      import aot_worker
+      w = aot_worker._lite()
+      print(w.__name__, 'jax' in sys.modules, 'numba' in sys.modules,
+            'pallas_np.native.codegen' in sys.modules, hasattr(sys.modules['pallas_np'], 'native'))
+  """)
+  out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["pallas_np.native.lite_worker", "False", "False", "False",
+                                "False"]
+
+
+@pytest.mark.parametrize("kernel,make_x", [(collatz_kernel, _x_collatz),
+                                           (cumsum_fori_kernel, lambda: _floats((16, 128)))])
+def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypatch, kernel,
+                                                                  make_x):
+  """A background build by lite's compile process (its shared library
+  loaded with a dlopen) gives the NumPy path's bits, and numba's build of
+  the same loop gives the same."""
+  monkeypatch.setenv(lite_cache.ENV, "lite")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  # (at normal priority: a niced process may wait minutes on a busy machine)
+  monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))
+  x = make_x()
+  make = functools.partial(_kernel_call, kernel, x)
+  want = _bits(make(OFF)(x))
+  f = make(pallas_np.InterpretParams(native_loops="background", uninitialized="zero"))
+  before = native.stats()
+  for _ in range(2 * tier.HOT_RUNS):
+    np.testing.assert_array_equal(_bits(f(x)), want)
+    assert native.wait(900)
+  got = _bits(f(x))
+  after = native.stats()
+  assert after["lite"] == before["lite"] + 1 and after["native_calls"] > before["native_calls"]
+  assert any(p.endswith(".so") and ".lite" in p for p in os.listdir(fresh))
+  np.testing.assert_array_equal(got, want)
+  monkeypatch.setenv(lite_cache.ENV, "numba")
+  pallas_np.clear_caches()
+  tier._loaded.clear()
+  tier._prekeys.clear()
+  before = native.stats()
+  got_numba = _bits(make(SYNC)(x))
+  after = native.stats()
+  assert after["lite"] == before["lite"] and after["native_calls"] > before["native_calls"]
+  np.testing.assert_array_equal(got_numba, want)
+
+
+class _Exiting(scheduler.Compiler):
+  """A compile process that exits before it answers (a crash, a kill)."""
+
+  def _start(self):
+    if self.proc is None or self.proc.poll() is not None:
+      self.proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+      self.proc.wait()
+
+
+def test_a_compile_process_that_exits_is_a_refused_build(fresh, monkeypatch):
+  """A lite build whose process exits is refused (counted), and the
+  numba build that follows in the same process fails (counted): the call
+  returns the NumPy path's bits, nothing raised."""
+  monkeypatch.setenv(lite_cache.ENV, "lite")
+  monkeypatch.setattr(scheduler, "sync_compiler", _Exiting(nice=False))
+  x = _x_collatz()
+  make = functools.partial(_kernel_call, collatz_kernel, x)
+  want = _bits(make(OFF)(x))
+  before = native.stats()
+  got = _bits(make(SYNC)(x))
+  after = native.stats()
+  assert after["lite_refused"] == before["lite_refused"] + 1
+  assert after["failed"] == before["failed"] + 1
+  assert after["native_calls"] == before["native_calls"]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_an_error_in_the_compile_process_is_a_refused_build(fresh, monkeypatch):
+  """An error inside lite's compile process (here: its job names a source
+  file that is not there) is answered, not raised: lite's build is
+  refused and numba builds the loop, with the NumPy path's bits."""
+  monkeypatch.setenv(lite_cache.ENV, "lite")
+  real = lite_cache.job
+
+  def broken(k, src, descs):
+    job = real(k, src, descs)
+    job["src"] += ".missing"
+    return job
+  monkeypatch.setattr(lite_cache, "job", broken)
+  x = _x_collatz()
+  make = functools.partial(_kernel_call, collatz_kernel, x)
+  want = _bits(make(OFF)(x))
+  before = native.stats()
+  got = _bits(make(SYNC)(x))
+  after = native.stats()
+  assert after["lite_refused"] == before["lite_refused"] + 1 and after["lite"] == before["lite"]
+  assert after["native_calls"] > before["native_calls"]  # (numba's build ran)
+  np.testing.assert_array_equal(got, want)
+
+
+_EXIT_WHILE_BUILDING = textwrap.dedent("""
+    import sys, jax.numpy as jnp, numpy as np
+    import pallas_np
+    from pallas_np import native
+    from pallas_np.native import scheduler, tier
+    tier.LOOKUP_PRICE = tier.SETUP_PRICE = 0.0
+    scheduler.COMPILE_WEIGHT = scheduler.CALLER_PRICE = 0.0
+    from tests.test_native_tier import _call
+    x = jnp.asarray(np.arange(256).reshape(2, 128) % 61 + 1, jnp.int32)
+    f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
+    for _ in range(tier.HOT_RUNS + 1):
+        f(x)
+    s = native.stats()
+    print(s["queued"] + s["compiling"] + s["compiled"])
+""")
+
+
+def test_a_process_exits_while_its_lite_build_is_pending(tmp_path):
+  """A process that exits with its loop's lite build queued or in the
+  compile process exits at once, with status 0 (no wait for LLVM, no
+  abort in its destructors: LLVM runs in the other process)."""
+  env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_CHECK_AVALS="0",
+             PALLAS_NP_NATIVE_COMPILER="lite",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
+  out = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUILDING, str(salt)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert int(out.stdout.split()[-1]) >= 1  # (the build was queued, under way or done)
