@@ -98,6 +98,18 @@ class Compiler:
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
+  def _drop(self) -> None:
+    """Forgets a compile process that exited (the next build starts
+    another), its pipes closed here: a pipe with unwritten bytes would
+    report a broken pipe when collected."""
+    proc, self.proc = self.proc, None
+    for pipe in (proc.stdin, proc.stdout):
+      try:
+        pipe.close()
+      except OSError:
+        pass
+    proc.poll()
+
   def _build(self, job: dict) -> dict:
     self._start()
     try:
@@ -105,8 +117,10 @@ class Compiler:
       self.proc.stdin.flush()
       line = self.proc.stdout.readline()
     except OSError as e:
-      line = json.dumps({"ok": False, "error": f"compile process: {e!r}"})
+      self._drop()
+      return {"ok": False, "error": f"compile process: {e!r}"}
     if not line:
+      self._drop()
       return {"ok": False, "error": "the compile process exited"}
     reply = json.loads(line)
     if reply.get("ok") and job.get("kind") != "lite":  # (the next build's price: without the one-off setup this one paid)
