@@ -71,10 +71,11 @@ class Compiler:
   """The compile process (``aot_worker``), started on the first build and
   kept: it exits at the end of its input, when this process exits."""
 
-  def __init__(self, nice: bool, lite: bool = False):
+  def __init__(self, nice: bool, lite: bool = False, warm: bool | None = None):
     self.proc = None
     self.nice = nice
-    self.lite = lite  # (a background process for lite's builds: its warm-up is lite's)
+    self.lite = lite  # (a process for lite's builds: its warm-up is lite's)
+    self.warm = nice if warm is None else warm  # (a warm-up: background builds)
     self.lock = threading.Lock()  # (one build at a time on the pipe)
 
   def build(self, job: dict) -> dict:
@@ -93,7 +94,8 @@ class Compiler:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
           [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice", "--warm", str(os.getpid())] if self.nice else []),
+           *(["--nice"] if self.nice else []),
+           *(["--warm", str(os.getpid())] if self.warm else []),
            *(["--lite"] if self.lite else [])],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
@@ -129,7 +131,11 @@ class Compiler:
 
 
 compiler = Compiler(nice=True)  # background numba builds
-lite_compiler = Compiler(nice=True, lite=True)  # background lite builds
+# Background lite builds, at normal priority: a build is due only once the
+# cost rule priced it in full where no core is idle (``weight``), and a
+# niced process then waited for a core for many seconds (PERF_LOG
+# "[remote]"); with an idle core its priority does not matter.
+lite_compiler = Compiler(nice=False, lite=True, warm=True)
 sync_compiler = Compiler(nice=False)  # builds a caller waits for ("sync"), lite's and numba's
 
 
