@@ -133,6 +133,18 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
+def test_a_lite_build_is_priced_at_the_idle_weight_but_on_one_core(monkeypatch):
+  """lite's compile process runs at ``LITE_NICE`` (it takes a small share
+  of a busy machine's cores from the caller): its build counts at
+  COMPILE_WEIGHT however loaded the machine, but on one core."""
+  assert scheduler.lite_compiler.nice == scheduler.LITE_NICE > 0
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  _load_reader(monkeypatch, [5.0])
+  assert scheduler.weight(lite=True) == scheduler.COMPILE_WEIGHT
+  monkeypatch.setattr(scheduler, "_CPUS", 1)
+  assert scheduler.weight(lite=True) == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
+
+
 def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   """A loop whose cost pays for its build only at the idle weight waits
   while the machine is busy and is queued once the load falls (the load

@@ -291,8 +291,10 @@ def main() -> None:
   # the build waits for the caller, not the other way round. A build the
   # caller waits for ("sync") runs in a process at normal priority.
   if "--nice" in sys.argv:
+    at = sys.argv.index("--nice") + 1  # (a level may follow: 19 by default)
+    level = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else 19
     try:
-      os.nice(19)
+      os.nice(level)
     except (AttributeError, OSError):
       pass
   # The protocol keeps the original stdout; everything else written to

@@ -29,6 +29,14 @@ COMPILE_WEIGHT = 0.1
 BUSY_FACTOR = 10.0
 IDLE_MARGIN = 0.5
 _CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
+# lite's compile process's nice level: where no core is idle, the kernel's
+# scheduler gives a nice-10 process about a tenth of a normal one's share,
+# so its build (~0.2-1 s) takes little from the caller (a loaded 2-core
+# machine: the caller's calls as fast as with no build), while at nice 19
+# it waited for a core for many seconds, and at 0 the caller's calls took
+# twice as long while it ran (PERF_LOG "[remote]"). Its price counts at
+# COMPILE_WEIGHT then too (``weight(lite=True)``), but on one core.
+LITE_NICE = 10
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
@@ -71,9 +79,9 @@ class Compiler:
   """The compile process (``aot_worker``), started on the first build and
   kept: it exits at the end of its input, when this process exits."""
 
-  def __init__(self, nice: bool, lite: bool = False, warm: bool | None = None):
+  def __init__(self, nice: bool | int, lite: bool = False, warm: bool | None = None):
     self.proc = None
-    self.nice = nice
+    self.nice = 19 if nice is True else int(nice)  # (the process's nice level; 0: none)
     self.lite = lite  # (a process for lite's builds: its warm-up is lite's)
     self.warm = nice if warm is None else warm  # (a warm-up: background builds)
     self.lock = threading.Lock()  # (one build at a time on the pipe)
@@ -94,7 +102,7 @@ class Compiler:
     if self.proc is None or self.proc.poll() is not None:
       self.proc = subprocess.Popen(
           [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice"] if self.nice else []),
+           *(["--nice", str(int(self.nice))] if self.nice else []),
            *(["--warm", str(os.getpid())] if self.warm else []),
            *(["--lite"] if self.lite else [])],
           stdin=subprocess.PIPE,
@@ -131,11 +139,7 @@ class Compiler:
 
 
 compiler = Compiler(nice=True)  # background numba builds
-# Background lite builds, at normal priority: a build is due only once the
-# cost rule priced it in full where no core is idle (``weight``), and a
-# niced process then waited for a core for many seconds (PERF_LOG
-# "[remote]"); with an idle core its priority does not matter.
-lite_compiler = Compiler(nice=False, lite=True, warm=True)
+lite_compiler = Compiler(nice=LITE_NICE, lite=True, warm=True)  # background lite builds
 sync_compiler = Compiler(nice=False)  # builds a caller waits for ("sync"), lite's and numba's
 
 
@@ -192,10 +196,15 @@ def price(lines: int) -> float:
   return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
 
 
-def weight() -> float:
-  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
+def weight(lite: bool = False) -> float:
+  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT;
+  ``lite``: a build by lite's compile process, see LITE_NICE)."""
+  if _CPUS == 1:
+    return COMPILE_WEIGHT * BUSY_FACTOR
+  if lite:
+    return COMPILE_WEIGHT
   try:
     busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
   except (AttributeError, OSError):
     busy = False
-  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)
+  return COMPILE_WEIGHT * (BUSY_FACTOR if busy else 1.0)

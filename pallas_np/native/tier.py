@@ -428,7 +428,7 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = (scheduler.weight() * self.price + scheduler.CALLER_PRICE
+        due = (scheduler.weight(self.lite) * self.price + scheduler.CALLER_PRICE
                + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
