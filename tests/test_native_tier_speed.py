@@ -3,6 +3,7 @@
 (no system call per run), the load average's reading counts the caller
 itself, and a deferred build is looked at again. Scheduling and the disk
 cache's basics: tests/test_native_tier.py."""
+import gc
 import io
 import json
 import os
@@ -133,16 +134,24 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
-def test_a_lite_build_is_priced_at_the_idle_weight_but_on_one_core(monkeypatch):
-  """lite's compile process runs at ``LITE_NICE`` (it takes a small share
-  of a busy machine's cores from the caller): its build counts at
-  COMPILE_WEIGHT however loaded the machine, but on one core."""
-  assert scheduler.lite_compiler.nice == scheduler.LITE_NICE > 0
+def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch):
+  """Where no core is idle when a loop is priced for lite, lite's compile
+  process is not started ahead of the build (its ~0.3 s start would take
+  the caller's share of a core); the build's price then includes it
+  (``lite_cache.START_PRICE``)."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  builds = _Builds(monkeypatch)
   _load_reader(monkeypatch, [5.0])
-  assert scheduler.weight(lite=True) == scheduler.COMPILE_WEIGHT
-  monkeypatch.setattr(scheduler, "_CPUS", 1)
-  assert scheduler.weight(lite=True) == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  f(x)
+  f(x)
+  loop = next(v for v in gc.get_objects() if isinstance(v, tier.NativeLoop) and v.phase == "priced"
+              and v.price == lite_cache.PRICE + lite_cache.START_PRICE)
+  assert loop is not None and not builds.prestarts
 
 
 def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):

@@ -26,6 +26,10 @@ CHOICES = ("auto", "lite", "numba")
 # ~0.1-1 s, in the compile process. The caller's own part, the source's
 # generation and the library's load, is ``scheduler.CALLER_PRICE``.
 PRICE = 0.3
+# Seconds more where lite's compile process is not running yet (Python,
+# NumPy and llvmlite's import and its warm-up, ~0.3 s): started with the
+# build where no core was idle when the loop was priced (``tier._price``).
+START_PRICE = 0.3
 FORMAT = 2  # (1: objects loaded by MCJIT in the caller)
 _memo: dict = {}  # library key -> loaded lite function
 

@@ -29,14 +29,12 @@ COMPILE_WEIGHT = 0.1
 BUSY_FACTOR = 10.0
 IDLE_MARGIN = 0.5
 _CPUS = os.cpu_count() or 1  # (os.cpu_count reads /sys: ~20 us a call)
-# lite's compile process's nice level: where no core is idle, the kernel's
-# scheduler gives a nice-10 process about a tenth of a normal one's share,
-# so its build (~0.2-1 s) takes little from the caller (a loaded 2-core
-# machine: the caller's calls as fast as with no build), while at nice 19
-# it waited for a core for many seconds, and at 0 the caller's calls took
-# twice as long while it ran (PERF_LOG "[remote]"). Its price counts at
-# COMPILE_WEIGHT then too (``weight(lite=True)``), but on one core.
-LITE_NICE = 10
+# lite's compile process's nice level. Measured on the loaded 2-core
+# machine (load 3-4, PERF_LOG "[remote]"): at nice 10 or 19 a build waited
+# for a core for many seconds (never done within a 4 s run); at 0 it lands
+# in ~0.3-1 s, taking a share of a core from the caller while it runs,
+# which the cost rule prices (``weight``: in full where no core is idle).
+LITE_NICE = 0
 # A build's seconds before one was measured: numba's import in a new
 # compile process, its typing and LLVM (~0.02 s a generated line), pycc's C
 # helpers once per cache directory.
@@ -196,15 +194,10 @@ def price(lines: int) -> float:
   return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
 
 
-def weight(lite: bool = False) -> float:
-  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT;
-  ``lite``: a build by lite's compile process, see LITE_NICE)."""
-  if _CPUS == 1:
-    return COMPILE_WEIGHT * BUSY_FACTOR
-  if lite:
-    return COMPILE_WEIGHT
+def weight() -> float:
+  """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
   try:
     busy = os.getloadavg()[0] > _CPUS - IDLE_MARGIN
   except (AttributeError, OSError):
     busy = False
-  return COMPILE_WEIGHT * (BUSY_FACTOR if busy else 1.0)
+  return COMPILE_WEIGHT * (BUSY_FACTOR if _CPUS == 1 or busy else 1.0)

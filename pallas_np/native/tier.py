@@ -243,14 +243,18 @@ class NativeLoop:
                                 for p in self.eqn.params.values()
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
+    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
+        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
+      # (lite's compile process: Python, NumPy and llvmlite's import and a
+      # target machine, ~0.3 s of another core while the build is not yet
+      # due, where one is idle; its start costs the caller a Popen, ~1 ms.
+      # On a busy machine it starts with the build, priced in)
+      scheduler.prestart(scheduler.lite_compiler)
+    elif self.lite and scheduler.lite_compiler.proc is None:
+      self.price += lite_cache.START_PRICE
     # (the least weight(): the load is read when it is reached)
     self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
     self.phase = "priced"
-    if not self.sync and self.lite and scheduler.lite_compiler.proc is None:
-      # (lite's compile process: Python, NumPy and llvmlite's import and a
-      # target machine, ~0.3 s of a niced process, while the build is not
-      # yet due; its start costs the caller a Popen, ~1 ms)
-      scheduler.prestart(scheduler.lite_compiler)
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
@@ -428,7 +432,7 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = (scheduler.weight(self.lite) * self.price + scheduler.CALLER_PRICE
+        due = (scheduler.weight() * self.price + scheduler.CALLER_PRICE
                + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
