@@ -456,3 +456,14 @@ def test_the_first_build_waits_for_the_set_up_price(monkeypatch):
   for _ in range(tier.HOT_RUNS + 3):
     h(x)
   assert len(builds.loops) == 2
+
+
+def test_numbas_price_grows_faster_than_the_lines(monkeypatch):
+  """numba's build time grows faster than linearly with a loop's lines
+  (822 lines took 157 s, 600 lines 14.8 s): each line's price grows with
+  the lines before it, before and after builds were measured."""
+  for measured in ([], [2.0, 3.0, 4.0]):
+    monkeypatch.setattr(scheduler, "builds", list(measured))
+    base = scheduler.price(0)
+    short, long_ = scheduler.price(100) - base, scheduler.price(800) - base
+    assert long_ > 8 * short * (1 + 700 / scheduler.LONG_LINES) / 2
