@@ -77,6 +77,8 @@ class _KernelRun:
         if _threads_before != 1:
           _set(1)
       _runs += 1
+    if not getattr(_thread, "warm", False):
+      _warm_buffer()
 
   def __exit__(self, *exc):
     global _runs
@@ -86,6 +88,29 @@ class _KernelRun:
       _runs -= 1
       if _runs == 0 and _threads_before != 1:
         _set(_threads_before)
+
+
+_thread = threading.local()  # (.warm: this thread's BLAS buffer was warmed)
+# The warm-up product's shape: (M, K) @ (K, N) on one thread (see _warm_buffer).
+WARM_SHAPE = (128, 128, 512)
+
+
+def _warm_buffer():
+  """One float32 GEMM of ``WARM_SHAPE`` on one BLAS thread, once per
+  thread that runs kernels. OpenBLAS packs each operand into a buffer of
+  its own (per thread, mapped at its first GEMM, its pages faulted in as
+  they are first written); its sgemm kernel prefetches the packed panels
+  ahead of the rows it reads. Until a GEMM with a wider packed B than the
+  kernel's own has written the pages after them, those prefetches land on
+  pages not yet mapped, and a 128 x 128 x 128 sgemm took 1.8-2x as long
+  as after (and as XLA's dot of the same shape), for the whole process
+  (PERF_LOG). The products' bits do not change: the same code on the same
+  data."""
+  _thread.warm = True
+  if os.environ.get("PALLAS_NP_BLAS_WARM", "1") == "0":  # (A/B only)
+    return
+  m, k, n = WARM_SHAPE
+  np.matmul(np.ones((m, k), np.float32), np.ones((k, n), np.float32))
 
 
 _KERNEL_RUN = _KernelRun()
