@@ -19,6 +19,8 @@ import threading
 
 import numpy as np
 
+from pallas_np.env_switches import env_switch
+
 # Multiply-accumulates above which a GEMM is worth the thread wake-up.
 MULTITHREAD_MACS = 1 << 27
 
@@ -107,7 +109,7 @@ def _warm_buffer():
   (PERF_LOG). The products' bits do not change: the same code on the same
   data."""
   _thread.warm = True
-  if os.environ.get("PALLAS_NP_BLAS_WARM", "1") == "0":  # (A/B only)
+  if not env_switch("PALLAS_NP_BLAS_WARM", True):  # (docs/options.md)
     return
   m, k, n = WARM_SHAPE
   np.matmul(np.ones((m, k), np.float32), np.ones((k, n), np.float32))
