@@ -252,9 +252,10 @@ def _float_extremum(gen, eqn, x: Val, is_max: bool):
     kr = gen.nest([x.shape[d] for d in axes])
     idx = shapes.linear([(j, in_strides[d]) for j, d in zip(ko, kept_axes)]
                         + [(j, in_strides[d]) for j, d in zip(kr, axes)])
-    gen.emit(f"{v} = {x.name}[{idx}]")
-    with gen.block(f"if {acc} == {acc} and {v} != {v}:"):
-      gen.emit(f"{acc} = {v}")
+    e = gen.fresh("e")
+    gen.emit(f"{e} = {x.name}[{idx}]")
+    with gen.block(f"if {acc} == {acc} and {e} != {e}:"):
+      gen.emit(f"{acc} = {e}")
     gen.close(axes)
   with gen.block("else:"):  # (an infinity's key, or a finite float's, back to its bits)
     gen.emit(f"{one_bits}[0] = {key_of(key)}")
