@@ -99,15 +99,14 @@ WARM_SHAPE = (128, 128, 512)
 
 def _warm_buffer():
   """One float32 GEMM of ``WARM_SHAPE`` on one BLAS thread, once per
-  thread that runs kernels. OpenBLAS packs each operand into a buffer of
-  its own (per thread, mapped at its first GEMM, its pages faulted in as
-  they are first written); its sgemm kernel prefetches the packed panels
-  ahead of the rows it reads. Until a GEMM with a wider packed B than the
-  kernel's own has written the pages after them, those prefetches land on
-  pages not yet mapped, and a 128 x 128 x 128 sgemm took 1.8-2x as long
-  as after (and as XLA's dot of the same shape), for the whole process
-  (PERF_LOG). The products' bits do not change: the same code on the same
-  data."""
+  thread that runs kernels. Measured (PERF_LOG [attn]): in a process whose
+  GEMMs had all been small, OpenBLAS's one-thread 128 x 128 x 128 sgemm
+  took 1.8-2x as long as XLA's dot of that shape, for the life of the
+  process; after one GEMM with a wider packed B (this one, ~1.5 ms), as
+  long as XLA's. Most likely the sgemm kernel's prefetches past its
+  packed panels land on pages of OpenBLAS's packing buffer that no GEMM
+  has written yet. The products' bits do not change: the same code on the
+  same data (tests/test_blas_warm.py)."""
   _thread.warm = True
   if not env_switch("PALLAS_NP_BLAS_WARM", True):  # (docs/options.md)
     return
