@@ -79,7 +79,7 @@ class _KernelRun:
         if _threads_before != 1:
           _set(1)
       _runs += 1
-    if not getattr(_thread, "warm", False):
+    if not _warmed:
       _warm_buffer()
 
   def __exit__(self, *exc):
@@ -92,22 +92,23 @@ class _KernelRun:
         _set(_threads_before)
 
 
-_thread = threading.local()  # (.warm: this thread's BLAS buffer was warmed)
+_warmed = []  # (non-empty once OpenBLAS's buffer was warmed: once per process)
 # The warm-up product's shape: (M, K) @ (K, N) on one thread (see _warm_buffer).
 WARM_SHAPE = (128, 128, 512)
 
 
 def _warm_buffer():
-  """One float32 GEMM of ``WARM_SHAPE`` on one BLAS thread, once per
-  thread that runs kernels. Measured (PERF_LOG [attn]): in a process whose
+  """One float32 GEMM of ``WARM_SHAPE`` on one BLAS thread, at the first
+  kernel run of the process. Measured (PERF_LOG [attn]): in a process whose
   GEMMs had all been small, OpenBLAS's one-thread 128 x 128 x 128 sgemm
   took 1.8-2x as long as XLA's dot of that shape, for the life of the
   process; after one GEMM with a wider packed B (this one, ~1.5 ms), as
   long as XLA's. Most likely the sgemm kernel's prefetches past its
   packed panels land on pages of OpenBLAS's packing buffer that no GEMM
   has written yet. The products' bits do not change: the same code on the
-  same data (tests/test_blas_warm.py)."""
-  _thread.warm = True
+  same data (tests/test_blas_warm.py). Once per process: after it, GEMMs
+  in every thread ran at the warm speed, new threads' too."""
+  _warmed.append(True)
   if not env_switch("PALLAS_NP_BLAS_WARM", True):  # (docs/options.md)
     return
   m, k, n = WARM_SHAPE
