@@ -123,6 +123,20 @@ def run_case(name, budget):
   return ms, native_calls, same
 
 
+def _is_loop_entry(func: str) -> bool:
+  """A compiled loop's entry point in cProfile's names: numba's
+  ``pallas_np_native_loop...`` or lite's ``lite_entry``."""
+  return "pallas_np_native_loop" in func or "lite_entry" in func
+
+
+def _built_loops():
+  """The native tier's loops with a compiled function in this process."""
+  import gc
+  from pallas_np.native import tier
+  return [o for o in gc.get_objects()
+          if isinstance(o, tier.NativeLoop) and o.native is not None and hasattr(o, "status")]
+
+
 def profile_case(name, calls=10):
   """Where a warm compiled call's time goes: ms per call, of which in
   compiled loops (cProfile: the libraries' own time), of which in BLAS
@@ -144,13 +158,20 @@ def profile_case(name, calls=10):
     jax.block_until_ready(fn(*args))
   prof.disable()
   total = (time.perf_counter() - t0) / calls * 1e3
-  loops = sum(tt for (file, _, func), (_, _, tt, _, _) in pstats.Stats(prof).stats.items()
-              if func.startswith("<built-in method pallas_np_native_loop"))
-  loop_calls = sum(nc for (file, _, func), (_, nc, _, _, _) in pstats.Stats(prof).stats.items()
-                   if func.startswith("<built-in method pallas_np_native_loop"))
+  stats = pstats.Stats(prof).stats.items()
+  loops = sum(tt for (_, _, func), (_, _, tt, _, _) in stats if _is_loop_entry(func))
+  loop_calls = sum(nc for (_, _, func), (_, nc, _, _, _) in stats if _is_loop_entry(func))
   with blas_calls.timed_routines() as timed:
-    for _ in range(calls):
-      jax.block_until_ready(fn(*args))
+    built = _built_loops()
+    kept = [loop.status for loop in built]
+    for loop in built:  # (a loop keeps its status array: the timed routines' addresses now)
+      loop.status = blas_calls.status()
+    try:
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    finally:
+      for loop, st in zip(built, kept):
+        loop.status = st
   gemm = sum(timed.seconds.values()) / calls * 1e3
   products = {k: v // calls for k, v in timed.calls.items() if v}
   return total, loops / calls * 1e3, gemm, loop_calls // calls, products

@@ -19,6 +19,8 @@ import threading
 
 import numpy as np
 
+from pallas_np.env_switches import env_switch
+
 # Multiply-accumulates above which a GEMM is worth the thread wake-up.
 MULTITHREAD_MACS = 1 << 27
 
@@ -77,6 +79,8 @@ class _KernelRun:
         if _threads_before != 1:
           _set(1)
       _runs += 1
+    if not _warmed:
+      _warm_buffer()
 
   def __exit__(self, *exc):
     global _runs
@@ -86,6 +90,29 @@ class _KernelRun:
       _runs -= 1
       if _runs == 0 and _threads_before != 1:
         _set(_threads_before)
+
+
+_warmed = []  # (non-empty once OpenBLAS's buffer was warmed: once per process)
+# The warm-up product's shape: (M, K) @ (K, N) on one thread (see _warm_buffer).
+WARM_SHAPE = (128, 128, 512)
+
+
+def _warm_buffer():
+  """One float32 GEMM of ``WARM_SHAPE`` on one BLAS thread, at the first
+  kernel run of the process. Measured (PERF_LOG [attn]): in a process whose
+  GEMMs had all been small, OpenBLAS's one-thread 128 x 128 x 128 sgemm
+  took 1.8-2x as long as XLA's dot of that shape, for the life of the
+  process; after one GEMM with a wider packed B (this one, ~1.5 ms), as
+  long as XLA's. Most likely the sgemm kernel's prefetches past its
+  packed panels land on pages of OpenBLAS's packing buffer that no GEMM
+  has written yet. The products' bits do not change: the same code on the
+  same data (tests/test_blas_warm.py). Once per process: after it, GEMMs
+  in every thread ran at the warm speed, new threads' too."""
+  _warmed.append(True)
+  if not env_switch("PALLAS_NP_BLAS_WARM", True):  # (docs/options.md)
+    return
+  m, k, n = WARM_SHAPE
+  np.matmul(np.ones((m, k), np.float32), np.ones((k, n), np.float32))
 
 
 _KERNEL_RUN = _KernelRun()

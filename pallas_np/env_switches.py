@@ -24,6 +24,7 @@ SWITCHES = {
     "PALLAS_NP_TUNE_MALLOC": "raise glibc's malloc thresholds at the first kernel plan; default off",
     "PALLAS_NP_LIBM_CACHE": "compiled float loops cached on disk (primitives/libm_cache.py); default on",
     "PALLAS_NP_GC_PAUSE": "automatic garbage collection paused during a kernel's first call; default on",
+    "PALLAS_NP_BLAS_WARM": "one small GEMM warms OpenBLAS's buffer at the first kernel run; default on",
 }
 
 

@@ -148,23 +148,27 @@ def _decode_qk_args():
                for s in ((8, 32), (64, 32), (64, 24)))
 
 
-_ROW_ORDER_GATHER = re.compile(
+_TILED_GATHER = re.compile(
     r"for (j\d+) in range\((\d+)\):\n\s+for (j\d+) in range\((\d+)\):\n"
-    r"\s+\w+\[[^\]\n]*\] = (?:np\.float32\()?a0\[v\d+ \+ (j\d+) \* 1, 0 \+ (j\d+) \* 1\]")
+    r"\s+for (j\d+) in range\(8\):\n\s+for (j\d+) in range\(8\):\n"
+    r"\s+\w+\[[^\]\n]*\] = (?:np\.float32\()?a0\[v\d+ \+ \((j\d+) \* 8 \+ (j\d+)\) \* 1, "
+    r"0 \+ \((j\d+) \* 8 \+ (j\d+)\) \* 1\]")
 
 
 @needs_blas
 @pytest.mark.parametrize("make,args", [(_make_decode_qk, _decode_qk_args),
                                        (_make_attention, _attention_args)],
                          ids=["transpose_eqn", "contracting_dims"])
-def test_transposed_block_gathered_in_ref_row_order(make, args):
-  """k's block, needed transposed by sgemm, is copied from the ref row by
-  row (the outer loop walks the ref's rows: reading it down its columns
-  cost GQA decode ~0.2 ms a call, PERF_LOG); the copy holds the same
-  elements, so the bits equal the NumPy path's and interpret=True's."""
+def test_transposed_block_gathered_in_tiles(make, args):
+  """k's block, needed transposed by sgemm, is copied from the ref in 8 x 8
+  tiles, each read row by row (reading the ref down its columns cost GQA
+  decode ~0.2 ms a call; row by row, the copy's writes were the strided
+  ones: PERF_LOG); the copy holds the same elements, so the bits equal
+  the NumPy path's and interpret=True's."""
   compiled_equals_numpy(make, *args(), rtol=1e-4)
   text = _loop_source(make, *args())
-  found = _ROW_ORDER_GATHER.findall(text)
+  found = _TILED_GATHER.findall(text)
   assert len(found) == 1, text
-  outer, rows, inner, cols, row_var, col_var = found[0]
-  assert (row_var, col_var, rows, cols) == (outer, inner, "16", "32"), found
+  tile_r, rows, tile_c, cols, in_r, in_c, row_t, row_i, col_t, col_i = found[0]
+  assert (rows, cols) == ("2", "4"), found  # (a 16 x 32 block)
+  assert (row_t, row_i, col_t, col_i) == (tile_r, in_r, tile_c, in_c), found

@@ -173,6 +173,7 @@ def test_kernel_run_sets_blas_threads_once(monkeypatch):
     seen.append((blas._get(), blas._runs))
     return real_matmul(a, b, out=out)
   monkeypatch.setattr(blas.np, "matmul", spy)
+  monkeypatch.setattr(blas, "_warmed", [True])  # (the warm-up: test_blas_warm.py)
   before = blas._get()
   blas._set(2)
   try:
