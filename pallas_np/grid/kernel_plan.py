@@ -269,7 +269,7 @@ class KernelPlan:
           bidx = index_maps[b](ctx, *ids, *index_ops)
           if bidx != last_idx[b]:
             last_idx[b] = bidx
-            views[b] = buffers[b][blocks[b].block_index(bidx, clamp)]
+            views[b] = buffers[b][blocks[b].index_of(bidx, clamp)]
         if detector is not None:
           detector.begin(step, point, last_idx)
         if trace is not None:

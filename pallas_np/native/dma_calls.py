@@ -205,7 +205,7 @@ def runner(loop):
     elif call.fixed:  # (nothing runs compiled in this call: its rows join the NumPy queue)
       stash.flush(ctx)
     call.stash = stash
-    st[dma_queue.QADDR] = stash.q.ctypes.data
+    st[dma_queue.QADDR] = stash.qaddr
     st[dma_queue.OWNER] = stash.own(sites, loop.params, args, ctx.grid_point)
     call.mode()
     prev = getattr(_tls, "run", None)
