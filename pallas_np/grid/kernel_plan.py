@@ -79,6 +79,7 @@ class KernelPlan:
                        for bm in gm.block_mappings]
     self.scratch_avals = [a.inner_aval if isinstance(a, jc.AbstractRef) else a
                           for a in gm.scratch_avals]
+    self._scratch_allocators = None  # ``fresh_scratch``
     # JAX numbers aliased inputs over all operands, scalar prefetch
     # included (after the dynamic grid bounds).
     self.out_for_in = {o: i for i, o in input_output_aliases}
@@ -189,6 +190,16 @@ class KernelPlan:
       strategy = self._choose_strategy()
     direct = getattr(strategy, "direct", None)
     return direct(self, puts) if direct is not None else None
+
+  def fresh_scratch(self) -> list[np.ndarray]:
+    """The scratch buffers of one run (``memory.allocate``'s), through
+    allocators built on the first run: the dtype lookups and the fill
+    value once, small buffers copied from a filled template."""
+    fresh = self._scratch_allocators
+    if fresh is None:
+      fresh = self._scratch_allocators = [memory.allocator(a.shape, a.dtype, self.params)
+                                          for a in self.scratch_avals]
+    return [f() for f in fresh]
 
   def prepare(self, args):
     """``_prepare``: what every run strategy starts from."""
