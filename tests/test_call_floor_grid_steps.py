@@ -113,3 +113,69 @@ def test_scratch_fresh_every_run(monkeypatch):
     want = np.concatenate([np.full((8, 128), fill, np.float32), np.asarray(x)[:8]])
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
   assert calls[0] == 0, "scratch allocated through allocate() at every run"
+
+
+# -- a compiled loop's operand checks, unrolled (native/guards.py) -----------------
+def _reference_fits(guard, args):
+  """The checks as ``tier.NativeLoop._fits`` wrote them before: a loop."""
+  for pos, dt, ndim, contiguous, written in guard:
+    a = args[pos]
+    if (a.__class__ is not np.ndarray or a.dtype != dt or a.ndim != ndim
+        or (contiguous and not a.flags.c_contiguous) or (written and not a.flags.writeable)):
+      return False
+  return True
+
+
+def _operands():
+  base = np.zeros((4, 8), np.float32)
+  ro = base.copy()
+  ro.flags.writeable = False
+  return {"ok": base, "read-only": ro, "strided": base[:, ::2], "int32": base.astype(np.int32),
+          "rank 1": base.ravel(), "scalar": np.float32(1.0), "subclass": base.view(np.ma.MaskedArray),
+          "list": [[0.0] * 8] * 4, "f64": base.astype(np.float64)}
+
+
+@pytest.mark.parametrize("contiguous,written", [(True, True), (True, False), (False, True),
+                                                (False, False)])
+def test_unrolled_checks_match_the_loop(contiguous, written):
+  from pallas_np.native import guards
+  guard = ((1, np.dtype(np.float32), 2, contiguous, written),
+           (3, np.dtype(np.int32), 1, True, False))
+  fits = guards.checker(guard)
+  ops = _operands()
+  for name1, a1 in ops.items():
+    for name3, a3 in (("ok", np.zeros(5, np.int32)), ("int64", np.zeros(5, np.int64)),
+                      ("strided", np.zeros(10, np.int32)[::2])):
+      args = (None, a1, 7, a3)
+      assert fits(args) == _reference_fits(guard, args), (name1, name3)
+
+
+def _count_loop(x_ref, o_ref):
+  def body(i, acc):
+    return acc + x_ref[i]
+  o_ref[...] = jax.lax.fori_loop(0, 8, body, jnp.zeros((128,), jnp.float32))
+
+
+def test_native_loop_checks_built_once(monkeypatch):
+  """A compiled loop's calls check their operands through the unrolled
+  checks, built at its first call and reused."""
+  from pallas_np import native
+  from pallas_np.native import guards
+  built = [0]
+  real = guards.checker
+
+  def counted(guard):
+    built[0] += 1
+    return real(guard)
+  monkeypatch.setattr(guards, "checker", counted)
+  fn = pl.pallas_call(_count_loop, out_shape=jax.ShapeDtypeStruct((128,), jnp.float32),
+                      interpret=pallas_np.InterpretParams(native_loops="sync"))
+  x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+  before = native.stats()["native_calls"]
+  outs = [np.asarray(fn(x)) for _ in range(3)]
+  assert native.stats()["native_calls"] - before == 3
+  assert built[0] == 1
+  want = np.asarray(pl.pallas_call(_count_loop, out_shape=jax.ShapeDtypeStruct((128,), jnp.float32),
+                                   interpret=True)(x))
+  for out in outs:
+    np.testing.assert_array_equal(out, want)
