@@ -179,3 +179,24 @@ def test_native_loop_checks_built_once(monkeypatch):
                                    interpret=True)(x))
   for out in outs:
     np.testing.assert_array_equal(out, want)
+
+
+def test_race_detector_lookup_has_a_default():
+  """``races.current`` (asked at every call of a compiled DMA loop) finds
+  None through the per-thread state's class default, not a failed lookup;
+  a detector set in one thread is not seen by another."""
+  import threading
+  from pallas_np import races
+  assert type(races._state).detector is None
+  assert races.current() is None
+  marker = object()
+  seen = []
+  races._state.detector = marker
+  try:
+    t = threading.Thread(target=lambda: seen.append(races.current()))
+    t.start()
+    t.join()
+    assert races.current() is marker
+  finally:
+    races._state.detector = None
+  assert seen == [None]

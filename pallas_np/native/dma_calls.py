@@ -99,6 +99,8 @@ class _Run:
       return
     pending = [key for key, tasks in dma.tasks.items() if tasks]
     st[dma_queue.PENDING_N] = len(pending)
+    if not pending:
+      return
     if len(pending) <= dma_queue.PENDING_MAX:
       st[dma_queue.PENDING:dma_queue.PENDING + len(pending)] = pending
     else:
@@ -219,9 +221,10 @@ def runner(loop):
       _raise_at(*call.error)
     finally:
       _tls.run = prev
-      stash.settled()
       if stash.live():
         dmas.native = stash
+      else:
+        stash.settled()
   return run
 
 
