@@ -37,6 +37,7 @@ import numpy as np
 from pallas_np.clocks import Shadow, accessed_elements, byte_offsets  # noqa: F401 - races.*'s
 from pallas_np.errors import RaceError
 
+
 class _State(threading.local):
   """Per thread: the active detector (a class default, so that ``current``
   finds None without the failed lookup ``getattr``'s default costs, ~1 µs:
