@@ -37,7 +37,15 @@ import numpy as np
 from pallas_np.clocks import Shadow, accessed_elements, byte_offsets  # noqa: F401 - races.*'s
 from pallas_np.errors import RaceError
 
-_state = threading.local()
+
+class _State(threading.local):
+  """Per thread: the active detector (a class default, so that ``current``
+  finds None without the failed lookup ``getattr``'s default costs, ~1 µs:
+  a compiled DMA loop asks at every call)."""
+  detector = None
+
+
+_state = _State()
 _PARALLEL_NAMES = ("parallel", "core_parallel", "subcore_parallel")
 
 

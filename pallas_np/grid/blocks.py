@@ -12,11 +12,14 @@ from pallas_np.errors import UnsupportedError
 from pallas_np.memory import allocate
 
 
+MEMO_MAX = 4096  # block indices a geometry remembers (``index_of``)
+
+
 class BlockGeometry:
   """How one operand's blocks are cut out of its (padded) array."""
   __slots__ = ("origin", "array_shape", "dtype", "kinds", "sizes", "pad_low",
                "padded_shape", "needs_padding", "whole", "trivial_index_map", "_zero_index",
-               "window_layouts")
+               "window_layouts", "_memo")
 
   def __init__(self, bm):
     # Mosaic GPU tiling/swizzling is layout only: blocks stay logical and the
@@ -59,6 +62,7 @@ class BlockGeometry:
     # (buffer shape, strides) -> (shape, strides) of its block windows
     # (pallas_np.grid.slab_runner.block_windows, cut every vectorized call)
     self.window_layouts = {}
+    self._memo = {}  # (block indices, clamp) -> block_index: ``index_of``
 
   def pad(self, arr: np.ndarray, params) -> np.ndarray:
     """A padded copy, garbage where the array has no data."""
@@ -75,6 +79,22 @@ class BlockGeometry:
     idx = self._zero_index.get(clamp)
     if idx is None:
       idx = self._zero_index[clamp] = self.block_index((0,) * len(self.sizes), clamp)
+    return idx
+
+  def index_of(self, block_indices, clamp: bool):
+    """``block_index``, remembered per block indices (at most ``MEMO_MAX``):
+    a grid loop whose index maps read scalar prefetch (no precomputed
+    schedule) cuts the same few blocks at every run. An index that raises
+    is not remembered: it raises every time."""
+    key = (block_indices, clamp)
+    try:
+      idx = self._memo.get(key)
+    except TypeError:  # (an unhashable index: computed every time)
+      return self.block_index(block_indices, clamp)
+    if idx is None:
+      idx = self.block_index(block_indices, clamp)
+      if len(self._memo) < MEMO_MAX:
+        self._memo[key] = idx
     return idx
 
   def block_index(self, block_indices, clamp: bool):

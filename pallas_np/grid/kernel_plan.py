@@ -79,6 +79,7 @@ class KernelPlan:
                        for bm in gm.block_mappings]
     self.scratch_avals = [a.inner_aval if isinstance(a, jc.AbstractRef) else a
                           for a in gm.scratch_avals]
+    self._scratch_allocators = None  # ``fresh_scratch``
     # JAX numbers aliased inputs over all operands, scalar prefetch
     # included (after the dynamic grid bounds).
     self.out_for_in = {o: i for i, o in input_output_aliases}
@@ -190,6 +191,16 @@ class KernelPlan:
     direct = getattr(strategy, "direct", None)
     return direct(self, puts) if direct is not None else None
 
+  def fresh_scratch(self) -> list[np.ndarray]:
+    """The scratch buffers of one run (``memory.allocate``'s), through
+    allocators built on the first run: the dtype lookups and the fill
+    value once, small buffers copied from a filled template."""
+    fresh = self._scratch_allocators
+    if fresh is None:
+      fresh = self._scratch_allocators = [memory.allocator(a.shape, a.dtype, self.params)
+                                          for a in self.scratch_avals]
+    return [f() for f in fresh]
+
   def prepare(self, args):
     """``_prepare``: what every run strategy starts from."""
     return self._prepare(args)
@@ -269,7 +280,7 @@ class KernelPlan:
           bidx = index_maps[b](ctx, *ids, *index_ops)
           if bidx != last_idx[b]:
             last_idx[b] = bidx
-            views[b] = buffers[b][blocks[b].block_index(bidx, clamp)]
+            views[b] = buffers[b][blocks[b].index_of(bidx, clamp)]
         if detector is not None:
           detector.begin(step, point, last_idx)
         if trace is not None:

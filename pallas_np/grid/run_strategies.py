@@ -67,7 +67,7 @@ class GridRun:
         fallback = ("threaded", failure)
         # fresh buffers (private copies of the caller's arrays), to re-run
         grid, index_ops, buffers, out_bufs = kp.prepare(args)
-    scratch = [allocate(a.shape, a.dtype, kp.params) for a in kp.scratch_avals]
+    scratch = kp.fresh_scratch()
     detector = races.for_run(kp, grid, buffers, scratch)
     if detector is None:
       kp.run_grid(grid, index_ops, buffers, scratch)

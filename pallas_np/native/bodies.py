@@ -33,11 +33,9 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
-
 from pallas_np import _compat as jc
 from pallas_np.grid import kernel_plan
-from pallas_np.native import tier
+from pallas_np.native import guards, tier
 
 # Grid steps after the swap that compare the compiled body with the NumPy
 # plan (half each, alternating; the NumPy plan's first calls run its lines
@@ -202,18 +200,11 @@ def _step_source(guard, reads, nargs, nscratch) -> str:
   NumPy plan's."""
   refs = [f"a{k}" for k in range(nargs - len(reads))]
   ops = [f"r{k}" for k in range(len(reads))] + refs
-  checks = []
-  for pos, _dt, ndim, contiguous, written in guard:
-    a = ops[pos]
-    checks.append(f"{a}.__class__ is _nd and {a}.dtype == _dt{pos} and {a}.ndim == {ndim}")
-    if contiguous or written:
-      checks.append(f"(_f := {a}.flags)" + (".c_contiguous" if contiguous else ".writeable")
-                    + (" and _f.writeable" if contiguous and written else ""))
   lines = [f"def native_step(ctx{''.join(', ' + r for r in refs)}):"]
   for k, (field, axis) in enumerate(reads):
     lines.append(f"    r{k} = ctx.{field}[{axis}]")
     lines.append(f"    if r{k}.__class__ is not _t{k}: r{k} = _t{k}(r{k})")
-  lines.append(f"    if {' and '.join(checks) or 'True'}:")
+  lines.append(f"    if {guards.check_expr(guard, ops)}:")
   lines.append("        try:")
   lines.append(f"            _fn(_st, {', '.join(ops + [f'_s{j}' for j in range(nscratch)])})")
   lines.append("        except IndexError:")
@@ -347,10 +338,8 @@ class BodyPlan:
       err = st.copy()
       st[:] = tier.blas_calls.status()  # (the status array is reused: reset it)
       body._raise_oob(err, args)
-    scope = {"_nd": np.ndarray, "_fn": fn, "_st": st, "_oob": oob, "_counts": _counts,
-             "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
-    for pos, dt, *_ in body.guard:
-      scope[f"_dt{pos}"] = dt
+    scope = {**guards.constants(body.guard), "_fn": fn, "_st": st, "_oob": oob,
+             "_counts": _counts, "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
     for k, (pos, t) in enumerate(body.scalars):
       scope[f"_t{k}"] = t
     for j, a in enumerate(body.scratch):  # (the compiled body's buffers: codegen.finish)

@@ -99,6 +99,8 @@ class _Run:
       return
     pending = [key for key, tasks in dma.tasks.items() if tasks]
     st[dma_queue.PENDING_N] = len(pending)
+    if not pending:
+      return
     if len(pending) <= dma_queue.PENDING_MAX:
       st[dma_queue.PENDING:dma_queue.PENDING + len(pending)] = pending
     else:
@@ -205,7 +207,7 @@ def runner(loop):
     elif call.fixed:  # (nothing runs compiled in this call: its rows join the NumPy queue)
       stash.flush(ctx)
     call.stash = stash
-    st[dma_queue.QADDR] = stash.q.ctypes.data
+    st[dma_queue.QADDR] = stash.qaddr
     st[dma_queue.OWNER] = stash.own(sites, loop.params, args, ctx.grid_point)
     call.mode()
     prev = getattr(_tls, "run", None)
@@ -219,9 +221,10 @@ def runner(loop):
       _raise_at(*call.error)
     finally:
       _tls.run = prev
-      stash.settled()
       if stash.live():
         dmas.native = stash
+      else:
+        stash.settled()
   return run
 
 

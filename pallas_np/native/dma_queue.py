@@ -63,6 +63,20 @@ SCALARS = SHAPE + 3 * RANK
 WIDTH = SCALARS + blas_calls.PYCALL_OPERANDS
 ALL, NONE = -1, -2  # a callback's flush: every row, no row
 
+
+def _item_pointers():
+  """Header lines: ``_p8`` .. ``_p64``, an integer address as a pointer to
+  items of that many bits (``ptr[i]`` loads and stores them)."""
+  lines = []
+  for b in (8, 16, 32, 64):
+    lines += [f"def _t_p{b}(typingctx, addr):",
+              "    def codegen(context, builder, sig, llargs):",
+              f"        return builder.inttoptr(llargs[0], _lir.IntType({b}).as_pointer())",
+              f"    return _nt.CPointer(_nt.int{b})(_nt.int64), codegen",
+              f"_p{b} = _intrinsic(_t_p{b})", ""]
+  return lines
+
+
 HEADER = "\n".join([
     "from numba import njit as _njit",
     "from numba import carray as _carray",
@@ -98,6 +112,42 @@ HEADER = "\n".join([
     "    return _nt.CPointer(_nt.int64)(_nt.int64), codegen",
     "_qptr = _intrinsic(_t_qptr)",
     "",
+    *_item_pointers(),
+    "@_njit",
+    "def _dq_run(dst, ds, src, ss, n, isz):",
+    # n items of isz bytes, ``src`` + e * ss -> ``dst`` + e * ds: one memcpy
+    # where both are contiguous, a typed load and store per item where the
+    # item size divides the strides (a stride 0 source: a broadcast), else
+    # a memcpy per item
+    "    if ds == isz and ss == isz:",
+    "        _mcpy(dst, src, n * isz)",
+    "    elif isz == 4 and ds % 4 == 0 and ss % 4 == 0:",
+    "        _dq_items(_p32(dst), ds // 4, _p32(src), ss // 4, n)",
+    "    elif isz == 8 and ds % 8 == 0 and ss % 8 == 0:",
+    "        _dq_items(_p64(dst), ds // 8, _p64(src), ss // 8, n)",
+    "    elif isz == 2 and ds % 2 == 0 and ss % 2 == 0:",
+    "        _dq_items(_p16(dst), ds // 2, _p16(src), ss // 2, n)",
+    "    elif isz == 1:",
+    "        _dq_items(_p8(dst), ds, _p8(src), ss, n)",
+    "    else:",
+    "        for e in range(n):",
+    "            _mcpy(dst + e * ds, src + e * ss, isz)",
+    "",
+    "@_njit",
+    "def _dq_items(d, dq, s, sq, n):",
+    # (item pointers and strides in items; the common forms first, so that
+    # LLVM sees unit strides and vectorizes)
+    "    if dq == 1 and sq == 0:",
+    "        v = s[0]",
+    "        for e in range(n):",
+    "            d[e] = v",
+    "    elif dq == 1:",
+    "        for e in range(n):",
+    "            d[e] = s[e * sq]",
+    "    else:",
+    "        for e in range(n):",
+    "            d[e * dq] = s[e * sq]",
+    "",
     "@_njit",
     "def _dq_strided(base, row, strides, out, gather):",
     # one side of a copy: the window at ``base`` <-> the contiguous ``out``
@@ -109,30 +159,62 @@ HEADER = "\n".join([
     "        for b in range(n1):",
     "            for c in range(n2):",
     "                at = base + a * s0 + b * s1 + c * s2",
-    "                if s3 == isz:",
-    "                    if gather:",
-    "                        _mcpy(p, at, n3 * isz)",
-    "                    else:",
-    "                        _mcpy(at, p, n3 * isz)",
-    "                    p += n3 * isz",
+    "                if gather:",
+    "                    _dq_run(p, isz, at, s3, n3, isz)",
     "                else:",
-    "                    for e in range(n3):",
-    "                        if gather:",
-    "                            _mcpy(p, at + e * s3, isz)",
-    "                        else:",
-    "                            _mcpy(at + e * s3, p, isz)",
-    "                        p += isz",
+    "                    _dq_run(at, s3, p, isz, n3, isz)",
+    "                p += n3 * isz",
+    "",
+    "@_njit",
+    "def _dq_span(base, row, strides):",
+    # the bytes [lo, hi) a window at ``base`` touches (at most)
+    "    lo = base",
+    "    hi = base + row[%d]" % ITEM,
+    "    for k in range(%d):" % RANK,
+    "        s = row[strides + k] * (row[%d + k] - 1)" % SHAPE,
+    "        if s >= 0:",
+    "            hi += s",
+    "        else:",
+    "            lo += s",
+    "    return lo, hi",
+    "",
+    "@_njit",
+    "def _dq_direct(row):",
+    # source and destination apart: copied straight, the two inner dims as
+    # one run where both sides hold them contiguous
+    "    isz = row[%d]" % ITEM,
+    "    n0, n1, n2, n3 = row[%d], row[%d], row[%d], row[%d]" % tuple(SHAPE + k for k in range(4)),
+    "    s0, s1, s2, s3 = row[%d], row[%d], row[%d], row[%d]" % tuple(SSTR + k for k in range(4)),
+    "    d0, d1, d2, d3 = row[%d], row[%d], row[%d], row[%d]" % tuple(DSTR + k for k in range(4)),
+    "    src, dst = row[%d], row[%d]" % (SRC, DST),
+    "    if s3 == isz and d3 == isz and s2 == n3 * isz and d2 == n3 * isz:",
+    "        for a in range(n0):",
+    "            for b in range(n1):",
+    "                _mcpy(dst + a * d0 + b * d1, src + a * s0 + b * s1, n2 * n3 * isz)",
+    "        return",
+    "    for a in range(n0):",
+    "        for b in range(n1):",
+    "            for c in range(n2):",
+    "                _dq_run(dst + a * d0 + b * d1 + c * d2, d3, src + a * s0 + b * s1 + c * s2,",
+    "                        s3, n3, isz)",
     "",
     "@_njit",
     "def _dq_move(row):",
     # the DMA of ``row`` completes: its source read now, its destination
-    # written, its semaphore signalled with the bytes moved
+    # written, its semaphore signalled with the bytes moved. Where the two
+    # windows' byte ranges overlap, through a buffer (the NumPy rule reads
+    # the whole source before it writes); else straight
     "    total = row[%d] * row[%d] * row[%d] * row[%d] * row[%d]" % (
         ITEM, SHAPE, SHAPE + 1, SHAPE + 2, SHAPE + 3),
-    "    tmp = np.empty(total, np.uint8)",
-    "    t = tmp.ctypes.data",
-    "    _dq_strided(row[%d], row, %d, t, True)" % (SRC, SSTR),
-    "    _dq_strided(row[%d], row, %d, t, False)" % (DST, DSTR),
+    "    slo, shi = _dq_span(row[%d], row, %d)" % (SRC, SSTR),
+    "    dlo, dhi = _dq_span(row[%d], row, %d)" % (DST, DSTR),
+    "    if shi <= dlo or dhi <= slo:",
+    "        _dq_direct(row)",
+    "    else:",
+    "        tmp = np.empty(total, np.uint8)",
+    "        t = tmp.ctypes.data",
+    "        _dq_strided(row[%d], row, %d, t, True)" % (SRC, SSTR),
+    "        _dq_strided(row[%d], row, %d, t, False)" % (DST, DSTR),
     "    _st64(row[%d], _ld64(row[%d]) + total)" % (SEM, SEM),
     "",
     "@_njit",

@@ -24,11 +24,12 @@ from pallas_np.native import dma_queue
 
 class Stash:
   """The rows of DMAs compiled loops started and nobody waited for yet."""
-  __slots__ = ("q", "owners", "order", "bind")
+  __slots__ = ("q", "qaddr", "owners", "order", "bind")
 
   def __init__(self, bind):
     self.bind = bind  # bind(site, params): the site's rule on its operands (dma_calls._bind)
     self.q = np.zeros((dma_queue.CAPACITY + 1, dma_queue.WIDTH), np.int64)
+    self.qaddr = self.q.ctypes.data  # (read once: ``ndarray.ctypes`` costs ~3 us a call)
     # (sites, InterpretParams, operands) of each loop call that may own rows
     self.owners: list = []
     self.order: dict = {}  # id -> (Dma, start order) of the DMAs flushed to the NumPy path

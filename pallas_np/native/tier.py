@@ -35,8 +35,8 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, lanes, lite_cache,
-                              prekey, scheduler)
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes,
+                              lite_cache, prekey, scheduler)
 
 log = logging.getLogger("pallas_np.native")
 
@@ -184,6 +184,7 @@ class NativeLoop:
     self.sites = ()
     self.layouts = None
     self.guard = ()
+    self._checks = ((), None)  # (guard, its unrolled checks: native/guards.py)
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
@@ -509,12 +510,11 @@ class NativeLoop:
     return res
 
   def _fits(self, args) -> bool:
-    for pos, dt, ndim, contiguous, written in self.guard:
-      a = args[pos]
-      if (a.__class__ is not np.ndarray or a.dtype != dt or a.ndim != ndim
-          or (contiguous and not a.flags.c_contiguous) or (written and not a.flags.writeable)):
-        return False
-    return True
+    guard, fits = self._checks
+    if guard is not self.guard or fits is None:
+      self._checks = (self.guard, guards.checker(self.guard))
+      fits = self._checks[1]
+    return fits(args)
 
   def run(self, fn, args, ctx=None):
     """The native loop on ``args`` (the NumPy path's operands): its carries,
