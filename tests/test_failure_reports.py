@@ -38,11 +38,13 @@ def test_plain_failure():
 
 def _pytest(tmp_path, *args):
   (tmp_path / "test_kernels.py").write_text(FAILING_TESTS)
+  # (an empty config of its own, not the project's: pytest 9.2 refuses ``-c /dev/null``)
+  (tmp_path / "pytest.ini").write_text("[pytest]\n")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PALLAS_NP_PROGRESS="0")
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   out = subprocess.run(
       [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-       "-c", os.devnull, "--pallas-numpy", "-q", *args, str(tmp_path / "test_kernels.py")],
+       "-c", str(tmp_path / "pytest.ini"), "--pallas-numpy", "-q", *args, str(tmp_path / "test_kernels.py")],
       env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
   assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
   return out.stdout
