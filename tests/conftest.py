@@ -45,3 +45,18 @@ def bitcast_sizes(monkeypatch):
     return real(x, dtype)
   monkeypatch.setattr(lens, "tpu_bitcast", recording)
   return sizes
+
+
+@pytest.fixture
+def dma_callbacks(monkeypatch):
+  """The number of DMA call sites the compiled loops called back
+  (``native.dma_calls._call``): 0 where a loop's DMAs ran compiled."""
+  from pallas_np.native import dma_calls
+  count = [0]
+  real = dma_calls._call
+
+  def counted(run, k):
+    count[0] += 1
+    return real(run, k)
+  monkeypatch.setattr(dma_calls, "_call", counted)
+  return count

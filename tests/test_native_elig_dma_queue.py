@@ -14,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import dma_calls
+
 from tests.native_elig_util import bits
 
 R, STEPS = 8, 6
@@ -22,19 +22,6 @@ R, STEPS = 8, 6
 
 def _params(mode, **kw):
   return pallas_np.InterpretParams(native_loops=mode, **kw)
-
-
-@pytest.fixture
-def callbacks(monkeypatch):
-  """The number of call sites the compiled loops called back."""
-  count = [0]
-  real = dma_calls._call
-
-  def counted(run, k):
-    count[0] += 1
-    return real(run, k)
-  monkeypatch.setattr(dma_calls, "_call", counted)
-  return count
 
 
 def _double_buffered(x_hbm, o_ref, buf, sem):
@@ -72,17 +59,17 @@ def _x():
                      jnp.float32)
 
 
-def test_loop_dmas_run_compiled(callbacks):
+def test_loop_dmas_run_compiled(dma_callbacks):
   """2 * STEPS DMA sites run; only the first wait (of the copy the NumPy
   path started before the loop) and the exit's hand-over of the copy still
   in flight call back. Bits equal the NumPy path's and JAX's TPU
   interpret mode's."""
   x = _x()
   want = _make(_params("off"))(x)
-  before, calls = native.stats()["native_calls"], callbacks[0]
+  before, calls = native.stats()["native_calls"], dma_callbacks[0]
   got = _make(_params("sync"))(x)
   assert native.stats()["native_calls"] > before, "the compiled loop did not run"
-  assert callbacks[0] - calls <= 2, f"{callbacks[0] - calls} callbacks of {2 * STEPS} sites"
+  assert dma_callbacks[0] - calls <= 2, f"{dma_callbacks[0] - calls} dma_callbacks of {2 * STEPS} sites"
   np.testing.assert_array_equal(bits(got), bits(want))
   np.testing.assert_array_equal(bits(got), bits(_make(pltpu.InterpretParams())(x)))
 
@@ -103,7 +90,7 @@ def _source_written_before_wait(x_hbm, o_ref, src, buf, sem):
   lax.fori_loop(0, STEPS, body, 0)
 
 
-def test_source_read_at_wait(callbacks):
+def test_source_read_at_wait(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _source_written_before_wait, out_shape=jax.ShapeDtypeStruct((R, 128), jnp.float32),
       in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
@@ -112,9 +99,9 @@ def test_source_read_at_wait(callbacks):
                       pltpu.SemaphoreType.DMA((1,))],
       interpret=interp)
   x = jnp.zeros((R, 128), jnp.float32)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   got = make(_params("sync"))(x)
-  assert callbacks[0] == calls, "the loop's DMAs called back"
+  assert dma_callbacks[0] == calls, "the loop's DMAs called back"
   np.testing.assert_array_equal(bits(got), bits(make(_params("off"))(x)))
   np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
   assert float(np.asarray(got)[0, 0]) == sum(i + 100.0 for i in range(STEPS))
@@ -138,7 +125,7 @@ def _fifo(x_hbm, o_ref, buf, sem):
   lax.fori_loop(0, STEPS, body, 0)
 
 
-def test_same_semaphore_oldest_first(callbacks):
+def test_same_semaphore_oldest_first(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _fifo, out_shape=jax.ShapeDtypeStruct((R, 128), jnp.float32),
       in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
@@ -146,9 +133,9 @@ def test_same_semaphore_oldest_first(callbacks):
       scratch_shapes=[pltpu.VMEM((R, 128), jnp.float32), pltpu.SemaphoreType.DMA((1,))],
       interpret=interp)
   x = jnp.asarray(np.random.default_rng(3).standard_normal(((STEPS + 1) * R, 128)), jnp.float32)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   got = make(_params("sync"))(x)
-  assert callbacks[0] == calls, "the loop's DMAs called back"
+  assert dma_callbacks[0] == calls, "the loop's DMAs called back"
   np.testing.assert_array_equal(bits(got), bits(make(_params("off"))(x)))
   xs = np.asarray(x).reshape(STEPS + 1, R, 128)
   acc = np.zeros((R, 128), np.float32)
@@ -221,7 +208,7 @@ def _across_grid_points(x_hbm, o_ref, buf, sem):
   lax.fori_loop(0, LONG, body, 0)
 
 
-def test_dmas_waited_in_the_next_grid_point(callbacks):
+def test_dmas_waited_in_the_next_grid_point(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _across_grid_points, grid=(G,),
       out_shape=jax.ShapeDtypeStruct((G * R, 128), jnp.int32),
@@ -232,9 +219,9 @@ def test_dmas_waited_in_the_next_grid_point(callbacks):
   x = jnp.asarray(np.random.default_rng(11).integers(-2**31, 2**31, (G * LONG * R, 128)),
                   jnp.int32)
   want = make(_params("off"))(x)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   got = make(_params("sync"))(x)
-  assert callbacks[0] == calls, f"{callbacks[0] - calls} callbacks"
+  assert dma_callbacks[0] == calls, f"{dma_callbacks[0] - calls} dma_callbacks"
   np.testing.assert_array_equal(bits(got), bits(want))
   np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
 
@@ -255,7 +242,7 @@ def _left_for_the_end(x_hbm, o_ref, buf, sem):
   lax.fori_loop(0, STEPS, body, 0)
 
 
-def test_in_flight_names_its_grid_point(callbacks):
+def test_in_flight_names_its_grid_point(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _left_for_the_end, grid=(2,), out_shape=jax.ShapeDtypeStruct((2 * R, 128), jnp.float32),
       in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
@@ -265,10 +252,10 @@ def test_in_flight_names_its_grid_point(callbacks):
   x = jnp.zeros((STEPS * R, 128), jnp.float32)
   with pytest.raises(RuntimeError, match=r"grid point \(0,\)") as want:
     make(_params("off"))(x)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   with pytest.raises(RuntimeError) as got:
     make(_params("sync"))(x)
-  assert callbacks[0] == calls, "the start called back"
+  assert dma_callbacks[0] == calls, "the start called back"
   assert str(got.value) == str(want.value)
 
 
@@ -289,7 +276,7 @@ def _strided(x_ref, o_ref, buf, sem):
   lax.fori_loop(0, STEPS, body, 0)
 
 
-def test_strided_windows(callbacks):
+def test_strided_windows(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _strided, out_shape=jax.ShapeDtypeStruct((R, 128), jnp.float32),
       in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
@@ -297,9 +284,9 @@ def test_strided_windows(callbacks):
       scratch_shapes=[pltpu.VMEM((R, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
       interpret=interp)
   x = jnp.arange(R * 128, dtype=jnp.float32).reshape(R, 128)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   got = make(_params("sync"))(x)
-  assert callbacks[0] == calls, "the loop's DMAs called back"
+  assert dma_callbacks[0] == calls, "the loop's DMAs called back"
   np.testing.assert_array_equal(bits(got), bits(make(_params("off"))(x)))
   np.testing.assert_array_equal(bits(got), bits(make(pltpu.InterpretParams())(x)))
 
@@ -315,13 +302,13 @@ def _signals(o_ref, sem):
   o_ref[0] = pl.semaphore_read(sem) * 100 + n
 
 
-def test_semaphore_signal_and_wait_compiled(callbacks):
+def test_semaphore_signal_and_wait_compiled(dma_callbacks):
   make = lambda interp: pl.pallas_call(
       _signals, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
       out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
       scratch_shapes=[pltpu.SemaphoreType.REGULAR], interpret=interp)
-  calls = callbacks[0]
+  calls = dma_callbacks[0]
   got = make(_params("sync"))()
-  assert callbacks[0] == calls, "the loop's signals and waits called back"
+  assert dma_callbacks[0] == calls, "the loop's signals and waits called back"
   np.testing.assert_array_equal(np.asarray(got), np.asarray(make(_params("off"))()))
   assert int(np.asarray(got)[0]) == STEPS * 100 + STEPS
