@@ -105,6 +105,17 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   np.testing.assert_array_equal(got_numba, want)
 
 
+def _collatz_sync_and_off():
+  """The Collatz kernel's bits with a "sync" build and with ``off``, and
+  the tier's counters around the "sync" call."""
+  x = _x_collatz()
+  make = functools.partial(_kernel_call, collatz_kernel, x)
+  want = _bits(make(OFF)(x))
+  before = native.stats()
+  got = _bits(make(SYNC)(x))
+  return got, want, before, native.stats()
+
+
 class _Exiting(scheduler.Compiler):
   """A compile process that exits before it answers (a crash, a kill)."""
 
@@ -121,12 +132,7 @@ def test_a_compile_process_that_exits_is_a_refused_build(fresh, monkeypatch):
   returns the NumPy path's bits, nothing raised."""
   monkeypatch.setenv(lite_cache.ENV, "lite")
   monkeypatch.setattr(scheduler, "sync_compiler", _Exiting(nice=False))
-  x = _x_collatz()
-  make = functools.partial(_kernel_call, collatz_kernel, x)
-  want = _bits(make(OFF)(x))
-  before = native.stats()
-  got = _bits(make(SYNC)(x))
-  after = native.stats()
+  got, want, before, after = _collatz_sync_and_off()
   assert after["lite_refused"] == before["lite_refused"] + 1
   assert after["failed"] == before["failed"] + 1
   assert after["native_calls"] == before["native_calls"]
@@ -145,12 +151,7 @@ def test_an_error_in_the_compile_process_is_a_refused_build(fresh, monkeypatch):
     job["src"] += ".missing"
     return job
   monkeypatch.setattr(lite_cache, "job", broken)
-  x = _x_collatz()
-  make = functools.partial(_kernel_call, collatz_kernel, x)
-  want = _bits(make(OFF)(x))
-  before = native.stats()
-  got = _bits(make(SYNC)(x))
-  after = native.stats()
+  got, want, before, after = _collatz_sync_and_off()
   assert after["lite_refused"] == before["lite_refused"] + 1 and after["lite"] == before["lite"]
   assert after["native_calls"] > before["native_calls"]  # (numba's build ran)
   np.testing.assert_array_equal(got, want)
