@@ -468,3 +468,31 @@ def test_one_status_array_per_loop_fresh_after_an_error(monkeypatch):
   assert made  # (a fresh status array for the next call)
   for s in (ok, jnp.full((1, 1), 4, jnp.int32)):
     np.testing.assert_array_equal(np.asarray(fn(s, x)), np.asarray(off(s, x)))
+
+
+def _window_sum(x_ref, o_ref):
+  """Rows of a fixed-size window of a ref whose width is not in the loop's
+  source: the same generated text for (64, 40) and (64, 48) refs."""
+  def body(i, acc):
+    return acc + x_ref[pl.ds(i * 8, 8), pl.ds(0, 32)] * (i + 1).astype(jnp.float32)
+  o_ref[...] = lax.fori_loop(0, 8, body, jnp.zeros((8, 32), jnp.float32))
+
+
+@pytest.mark.parametrize("widths", [(40, 48), (48, 40)])
+def test_one_source_on_refs_of_two_shapes(widths):
+  """A loop whose source does not change with its ref's width, run on two
+  widths in one process: each gets a library of its own (lite compiles the
+  operands' static shapes in; one library keyed by the source alone read
+  the second ref with the first one's row stride: a wrong answer)."""
+  rng = np.random.default_rng(sum(widths) + widths[0])
+  for width in widths:
+    x = jnp.asarray(rng.standard_normal((64, width)), jnp.float32)
+
+    def make(interp):
+      return pl.pallas_call(_window_sum, out_shape=jax.ShapeDtypeStruct((8, 32), jnp.float32),
+                            interpret=interp)
+    before = native.stats()["native_calls"]
+    got = make(SYNC)(x)
+    assert native.stats()["native_calls"] > before
+    np.testing.assert_array_equal(_bits(got), _bits(make(OFF)(x)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(make(True)(x)), rtol=1e-6, atol=1e-6)

@@ -44,6 +44,11 @@ LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
 PYCALL = SLOT + len(NAMES) + len(LOOPS)
 PYCALL_OPERANDS = 12
 PYCALL_EXTRA = 14  # the compiled DMA queue's slots (dma_queue.MODE ...)
+# Last: 1 where ?gemm given an operand transposed (``TRANS``, read in place
+# from a ref block) gives the bits of ?gemm given its C-order copy, which the
+# NumPy rule makes (``_transposed_check``); a compiled loop then skips the
+# copy (``dots._in_place``).
+TRANSPOSED = PYCALL + 1 + PYCALL_OPERANDS + PYCALL_EXTRA
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
@@ -95,6 +100,41 @@ def _self_check(fns) -> bool:
   return True
 
 
+# (m, k, n) of the transposed-operand check: OpenBLAS packs either layout
+# into the same panels for its one kernel (every size here); a BLAS with
+# per-layout small-matrix kernels may sum in another order, and fails it.
+_TRANSPOSED_SHAPES = ((128, 128, 128), (16, 64, 128), (16, 128, 64), (4, 128, 64),
+                      (4, 64, 128), (33, 200, 17), (2, 5, 3), (64, 256, 32), (8, 16, 8))
+
+
+def _transposed_check(fns) -> bool:
+  """?gemm with A or B transposed (``TRANS``, a strided block with a
+  leading dimension past its width) gives ?gemm's bits on the C-order copies
+  for every shape of ``_TRANSPOSED_SHAPES``, values of mixed scales."""
+  rng = np.random.default_rng(1)
+  for dt, p in ((np.float32, "s"), (np.float64, "d")):
+    for m, k, n in _TRANSPOSED_SHAPES:
+      scale = np.exp2(rng.integers(-20, 20, (1, k))).astype(dt)
+      xt = np.zeros((k + 3, m + 5), dt)  # x transposed, in a wider array
+      yt = np.zeros((n + 2, k + 7), dt)  # y transposed, likewise
+      xt[1:1 + k, 2:2 + m] = rng.standard_normal((k, m)) * scale.T
+      yt[1:1 + n, 3:3 + k] = rng.standard_normal((n, k)) * scale
+      xv, yv = xt[1:1 + k, 2:2 + m], yt[1:1 + n, 3:3 + k]
+      x, y = np.ascontiguousarray(xv.T), np.ascontiguousarray(yv.T)
+      want, got = np.empty((m, n), dt), np.empty((m, n), dt)
+      gemm, lda, ldb = fns[p + "gemm"], xt.shape[1], yt.shape[1]
+      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k, y.ctypes.data, n,
+           0.0, want.ctypes.data, n)
+      for ta, tb in ((TRANS, NO_TRANS), (NO_TRANS, TRANS), (TRANS, TRANS)):
+        a, la = (xv.ctypes.data, lda) if ta == TRANS else (x.ctypes.data, k)
+        b, lb = (yv.ctypes.data, ldb) if tb == TRANS else (y.ctypes.data, n)
+        got[...] = np.nan
+        gemm(ROW_MAJOR, ta, tb, m, n, k, 1.0, a, la, b, lb, 0.0, got.ctypes.data, n)
+        if not np.array_equal(got.view(f"u{dt().itemsize}"), want.view(f"u{dt().itemsize}")):
+          return False
+  return True
+
+
 def matmul(fns, x, y, out) -> bool:
   """``out = x @ y`` (C-contiguous 2-D) by the routine ``np.matmul`` picks
   (ctypes; the self-check); False for the shapes it computes without BLAS."""
@@ -139,7 +179,7 @@ def found():
   """(addresses by routine name, CBLAS_INT bits) of NumPy's BLAS, or None
   (not an OpenBLAS found here, or failing the self-check)."""
   if not _found:
-    result = None
+    result, transposed = None, False
     try:
       sym = _symbols()
       if sym is not None:
@@ -147,12 +187,15 @@ def found():
         if _self_check(fns):
           addrs = {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in fns.items()}
           result = (addrs, sym[2])
+          with blas.kernel_run():  # (one thread, as the loops call it)
+            transposed = _transposed_check(fns)
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
-    st = np.zeros(PYCALL + 1 + PYCALL_OPERANDS + PYCALL_EXTRA, np.int64)
+    st = np.zeros(TRANSPOSED + 1, np.int64)
     if result is not None:
       st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
+      st[TRANSPOSED] = int(transposed)
     _status[0] = st
   return _found[0]
 

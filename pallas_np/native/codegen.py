@@ -33,6 +33,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.compiler import INLINE_CALLS
 from pallas_np.dtypes import np_dtype
+from pallas_np.native import buffer_reuse
 from pallas_np.native.contract import SUPPORTED, Refused  # noqa: F401 - (re-exported: lite reads them without JAX)
 
 # bfloat16 values are held exactly in float32 (their bits << 16), and only
@@ -453,6 +454,7 @@ def finish(gen, args, kinds, outs, shared=False) -> Source:
   temps = [t for t in gen.temps if t[0] not in dead]
   scratch, head = [], []
   if not shared or getattr(gen, "pycalls", None):
+    lines, temps = buffer_reuse.share(lines, temps)  # (buffers whose lives are apart: one)
     head = [f"    {name} = np.empty({n}, {np_name(dt)})" for name, n, dt in temps]
   else:
     groups: dict = {}

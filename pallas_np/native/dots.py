@@ -69,13 +69,14 @@ class RefView(Val):
   (None once transposed: never read in place, as the NumPy rule copies a
   transposed view); ``order`` (None: the block's own) the block axis each
   axis of a transposed view is."""
-  __slots__ = ("ref", "at_", "parts", "order")
+  __slots__ = ("ref", "at_", "parts", "order", "block_parts")
 
   def transposed(self, gen, perm) -> "RefView":
     """``transpose`` of this block (``shapes``'s emitter): still a view."""
     v = RefView(gen.fresh("view"), [self.shape[d] for d in perm], self.dtype, "v")
     where = {d: i for i, d in enumerate(perm)}
     v.ref, v.parts = self.ref, None
+    v.block_parts = self.parts if self.order is None else self.block_parts
     v.at_ = lambda js, at=self.at_: at([js[where[d]] for d in range(len(perm))])
     order = self.order or tuple(range(len(perm)))
     v.order = tuple(order[d] for d in perm)
@@ -117,6 +118,7 @@ def ref_operand(gen, eqn, ref: Val, at, shape, dt, parts):
         return None
     v = RefView(gen.fresh("view"), shape, dt, "v")
     v.ref, v.at_, v.parts, v.order = ref, at, tuple(parts), None
+    v.block_parts = v.parts
     return v
   return None
 
@@ -258,8 +260,8 @@ def _blas_dot(gen, eqn, x, y, dt):
   c = np_name(dt)
   xperm, yperm = (*lb, *lf, *lc), (*rb, *rc, *rf)
   direct = kind == "gemm" and B == 1 and blas_calls.found() is not None
-  xd = _direct(gen, x, xperm, dt, M, K) if direct else None
-  yd = _direct(gen, y, yperm, dt, K, N) if direct else None
+  xd = (_direct(gen, x, xperm, dt, M, K) or _in_place(gen, x, xperm, dt, M, K)) if direct else None
+  yd = (_direct(gen, y, yperm, dt, K, N) or _in_place(gen, y, yperm, dt, K, N)) if direct else None
   xs = None if xd else _stacked(gen, x, xperm, dt)
   ys = None if yd else _stacked(gen, y, yperm, dt)
   out = gen.array(out_shape, dt)
@@ -281,18 +283,20 @@ def _blas_dot(gen, eqn, x, y, dt):
   fp = _routine_address(gen, name, found[1])
   isz = dt.itemsize
   po = gen.fresh("po")
-  px, lda = xd or (gen.scalar(f"np.int64({xs.name}.ctypes.data)", np.dtype(np.int64)).name, K)
-  py, ldb = yd or (gen.scalar(f"np.int64({ys.name}.ctypes.data)", np.dtype(np.int64)).name, N)
-  gen.emit(f"{po} = np.int64({out.name}.ctypes.data)")
-  one, zero = f"{c}(1.0)", f"{c}(0.0)"
   R, C, NT, T = (blas_calls.ROW_MAJOR, blas_calls.COL_MAJOR, blas_calls.NO_TRANS,
                  blas_calls.TRANS)
+  px, lda, ta = xd or (gen.scalar(f"np.int64({xs.name}.ctypes.data)", np.dtype(np.int64)).name,
+                       K, NT)
+  py, ldb, tb = yd or (gen.scalar(f"np.int64({ys.name}.ctypes.data)", np.dtype(np.int64)).name,
+                       N, NT)
+  gen.emit(f"{po} = np.int64({out.name}.ctypes.data)")
+  one, zero = f"{c}(1.0)", f"{c}(0.0)"
   with gen.block(f"for _b in range({B}):"):
     a = f"{px} + _b * {M * K * isz}"
     b = f"{py} + _b * {K * N * isz}"
     o = f"{po} + _b * {M * N * isz}"
     if kind == "gemm":
-      gen.emit(f"_cblas_{name}({fp}, {R}, {NT}, {NT}, {M}, {N}, {K}, {one}, {a}, {lda}, "
+      gen.emit(f"_cblas_{name}({fp}, {R}, {ta}, {tb}, {M}, {N}, {K}, {one}, {a}, {lda}, "
                f"{b}, {ldb}, {zero}, {o}, {N})")
     elif kind == "gemv_row":  # vector @ matrix
       gen.emit(f"_cblas_{name}({fp}, {R}, {T}, {K}, {N}, {one}, {b}, {N}, {a}, 1, {zero}, "
@@ -332,4 +336,44 @@ def _direct(gen, v: Val, perm, dt, rows: int, cols: int):
     c = gather(gen, v.shape, dt, v.at_)
     gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
     gen.emit(f"{ld} = np.int64({cols})")
-  return ptr, ld
+  return ptr, ld, blas_calls.NO_TRANS
+
+
+def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
+  """(pointer local, leading-dimension local, transpose local) of a
+  ``RefView`` that the dot needs transposed (``q @ k.T``'s K block), or
+  None. The NumPy rule copies it transposed into C order and calls ?gemm
+  with ``NO_TRANS``; here, where the block's own rows are unit-stride and
+  the status array says so (``blas_calls.TRANSPOSED``: ?gemm reading an
+  operand ``TRANS`` in place gives the copy's bits in this process), ?gemm
+  reads the ref block in place with ``TRANS``: no gather (flash
+  attention's 128 x 128 K block: ~20 us of its step). Else the copy, as
+  before (``_gathered``)."""
+  if (not isinstance(v, RefView) or v.block_parts is None or len(v.shape) != 2
+      or dt != v.dtype):
+    return None
+  order = v.order or (0, 1)
+  if [order[d] for d in perm] != [1, 0]:
+    return None
+  axes = [(ax, p) for ax, p in enumerate(v.block_parts) if p[0] == "slice"]
+  if len(axes) != 2:
+    return None
+  (ra, rp), (ca, cp) = axes  # the block's own rows (the operand's columns) and columns
+  r, isz = v.ref.name, dt.itemsize
+  offset = " + ".join(f"np.int64({p[1]}) * {r}.strides[{ax}]"
+                      for ax, p in enumerate(v.block_parts))
+  ptr = gen.scalar(f"np.int64({r}.ctypes.data) + {offset or '0'}", np.dtype(np.int64)).name
+  rs = gen.scalar(f"np.int64({r}.strides[{ra}]) * {rp[2]}", np.dtype(np.int64)).name
+  cs = gen.scalar(f"np.int64({r}.strides[{ca}]) * {cp[2]}", np.dtype(np.int64)).name
+  ld, trans = gen.fresh("ld"), gen.fresh("tr")
+  slot = blas_calls.TRANSPOSED
+  with gen.block(f"if _st.shape[0] > {slot} and _st[{slot}] == 1 and {cs} == {isz} and "
+                 f"{rs} % {isz} == 0 and {rs} >= {rows * isz}:"):
+    gen.emit(f"{ld} = {rs} // {isz}")
+    gen.emit(f"{trans} = {blas_calls.TRANS}")
+  with gen.block("else:"):  # (the NumPy rule's C-order copy)
+    c = _gathered(gen, v, perm, dt)
+    gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
+    gen.emit(f"{ld} = np.int64({cols})")
+    gen.emit(f"{trans} = {blas_calls.NO_TRANS}")
+  return ptr, ld, trans

@@ -1,0 +1,150 @@
+"""A dot operand needed transposed, read by ?gemm in place (pallas_np/native/
+dots.py ``_in_place``): the NumPy rule copies such a ref block into C order
+and calls ?gemm with ``NO_TRANS``; a compiled loop passes the ref block
+itself with ``TRANS`` where the status array says ?gemm gives the copy's
+bits that way (``blas_calls.TRANSPOSED``, set by ``_transposed_check``),
+else it makes the copy, as before. Every kernel is compared bit for bit
+with ``native_loops="off"`` and within tolerance with interpret=True, with
+the slot on and forced off; the structural tests read the generated source
+(they fail without the change: the block was always gathered)."""
+import ctypes
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_np.native import blas_calls, codegen
+from tests.native_elig_util import compiled_equals_numpy
+
+needs_blas = pytest.mark.skipif(blas_calls.found() is None,
+                                reason="NumPy's BLAS is not an OpenBLAS found here")
+
+
+def _qk_contracting(q_ref, k_ref, v_ref, o_ref):
+  """``q @ k.T`` as dot_general contracting both dims 1 (flash attention's
+  form), k's block at a dynamic row offset of a wider ref; ``p @ v``."""
+  def body(j, acc):
+    k = k_ref[pl.ds(j * 16, 16), pl.ds(4, 32)]  # (16, 32) of a (64, 40) ref
+    s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())))  # (8, 16)
+    return acc + jnp.dot(jnp.exp(s * 0.1), v_ref[pl.ds(j * 16, 16), :])
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _qk_transpose(q_ref, k_ref, v_ref, o_ref):
+  """``q @ k.T`` through a ``transpose`` eqn (GPU decode attention's form)."""
+  def body(j, acc):
+    k = k_ref[pl.ds(j * 16, 16), pl.ds(4, 32)]
+    s = jnp.dot(q_ref[...], k.T)
+    return acc + jnp.dot(jnp.exp(s * 0.1), v_ref[pl.ds(j * 16, 16), :])
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _xt_w(x_ref, w_ref, o_ref):
+  """The left operand transposed (``x.T @ w``: ?gemm's A with ``TRANS``)."""
+  def body(j, acc):
+    x = x_ref[pl.ds(j * 16, 16), :]  # (16, 8): x.T is (8, 16)
+    return acc + jnp.dot(x.T, w_ref[pl.ds(j * 16, 16), :])
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _attention_args(seed, k_cols=40):
+  rng = np.random.default_rng(seed)
+  scale = np.exp2(rng.integers(-8, 8, (1, 32)))
+  q = rng.standard_normal((8, 32)) * scale
+  return tuple(jnp.asarray(a, jnp.float32)
+               for a in (q, rng.standard_normal((64, k_cols)), rng.standard_normal((64, 24))))
+
+
+def _xt_args(seed):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.standard_normal((64, 8)), jnp.float32),
+          jnp.asarray(rng.standard_normal((64, 24)), jnp.float32))
+
+
+CASES = {
+    "contracting_dims": (_qk_contracting, (8, 24), lambda s: _attention_args(s)),
+    "transpose_eqn": (_qk_transpose, (8, 24), lambda s: _attention_args(s)),
+    "lhs_transposed": (_xt_w, (8, 24), _xt_args),
+}
+
+
+def _make(kernel, out_shape):
+  def make(interp):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+                          interpret=interp)
+  return make
+
+
+def _loop_source(make, *args) -> str:
+  closed = jax.make_jaxpr(make(True))(*args)
+  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
+  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
+  return codegen.loop_source(loop, False, "nan").text
+
+
+@needs_blas
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transposed_operand_read_in_place_bit_exact(name):
+  kernel, out_shape, args = CASES[name]
+  make = _make(kernel, out_shape)
+  compiled_equals_numpy(make, *args(1), rtol=1e-4, atol=1e-4)
+  text = _loop_source(make, *args(1))
+  # the sgemm's transpose flag is a local set at run time: TRANS in place,
+  # NO_TRANS on the gathered copy
+  flags = re.findall(r"^\s+(tr\d+) = (\d+)$", text, re.M)
+  assert sorted(v for _, v in flags) == [str(blas_calls.NO_TRANS), str(blas_calls.TRANS)], text
+  sgemm = [l for l in text.splitlines() if "_cblas_sgemm(" in l]
+  assert any(flags[0][0] in l for l in sgemm), sgemm
+  assert re.search(rf"if _st\.shape\[0\] > {blas_calls.TRANSPOSED} and "
+                   rf"_st\[{blas_calls.TRANSPOSED}\] == 1 and ", text), text
+
+
+@needs_blas
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transposed_operand_copied_where_the_status_says_no(name):
+  """With the status slot 0 (a BLAS whose ``TRANS`` sums in another order)
+  the loop gathers the block as the NumPy rule copies it: the same bits.
+  (New shapes: a loop compiled here takes the status array of its build.)"""
+  blas_calls.status()
+  st = blas_calls._status[0]
+  assert st[blas_calls.TRANSPOSED] == 1
+  kernel, out_shape, args = CASES[name]
+  big = (lambda s: _attention_args(s, k_cols=48)) if name != "lhs_transposed" else (
+      lambda s: (jnp.concatenate([_xt_args(s)[0]] * 2, 1)[:, :12], _xt_args(s)[1]))
+  st[blas_calls.TRANSPOSED] = 0
+  try:
+    compiled_equals_numpy(_make(kernel, (12, 24) if name == "lhs_transposed" else out_shape),
+                          *big(2), rtol=1e-4, atol=1e-4)
+  finally:
+    st[blas_calls.TRANSPOSED] = 1
+
+
+def _perturbed(fns):
+  """``fns`` with ?gemm one ulp off in its first element whenever an
+  operand is passed transposed (a BLAS summing in another order there)."""
+  out = dict(fns)
+  for p, dt in (("s", np.float32), ("d", np.float64)):
+    real = fns[p + "gemm"]
+
+    def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, real=real, dt=dt):
+      real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+      if blas_calls.TRANS in (ta, tb):
+        ctype = ctypes.c_float if dt == np.float32 else ctypes.c_double
+        first = np.ctypeslib.as_array(ctypes.cast(c, ctypes.POINTER(ctype)), shape=(1,))
+        first[0] = np.nextafter(first[0], dt(np.inf))
+    out[p + "gemm"] = gemm
+  return out
+
+
+@needs_blas
+def test_transposed_check_refuses_other_bits():
+  """The check passes for this process's OpenBLAS, and fails for a ?gemm
+  whose transposed calls round differently (then every loop copies)."""
+  fns = blas_calls.ctypes_routines()
+  assert blas_calls._transposed_check(fns)
+  assert not blas_calls._transposed_check(_perturbed(fns))
+  assert blas_calls.status()[blas_calls.TRANSPOSED] == 1
