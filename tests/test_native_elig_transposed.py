@@ -43,6 +43,17 @@ def _qk_transpose(q_ref, k_ref, v_ref, o_ref):
   o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
+def _qk_value(q_ref, k_ref, v_ref, o_ref):
+  """``q @ k.T`` of a computed K block (TPU paged attention's form: the
+  block rounded first, then ``pl.dot(q, k, trans_b=True)``), a value, not a
+  ref block."""
+  def body(j, acc):
+    k = k_ref[pl.ds(j * 16, 16), pl.ds(4, 32)] * 0.5 + 1.0
+    s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())))
+    return acc + jnp.dot(jnp.exp(s * 0.1), v_ref[pl.ds(j * 16, 16), :])
+  o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
 def _xt_w(x_ref, w_ref, o_ref):
   """The left operand transposed (``x.T @ w``: ?gemm's A with ``TRANS``)."""
   def body(j, acc):
@@ -69,6 +80,7 @@ CASES = {
     "contracting_dims": (_qk_contracting, (8, 24), lambda s: _attention_args(s)),
     "transpose_eqn": (_qk_transpose, (8, 24), lambda s: _attention_args(s)),
     "lhs_transposed": (_xt_w, (8, 24), _xt_args),
+    "value": (_qk_value, (8, 24), lambda s: _attention_args(s)),
 }
 
 
@@ -100,7 +112,7 @@ def test_transposed_operand_read_in_place_bit_exact(name):
   sgemm = [l for l in text.splitlines() if "_cblas_sgemm(" in l]
   assert any(flags[0][0] in l for l in sgemm), sgemm
   assert re.search(rf"if _st\.shape\[0\] > {blas_calls.TRANSPOSED} and "
-                   rf"_st\[{blas_calls.TRANSPOSED}\] == 1 and ", text), text
+                   rf"_st\[{blas_calls.TRANSPOSED}\] == 1\b", text), text
 
 
 @needs_blas

@@ -260,8 +260,10 @@ def _blas_dot(gen, eqn, x, y, dt):
   c = np_name(dt)
   xperm, yperm = (*lb, *lf, *lc), (*rb, *rc, *rf)
   direct = kind == "gemm" and B == 1 and blas_calls.found() is not None
-  xd = (_direct(gen, x, xperm, dt, M, K) or _in_place(gen, x, xperm, dt, M, K)) if direct else None
-  yd = (_direct(gen, y, yperm, dt, K, N) or _in_place(gen, y, yperm, dt, K, N)) if direct else None
+  xd = (_direct(gen, x, xperm, dt, M, K) or _in_place(gen, x, xperm, dt, M, K)
+        or _value_transposed(gen, x, xperm, dt, M, K)) if direct else None
+  yd = (_direct(gen, y, yperm, dt, K, N) or _in_place(gen, y, yperm, dt, K, N)
+        or _value_transposed(gen, y, yperm, dt, K, N)) if direct else None
   xs = None if xd else _stacked(gen, x, xperm, dt)
   ys = None if yd else _stacked(gen, y, yperm, dt)
   out = gen.array(out_shape, dt)
@@ -339,6 +341,32 @@ def _direct(gen, v: Val, perm, dt, rows: int, cols: int):
   return ptr, ld, blas_calls.NO_TRANS
 
 
+# (the status array's word that ?gemm reading an operand TRANS gives the copy's bits)
+_TRANSPOSED_OK = (f"_st.shape[0] > {blas_calls.TRANSPOSED} and "
+                  f"_st[{blas_calls.TRANSPOSED}] == 1")
+
+
+def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int):
+  """As ``_in_place`` for an eqn's 2-D value (C order, its rows ``rows``
+  long) that the dot needs transposed (paged attention's ``k.T`` of its
+  rounded K block): ?gemm reads it ``TRANS`` where the status array says
+  so, else the NumPy rule's C-order copy is made."""
+  if (v.kind != "a" or isinstance(v, RefView) or len(v.shape) != 2 or tuple(perm) != (1, 0)
+      or dt != v.dtype or (v.shape[1], v.shape[0]) != (rows, cols)):
+    return None
+  ptr, ld, trans = gen.fresh("pt"), gen.fresh("ld"), gen.fresh("tr")
+  with gen.block(f"if {_TRANSPOSED_OK}:"):
+    gen.emit(f"{ptr} = np.int64({v.name}.ctypes.data)")
+    gen.emit(f"{ld} = np.int64({rows})")
+    gen.emit(f"{trans} = {blas_calls.TRANS}")
+  with gen.block("else:"):  # (the NumPy rule's C-order copy)
+    c = _stacked(gen, v, perm, dt)
+    gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
+    gen.emit(f"{ld} = np.int64({cols})")
+    gen.emit(f"{trans} = {blas_calls.NO_TRANS}")
+  return ptr, ld, trans
+
+
 def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
   """(pointer local, leading-dimension local, transpose local) of a
   ``RefView`` that the dot needs transposed (``q @ k.T``'s K block), or
@@ -366,8 +394,7 @@ def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
   rs = gen.scalar(f"np.int64({r}.strides[{ra}]) * {rp[2]}", np.dtype(np.int64)).name
   cs = gen.scalar(f"np.int64({r}.strides[{ca}]) * {cp[2]}", np.dtype(np.int64)).name
   ld, trans = gen.fresh("ld"), gen.fresh("tr")
-  slot = blas_calls.TRANSPOSED
-  with gen.block(f"if _st.shape[0] > {slot} and _st[{slot}] == 1 and {cs} == {isz} and "
+  with gen.block(f"if {_TRANSPOSED_OK} and {cs} == {isz} and "
                  f"{rs} % {isz} == 0 and {rs} >= {rows * isz}:"):
     gen.emit(f"{ld} = {rs} // {isz}")
     gen.emit(f"{trans} = {blas_calls.TRANS}")
