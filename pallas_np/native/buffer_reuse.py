@@ -39,57 +39,63 @@ def _indent(line: str) -> int:
   return len(line) - len(line.lstrip(" "))
 
 
-def _loops(lines) -> list:
-  """(header line, last body line) of every ``for``/``while`` block."""
-  out = []
+def _enclosing(lines) -> list:
+  """For every line, the (header line, last body line) of each
+  ``for``/``while`` block it lies in (one pass: a block ends before the
+  first later line indented no deeper)."""
+  ends: dict = {}
+  open_, chains = [], []  # open_: [(indent, header line)]
+  last = -1
   for k, line in enumerate(lines):
-    if _LOOP.match(line):
-      ind, end = _indent(line), k
-      for j in range(k + 1, len(lines)):
-        if lines[j].strip() and _indent(lines[j]) <= ind:
-          break
-        end = j
-      out.append((k, end))
-  return out
+    if line.strip():
+      ind = _indent(line)
+      while open_ and ind <= open_[-1][0]:
+        ends[open_.pop()[1]] = last
+      last = k
+    if line.strip() and _LOOP.match(line):
+      open_.append((_indent(line), k))
+    chains.append(tuple(start for _, start in open_))  # (a header lies in its own block)
+  for _, start in open_:
+    ends[start] = last
+  return [tuple((start, ends[start]) for start in chain) for chain in chains]
 
 
-def _whole_use(name: str, text: str) -> bool:
-  """Whether ``text`` names ``name`` other than as an element read
-  ``name[...]``."""
-  return re.search(rf"\b{re.escape(name)}\b(?!\s*\[)", text) is not None
+# a name not followed by ``[``: the object itself (not an element read)
+_WHOLE = re.compile(r"\b([A-Za-z_]\w*)\b(?!\s*\[)")
 
 
 def _lives(lines, names) -> dict:
   """name -> [first, last] line of its buffer's life (see the module doc)."""
-  tokens = [set(_NAME.findall(line)) for line in lines]
-  binds = []  # (line, bound names, right-hand side)
+  where: dict = {}  # name -> the lines naming it
   for k, line in enumerate(lines):
+    for t in set(_NAME.findall(line)):
+      where.setdefault(t, []).append(k)
+  bound: dict = {}  # name -> the names bound from it whole
+  for line in lines:
     m = _BIND.match(line)
     if m:
-      binds.append((k, [t.strip() for t in m.group(1).split(",") if t.strip()], m.group(2)))
-  loops = _loops(lines)
+      targets = {t.strip() for t in m.group(1).split(",") if t.strip()}
+      for src in set(_WHOLE.findall(m.group(2))):
+        bound.setdefault(src, set()).update(targets)
+  enclosing = _enclosing(lines)
   lives = {}
   for name in names:
-    related = {name}
-    grew = True
-    while grew:  # the names bound from the buffer (or from those), transitively
-      grew = False
-      for _, targets, rhs in binds:
-        if any(_whole_use(r, rhs) for r in related if r in rhs) and not set(targets) <= related:
-          related.update(targets)
-          grew = True
-    ks = [k for k, t in enumerate(tokens) if t & related]
+    related, todo = {name}, [name]
+    while todo:  # the names bound from the buffer (or from those), transitively
+      for t in bound.get(todo.pop(), ()):
+        if t not in related:
+          related.add(t)
+          todo.append(t)
+    ks = [k for r in related for k in where.get(r, ())]
     if not ks:
       continue
-    lo, hi = ks[0], ks[-1]
-    grew = True
-    while grew:  # a life that crosses a loop's boundary spans the whole loop
-      grew = False
-      for start, end in loops:
-        if lo <= end and hi >= start and not (start <= lo and hi <= end):
-          if start < lo or end > hi:
-            lo, hi = min(lo, start), max(hi, end)
-            grew = True
+    lo, hi = min(ks), max(ks)
+    while True:  # a life that crosses a loop's boundary spans the whole loop
+      crossed = [(s, e) for s, e in set(enclosing[lo]) ^ set(enclosing[hi])  # (one end only)
+                 if s < lo or e > hi]
+      if not crossed:
+        break
+      lo, hi = min(lo, *(s for s, _ in crossed)), max(hi, *(e for _, e in crossed))
     lives[name] = (lo, hi)
   return lives
 
