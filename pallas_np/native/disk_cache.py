@@ -110,6 +110,15 @@ def key(text: str, constants: dict, args, ret, externals=None) -> str:
   return h.hexdigest()[:40]
 
 
+def loop_key(src, args, ret, avals) -> str:
+  """A loop library's key: ``key`` of its source (``codegen.Source``),
+  signature and the operands' shapes (``avals``): lite compiles a ref's
+  static shape in (``lite_cache.arg_descs``), so one source run on refs of
+  another shape needs a library of its own."""
+  shapes = [list(getattr(a, "inner_aval", a).shape) for a in avals]
+  return key(src.text, src.globals, [args, shapes], ret, src.externals)
+
+
 def library_path(k: str) -> str:
   return os.path.join(directory(), f"{k}.so")
 

@@ -233,8 +233,8 @@ def _sites_of(loop):
   calls = getattr(src, "calls", None)
   if calls is None:  # (loaded by its pre-key: the sites generated now, numbered as compiled)
     src = codegen.loop_source(loop.eqn, loop.clamp, loop.uninitialized)
-    if disk_cache.key(src.text, src.globals, loop.job["args"], loop.job["ret"],
-                      src.externals) != loop.job["key"]:
+    job = loop.job
+    if disk_cache.loop_key(src, job["args"], job["ret"], loop.invars) != job["key"]:
       raise RuntimeError("pallas_np: a native loop's pre-key named another source")
     calls = src.calls
   return calls

@@ -122,14 +122,6 @@ def _signature(src, avals, layouts):
   return args, ret, tuple(guard)
 
 
-def _library_key(src, args, ret, avals) -> str:
-  """The library's key: its source, signature and the operands' shapes
-  (lite compiles them in, ``lite_cache.arg_descs``: one source run on refs
-  of another shape needs a library of its own)."""
-  shapes = [list(getattr(a, "inner_aval", a).shape) for a in avals]
-  return disk_cache.key(src.text, src.globals, [args, shapes], ret, src.externals)
-
-
 def _frame(eqn, inner):
   """A call of ``inner`` in a frame whose line maps to ``eqn`` (the
   source map): errors raised under it name ``eqn``, as the NumPy path's."""
@@ -286,7 +278,7 @@ class NativeLoop:
       self._refuse(str(e))
       self._remember({"refused": str(e)})
       return False
-    k = _library_key(src, args, ret, self.invars)
+    k = disk_cache.loop_key(src, args, ret, self.invars)
     self.src, self.guard = src, guard
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
     return True
@@ -560,7 +552,8 @@ class NativeLoop:
   def _raise_oob(self, st, args):
     if self.sites is None:  # (loaded by its pre-key: the sites generated now)
       src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
-      if _library_key(src, self.job["args"], self.job["ret"], self.invars) != self.job["key"]:
+      job = self.job
+      if disk_cache.loop_key(src, job["args"], job["ret"], self.invars) != job["key"]:
         raise RuntimeError("pallas_np: a native loop's pre-key named another source")
       self.sites = src.sites
     eqn, access, pos, chain = self.sites[int(st[0]) - 1]
