@@ -36,8 +36,9 @@ def build(loop, fn):
   nargs = len(loop.invars)
   names = [f"a{k}" for k in range(nargs)]
   batched = loop.in_batched is not None
-  # (names: guards' _nd and _dt<pos>; _t<pos> scalar types, _s<j> scratch, _os/_ot<k> results)
-  scope = {**guards.constants(loop.guard), "_loop": loop, "_fn": fn, "_state": scheduler.state,
+  # (names: guards' _nd and _dt<pos>; _t<pos> scalar types, _s<j> scratch, _os/_ot<k> results;
+  # _fn the library the step was built for, _call what it calls: fn, a test's counting wrapper)
+  scope = {**guards.constants(loop.guard), "_loop": loop, "_fn": fn, "_call": fn, "_state": scheduler.state,
            "_oob": _lanes_oob if batched else _oob}
   for pos, t in loop.scalars:
     scope[f"_t{pos}"] = t
@@ -52,7 +53,7 @@ def build(loop, fn):
     lines.append(f"        if {a}.__class__ is not _t{pos}: {a} = _t{pos}({a})")
   lines += ["        st = _loop.status",
             "        try:",
-            f"            res = _fn(st, {', '.join(names + scratch)})",
+            f"            res = _call(st, {', '.join(names + scratch)})",
             "        except IndexError:",
             f"            _oob(_loop, st, ({ops}{',' if nargs == 1 else ''}))"]
   results = []
