@@ -27,7 +27,7 @@ import numpy as np
 from pallas_np import devices, fp_state, memory, races
 from pallas_np.compiler import RunContext, new_run
 from pallas_np.errors import KernelError, UnsupportedError, check_fallback
-from pallas_np.grid import pass_front, threads, vectorize
+from pallas_np.grid import loop_front, pass_front, threads, vectorize
 from pallas_np.memory import allocate
 from pallas_np.state import dma
 
@@ -48,6 +48,12 @@ class GridRun:
   __slots__ = ()
 
   def run(self, kp, args) -> list[np.ndarray]:
+    front = kp.loop_front
+    if front:  # a warm sequential grid (loop_front.py)
+      out = front(kp, args)
+      if out is not None:
+        return out
+      kp.loop_front = None  # (the full path decides again)
     fallback = None  # (path, exception) of a fast path that failed
     prepared = None  # fresh buffers the vectorizer made and did not use
     if kp.params.vectorize is not False and kp.several_points:
@@ -77,6 +83,8 @@ class GridRun:
     if fallback is not None:  # the fast path failed where this run did not
       check_fallback(fallback[1], fallback[0], kp.name)
     kp.last_mode = "sequential"
+    if kp.loop_front is None and detector is None:
+      kp.loop_front = loop_front.LoopFront.of(kp) or False
     return kp.setup.results(out_bufs)
 
 
