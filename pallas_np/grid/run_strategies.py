@@ -255,10 +255,11 @@ class SinglePoint:
 
   def direct(self, kp, puts):
     """``KernelPlan.run`` of this strategy as one function of the operand
-    sequence (the per-call floor: no strategy dispatch, no helper frames),
-    or None where a run needs more than the kernel on fresh buffers (an
-    output aliased to an input or padded, a trace callback, BLAS's thread
-    setting). Same steps, same buffers, same errors as ``run``.
+    sequence (the per-call floor: no strategy dispatch, no helper frames;
+    generated for this plan's counts, ``_direct_source``), or None where a
+    run needs more than the kernel on fresh buffers (an output aliased to
+    an input or padded, a trace callback, BLAS's thread setting). Same
+    steps, same buffers, same errors as ``run``.
     ``puts``: per output, a function of the one-element list ``[buffer]``
     handing it out (``_compat.exact_array_putter``); the result is the list
     of what they return."""
