@@ -62,10 +62,12 @@ class LoopFront:
         or kp._num_programs[0] != grid):  # noqa: SLF001
       return None
     gv = kp.vectorizer
-    if params.vectorize is False or not kp.several_points or gv.reason is not None:
+    if params.vectorize is False or not kp.several_points:
       gv = None  # (never batched: nothing to check per call)
-    elif grid not in gv.declined_grids:
+    elif gv is None or (gv.reason is None and grid not in gv.declined_grids):
       return None
+    elif gv.reason is not None:
+      gv = None
     threads = kp.thread_plan()
     if threads.reason is None and threads.chunks(grid, []) is not None:
       return None
