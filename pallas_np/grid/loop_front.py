@@ -83,7 +83,7 @@ class LoopFront:
       return None
     if len(args) != self.n_args:
       return None  # (the full path's assertion)
-    index_ops, buffers, out_bufs = kp.setup.buffers(args)
+    _grid, _index_ops, buffers, out_bufs = kp.prepare(args)
     scratch = kp.fresh_scratch()
     ctx = RunContext(kp.name, kp.params)
     ctx.device = None
