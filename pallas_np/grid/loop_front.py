@@ -8,8 +8,8 @@ from ``GridVectorizer.declined_grids``), whether to use threads (the thread
 plan's fixed ``reason``, or no chunks for this grid), whether a race
 detector runs, then ``KernelPlan.run_grid`` rebuilds its context, the
 constant blocks' views, the grid's steps lookup and the progress bar: in
-situ ~15-30 µs a call (PERF_LOG ``[floor]``: cumsum_fori 137 → 121 µs,
-int8_matmul 608 → 582). ``LoopFront`` holds those answers, found after a
+situ ~15-25 µs a call (PERF_LOG ``[floor]``: cumsum_fori 135.5 → 121.1 µs,
+int8_matmul 598.8 → 579.1). ``LoopFront`` holds those answers, found after a
 sequential run that took that path, and runs what the full path would run:
 the same buffers (``KernelPlan.prepare``'s recipe), the same scratch
 allocators, the same steps (``KernelPlan._grid_schedule``: the block
