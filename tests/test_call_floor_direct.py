@@ -376,3 +376,49 @@ def test_declined_grid_with_scalar_prefetch_asked_every_call(monkeypatch):
   for _ in range(2):
     assert_identical(fn(s, x), want_fn(s, x))
   assert asked == [1, 1]
+
+
+def two_out_kernel(x_ref, y_ref, o_ref, p_ref, acc_ref):  # cut blocks, scratch, two outputs
+  acc_ref[...] = x_ref[...] + y_ref[...]
+  o_ref[...] = acc_ref[...] * 2.0
+  p_ref[...] = acc_ref[...] - x_ref[...]
+
+
+def _two_out(interpret):
+  call = pl.pallas_call if interpret is True else pallas_np.pallas_call
+  part = pl.BlockSpec((8, 128), lambda: (0, 0))  # (the first rows of a (16, 128) array)
+  return call(two_out_kernel, (jax.ShapeDtypeStruct((16, 128), jnp.float32), SDS),
+              in_specs=[part, pl.BlockSpec((8, 128), lambda: (0, 0))],
+              out_specs=[part, pl.BlockSpec((8, 128), lambda: (0, 0))],
+              scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)], interpret=interpret)
+
+
+def test_direct_runner_written_out_for_any_operands(monkeypatch):
+  """The direct function is generated for its operand, output, cut and
+  scratch counts (``run_strategies._direct_source``): two inputs, two
+  outputs, blocks cut from bigger arrays, scratch; the bits of the full
+  path (``SinglePoint.run``: the output rows the kernel never writes hold
+  the same fill) and of interpret=True where written; a wrong operand count
+  raises ``run``'s TypeError."""
+  runners = []
+  real = KernelPlan.direct_runner
+  monkeypatch.setattr(KernelPlan, "direct_runner",
+                      lambda self, puts: runners.append(real(self, puts)) or runners[-1])
+  x, y = jnp.asarray(_f32(16, 128)), jnp.asarray(_f32(8, 128))
+  fn = _two_out(pallas_np.InterpretParams())
+  got = [fn(x, y) for _ in range(3)]
+  (runner,) = runners
+  assert runner.__code__.co_filename.startswith("<pallas_np direct run")
+  want = _two_out(True)(x, y)
+  kp = runner.__globals__["kp"]
+  full = kp.strategy.run(kp, [x, y])
+  for o, p in got:
+    np.testing.assert_array_equal(np.asarray(o).view(np.uint32), full[0].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(p), full[1])
+    np.testing.assert_array_equal(np.asarray(o)[:8], np.asarray(want[0])[:8])
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(want[1]))
+  with pytest.raises(TypeError) as direct_error:
+    runner([x])
+  with pytest.raises(TypeError) as run_error:
+    kp.strategy.run(kp, [x])
+  assert str(direct_error.value) == str(run_error.value)

@@ -100,6 +100,7 @@ class KernelPlan:
     if gm.local_grid_env is not None:
       raise UnsupportedError("pallas_np: pallas_call with a mesh/local grid env is not supported")
     self.vectorizer = None
+    self.loop_front = None  # a warm sequential grid's run (grid/loop_front.py), False: none
     self._threads = None  # threads.ThreadPlan, built on the first sequential run
     # More than one grid point (or a dynamic grid): vectorizing or threading
     # the grid may pay.

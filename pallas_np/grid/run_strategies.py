@@ -27,7 +27,7 @@ import numpy as np
 from pallas_np import devices, fp_state, memory, races
 from pallas_np.compiler import RunContext, new_run
 from pallas_np.errors import KernelError, UnsupportedError, check_fallback
-from pallas_np.grid import pass_front, threads, vectorize
+from pallas_np.grid import loop_front, pass_front, threads, vectorize
 from pallas_np.memory import allocate
 from pallas_np.state import dma
 
@@ -48,6 +48,12 @@ class GridRun:
   __slots__ = ()
 
   def run(self, kp, args) -> list[np.ndarray]:
+    front = kp.loop_front
+    if front:  # a warm sequential grid (loop_front.py)
+      out = front(kp, args)
+      if out is not None:
+        return out
+      kp.loop_front = None  # (the full path decides again)
     fallback = None  # (path, exception) of a fast path that failed
     prepared = None  # fresh buffers the vectorizer made and did not use
     if kp.params.vectorize is not False and kp.several_points:
@@ -77,6 +83,8 @@ class GridRun:
     if fallback is not None:  # the fast path failed where this run did not
       check_fallback(fallback[1], fallback[0], kp.name)
     kp.last_mode = "sequential"
+    if kp.loop_front is None and detector is None:
+      kp.loop_front = loop_front.LoopFront.of(kp) or False
     return kp.setup.results(out_bufs)
 
 
@@ -247,10 +255,11 @@ class SinglePoint:
 
   def direct(self, kp, puts):
     """``KernelPlan.run`` of this strategy as one function of the operand
-    sequence (the per-call floor: no strategy dispatch, no helper frames),
-    or None where a run needs more than the kernel on fresh buffers (an
-    output aliased to an input or padded, a trace callback, BLAS's thread
-    setting). Same steps, same buffers, same errors as ``run``.
+    sequence (the per-call floor: no strategy dispatch, no helper frames;
+    generated for this plan's counts, ``_direct_source``), or None where a
+    run needs more than the kernel on fresh buffers (an output aliased to
+    an input or padded, a trace callback, BLAS's thread setting). Same
+    steps, same buffers, same errors as ``run``.
     ``puts``: per output, a function of the one-element list ``[buffer]``
     handing it out (``_compat.exact_array_putter``); the result is the list
     of what they return."""
@@ -259,68 +268,64 @@ class SinglePoint:
     if (self.fresh_outputs is None or self.padded_outputs or kp.params.trace is not None
         or kp.uses_blas()):
       return None
-    preps, fresh = tuple(self.operand_preps), tuple(self.fresh_outputs)
-    cuts, scratch = tuple(self.cuts), tuple(self.scratch)
-    n_args, name, params = len(preps), kp.name, kp.params
-    num_programs, point, program_ids = self.num_programs, self.point, self.program_ids
-    puts = tuple(puts)
-    n_live = n_args + len(fresh)  # operands dma.check_finished looks at (no scratch)
-    quiet, restore = fp_state.quiet_floats, fp_state.restore_floats
+    n_args, n_outs = len(self.operand_preps), len(self.fresh_outputs)
+    scope = {"new_run": new_run, "quiet": fp_state.quiet_floats, "restore": fp_state.restore_floats,
+             "RunContext": RunContext, "KernelError": KernelError, "dma": dma, "kp": kp,
+             "name": kp.name, "params": kp.params, "program_ids": self.program_ids,
+             "num_programs": self.num_programs, "point": self.point,
+             "takes": f"kernel '{kp.name}' takes {n_args} operands, got "}
+    scope.update({f"_p{i}": p for i, p in enumerate(self.operand_preps)})
+    scope.update({f"_f{j}": f for j, f in enumerate(self.fresh_outputs)})
+    scope.update({f"_c{k}": idx for k, (_b, idx) in enumerate(self.cuts)})
+    scope.update({f"_s{i}": f for i, f in enumerate(self.scratch)})
+    scope.update({f"_u{j}": put for j, put in enumerate(puts)})
+    source = _direct_source(n_args, n_outs, [b for b, _ in self.cuts], len(self.scratch))
+    exec(compile(source, f"<pallas_np direct run: {kp.name}>", "exec"), scope)  # noqa: S102
+    return scope["run"]
 
-    def run(args):
-      if len(args) != n_args:
-        raise TypeError(f"kernel '{name}' takes {n_args} operands, got {len(args)}")
-      new_run()
-      token = quiet()
-      try:
-        operands = [prep(a) for prep, a in zip(preps, args)]
-        outs = [f() for f in fresh]
-        operands += outs
-        for b, idx in cuts:
-          operands[b] = operands[b][idx]
-        for f in scratch:
-          operands.append(f())
-        ctx = RunContext(name, params, program_ids, num_programs)
-        ctx.grid_point = point
-        try:
-          kp.kernel.fn(ctx, *operands)
-          if ctx.rules is not None:
-            dma.check_finished(ctx, operands[:n_live])
-        except KernelError:
-          raise
-        except Exception as e:
-          raise kp.kernel_error(e, point) from e
-      finally:
-        restore(token)
-      kp.last_mode = "sequential"
-      return [put([o]) for put, o in zip(puts, outs)]
 
-    if n_args != 1 or len(fresh) != 1 or cuts or scratch:
-      return run
-    prep, alloc, put = preps[0], fresh[0], puts[0]
-
-    def run_one(args):  # one operand, one output, whole blocks: run's steps unrolled
-      if len(args) != 1:
-        raise TypeError(f"kernel '{name}' takes 1 operands, got {len(args)}")
-      new_run()
-      token = quiet()
-      try:
-        a, o = prep(args[0]), alloc()
-        ctx = RunContext(name, params, program_ids, num_programs)
-        ctx.grid_point = point
-        try:
-          kp.kernel.fn(ctx, a, o)
-          if ctx.rules is not None:
-            dma.check_finished(ctx, [a, o])
-        except KernelError:
-          raise
-        except Exception as e:
-          raise kp.kernel_error(e, point) from e
-      finally:
-        restore(token)
-      kp.last_mode = "sequential"
-      return [put([o])]
-    return run_one
+def _direct_source(n_args, n_outs, cuts, n_scratch) -> str:
+  """``SinglePoint.direct``'s function for ``n_args`` operands, ``n_outs``
+  fresh outputs, the operand positions cut to their block (``cuts``, the
+  ``k``-th by ``_c<k>``) and ``n_scratch`` scratch buffers: ``run``'s steps
+  written out (no comprehension frames, no lists but the result: the
+  per-call floor, PERF_LOG ``[floor]``). Names: ``_p<i>`` the operand
+  preparations, ``_f<j>`` the output allocators, ``_s<i>`` the scratch
+  allocators, ``_u<j>`` the output putters."""
+  args = [f"a{i}" for i in range(n_args)]
+  outs = [f"o{j}" for j in range(n_outs)]
+  ops = args + outs  # (what the kernel gets: cut operands; the puts get the whole outputs)
+  lines = ["def run(args):",
+           f"    if len(args) != {n_args}:",
+           "        raise TypeError(takes + str(len(args)))",
+           "    new_run()",
+           "    token = quiet()",
+           "    try:"]
+  if n_args:
+    lines.append(f"        {', '.join(args)}, = args")
+  lines += [f"        a{i} = _p{i}(a{i})" for i in range(n_args)]
+  lines += [f"        o{j} = _f{j}()" for j in range(n_outs)]
+  for k, b in enumerate(cuts):
+    view = f"v{b}"
+    lines.append(f"        {view} = {ops[b]}[_c{k}]")
+    ops[b] = view
+  scratch = [f"s{i}" for i in range(n_scratch)]
+  lines += [f"        s{i} = _s{i}()" for i in range(n_scratch)]
+  lines += ["        ctx = RunContext(name, params, program_ids, num_programs)",
+            "        ctx.grid_point = point",
+            "        try:",
+            f"            kp.kernel.fn(ctx{''.join(', ' + o for o in ops + scratch)})",
+            "            if ctx.rules is not None:",
+            f"                dma.check_finished(ctx, [{', '.join(ops)}])",
+            "        except KernelError:",
+            "            raise",
+            "        except Exception as e:",
+            "            raise kp.kernel_error(e, point) from e",
+            "    finally:",
+            "        restore(token)",
+            "    kp.last_mode = \"sequential\"",
+            f"    return [{', '.join(f'_u{j}([o{j}])' for j in range(n_outs))}]"]
+  return "\n".join(lines) + "\n"
 
 
 class MeshProgram:

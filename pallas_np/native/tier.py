@@ -35,7 +35,7 @@ from pallas_np import _compat as jc
 from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes,
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes, loop_step,
                               lite_cache, prekey, scheduler)
 
 log = logging.getLogger("pallas_np.native")
@@ -168,6 +168,7 @@ class NativeLoop:
     self.params = params  # (the NumPy rules of DMA/semaphore call sites: dma_calls)
     self.pycalls = None  # dma_calls.runner: the loop's call sites bound to a run
     self.native = None
+    self.fast = None  # once swapped: the run as one generated function (loop_step)
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
     self.last_ctx = None
@@ -223,6 +224,9 @@ class NativeLoop:
         return res
       if loop.waiting:
         return numpy_fn(ctx, *args)
+      fast = loop.fast
+      if fast is not None:
+        return fast(ctx, *args)
       return loop(ctx, *args)
     # (with the NumPy path's globals, a generated loop function's constants:
     # plans are inspected; the body reads closure cells only)
@@ -413,6 +417,7 @@ class NativeLoop:
     self.pycalls = dma_calls.runner(self)
     self.scratch = [np.empty(n, dt) for dt, n in src.scratch]  # (passed at every call)
     self.status = blas_calls.status()
+    self.fast = loop_step.build(self, fn)
     self.native = fn  # the swap
     _state["compiled"] += 1
 
