@@ -14,7 +14,9 @@ import ctypes
 import glob
 import importlib.util
 import os
+import shutil
 import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -134,18 +136,34 @@ def compile_ir(text: str, externals: dict) -> bytes:
     return bytes(tm.emit_object(mod))
 
 
+def _linkers() -> list:
+  """The commands tried in turn to link an object into a shared library:
+  ``$CC`` where set; else, on Linux, the system linker itself (``ld``,
+  ~8 ms: the C compiler's driver, which runs it after its own start, took
+  ~33 ms, on the critical path of a loop's first build) and then ``cc``."""
+  cc = os.environ.get("CC", "").split()
+  if cc:
+    return [[*cc, "-shared"]]
+  # (no libc named: its linker script and static part cost ld ~20 ms; the
+  # library is only ever loaded into a CPython process, which has libc)
+  found = [["ld", "-shared"]] if sys.platform.startswith("linux") and shutil.which("ld") else []
+  return [*found, ["cc", "-shared"]]
+
+
 def link_shared(obj_path: str, lib_path: str) -> bool:
-  """Links an object into a shared library with the C compiler (``cc``,
-  or ``$CC``; libm for what LLVM lowers to calls); False where none
-  links it (the object is then loaded by MCJIT)."""
-  cc = os.environ.get("CC", "").split() or ["cc"]
-  try:
-    done = subprocess.run([*cc, "-shared", "-o", lib_path, obj_path, "-lm"],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, timeout=LINK_TIMEOUT, check=False)
-  except (OSError, subprocess.SubprocessError):
-    return False
-  return done.returncode == 0 and os.path.exists(lib_path)
+  """Links an object into a shared library (``_linkers``; libm for what
+  LLVM lowers to calls); False where none links it (the object is then
+  loaded by MCJIT)."""
+  for cmd in _linkers():
+    try:
+      done = subprocess.run([*cmd, "-o", lib_path, obj_path, "-lm"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=LINK_TIMEOUT, check=False)
+    except (OSError, subprocess.SubprocessError):
+      continue
+    if done.returncode == 0 and os.path.exists(lib_path):
+      return True
+  return False
 
 
 def _wait_for_llvm() -> None:

@@ -194,6 +194,15 @@ def price(lines: int) -> float:
   return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
 
 
+def lite_weight() -> float:
+  """How much of a lite build's seconds the caller pays: none where
+  another core runs them (a lite build, 0.1-1 s in lite's compile
+  process, is latency: the caller pays its own part, ``CALLER_PRICE``,
+  and the process's start at the loop's first run, ``tier``); in full
+  (``weight``'s busy weight) on one core, where they are the caller's."""
+  return COMPILE_WEIGHT * BUSY_FACTOR if _CPUS == 1 else 0.0
+
+
 def weight() -> float:
   """How much of a build's seconds the caller pays (see COMPILE_WEIGHT)."""
   try:

@@ -189,6 +189,7 @@ class NativeLoop:
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
     self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
+    self.prestarted = False  # (lite's compile process asked for: _prestart_lite)
 
   @property
   def phase(self) -> str:
@@ -244,17 +245,12 @@ class NativeLoop:
                                 for p in self.eqn.params.values()
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
-    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
-        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
-      # (lite's compile process: Python, NumPy and llvmlite's import and a
-      # target machine, ~0.3 s of another core while the build is not yet
-      # due, where one is idle; its start costs the caller a Popen, ~1 ms.
-      # On a busy machine it starts with the build, priced in)
-      scheduler.prestart(scheduler.lite_compiler)
-    elif self.lite and scheduler.lite_compiler.proc is None:
-      self.price += lite_cache.START_PRICE
-    # (the least weight(): the load is read when it is reached)
-    self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
+    if self.lite and not self.sync:
+      self._prestart_lite()  # (started at the first run already, unless lite came later)
+    # (the least weight(): the load is read when it is reached; a lite build's price is the
+    # caller's own part: ``_step``)
+    self.due = 0.0 if self.sync else (
+        scheduler.CALLER_PRICE if self.lite else scheduler.COMPILE_WEIGHT * self.price)
     self.phase = "priced"
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
@@ -263,6 +259,19 @@ class NativeLoop:
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
       scheduler.prestart()
+
+  def _prestart_lite(self) -> None:
+    """Has lite's compile process started (Python, NumPy and llvmlite's
+    import, its warm-up: ~0.3 s of another core) at the loop's first run
+    that found no library, inside the kernel's first call, so that it is
+    ready when the build is due a few dozen milliseconds of calls later:
+    its start is the build's latency, not the caller's cost (a ``Popen``
+    on the tier's thread, ~1 ms of the caller's GIL). It exits with this
+    process (the end of its input; during its warm-up, ``aot_worker``'s
+    orphan watch)."""
+    if scheduler.lite_compiler.proc is None and not self.prestarted:
+      self.prestarted = True
+      scheduler.prestart(scheduler.lite_compiler)
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -433,10 +442,10 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = (scheduler.weight() * self.price + scheduler.CALLER_PRICE
-               + (0.0 if _set_up else SETUP_PRICE))
+        due = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
+               + scheduler.CALLER_PRICE + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
-          self.due = min(due, self.spent + RECHECK_SHARE * self.price)
+          self.due = due if self.lite else min(due, self.spent + RECHECK_SHARE * self.price)
           return
         if self.runs < HOT_RUNS:
           return  # (looked at again next run)
@@ -497,6 +506,8 @@ class NativeLoop:
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
       self.prechecked = True
+      if self.native is None and self.phase != "done" and self.lite and not self.sync:
+        self._prestart_lite()
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
