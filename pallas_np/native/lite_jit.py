@@ -19,8 +19,6 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
-
 from pallas_np.native.contract import RUNTIME_ERROR, Refused
 
 _lock = threading.Lock()  # (LLVM's target machine and engines: one build at a time)
@@ -41,6 +39,7 @@ def _layout_ok() -> bool:
     return _state["layout"]
   ok = True
   try:
+    import numpy as np  # (the caller's: the compile process imports no NumPy)
     probe = np.arange(3, dtype=np.int64)
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
     ok &= addr == probe.ctypes.data
@@ -61,12 +60,11 @@ def _layout_ok() -> bool:
 def _llvm():
   """llvmlite's binding with the native target (once per process: the
   compile process's, or the caller's where a library is an object); None
-  where llvmlite is missing or NumPy's structs are not the expected ones."""
+  where llvmlite is missing. (NumPy's structs, as the compiled code reads
+  them, are the caller's to check: ``available``.)"""
   if "llvm" in _state:
     return _state["llvm"]
   try:
-    if not _layout_ok():
-      raise RuntimeError("NumPy's array or scalar struct is not the one lite reads")
     import llvmlite.binding as llvm
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -244,6 +242,7 @@ def callable_at(engine, addr: int, meta: dict, consts: list):
   for arrays), the arena's size, each result's (kind, dtype, size; None:
   reported by the call). A call that needs a larger arena (run-time sized
   buffers) says so and runs again in one."""
+  import numpy as np  # (the caller's: the compile process imports no NumPy)
   cfunc, keep = _builtin(addr)
   scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
   size = meta["arena"]

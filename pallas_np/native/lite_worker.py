@@ -6,9 +6,11 @@ into the disk cache for the caller to load (``lite_cache.load``: a
 import and target machine nor the translation's Python (which held its
 GIL) nor LLVM (docs/native.md, "lite").
 
-Imported without JAX or pallas_np's package (``aot_worker`` makes stand-in
-packages for ``pallas_np`` and ``pallas_np.native``): lite's modules read
-only ``contract`` beside NumPy and llvmlite.
+Imported without JAX, NumPy or pallas_np's package (``aot_worker`` makes
+stand-in packages for ``pallas_np`` and ``pallas_np.native``): lite's
+modules read only ``contract`` and ``lite_dtype`` (dtypes and the job's
+constants without NumPy, whose import was a third of this process's
+start) beside llvmlite.
 
 A job (one JSON line): ``{"kind": "lite", "src", "consts", "descs",
 "outs", "scratch", "externals", "out"}``: the source file and its
@@ -28,9 +30,7 @@ import os
 import tempfile
 import types
 
-import numpy as np
-
-from pallas_np.native import lite, lite_jit
+from pallas_np.native import lite, lite_dtype, lite_jit
 from pallas_np.native.contract import Refused
 
 
@@ -44,23 +44,19 @@ def _write(path: str, data: bytes) -> None:
 def build(job: dict) -> dict:
   with open(job["src"]) as f:
     text = f.read()
-  constants = {}
-  with np.load(job["consts"]) as z:
-    for name in z.files:
-      v = z[name]
-      constants[name] = v[()] if v.ndim == 0 else np.ascontiguousarray(v)
+  constants = lite_dtype.constants(job["consts"])
   src = types.SimpleNamespace(
       text=text, globals=constants, externals=dict(job.get("externals") or {}),
-      outs=[(kind, np.dtype(dt)) for kind, dt in job["outs"]],
-      scratch=[(np.dtype(dt), n) for dt, n in job.get("scratch") or ()])
-  descs = [(kind, np.dtype(dt), tuple(shape), bool(contiguous))
+      outs=[(kind, lite_dtype.dtype(dt)) for kind, dt in job["outs"]],
+      scratch=[(lite_dtype.dtype(dt), n) for dt, n in job.get("scratch") or ()])
+  descs = [(kind, lite_dtype.dtype(dt), tuple(shape), bool(contiguous))
            for kind, dt, shape, contiguous in job["descs"]]
   try:
     ir_text, meta, _ = lite.translate(src, descs)
   except Refused as e:
     return {"ok": False, "refused": str(e)}
   obj = lite_jit.compile_ir(ir_text, src.externals)
-  meta["consts"] = [name for name, v in constants.items() if isinstance(v, np.ndarray)]
+  meta["consts"] = [name for name, v in constants.items() if isinstance(v, lite_dtype.ConstArray)]
   base = job["out"]
   with tempfile.TemporaryDirectory(prefix="pallas_np-lite-") as tmp:
     obj_path = os.path.join(tmp, "loop.o")
