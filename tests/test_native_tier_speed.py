@@ -134,13 +134,13 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
-@pytest.mark.parametrize("load", [0.5, 5.0])
-def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch, load):
-  """lite's compile process (its ~0.3 s start: the latency of the loop's
+def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch):
+  """lite's compile process (its ~0.15 s start: the latency of the loop's
   first build) is started at the loop's first run, inside the kernel's
-  first call, before the loop is priced, idle machine or busy (its start
-  is not the caller's cost: the build's latency); once, however many runs
-  follow."""
+  first call, before the loop is priced, where a core is idle (its start
+  is then not the caller's cost but the build's latency); once, however
+  many runs follow."""
+  load = 0.5
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)  # (never priced here)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
@@ -154,6 +154,49 @@ def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch, load):
   for _ in range(3):
     f(x)
   assert builds.prestarts == [scheduler.lite_compiler] and not builds.loops
+
+
+def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch):
+  """Where no core is idle at the loop's first run nor when it is priced,
+  lite's compile process is not started ahead of the build (its start
+  would take the caller's share of a core); the build's price then
+  includes it (``lite_cache.START_PRICE``)."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [5.0])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  f(x)
+  f(x)
+  loop = next(v for v in gc.get_objects() if isinstance(v, tier.NativeLoop) and v.phase == "priced"
+              and v.price == lite_cache.PRICE + lite_cache.START_PRICE)
+  assert loop is not None and not builds.prestarts
+
+
+def test_a_lite_build_waits_for_its_compile_process_to_start(monkeypatch):
+  """While lite's compile process, started at the loop's first run, is
+  still starting (``Compiler.starting``: its imports, ~0.15 s), a loop
+  whose build is due is not built (its source, the caller's part, is
+  generated only once the process can take it: a kernel called only that
+  long never pays it); it is queued at the first run after."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [0.5])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 53 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    f(x)
+  assert not builds.loops
+  scheduler.lite_compiler.starting = False
+  f(x)
+  assert len(builds.loops) == 1
 
 
 def test_no_compile_process_for_a_loop_found_by_its_prekey(monkeypatch):
@@ -429,14 +472,15 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
   assert builds.prestarts == [scheduler.lite_compiler]
 
 
-@pytest.mark.parametrize("cpus,queued", [(2, True), (1, False)])
-def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, queued):
-  """A lite build's seconds run in lite's compile process, on another
+@pytest.mark.parametrize("cpus,load,queued", [(2, 0.5, True), (2, 5.0, False), (1, 0.5, False)])
+def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, load, queued):
+  """A lite build's seconds run in lite's compile process, on an idle
   core: its wall time is the build's latency, not the caller's cost, so
-  however long it takes (``lite_cache.PRICE``) and however busy the
-  machine, the build is due once the loop ran ``HOT_RUNS`` times and cost
-  the caller's own part (``CALLER_PRICE``: the source's generation, the
-  load). On one core its seconds are the caller's, priced in full."""
+  however long it takes (``lite_cache.PRICE``), the build is due once the
+  loop ran ``HOT_RUNS`` times and cost the caller's own part
+  (``CALLER_PRICE``: the source's generation, the load). On one core, or
+  where no core is idle, its seconds take the caller's share: priced in
+  full."""
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
@@ -444,7 +488,7 @@ def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, queue
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   monkeypatch.setattr(scheduler, "_CPUS", cpus)
   builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [5.0])
+  _load_reader(monkeypatch, [load])
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 71 + 1, jnp.int32)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(tier.HOT_RUNS + 1):

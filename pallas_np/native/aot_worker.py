@@ -309,6 +309,16 @@ def main() -> None:
     at = sys.argv.index("--warm") + 1
     parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    if "--lite" in sys.argv:
+      # (ready for a build once lite's modules and llvmlite are imported: the caller's tier
+      # generates a loop's source only then, ``tier``; the warm-up follows. The line is
+      # written whatever failed: the caller waits for it)
+      try:
+        _lite().ready()
+      except Exception:  # noqa: BLE001 - the first build does it again, and reports
+        pass
+      proto.write(json.dumps({"ready": True}) + "\n")
+      proto.flush()
     try:
       _lite().warm_up() if "--lite" in sys.argv else warm_up()
     except Exception:  # noqa: BLE001 - the first build does it again, and reports

@@ -75,6 +75,12 @@ def _llvm():
   return _state["llvm"]
 
 
+def ready() -> bool:
+  """Whether llvmlite's binding and a target machine are set up here
+  (set up now: the compile process's start, ``lite_worker.ready``)."""
+  return _llvm() is not None
+
+
 def _target_machine(llvm):
   """A target machine for the host CPU, position-independent code (the
   object is linked into a shared library). An MCJIT engine owns (and

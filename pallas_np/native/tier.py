@@ -245,8 +245,9 @@ class NativeLoop:
                                 for p in self.eqn.params.values()
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
-    if self.lite and not self.sync:
-      self._prestart_lite()  # (started at the first run already, unless lite came later)
+    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
+        and not self.prestarted and not self._prestart_lite()):
+      self.price += lite_cache.START_PRICE  # (no core idle: started with the build, priced in)
     # (the least weight(): the load is read when it is reached; a lite build's price is the
     # caller's own part: ``_step``)
     self.due = 0.0 if self.sync else (
@@ -260,18 +261,19 @@ class NativeLoop:
       # start holds the GIL for milliseconds)
       scheduler.prestart()
 
-  def _prestart_lite(self) -> None:
-    """Has lite's compile process started (Python, NumPy and llvmlite's
-    import, its warm-up: ~0.3 s of another core) at the loop's first run
-    that found no library, inside the kernel's first call, so that it is
-    ready when the build is due a few dozen milliseconds of calls later:
-    its start is the build's latency, not the caller's cost (a ``Popen``
-    on the tier's thread, ~1 ms of the caller's GIL). It exits with this
-    process (the end of its input; during its warm-up, ``aot_worker``'s
-    orphan watch)."""
-    if scheduler.lite_compiler.proc is None and not self.prestarted:
+  def _prestart_lite(self) -> bool:
+    """Has lite's compile process started (Python and llvmlite's import,
+    ~0.15 s, then its warm-up, on another core) at the loop's first run
+    that found no library, inside the kernel's first call, where a core
+    is idle (the load is read once): its start is then the build's
+    latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
+    of the caller's GIL). It exits with this process (the end of its
+    input; during its start, ``aot_worker``'s orphan watch). Whether it
+    was asked for (by this loop)."""
+    if not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT:
       self.prestarted = True
       scheduler.prestart(scheduler.lite_compiler)
+    return self.prestarted
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -442,10 +444,15 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
+        if self.lite and scheduler.lite_compiler.starting:
+          # (its source generated, its caller's part paid, once lite's compile process can
+          # take the build: a kernel called only while it starts, ~0.15 s, never pays it;
+          # looked at again next run, an attribute read)
+          return
         due = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
                + scheduler.CALLER_PRICE + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
-          self.due = due if self.lite else min(due, self.spent + RECHECK_SHARE * self.price)
+          self.due = min(due, self.spent + RECHECK_SHARE * self.price)
           return
         if self.runs < HOT_RUNS:
           return  # (looked at again next run)
@@ -506,7 +513,8 @@ class NativeLoop:
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
       self.prechecked = True
-      if self.native is None and self.phase != "done" and self.lite and not self.sync:
+      if (self.native is None and self.phase != "done" and self.lite and not self.sync
+          and scheduler.lite_compiler.proc is None):
         self._prestart_lite()
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
