@@ -12,7 +12,10 @@ constants as an ``.npz``, the argument and result types, the library to
 write), builds it and answers one line ``{"ok": bool, "error", "seconds"}``
 on stdout (``setup_seconds``: the part of ``seconds`` spent on one-off work
 a later build does not repeat, numba's import and pycc's C helpers). It
-exits at the end of its input (its parent's exit).
+exits at the end of its input (its parent's exit). A background lite
+process (``--warm --lite``) first writes ``{"ready": true}`` once lite's
+modules and llvmlite are set up, before its warm-up (the caller's tier
+waits for it before it generates a loop's source: ``scheduler``).
 
 Every library is one extension module named ``MODULE``: pycc's C helpers
 (``modulemixin.c`` and NumPy/NRT glue, ~9 s of a C compiler) depend only on
