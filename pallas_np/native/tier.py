@@ -17,8 +17,10 @@ memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
 has it built by a compile process (``scheduler.Compiler``; the tier's
 thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
 ``lite_worker``: the source translated to LLVM IR and linked into a shared
-library, ~0.1-1 s, priced at ``lite_cache.PRICE``) or, where lite refuses
-it, priced again, numba's. Until then, and for good when the
+library, ~0.1-1 s: where a core is idle its price is the caller's own
+part, ``scheduler.CALLER_PRICE``, and the process is started at the loop's
+first run and waited for before the source is generated) or, where lite
+refuses it, priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
