@@ -255,3 +255,17 @@ def test_a_one_call_process_starts_the_compile_process_and_leaves_none(tmp_path)
       break
     __import__("time").sleep(0.1)
   assert _gone(pid), f"the compile process {pid} outlived its caller"
+
+
+def test_lite_warm_up_gives_way_to_a_pending_job(monkeypatch):
+  """lite's warm-up (LLVM on a small module, a first link) is cut short
+  where a job already waits on the process's input: the build does that
+  work itself, and would wait for it."""
+  from pallas_np.native import lite_worker
+  calls = []
+  monkeypatch.setattr(lite_jit, "compile_ir", lambda *a: calls.append("llvm") or b"")
+  monkeypatch.setattr(lite_jit, "link_shared", lambda *a: calls.append("link") or False)
+  lite_worker.warm_up(lambda: True)
+  assert not calls
+  lite_worker.warm_up()
+  assert calls == ["llvm", "link"]

@@ -274,6 +274,15 @@ def _orphan_watch(parent: int) -> None:
       os._exit(0)
 
 
+def _input_pending() -> bool:
+  """Whether a job line (or the end of the input) is waiting on stdin."""
+  try:
+    import select
+    return bool(select.select([sys.stdin], [], [], 0)[0])
+  except (OSError, ValueError):
+    return False
+
+
 def _lite():
   """``lite_worker`` (lite's builds), imported under stand-in packages
   for ``pallas_np`` and ``pallas_np.native``: their ``__init__`` (JAX) is
@@ -323,7 +332,7 @@ def main() -> None:
       proto.write(json.dumps({"ready": True}) + "\n")
       proto.flush()
     try:
-      _lite().warm_up() if "--lite" in sys.argv else warm_up()
+      _lite().warm_up(_input_pending) if "--lite" in sys.argv else warm_up()
     except Exception:  # noqa: BLE001 - the first build does it again, and reports
       pass
     _warming.clear()

@@ -85,13 +85,18 @@ def ready() -> None:
 _WARM_IR = "define i64 @warm(i64 %x) {\n  %y = add i64 %x, 1\n  ret i64 %y\n}\n"
 
 
-def warm_up() -> None:
+def warm_up(pending=lambda: False) -> None:
   """What the first build does once per process, done before it arrives:
-  llvmlite's target machine, LLVM's pipeline on a small module and the C
-  compiler's first link (its files read from disk)."""
-  lite_jit.compile_ir(_WARM_IR, {})
+  LLVM's pipeline on a small module and the linker's first run (its files
+  read from disk). Cut short where a job is ``pending`` (its build does
+  the same work: waiting for the warm-up would only delay it)."""
+  if pending():
+    return
+  obj = lite_jit.compile_ir(_WARM_IR, {})
+  if pending():
+    return
   with tempfile.TemporaryDirectory(prefix="pallas_np-lite-warm-") as tmp:
     obj_path = os.path.join(tmp, "warm.o")
     with open(obj_path, "wb") as f:
-      f.write(lite_jit.compile_ir(_WARM_IR, {}))
+      f.write(obj)
     lite_jit.link_shared(obj_path, os.path.join(tmp, "warm.so"))
