@@ -269,3 +269,21 @@ def test_lite_warm_up_gives_way_to_a_pending_job(monkeypatch):
   assert not calls
   lite_worker.warm_up()
   assert calls == ["llvm", "link"]
+
+
+def test_lite_process_ready_while_llvmlite_is_set_up(monkeypatch):
+  """lite's compile process says it is ready once lite's modules are
+  imported, with llvmlite's binding still being set up on a thread (its
+  ``dlopen``, ~0.06 s, overlaps the caller's source generation and the
+  job's translation); its warm-up gives way to a job meanwhile, and a
+  build waits for the binding before LLVM runs."""
+  import threading
+  from pallas_np.native import lite_worker
+  gate = threading.Event()
+  monkeypatch.setattr(lite_jit, "ready", lambda: gate.wait(60))
+  monkeypatch.setattr(lite_worker, "_binding", [])
+  lite_worker.ready()  # (returns with the binding's thread waiting on the gate)
+  assert lite_worker._binding[0].is_alive()
+  assert lite_worker.binding_set_up(lambda: True) is False  # (a job pending: no wait)
+  gate.set()
+  assert lite_worker.binding_set_up() is True and not lite_worker._binding[0].is_alive()

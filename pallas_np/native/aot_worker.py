@@ -14,7 +14,8 @@ on stdout (``setup_seconds``: the part of ``seconds`` spent on one-off work
 a later build does not repeat, numba's import and pycc's C helpers). It
 exits at the end of its input (its parent's exit). A background lite
 process (``--warm --lite``) first writes ``{"ready": true}`` once lite's
-modules and llvmlite are set up, before its warm-up (the caller's tier
+modules are imported and llvmlite's binding is being set up, before its
+warm-up (the caller's tier
 waits for it before it generates a loop's source: ``scheduler``).
 
 Every library is one extension module named ``MODULE``: pycc's C helpers
@@ -322,9 +323,9 @@ def main() -> None:
     parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     if "--lite" in sys.argv:
-      # (ready for a build once lite's modules and llvmlite are imported: the caller's tier
-      # generates a loop's source only then, ``tier``; the warm-up follows. The line is
-      # written whatever failed: the caller waits for it)
+      # (ready for a build once lite's modules are imported and llvmlite's binding is being
+      # set up, ``lite_worker.ready``: the caller's tier generates a loop's source only then,
+      # ``tier``; the warm-up follows. The line is written whatever failed: the caller waits)
       try:
         _lite().ready()
       except Exception:  # noqa: BLE001 - the first build does it again, and reports
@@ -354,6 +355,8 @@ def main() -> None:
     reply["setup_seconds"] = _setup[0]
     proto.write(json.dumps(reply) + "\n")
     proto.flush()
+  if "pallas_np.native.lite_worker" in sys.modules:  # (no exit under LLVM's set-up on a thread)
+    sys.modules["pallas_np.native.lite_worker"].binding_set_up()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import types
 
 from pallas_np.native import lite, lite_dtype, lite_jit
@@ -55,6 +56,7 @@ def build(job: dict) -> dict:
     ir_text, meta, _ = lite.translate(src, descs)
   except Refused as e:
     return {"ok": False, "refused": str(e)}
+  binding_set_up()
   obj = lite_jit.compile_ir(ir_text, src.externals)
   meta["consts"] = [name for name, v in constants.items() if isinstance(v, lite_dtype.ConstArray)]
   base = job["out"]
@@ -73,13 +75,32 @@ def build(job: dict) -> dict:
   return {"ok": True}
 
 
+_binding: list = []  # the thread setting llvmlite's binding up (``ready``)
+
+
 def ready() -> None:
-  """What a build needs before its first step, done when the process
-  starts (``aot_worker --warm --lite``, which then says it is ready):
-  lite's modules (imported with this one) and llvmlite's binding with a
-  target machine (~0.05 s)."""
-  if not lite_jit.ready():
-    raise RuntimeError("lite: llvmlite is not available")
+  """What a build needs, begun when the process starts (``aot_worker
+  --warm --lite``, which then says it is ready): lite's modules (imported
+  with this one, llvmlite's IR builder: the translation's) and, on a
+  thread, llvmlite's binding with a target machine (~0.06 s, mostly a
+  ``dlopen`` without the GIL), so that the caller's source generation and
+  a job's translation overlap it; a build waits for it before LLVM runs
+  (``binding_set_up``), as does the process's exit."""
+  if not _binding:
+    thread = threading.Thread(target=lite_jit.ready, name="llvmlite-binding", daemon=True)
+    thread.start()
+    _binding.append(thread)
+
+
+def binding_set_up(pending=lambda: False) -> bool:
+  """Waits for ``ready``'s thread, or until a job is ``pending``; whether
+  the binding is set up."""
+  for thread in _binding:
+    while thread.is_alive():
+      if pending():
+        return False
+      thread.join(0.005)
+  return True
 
 
 _WARM_IR = "define i64 @warm(i64 %x) {\n  %y = add i64 %x, 1\n  ret i64 %y\n}\n"
@@ -90,7 +111,7 @@ def warm_up(pending=lambda: False) -> None:
   LLVM's pipeline on a small module and the linker's first run (its files
   read from disk). Cut short where a job is ``pending`` (its build does
   the same work: waiting for the warm-up would only delay it)."""
-  if pending():
+  if not binding_set_up(pending) or pending():
     return
   obj = lite_jit.compile_ir(_WARM_IR, {})
   if pending():
