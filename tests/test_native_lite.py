@@ -6,7 +6,12 @@ the benchmark loop kernels, the refusal rule (a form lite does not
 translate goes to the numba build, with the same bits), and the stats that
 show lite compiled (a change that silently stops lite engaging fails
 here). ``PALLAS_NP_NATIVE_COMPILER=lite`` makes ``"sync"`` builds lite's."""
+import ctypes
 import functools
+import os
+import shutil
+import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -238,3 +243,38 @@ def test_64bit_shifts_of_the_numba_build(lite_only, monkeypatch, dt):
     before = native.stats()
     three_ways(functools.partial(_elementwise_call, ops, 3, dt, shape=(2, 128)), x, y)
     assert native.stats()["lite"] == before["lite"]
+
+
+def _linked_warm(tmp_path, path_dirs):
+  """``lite_worker``'s warm-up module linked with ``PATH`` = ``path_dirs``
+  (no ``$CC``), and its ``warm(41)`` called from the library; None where
+  it was not linked."""
+  from pallas_np.native import lite_worker
+  obj = tmp_path / "warm.o"
+  obj.write_bytes(lite_jit.compile_ir(lite_worker._WARM_IR, {}))
+  lib = tmp_path / f"warm{len(list(tmp_path.iterdir()))}.so"
+  env = {k: v for k, v in os.environ.items() if k != "CC"}
+  env["PATH"] = os.pathsep.join(map(str, path_dirs))
+  with mock.patch.dict(os.environ, env, clear=True):
+    if not lite_jit.link_shared(str(obj), str(lib)):
+      return None
+  fn = ctypes.CDLL(str(lib)).warm
+  fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+  return fn(41)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not shutil.which("ld")
+                    or not shutil.which("cc"), reason="links with the system linker")
+def test_a_library_is_linked_by_ld_and_else_by_cc(tmp_path):
+  """lite links a loop's object with the system linker itself (``ld``,
+  ~8 ms; the C compiler's driver took ~33 ms, on the path of a fresh
+  process's first build), and where that fails with the C compiler."""
+  only_ld = tmp_path / "only_ld"
+  only_ld.mkdir()
+  os.symlink(shutil.which("ld"), only_ld / "ld")  # (no cc on this PATH)
+  out = tmp_path / "out"
+  out.mkdir()
+  assert _linked_warm(out, [only_ld]) == 42
+  real = lite_jit._linkers
+  with mock.patch.object(lite_jit, "_linkers", lambda: [["false"], *real()]):  # (ld failing)
+    assert _linked_warm(out, os.environ["PATH"].split(os.pathsep)) == 42

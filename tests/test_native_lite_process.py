@@ -186,3 +186,104 @@ def test_a_process_exits_while_its_lite_build_is_pending(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert int(out.stdout.split()[-1]) >= 1  # (the build was queued, under way or done)
+
+
+def test_the_compile_process_builds_without_numpy(fresh, monkeypatch):
+  """lite's compile process builds a loop (the cumsum kernel's job, with
+  a constant array and scalars) importing no NumPy (``lite_dtype``: its
+  import was a third of the process's start, on the path of a fresh
+  process's first build), and writes the library the caller loads."""
+  jobs = []
+  real = scheduler.sync_compiler.build
+  monkeypatch.setattr(scheduler.sync_compiler, "build", lambda job: jobs.append(job) or real(job))
+  x = _floats((16, 128))
+  make = functools.partial(_kernel_call, cumsum_fori_kernel, x)
+  make(SYNC)(x)
+  job = next(j for j in jobs if j.get("kind") == "lite")
+  job["out"] = str(fresh / "again")
+  code = textwrap.dedent(f"""
+      import json, sys
+      sys.path.insert(0, {os.path.dirname(aot_worker.__file__)!r})
+      import aot_worker
+      reply = aot_worker._lite().build(json.loads(sys.argv[1]))
+      print(json.dumps(reply), 'numpy' in sys.modules)
+  """)
+  out = subprocess.run([sys.executable, "-I", "-c", code, __import__("json").dumps(job)],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ['{"ok":', 'true}', "False"], out.stdout
+  assert os.path.exists(str(fresh / "again.json"))
+
+
+_ONE_CALL = textwrap.dedent("""
+    import sys, jax.numpy as jnp, numpy as np
+    import pallas_np
+    from pallas_np import native
+    from pallas_np.native import scheduler
+    from tests.test_native_tier import _call
+    scheduler.weight = lambda: scheduler.COMPILE_WEIGHT  # (a core idle, however busy the machine)
+    x = jnp.asarray(np.arange(256).reshape(2, 128) % 59 + 1, jnp.int32)
+    _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)(x)
+    native.wait(timeout=60)
+    print(scheduler.lite_compiler.proc.pid)
+""")
+
+
+def _gone(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # (a zombie: exited)
+  except OSError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_one_call_process_starts_the_compile_process_and_leaves_none(tmp_path):
+  """A process that calls a loop kernel once (its loop's first run: no
+  library on disk, a core idle) starts lite's compile process, which
+  exits with the caller (during its start and warm-up too:
+  ``aot_worker``'s orphan watch)."""
+  env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_NATIVE_COMPILER="lite",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
+  out = subprocess.run([sys.executable, "-c", _ONE_CALL, str(salt)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  pid = int(out.stdout.split()[-1])
+  for _ in range(600):  # (up to 60 s: the orphan watch looks every 0.2 s)
+    if _gone(pid):
+      break
+    __import__("time").sleep(0.1)
+  assert _gone(pid), f"the compile process {pid} outlived its caller"
+
+
+def test_lite_warm_up_gives_way_to_a_pending_job(monkeypatch):
+  """lite's warm-up (LLVM on a small module, a first link) is cut short
+  where a job already waits on the process's input: the build does that
+  work itself, and would wait for it."""
+  from pallas_np.native import lite_worker
+  calls = []
+  monkeypatch.setattr(lite_jit, "compile_ir", lambda *a: calls.append("llvm") or b"")
+  monkeypatch.setattr(lite_jit, "link_shared", lambda *a: calls.append("link") or False)
+  lite_worker.warm_up(lambda: True)
+  assert not calls
+  lite_worker.warm_up()
+  assert calls == ["llvm", "link"]
+
+
+def test_lite_process_ready_while_llvmlite_is_set_up(monkeypatch):
+  """lite's compile process says it is ready once lite's modules are
+  imported, with llvmlite's binding still being set up on a thread (its
+  ``dlopen``, ~0.06 s, overlaps the caller's source generation and the
+  job's translation); its warm-up gives way to a job meanwhile, and a
+  build waits for the binding before LLVM runs."""
+  import threading
+  from pallas_np.native import lite_worker
+  gate = threading.Event()
+  monkeypatch.setattr(lite_jit, "ready", lambda: gate.wait(60))
+  monkeypatch.setattr(lite_worker, "_binding", [])
+  lite_worker.ready()  # (returns with the binding's thread waiting on the gate)
+  assert lite_worker._binding[0].is_alive()
+  assert lite_worker.binding_set_up(lambda: True) is False  # (a job pending: no wait)
+  gate.set()
+  assert lite_worker.binding_set_up() is True and not lite_worker._binding[0].is_alive()

@@ -78,11 +78,12 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
 
 
 def test_no_build_while_numpy_path_is_cheaper(monkeypatch):
-  """A loop whose NumPy path has cost less than its build's (weighted)
-  price is never built: the caller keeps the NumPy path."""
+  """A loop whose NumPy path has cost less than its build's price (the
+  caller's own part, and numba's weighted seconds) is never built: the
+  caller keeps the NumPy path."""
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1e9)
-  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
   f = _call(salt, BACKGROUND, x)

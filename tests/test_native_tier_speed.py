@@ -134,11 +134,33 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
+def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch):
+  """lite's compile process (its ~0.15 s start: the latency of the loop's
+  first build) is started at the loop's first run, inside the kernel's
+  first call, before the loop is priced, where a core is idle (its start
+  is then not the caller's cost but the build's latency); once, however
+  many runs follow."""
+  load = 0.5
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)  # (never priced here)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [load])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  f(x)
+  assert builds.prestarts == [scheduler.lite_compiler]
+  for _ in range(3):
+    f(x)
+  assert builds.prestarts == [scheduler.lite_compiler] and not builds.loops
+
+
 def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch):
-  """Where no core is idle when a loop is priced for lite, lite's compile
-  process is not started ahead of the build (its ~0.3 s start would take
-  the caller's share of a core); the build's price then includes it
-  (``lite_cache.START_PRICE``)."""
+  """Where no core is idle at the loop's first run nor when it is priced,
+  lite's compile process is not started ahead of the build (its start
+  would take the caller's share of a core); the build's price then
+  includes it (``lite_cache.START_PRICE``)."""
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
@@ -152,6 +174,51 @@ def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch)
   loop = next(v for v in gc.get_objects() if isinstance(v, tier.NativeLoop) and v.phase == "priced"
               and v.price == lite_cache.PRICE + lite_cache.START_PRICE)
   assert loop is not None and not builds.prestarts
+
+
+def test_a_lite_build_waits_for_its_compile_process_to_start(monkeypatch):
+  """While lite's compile process, started at the loop's first run, is
+  still starting (``Compiler.starting``: its imports, ~0.15 s), a loop
+  whose build is due is not built (its source, the caller's part, is
+  generated only once the process can take it: a kernel called only that
+  long never pays it); it is queued at the first run after."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [0.5])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 53 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    f(x)
+  assert not builds.loops
+  scheduler.lite_compiler.starting = False
+  f(x)
+  assert len(builds.loops) == 1
+
+
+def test_no_compile_process_for_a_loop_found_by_its_prekey(monkeypatch):
+  """A loop whose library is found at its first run (its pre-key: a
+  second process, a re-run test suite) starts no compile process, nor
+  does a loop of the numba compiler (started when priced, as before), nor
+  ``"off"``."""
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 61 + 1, jnp.int32)
+  salt = _salt()
+  _call(salt, pallas_np.InterpretParams(native_loops="sync"), x)(x)  # (built: its pre-key kept)
+  builds = _Builds(monkeypatch)
+  pallas_np.clear_caches()  # (a new plan: its loop's first run again)
+  before = native.stats()
+  f = _call(salt, BACKGROUND, x)
+  f(x)
+  assert native.stats()["compiled"] == before["compiled"] + 1  # (loaded at the first run)
+  _call(_salt(), OFF, x)(x)
+  monkeypatch.setenv(lite_cache.ENV, "numba")
+  _call(_salt(), BACKGROUND, x)(x)
+  assert not builds.prestarts, builds.prestarts
 
 
 def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
@@ -403,6 +470,30 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
     f(x)
   assert len(builds.loops) == 1 and builds.loops[0].price == 1e-6
   assert builds.prestarts == [scheduler.lite_compiler]
+
+
+@pytest.mark.parametrize("cpus,load,queued", [(2, 0.5, True), (2, 5.0, False), (1, 0.5, False)])
+def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, load, queued):
+  """A lite build's seconds run in lite's compile process, on an idle
+  core: its wall time is the build's latency, not the caller's cost, so
+  however long it takes (``lite_cache.PRICE``), the build is due once the
+  loop ran ``HOT_RUNS`` times and cost the caller's own part
+  (``CALLER_PRICE``: the source's generation, the load). On one core, or
+  where no core is idle, its seconds take the caller's share: priced in
+  full."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
+  monkeypatch.setattr(lite_cache, "PRICE", 1000.0)
+  monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
+  monkeypatch.setattr(scheduler, "_CPUS", cpus)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [load])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 71 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 1):
+    f(x)
+  assert len(builds.loops) == (1 if queued else 0), builds.loops
 
 
 def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch):

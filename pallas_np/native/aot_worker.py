@@ -12,7 +12,11 @@ constants as an ``.npz``, the argument and result types, the library to
 write), builds it and answers one line ``{"ok": bool, "error", "seconds"}``
 on stdout (``setup_seconds``: the part of ``seconds`` spent on one-off work
 a later build does not repeat, numba's import and pycc's C helpers). It
-exits at the end of its input (its parent's exit).
+exits at the end of its input (its parent's exit). A background lite
+process (``--warm --lite``) first writes ``{"ready": true}`` once lite's
+modules are imported and llvmlite's binding is being set up, before its
+warm-up (the caller's tier
+waits for it before it generates a loop's source: ``scheduler``).
 
 Every library is one extension module named ``MODULE``: pycc's C helpers
 (``modulemixin.c`` and NumPy/NRT glue, ~9 s of a C compiler) depend only on
@@ -271,6 +275,15 @@ def _orphan_watch(parent: int) -> None:
       os._exit(0)
 
 
+def _input_pending() -> bool:
+  """Whether a job line (or the end of the input) is waiting on stdin."""
+  try:
+    import select
+    return bool(select.select([sys.stdin], [], [], 0)[0])
+  except (OSError, ValueError):
+    return False
+
+
 def _lite():
   """``lite_worker`` (lite's builds), imported under stand-in packages
   for ``pallas_np`` and ``pallas_np.native``: their ``__init__`` (JAX) is
@@ -309,8 +322,18 @@ def main() -> None:
     at = sys.argv.index("--warm") + 1
     parent = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else os.getppid()
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    if "--lite" in sys.argv:
+      # (ready for a build once lite's modules are imported and llvmlite's binding is being
+      # set up, ``lite_worker.ready``: the caller's tier generates a loop's source only then,
+      # ``tier``; the warm-up follows. The line is written whatever failed: the caller waits)
+      try:
+        _lite().ready()
+      except Exception:  # noqa: BLE001 - the first build does it again, and reports
+        pass
+      proto.write(json.dumps({"ready": True}) + "\n")
+      proto.flush()
     try:
-      _lite().warm_up() if "--lite" in sys.argv else warm_up()
+      _lite().warm_up(_input_pending) if "--lite" in sys.argv else warm_up()
     except Exception:  # noqa: BLE001 - the first build does it again, and reports
       pass
     _warming.clear()
@@ -332,6 +355,8 @@ def main() -> None:
     reply["setup_seconds"] = _setup[0]
     proto.write(json.dumps(reply) + "\n")
     proto.flush()
+  if "pallas_np.native.lite_worker" in sys.modules:  # (no exit under LLVM's set-up on a thread)
+    sys.modules["pallas_np.native.lite_worker"].binding_set_up()
 
 
 if __name__ == "__main__":

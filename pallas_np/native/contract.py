@@ -6,12 +6,18 @@ names where the caller's code reads them (docs/native.md, "lite").
 """
 from __future__ import annotations
 
-import numpy as np
+from pallas_np.native import lite_dtype
 
-# The dtypes the generated code computes in (codegen's table).
-SUPPORTED = frozenset(np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float32, np.float64))
+
+def __getattr__(name):
+  """``SUPPORTED``: the dtypes the generated code computes in (codegen's
+  table), as NumPy dtypes, made at the first read: the compile process,
+  which imports no NumPy, reads ``lite_dtype.SUPPORTED`` instead."""
+  if name == "SUPPORTED":
+    import numpy as np
+    globals()["SUPPORTED"] = frozenset(np.dtype(dt.name) for dt in lite_dtype.SUPPORTED)
+    return globals()["SUPPORTED"]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Status slot 0 where the source raised RuntimeError (lite_headers writes

@@ -39,10 +39,10 @@ from __future__ import annotations
 import ast
 
 import llvmlite.ir as ir
-import numpy as np
 
 from pallas_np.native import lite_types as lt
-from pallas_np.native.contract import SUPPORTED, Refused
+from pallas_np.native.contract import Refused
+from pallas_np.native.lite_dtype import SUPPORTED, ConstArray, Scalar, constant, dtype
 from pallas_np.native.lite_arrays import DATA_OFFSET, Arrays, assigned_names, read_before_set
 from pallas_np.native.lite_expr import (I1, I8, I32, I64, PTR, Arr, Expressions, cast, const, literal_int,
                                         lltype, memtype)
@@ -65,7 +65,7 @@ class Translator(Headers, Arrays, Expressions):
     self.globals = globals_
     self.args = args  # [(kind 's'|'a'|'r', dtype, shape)]
     self.outs = outs  # [(kind, dtype)]
-    self.const_arrays = [k for k, v in globals_.items() if isinstance(v, np.ndarray)]
+    self.const_arrays = [k for k, v in globals_.items() if isinstance(v, ConstArray)]
     self.module = ir.Module(name="lite")
     self.externals = dict(externals)
     self.arena_static = 0
@@ -90,7 +90,7 @@ class Translator(Headers, Arrays, Expressions):
     self.b = ir.IRBuilder(body)
     self.vars = {}
     st, arena, outs = fn.args[:3]
-    self.st = Arr(self.data(st), np.dtype(np.int64), (None,), False)
+    self.st = Arr(self.data(st), lt.I64, (None,), False)
     self.arena = self.data(arena)
     self.outs_ptr = self.data(outs)
     self.top = self.alloca_b.alloca(I64, name="top")
@@ -102,7 +102,7 @@ class Translator(Headers, Arrays, Expressions):
     self.st_name = names[0]
     for name, (kind, dt, shape, contiguous), p in zip(names[1:], self.args, fn.args[3:]):
       if kind == "s":
-        val = p if dt != np.bool_ else self.b.trunc(p, I1)
+        val = p if dt is not lt.BOOL else self.b.trunc(p, I1)
         self.assign(name, val, dt)
       else:
         strides = None if contiguous else self.strides(p, len(shape))
@@ -185,8 +185,8 @@ class Translator(Headers, Arrays, Expressions):
       return self.gconsts[name], None
     if name in self.globals:
       v = self.globals[name]
-      if isinstance(v, np.generic) and v.dtype in SUPPORTED:
-        return const(v.dtype, v), v.dtype
+      if isinstance(v, Scalar) and v.dtype in SUPPORTED:
+        return const(v.dtype, v.value), v.dtype
     raise Refused(f"lite: name {name}")
 
   # -- statements --------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class Translator(Headers, Arrays, Expressions):
     raise Refused(f"lite: assignment to {type(t).__name__}")
 
   def to_mem(self, val, dt):
-    return self.b.zext(val, I8) if dt == np.bool_ else val
+    return self.b.zext(val, I8) if dt is lt.BOOL else val
 
   def s_If(self, s):
     cond = self.truth(self.expr(s.test))
@@ -393,14 +393,18 @@ def translate(src, args) -> tuple:
   ``args``: each loop operand's (kind 's'/'a'/'r', dtype, static shape,
   C-contiguous).
   Raises ``Refused`` outside the subset."""
-  # (a kernel body's scratch arrays, after its operands: codegen.finish)
-  args = [*args, *(("a", np.dtype(dt), (n,), True) for dt, n in getattr(src, "scratch", ()))]
+  # (a kernel body's scratch arrays, after its operands: codegen.finish; dtypes and constants as
+  # lite reads them: lite_dtype, NumPy's or the compile process's own)
+  args = [(kind, dtype(dt), *rest) for kind, dt, *rest in args]
+  args += [("a", dtype(dt), (n,), True) for dt, n in getattr(src, "scratch", ())]
+  outs = [(kind, dtype(dt)) for kind, dt in src.outs]
+  consts = {name: constant(v) for name, v in src.globals.items()}
   try:
-    tr = Translator(src.text, src.globals, args, src.outs, src.externals)
+    tr = Translator(src.text, consts, args, outs, src.externals)
     text = tr.translate()
   except (RecursionError, SyntaxError) as e:
     raise Refused(f"lite: {type(e).__name__}") from None
   meta = {"args": [None if kind != "s" else dt.str for kind, dt, *_ in args],
           "arena": tr.arena_size,
-          "outs": [[kind, dt.str, n] for (kind, dt), n in zip(src.outs, tr.out_sizes)]}
+          "outs": [[kind, dt.str, n] for (kind, dt), n in zip(outs, tr.out_sizes)]}
   return text, meta, [src.globals[k] for k in tr.const_arrays]

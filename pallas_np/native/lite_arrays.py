@@ -10,7 +10,6 @@ import ast
 import math
 
 import llvmlite.ir as ir
-import numpy as np
 
 from pallas_np.native import lite_types as lt
 from pallas_np.native.contract import Refused
@@ -189,9 +188,9 @@ class Arrays:
       if isinstance(e, ast.Slice):
         raise Refused("lite: a slice")
       val, dt = self.expr(e)
-      if isinstance(val, Arr) or dt.kind not in "iu" and dt != np.bool_:
+      if isinstance(val, Arr) or dt.kind not in "iu" and dt is not lt.BOOL:
         raise Refused("lite: a non-integer index")
-      if dt == np.bool_:
+      if dt is lt.BOOL:
         raise Refused("lite: a bool index")
       i = cast(self.b, val, dt, lt.I64)
       dim = arr.shape[k]
@@ -242,7 +241,7 @@ class Arrays:
     item size, is refused)."""
     arr, _ = self.expr(value)
     dt = self.np_dtype(dtype_node)
-    if (not isinstance(arr, Arr) or dt is None or dt == np.bool_ or arr.dtype == np.bool_
+    if (not isinstance(arr, Arr) or dt is None or dt is lt.BOOL or arr.dtype is lt.BOOL
         or dt.itemsize != arr.dtype.itemsize or arr.shape == (None,)):
       raise Refused("lite: a .view() other than of a same-size non-bool dtype")
     return Arr(arr.ptr, dt, arr.shape, arr.arena, arr.strides)

@@ -21,15 +21,16 @@ from pallas_np.native import codegen, disk_cache, lite_jit
 
 ENV = "PALLAS_NP_NATIVE_COMPILER"
 CHOICES = ("auto", "lite", "numba")
-# Seconds of the compile process a lite build is priced at (the caller's
-# share of them: ``scheduler.weight``): translation ~0.05-0.2 s and LLVM
-# ~0.1-1 s, in the compile process. The caller's own part, the source's
-# generation and the library's load, is ``scheduler.CALLER_PRICE``.
+# Seconds of the compile process a lite build takes: translation
+# ~0.05-0.2 s and LLVM ~0.1-1 s, in the compile process, started at the
+# loop's first run. The caller pays none of them where a core is idle
+# (``scheduler.lite_weight``): only its own part, the source's generation
+# and the library's load, ``scheduler.CALLER_PRICE``.
 PRICE = 0.3
-# Seconds more where lite's compile process is not running yet (Python,
-# NumPy and llvmlite's import and its warm-up, ~0.3 s): started with the
-# build where no core was idle when the loop was priced (``tier._price``).
-START_PRICE = 0.3
+# Seconds more where lite's compile process was not started at the loop's
+# first run (no core was idle then): Python and llvmlite's import and its
+# warm-up, ~0.2 s, started with the build (``tier._price``).
+START_PRICE = 0.2
 FORMAT = 2  # (1: objects loaded by MCJIT in the caller)
 _memo: dict = {}  # library key -> loaded lite function
 

@@ -7,26 +7,26 @@ from __future__ import annotations
 import ast
 
 import llvmlite.ir as ir
-import numpy as np
 
 from pallas_np.native import lite_types as lt
-from pallas_np.native.contract import SUPPORTED, Refused
+from pallas_np.native.contract import Refused
+from pallas_np.native.lite_dtype import SUPPORTED, DType
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 PTR = I8.as_pointer()
-DTYPE_NAMES = {dt.name if dt != np.bool_ else "bool_": dt for dt in SUPPORTED}
+DTYPE_NAMES = {dt.name if dt is not lt.BOOL else "bool_": dt for dt in SUPPORTED}
 
 
-def lltype(dt: np.dtype):
-  if dt == np.bool_:
+def lltype(dt: DType):
+  if dt is lt.BOOL:
     return I1
   if dt.kind == "f":
     return ir.FloatType() if dt.itemsize == 4 else ir.DoubleType()
   return ir.IntType(dt.itemsize * 8)
 
 
-def memtype(dt: np.dtype):
-  return I8 if dt == np.bool_ else lltype(dt)
+def memtype(dt: DType):
+  return I8 if dt is lt.BOOL else lltype(dt)
 
 
 class Arr:
@@ -44,11 +44,11 @@ class Arr:
     return ("a", self.dtype, self.shape, self.arena, self.strides)
 
 
-def cast(b, val, src: np.dtype, dst: np.dtype):
+def cast(b, val, src: DType, dst: DType):
   """numba's ``context.cast`` between number types."""
   if src == dst:
     return val
-  if dst == np.bool_:
+  if dst is lt.BOOL:
     if src.kind == "f":
       return b.fcmp_unordered("!=", val, ir.Constant(val.type, 0.0))
     return b.icmp_unsigned("!=", val, ir.Constant(val.type, 0))
@@ -67,13 +67,18 @@ def cast(b, val, src: np.dtype, dst: np.dtype):
   return b.sext(val, t) if src.kind == "i" else b.zext(val, t)
 
 
-def const(dt: np.dtype, value):
+def const(dt: DType, value):
   t = lltype(dt)
-  if dt == np.bool_:
+  if dt is lt.BOOL:
     return ir.Constant(I1, int(bool(value)))
   if dt.kind == "f":
     return ir.Constant(t, float(value))
-  return ir.Constant(t, int(np.asarray(value, dt).astype(np.uint64 if dt.kind == "u" else np.int64)))
+  v = int(value)  # (as NumPy converts it to ``dt``: a value out of its range is refused)
+  bits = 8 * dt.itemsize
+  lo, hi = (0, 1 << bits) if dt.kind == "u" else (-(1 << (bits - 1)), 1 << (bits - 1))
+  if not lo <= v < hi:
+    raise Refused(f"lite: {value!r} out of the range of {dt.name}")
+  return ir.Constant(t, v)
 
 
 _INTRINSICS = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
@@ -124,7 +129,7 @@ class Expressions:
     if arr is None:  # (a view: fewer indices than the rank)
       return ptr, None
     v = self.b.load(ptr)
-    return (self.b.trunc(v, I1) if arr.dtype == np.bool_ else v), arr.dtype
+    return (self.b.trunc(v, I1) if arr.dtype is lt.BOOL else v), arr.dtype
 
   def truth(self, v):
     val, dt = v
@@ -171,7 +176,7 @@ class Expressions:
     if op is ast.Not:
       return b.xor(self.truth((a, da)), I1(1)), lt.BOOL
     if op is ast.Invert:
-      if da == np.bool_:
+      if da is lt.BOOL:
         return b.xor(a, I1(1)), lt.BOOL
       if da.kind == "f":
         raise Refused("lite: ~ of a float")
@@ -268,12 +273,12 @@ class Expressions:
     if len(vals) != 2:
       raise Refused("lite: a boolean op of more than two operands")
     a, da = self.scalar(vals[0])
-    if da != np.bool_:
+    if da is not lt.BOOL:
       raise Refused("lite: and/or of a non-bool")
 
     def second():
       c, dc = self.scalar(vals[1])
-      if dc != np.bool_:
+      if dc is not lt.BOOL:
         raise Refused("lite: and/or of a non-bool")
       return c, dc
     if isinstance(e.op, ast.And):

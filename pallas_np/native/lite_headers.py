@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 
 import llvmlite.ir as ir
-import numpy as np
 
 from pallas_np.native import contract
 from pallas_np.native import lite_types as lt
@@ -110,14 +109,14 @@ class Headers:
       raise Refused("lite: a raise in a helper")
     self.b.store(I64(RUNTIME_ERROR), self.b.bitcast(self.st.ptr, I64.as_pointer()))
     self.b.ret(I32(1))
-    return ir.Constant(ir.IntType(1), 0), np.dtype(np.bool_)
+    return ir.Constant(ir.IntType(1), 0), lt.BOOL
 
   # -- expressions ----------------------------------------------------------------------
   def e_Attribute(self, e):
     """``X.ctypes.data``: the data pointer's value (int64); ``np.inf``,
     ``np.nan`` (float64, as numba types them)."""
     if e.attr in ("inf", "nan") and self.is_np(e, e.attr):
-      return const(lt.F64, getattr(np, e.attr)), lt.F64
+      return const(lt.F64, float(e.attr)), lt.F64
     if (e.attr == "data" and isinstance(e.value, ast.Attribute) and e.value.attr == "ctypes"):
       arr, _ = self.expr(e.value.value)
       if isinstance(arr, Arr):
@@ -205,7 +204,7 @@ class Headers:
     fnty = ir.FunctionType(rl, [lts[k] for k in kinds])
     llargs = []
     for k, (v, dv) in zip(kinds, vals[1:]):
-      if dv.kind not in "iuf" and dv != np.bool_:
+      if dv.kind not in "iuf" and dv is not lt.BOOL:
         raise Refused(f"lite: _cblas_{name}'s argument of {dv}")
       v = cast(b, v, dv, _NT[k])  # (numba: to the intrinsic's signature, then its codegen)
       if k == "p":
@@ -215,7 +214,7 @@ class Headers:
       llargs.append(v)
     r = b.call(b.inttoptr(fp, fnty.as_pointer()), llargs)
     if ret == "v":
-      return ir.Constant(ir.IntType(1), 0), np.dtype(np.bool_)  # (none: only a statement uses it)
+      return ir.Constant(ir.IntType(1), 0), lt.BOOL  # (none: only a statement uses it)
     return r, _RET[ret]
 
   # -- njit helpers ---------------------------------------------------------------------

@@ -14,10 +14,10 @@ import ctypes
 import glob
 import importlib.util
 import os
+import shutil
 import subprocess
+import sys
 import threading
-
-import numpy as np
 
 from pallas_np.native.contract import RUNTIME_ERROR, Refused
 
@@ -39,6 +39,7 @@ def _layout_ok() -> bool:
     return _state["layout"]
   ok = True
   try:
+    import numpy as np  # (the caller's: the compile process imports no NumPy)
     probe = np.arange(3, dtype=np.int64)
     addr = ctypes.c_void_p.from_address(id(probe) + 16).value  # (lite_arrays.DATA_OFFSET)
     ok &= addr == probe.ctypes.data
@@ -59,12 +60,11 @@ def _layout_ok() -> bool:
 def _llvm():
   """llvmlite's binding with the native target (once per process: the
   compile process's, or the caller's where a library is an object); None
-  where llvmlite is missing or NumPy's structs are not the expected ones."""
+  where llvmlite is missing. (NumPy's structs, as the compiled code reads
+  them, are the caller's to check: ``available``.)"""
   if "llvm" in _state:
     return _state["llvm"]
   try:
-    if not _layout_ok():
-      raise RuntimeError("NumPy's array or scalar struct is not the one lite reads")
     import llvmlite.binding as llvm
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -73,6 +73,12 @@ def _llvm():
   except Exception:  # noqa: BLE001 - no lite: the numba build
     _state["llvm"] = None
   return _state["llvm"]
+
+
+def ready() -> bool:
+  """Whether llvmlite's binding and a target machine are set up here
+  (set up now: the compile process's start, ``lite_worker.ready``)."""
+  return _llvm() is not None
 
 
 def _target_machine(llvm):
@@ -134,18 +140,34 @@ def compile_ir(text: str, externals: dict) -> bytes:
     return bytes(tm.emit_object(mod))
 
 
+def _linkers() -> list:
+  """The commands tried in turn to link an object into a shared library:
+  ``$CC`` where set; else, on Linux, the system linker itself (``ld``,
+  ~8 ms: the C compiler's driver, which runs it after its own start, took
+  ~33 ms, on the critical path of a loop's first build) and then ``cc``."""
+  cc = os.environ.get("CC", "").split()
+  if cc:
+    return [[*cc, "-shared"]]
+  # (no libc named: its linker script and static part cost ld ~20 ms; the
+  # library is only ever loaded into a CPython process, which has libc)
+  found = [["ld", "-shared"]] if sys.platform.startswith("linux") and shutil.which("ld") else []
+  return [*found, ["cc", "-shared"]]
+
+
 def link_shared(obj_path: str, lib_path: str) -> bool:
-  """Links an object into a shared library with the C compiler (``cc``,
-  or ``$CC``; libm for what LLVM lowers to calls); False where none
-  links it (the object is then loaded by MCJIT)."""
-  cc = os.environ.get("CC", "").split() or ["cc"]
-  try:
-    done = subprocess.run([*cc, "-shared", "-o", lib_path, obj_path, "-lm"],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, timeout=LINK_TIMEOUT, check=False)
-  except (OSError, subprocess.SubprocessError):
-    return False
-  return done.returncode == 0 and os.path.exists(lib_path)
+  """Links an object into a shared library (``_linkers``; libm for what
+  LLVM lowers to calls); False where none links it (the object is then
+  loaded by MCJIT)."""
+  for cmd in _linkers():
+    try:
+      done = subprocess.run([*cmd, "-o", lib_path, obj_path, "-lm"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=LINK_TIMEOUT, check=False)
+    except (OSError, subprocess.SubprocessError):
+      continue
+    if done.returncode == 0 and os.path.exists(lib_path):
+      return True
+  return False
 
 
 def _wait_for_llvm() -> None:
@@ -226,6 +248,7 @@ def callable_at(engine, addr: int, meta: dict, consts: list):
   for arrays), the arena's size, each result's (kind, dtype, size; None:
   reported by the call). A call that needs a larger arena (run-time sized
   buffers) says so and runs again in one."""
+  import numpy as np  # (the caller's: the compile process imports no NumPy)
   cfunc, keep = _builtin(addr)
   scalars = [(k, np.dtype(dt).type) for k, dt in enumerate(meta["args"]) if dt is not None]
   size = meta["arena"]

@@ -12,25 +12,25 @@ such operation (lite refuses it).
 """
 from __future__ import annotations
 
-import numpy as np
+from pallas_np.native.lite_dtype import DType, dtype
 
-BOOL = np.dtype(np.bool_)
-I64 = np.dtype(np.int64)
-U64 = np.dtype(np.uint64)
-F32 = np.dtype(np.float32)
-F64 = np.dtype(np.float64)
+BOOL = dtype("bool")
+I64 = dtype("int64")
+U64 = dtype("uint64")
+F32 = dtype("float32")
+F64 = dtype("float64")
 # Integers numba converts to float32 safely (a float32 with any other
 # integer is computed in float64).
-_F32_SAFE = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.uint8, np.float32))
+_F32_SAFE = frozenset(dtype(t) for t in ("bool", "int8", "int16", "uint8", "float32"))
 # ... and in a unification (``a if c else b``, ``min``/``max``): uint16 too.
-_F32_UNIFY = _F32_SAFE | {np.dtype(np.uint16)}
+_F32_UNIFY = _F32_SAFE | {dtype("uint16")}
 
 
-def is_int(dt: np.dtype) -> bool:
+def is_int(dt: DType) -> bool:
   return dt.kind in "iu"
 
 
-def _float_pair(a: np.dtype, b: np.dtype) -> np.dtype:
+def _float_pair(a: DType, b: DType) -> DType:
   """The float type numba computes ``a op b`` in, one of them a float."""
   if F64 in (a, b):
     return F64
@@ -38,7 +38,7 @@ def _float_pair(a: np.dtype, b: np.dtype) -> np.dtype:
   return F32 if other in _F32_SAFE else F64
 
 
-def arith(a: np.dtype, b: np.dtype) -> np.dtype | None:
+def arith(a: DType, b: DType) -> DType | None:
   """Type of ``a + b`` (``-``, ``*``, ``//``, ``%``): both operands are
   converted to it first."""
   if a.kind == "f" or b.kind == "f":
@@ -47,7 +47,7 @@ def arith(a: np.dtype, b: np.dtype) -> np.dtype | None:
   return I64 if signed else U64
 
 
-def bitwise(a: np.dtype, b: np.dtype) -> np.dtype | None:
+def bitwise(a: DType, b: DType) -> DType | None:
   """Type of ``a & b`` (``|``, ``^``)."""
   if a.kind == "f" or b.kind == "f":
     return None
@@ -56,7 +56,7 @@ def bitwise(a: np.dtype, b: np.dtype) -> np.dtype | None:
   return arith(a, b)
 
 
-def shift(a: np.dtype, b: np.dtype) -> np.dtype | None:
+def shift(a: DType, b: DType) -> DType | None:
   """Type of ``a << b`` and ``a >> b`` (both operands converted to it;
   ``>>`` is arithmetic where it is signed)."""
   if a.kind == "f" or b.kind == "f":
@@ -64,7 +64,7 @@ def shift(a: np.dtype, b: np.dtype) -> np.dtype | None:
   return U64 if a.kind == "u" else I64
 
 
-def unify(a: np.dtype, b: np.dtype) -> np.dtype | None:
+def unify(a: DType, b: DType) -> DType | None:
   """The type numba gives a value that is ``a`` on one path and ``b`` on
   another."""
   if a == b:
@@ -85,17 +85,17 @@ def unify(a: np.dtype, b: np.dtype) -> np.dtype | None:
     return s
   if u.itemsize == 8:
     return F64
-  return np.dtype(f"int{u.itemsize * 16}")
+  return dtype(f"int{u.itemsize * 16}")
 
 
-def compare(a: np.dtype, b: np.dtype) -> np.dtype | None:
+def compare(a: DType, b: DType) -> DType | None:
   """The type both operands of ``a < b`` (``==`` ...) are converted to."""
   if a.kind == "f" or b.kind == "f":
     return _float_pair(a, b)
   return unify(a, b)
 
 
-def negate(a: np.dtype) -> np.dtype:
+def negate(a: DType) -> DType:
   """Type of ``-a`` and ``~a`` (``~`` of a bool is a bool)."""
   if a.kind == "f":
     return a

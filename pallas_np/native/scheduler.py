@@ -83,6 +83,8 @@ class Compiler:
     self.lite = lite  # (a process for lite's builds: its warm-up is lite's)
     self.warm = nice if warm is None else warm  # (a warm-up: background builds)
     self.lock = threading.Lock()  # (one build at a time on the pipe)
+    # (a background lite process asked for and not yet ready: ``prestart`` to its ready line)
+    self.starting = False
 
   def build(self, job: dict) -> dict:
     with self.lock:
@@ -93,8 +95,11 @@ class Compiler:
     imports numba and compiles a small loop first (``aot_worker.warm_up``),
     while the loop whose build comes next still runs its NumPy path (a
     ``"sync"`` build is waited for: no warm-up ahead of it)."""
-    with self.lock:
-      self._start()
+    try:
+      with self.lock:
+        self._start()
+    finally:
+      self.starting = False  # (ready, or failed: a build then starts it again)
 
   def _start(self) -> None:
     if self.proc is None or self.proc.poll() is not None:
@@ -105,6 +110,15 @@ class Compiler:
            *(["--lite"] if self.lite else [])],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+      if self.lite and self.warm:
+        # (its first line once lite's modules and llvmlite are imported: ``aot_worker``;
+        # waited for here, on the tier's thread, holding no GIL)
+        try:
+          ready = self.proc.stdout.readline()
+        except OSError:
+          ready = ""
+        if not ready:
+          self._drop()
 
   def _drop(self) -> None:
     """Forgets a compile process that exited (the next build starts
@@ -171,8 +185,11 @@ def submit(loop, step) -> None:
 def prestart(which=None) -> None:
   """Has the tier's thread start a background compile process (``which``,
   numba's by default; its warm-up: ``Compiler.start``) ahead of any build
-  (a ``Popen``: ~1 ms of the caller's GIL, on the tier's thread)."""
-  _enqueue(None, (which or compiler).start)
+  (a ``Popen``: ~1 ms of the caller's GIL, on the tier's thread). lite's
+  is ``starting`` until it is ready for a build (its imports: ~0.15 s)."""
+  which = which or compiler
+  which.starting = which.lite and which.warm
+  _enqueue(None, which.start)
 
 
 def _enqueue(loop, step) -> None:
@@ -192,6 +209,16 @@ def price(lines: int) -> float:
     return max(sorted(builds)[len(builds) // 2], BASE_PRICE * 0.5) + per_lines * 0.5
   mixins = not os.path.isdir(os.path.join(disk_cache.directory(), "mixins"))
   return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
+
+
+def lite_weight() -> float:
+  """How much of a lite build's seconds the caller pays: none where a core
+  is idle (a lite build, 0.1-1 s in lite's compile process, runs on it:
+  its wall time is latency, and the caller pays its own part,
+  ``CALLER_PRICE``); ``weight``'s busy weight, in full, on one core or
+  where no core is idle, where the build takes a share of the caller's."""
+  w = weight()
+  return 0.0 if w == COMPILE_WEIGHT else w
 
 
 def weight() -> float:

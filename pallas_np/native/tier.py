@@ -17,8 +17,10 @@ memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
 has it built by a compile process (``scheduler.Compiler``; the tier's
 thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
 ``lite_worker``: the source translated to LLVM IR and linked into a shared
-library, ~0.1-1 s, priced at ``lite_cache.PRICE``) or, where lite refuses
-it, priced again, numba's. Until then, and for good when the
+library, ~0.1-1 s: where a core is idle its price is the caller's own
+part, ``scheduler.CALLER_PRICE``, and the process is started at the loop's
+first run and waited for before the source is generated) or, where lite
+refuses it, priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 """
@@ -190,6 +192,7 @@ class NativeLoop:
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
     self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
+    self.prestarted = False  # (lite's compile process asked for: _prestart_lite)
 
   @property
   def phase(self) -> str:
@@ -249,16 +252,12 @@ class NativeLoop:
                                 if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
     if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
-        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
-      # (lite's compile process: Python, NumPy and llvmlite's import and a
-      # target machine, ~0.3 s of another core while the build is not yet
-      # due, where one is idle; its start costs the caller a Popen, ~1 ms.
-      # On a busy machine it starts with the build, priced in)
-      scheduler.prestart(scheduler.lite_compiler)
-    elif self.lite and scheduler.lite_compiler.proc is None:
-      self.price += lite_cache.START_PRICE
-    # (the least weight(): the load is read when it is reached)
-    self.due = 0.0 if self.sync else scheduler.COMPILE_WEIGHT * self.price
+        and not self.prestarted and not self._prestart_lite()):
+      self.price += lite_cache.START_PRICE  # (no core idle: started with the build, priced in)
+    # (the least weight(): the load is read when it is reached; a lite build's price is the
+    # caller's own part: ``_step``)
+    self.due = 0.0 if self.sync else (
+        scheduler.CALLER_PRICE if self.lite else scheduler.COMPILE_WEIGHT * self.price)
     self.phase = "priced"
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
@@ -267,6 +266,20 @@ class NativeLoop:
       # when the build is queued. Started by the tier's thread: a process
       # start holds the GIL for milliseconds)
       scheduler.prestart()
+
+  def _prestart_lite(self) -> bool:
+    """Has lite's compile process started (Python and llvmlite's import,
+    ~0.15 s, then its warm-up, on another core) at the loop's first run
+    that found no library, inside the kernel's first call, where a core
+    is idle (the load is read once): its start is then the build's
+    latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
+    of the caller's GIL). It exits with this process (the end of its
+    input; during its start, ``aot_worker``'s orphan watch). Whether it
+    was asked for (by this loop)."""
+    if not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT:
+      self.prestarted = True
+      scheduler.prestart(scheduler.lite_compiler)
+    return self.prestarted
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -438,8 +451,13 @@ class NativeLoop:
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
       if not self.sync:
-        due = (scheduler.weight() * self.price + scheduler.CALLER_PRICE
-               + (0.0 if _set_up else SETUP_PRICE))
+        if self.lite and scheduler.lite_compiler.starting:
+          # (its source generated, its caller's part paid, once lite's compile process can
+          # take the build: a kernel called only while it starts, ~0.15 s, never pays it;
+          # looked at again next run, an attribute read)
+          return
+        due = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
+               + scheduler.CALLER_PRICE + (0.0 if _set_up else SETUP_PRICE))
         if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = min(due, self.spent + RECHECK_SHARE * self.price)
           return
@@ -502,6 +520,9 @@ class NativeLoop:
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
       self.prechecked = True
+      if (self.native is None and self.phase != "done" and self.lite and not self.sync
+          and scheduler.lite_compiler.proc is None):
+        self._prestart_lite()
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
