@@ -17,6 +17,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from benchmarks.small_kernels import matmul_acc_kernel
 import pallas_np
 from pallas_np.grid import loop_front, run_strategies
 from pallas_np.grid.kernel_plan import KernelPlan
@@ -60,18 +61,6 @@ def fronts(monkeypatch):
 
 def _ints(*shape):  # (integer values: sums and products exact in any order)
   return jnp.asarray(rng.integers(-4, 5, shape).astype(np.float32))
-
-
-def matmul_acc_kernel(x_ref, y_ref, o_ref, acc_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-
-  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
-
-  @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-  def _():
-    o_ref[...] = acc_ref[...]
 
 
 def _matmul(interp, n=64, b=32, call=pallas_np.pallas_call):
