@@ -6,6 +6,7 @@ import numpy as np
 
 import pallas_np
 from pallas_np import native
+from pallas_np.native import codegen
 
 SYNC = pallas_np.InterpretParams(native_loops="sync")
 OFF = pallas_np.InterpretParams(native_loops="off")
@@ -36,3 +37,12 @@ def compiled_equals_numpy(make, *args, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
   assert ran > 0, "the compiled loop did not run"
   return got
+
+
+def loop_source_of(make, *args) -> str:
+  """The generated source of the first loop in ``make(True)``'s kernel (to
+  read what a compiled loop does: which BLAS call, which path)."""
+  closed = jax.make_jaxpr(make(True))(*args)
+  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
+  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
+  return codegen.loop_source(loop, False, "nan").text

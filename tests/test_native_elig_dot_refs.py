@@ -17,8 +17,8 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_np.native import blas_calls, codegen
-from tests.native_elig_util import compiled_equals_numpy
+from pallas_np.native import blas_calls
+from tests.native_elig_util import compiled_equals_numpy, loop_source_of
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
@@ -46,13 +46,6 @@ def _make_attention(interp):
                         interpret=interp)
 
 
-def _loop_source(make, *args) -> str:
-  closed = jax.make_jaxpr(make(True))(*args)
-  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
-  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
-  return codegen.loop_source(loop, False, "nan").text
-
-
 @needs_blas
 def test_dot_operands_from_refs_bit_exact():
   compiled_equals_numpy(_make_attention, *_attention_args(), rtol=1e-4)
@@ -63,7 +56,7 @@ def test_dot_reads_ref_blocks_in_place():
   """The generated loop never copies k's or v's block into a buffer of
   its own shape: v is read in place (the ref's address and row stride
   passed to sgemm), k gathered once, transposed, from the ref."""
-  text = _loop_source(_make_attention, *_attention_args())
+  text = loop_source_of(_make_attention, *_attention_args())
   # k (ref a1) is read by exactly one element loop: its transposed gather
   k_reads = re.findall(r"^\s+(\w+)\[[^\]]*\] = (?:np\.float32\()?a1\[", text, re.M)
   assert len(k_reads) == 1, text
@@ -100,7 +93,7 @@ def test_ref_written_between_get_and_dot_bit_exact():
     return pl.pallas_call(_written_between, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32),
                           interpret=interp)
   compiled_equals_numpy(make, x, w, rtol=1e-4)
-  text = _loop_source(make, x, w)
+  text = loop_source_of(make, x, w)
   assert "a0.ctypes.data" not in text  # (copied at the get)
   assert "a1.ctypes.data" in text  # (w_ref[...] read in place: nothing written after it)
 
@@ -166,7 +159,7 @@ def test_transposed_block_gathered_in_tiles(make, args):
   ones: PERF_LOG); the copy holds the same elements, so the bits equal
   the NumPy path's and interpret=True's."""
   compiled_equals_numpy(make, *args(), rtol=1e-4)
-  text = _loop_source(make, *args())
+  text = loop_source_of(make, *args())
   found = _TILED_GATHER.findall(text)
   assert len(found) == 1, text
   tile_r, rows, tile_c, cols, in_r, in_c, row_t, row_i, col_t, col_i = found[0]

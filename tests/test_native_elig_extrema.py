@@ -11,15 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_np import native
-from pallas_np.native import codegen
-from tests.native_elig_util import OFF, SYNC, bits
-
-
-def _loop_source(make, *args) -> str:
-  closed = jax.make_jaxpr(make(True))(*args)
-  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
-  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
-  return codegen.loop_source(loop, False, "nan").text
+from tests.native_elig_util import OFF, SYNC, bits, loop_source_of
 
 
 def _extrema(x_ref, o_ref):
@@ -61,7 +53,7 @@ def test_float_extrema_on_order_keys_bit_exact():
   def make(interp):
     return pl.pallas_call(_extrema, out_shape=jax.ShapeDtypeStruct((12, 4), jnp.float32),
                           interpret=interp)
-  text = _loop_source(make, x)
+  text = loop_source_of(make, x)
   assert ".view(np.int32)" in text and "_math.copysign" not in text, text
   before = native.stats()["native_calls"]
   got = make(SYNC)(x)
@@ -91,7 +83,7 @@ def test_unit_rep_tile_is_its_operand():
   def make(interp):
     return pl.pallas_call(_tiled, out_shape=jax.ShapeDtypeStruct((8, 16), jnp.float32),
                           interpret=interp)
-  text = _loop_source(make, x)
+  text = loop_source_of(make, x)
   gathers = [line for line in text.splitlines() if " % " in line]
   assert len(gathers) == 1 and " % 16)" not in gathers[0], text  # (the (1, 2) tile's only)
   before = native.stats()["native_calls"]

@@ -17,8 +17,8 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_np.native import blas_calls, codegen
-from tests.native_elig_util import compiled_equals_numpy
+from pallas_np.native import blas_calls
+from tests.native_elig_util import compiled_equals_numpy, loop_source_of
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
@@ -91,20 +91,13 @@ def _make(kernel, out_shape):
   return make
 
 
-def _loop_source(make, *args) -> str:
-  closed = jax.make_jaxpr(make(True))(*args)
-  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
-  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
-  return codegen.loop_source(loop, False, "nan").text
-
-
 @needs_blas
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_transposed_operand_read_in_place_bit_exact(name):
   kernel, out_shape, args = CASES[name]
   make = _make(kernel, out_shape)
   compiled_equals_numpy(make, *args(1), rtol=1e-4, atol=1e-4)
-  text = _loop_source(make, *args(1))
+  text = loop_source_of(make, *args(1))
   # the sgemm's transpose flag is a local set at run time: TRANS in place,
   # NO_TRANS on the gathered copy
   flags = re.findall(r"^\s+(tr\d+) = (\d+)$", text, re.M)
