@@ -360,10 +360,7 @@ def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int):
     gen.emit(f"{ld} = np.int64({rows})")
     gen.emit(f"{trans} = {blas_calls.TRANS}")
   with gen.block("else:"):  # (the NumPy rule's C-order copy)
-    c = _stacked(gen, v, perm, dt)
-    gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
-    gen.emit(f"{ld} = np.int64({cols})")
-    gen.emit(f"{trans} = {blas_calls.NO_TRANS}")
+    _from_copy(gen, _stacked(gen, v, perm, dt), ptr, ld, trans, cols)
   return ptr, ld, trans
 
 
@@ -399,8 +396,15 @@ def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
     gen.emit(f"{ld} = {rs} // {isz}")
     gen.emit(f"{trans} = {blas_calls.TRANS}")
   with gen.block("else:"):  # (the NumPy rule's C-order copy)
-    c = _gathered(gen, v, perm, dt)
-    gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
-    gen.emit(f"{ld} = np.int64({cols})")
-    gen.emit(f"{trans} = {blas_calls.NO_TRANS}")
+    _from_copy(gen, _gathered(gen, v, perm, dt), ptr, ld, trans, cols)
   return ptr, ld, trans
+
+
+def _from_copy(gen, c: Val, ptr: str, ld: str, trans: str, cols: int) -> None:
+  """The generated lines that point ?gemm at ``c``, a C-order copy of the
+  transposed operand (``cols`` wide), read ``NO_TRANS``: the fallback of
+  ``_value_transposed`` and ``_in_place`` where reading in place is not
+  known to give the copy's bits."""
+  gen.emit(f"{ptr} = np.int64({c.name}.ctypes.data)")
+  gen.emit(f"{ld} = np.int64({cols})")
+  gen.emit(f"{trans} = {blas_calls.NO_TRANS}")
