@@ -17,8 +17,10 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_np import blas
 from pallas_np.native import blas_calls
-from tests.native_elig_util import compiled_equals_numpy, loop_source_of
+from pallas_np import native
+from tests.native_elig_util import SYNC, compiled_equals_numpy, loop_source_of
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
@@ -116,7 +118,7 @@ def test_transposed_operand_copied_where_the_status_says_no(name):
   (New shapes: a loop compiled here takes the status array of its build.)"""
   blas_calls.status()
   st = blas_calls._status[0]
-  assert st[blas_calls.TRANSPOSED] == 1
+  was = int(st[blas_calls.TRANSPOSED])  # 0 on a CPU whose OpenBLAS fails the check
   kernel, out_shape, args = CASES[name]
   big = (lambda s: _attention_args(s, k_cols=48)) if name != "lhs_transposed" else (
       lambda s: (jnp.concatenate([_xt_args(s)[0]] * 2, 1)[:, :12], _xt_args(s)[1]))
@@ -125,7 +127,64 @@ def test_transposed_operand_copied_where_the_status_says_no(name):
     compiled_equals_numpy(_make(kernel, (12, 24) if name == "lhs_transposed" else out_shape),
                           *big(2), rtol=1e-4, atol=1e-4)
   finally:
-    st[blas_calls.TRANSPOSED] = 1
+    st[blas_calls.TRANSPOSED] = was
+
+
+@needs_blas
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transposed_operand_in_place_where_the_status_says_yes(name):
+  """The in-place path itself (slot forced to 1), on every CPU: where this
+  OpenBLAS passes the check its bits are the copy's (the test above and
+  ``compiled_equals_numpy``); where it fails, ``TRANS`` may sum in another
+  order, so the result is compared within tolerance only, which still
+  catches a wrong stride, offset or flag. (New shapes again: a loop takes
+  the status array of its build.)"""
+  blas_calls.status()
+  st = blas_calls._status[0]
+  was = int(st[blas_calls.TRANSPOSED])
+  kernel, out_shape, args = CASES[name]
+  big = (lambda s: _attention_args(s, k_cols=56)) if name != "lhs_transposed" else (
+      lambda s: (jnp.concatenate([_xt_args(s)[0]] * 2, 1)[:, :10], _xt_args(s)[1]))
+  make = _make(kernel, (10, 24) if name == "lhs_transposed" else out_shape)
+  st[blas_calls.TRANSPOSED] = 1
+  try:
+    if was:
+      compiled_equals_numpy(make, *big(3), rtol=1e-4, atol=1e-4)
+    else:
+      before = native.stats()["native_calls"]
+      got = np.asarray(make(SYNC)(*big(3)))
+      assert native.stats()["native_calls"] > before, "the compiled loop did not run"
+      np.testing.assert_allclose(got, np.asarray(make(True)(*big(3))), rtol=1e-3, atol=1e-3)
+  finally:
+    st[blas_calls.TRANSPOSED] = was
+
+
+def _copying(fns):
+  """``fns`` with ?gemm's transposed operands copied into C order first and
+  passed ``NO_TRANS``: what the NumPy rule does, so the copy's bits by
+  construction, whatever this CPU's OpenBLAS kernels are."""
+  out = dict(fns)
+  for p, dt in (("s", np.float32), ("d", np.float64)):
+    real = fns[p + "gemm"]
+
+    def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, real=real, dt=dt):
+      ctype = ctypes.c_float if dt == np.float32 else ctypes.c_double
+      keep = []
+
+      def c_order(ptr, rows, cols, ld):  # the (rows, cols) matrix stored transposed
+        stored = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)),
+                                       shape=((cols - 1) * ld + rows,))
+        copy = np.ascontiguousarray(
+            np.lib.stride_tricks.as_strided(stored, (rows, cols), (dt().itemsize, ld * dt().itemsize)))
+        keep.append(copy)
+        return copy.ctypes.data
+      if ta == blas_calls.TRANS:
+        a, lda, ta = c_order(a, m, k, lda), k, blas_calls.NO_TRANS
+      if tb == blas_calls.TRANS:
+        b, ldb, tb = c_order(b, k, n, ldb), n, blas_calls.NO_TRANS
+      real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    out[p + "gemm"] = gemm
+  return out
 
 
 def _perturbed(fns):
@@ -147,9 +206,15 @@ def _perturbed(fns):
 
 @needs_blas
 def test_transposed_check_refuses_other_bits():
-  """The check passes for this process's OpenBLAS, and fails for a ?gemm
-  whose transposed calls round differently (then every loop copies)."""
+  """The check passes for a ?gemm whose transposed calls give the copy's
+  bits (built here from this OpenBLAS: the transposed operand copied, then
+  ``NO_TRANS``), and fails for one whose transposed calls round differently
+  (then every loop copies). This OpenBLAS itself may pass or fail (its
+  kernels depend on the CPU); the status slot says which."""
   fns = blas_calls.ctypes_routines()
-  assert blas_calls._transposed_check(fns)
+  assert blas_calls._transposed_check(_copying(fns))
   assert not blas_calls._transposed_check(_perturbed(fns))
-  assert blas_calls.status()[blas_calls.TRANSPOSED] == 1
+  assert not blas_calls._transposed_check(_perturbed(_copying(fns)))
+  with blas.kernel_run():  # as ``found`` runs it: one thread
+    own = blas_calls._transposed_check(fns)
+  assert blas_calls.status()[blas_calls.TRANSPOSED] == int(own)
