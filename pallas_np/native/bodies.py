@@ -332,11 +332,11 @@ class BodyPlan:
       self.fixed = self.entry  # the loop's general run, dma_calls.runner)
       self.fn = self.entry
       return
-    plan, st = self.plan, tier.blas_calls.status()
+    plan, st = self.plan, body.new_status()
 
     def oob(args):
       err = st.copy()
-      st[:] = tier.blas_calls.status()  # (the status array is reused: reset it)
+      st[:] = body.new_status()  # (the status array is reused: reset it)
       body._raise_oob(err, args)
     scope = {**guards.constants(body.guard), "_fn": fn, "_st": st, "_oob": oob,
              "_counts": _counts, "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
@@ -349,7 +349,7 @@ class BodyPlan:
                  "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
-    if body.sync:  # (tests: compiled from the first run, never timed)
+    if body.sync or body.probed == "kept":  # (tests; an earlier process's clear probe: tier)
       self.fixed = step
       self.fn = step
       return
@@ -374,6 +374,7 @@ class BodyPlan:
   def decide(self, step, best) -> None:
     """Keep ``step`` where its fastest grid step (``best[1]``) beats the
     NumPy plan's (``best[0]``) by ``KEEP_RATIO``, else the NumPy plan."""
+    self.body.remember_probe(best[1] <= KEEP_RATIO * best[0], best[0], best[1])
     if best[1] <= KEEP_RATIO * best[0]:
       self.fixed = step
       self.fn = step

@@ -52,7 +52,7 @@ CALLER_PRICE = 0.02
 # loaded from disk, native calls, and builds queued or compiling now.
 state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
          "disk_hits": 0, "queued": 0, "compiling": 0, "lite": 0,
-         "lite_refused": 0}
+         "lite_refused": 0, "dropped": 0}
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []

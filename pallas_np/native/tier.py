@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 import types
 
@@ -68,6 +69,20 @@ _loaded = LRU(256)
 _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
+# A compiled kernel body's probe (``bodies.BodyPlan``: its fastest step
+# against the NumPy plan's) is recorded under the body's pre-key; a later
+# process reuses a clear decision instead of probing again: the body is not
+# loaded at all where its compiled step took at least DROP_RATIO of the NumPy
+# plan's (a probe of a body that loses cost a warm process ~1-10 ms a call
+# for its first calls: PERF_LOG "[never]"), and runs compiled from its first
+# step where it took at most KEEP_RATIO; in between, it is probed again.
+PROBE_KEEP_RATIO = 0.8
+PROBE_DROP_RATIO = 1.0
+# ``_st`` in a generated source other than its parameter and stores of
+# literal slots (an error site, its index values, a lane): a read of the
+# status array (BLAS or libm addresses, the transposed-operand slot, the DMA
+# queue), which then needs ``blas_calls.status()``'s addresses.
+_STATUS_READ = re.compile(r"\b_st\b(?!\[\d+\] = )")
 # NumPy-path seconds a process's first build waits for beyond its price:
 # the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
@@ -147,10 +162,19 @@ class _Recorded:
     self.text, self.sites, self.globals = None, None, None
 
 
+def reads_status(text: str) -> bool:
+  """Whether a generated source reads its status array (``_STATUS_READ``)
+  beyond its parameter: the addresses ``blas_calls.status`` finds are then
+  needed; a source that only stores its error sites runs with zeros."""
+  return any(not text.startswith("def native_loop(", max(m.start() - 16, 0))
+             for m in _STATUS_READ.finditer(text))
+
+
 def _record(src, key, args, ret) -> dict:
   return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
           "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret,
-          "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch]}
+          "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch],
+          "addresses": reads_status(src.text)}
 
 
 class NativeLoop:
@@ -193,6 +217,11 @@ class NativeLoop:
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
     self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
     self.prestarted = False  # (lite's compile process asked for: _prestart_lite)
+    self.record = None  # (what its pre-key recorded: _remember)
+    # (whether its code reads the status array's addresses: ``reads_status``)
+    self.addresses = True
+    # (a kernel body's probe recorded by an earlier process, reused: "kept" or "dropped")
+    self.probed = None
 
   @property
   def phase(self) -> str:
@@ -297,6 +326,7 @@ class NativeLoop:
       return False
     k = disk_cache.loop_key(src, args, ret, self.invars)
     self.src, self.guard = src, guard
+    self.addresses = reads_status(src.text)
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
     return True
 
@@ -382,8 +412,44 @@ class NativeLoop:
     disk), for the next plan or process that runs it (``_prelookup``)."""
     if self.prekey is None or self.prekey is _UNSET:
       return
+    self.record = record
     _prekeys.put(self.prekey, record)
     disk_cache.write_prekey(self.prekey, record)
+
+  def remember_probe(self, kept: bool, numpy_s: float, native_s: float) -> None:
+    """Records a kernel body's probe (``bodies.BodyPlan.decide``: its fastest
+    compiled and NumPy steps, whether it was kept) under its pre-key, for the
+    next process (``_prelookup``, ``PROBE_KEEP_RATIO``)."""
+    if self.sync or self.record is None or "refused" in self.record:
+      return
+    try:
+      self._remember(dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s,
+                                              "native": native_s}))
+    except OSError as e:  # (a cache that cannot be written: probed again next time)
+      log.debug("pallas_np: native probe not recorded: %r", e)
+
+  @staticmethod
+  def _probe_decision(record):
+    """"kept" or "dropped" where ``record``'s probe was clear, else None."""
+    probe = record.get("probe")
+    if not probe or not probe.get("numpy"):
+      return None
+    ratio = probe["native"] / probe["numpy"]
+    if probe["kept"] and ratio <= PROBE_KEEP_RATIO:
+      return "kept"
+    if not probe["kept"] and ratio >= PROBE_DROP_RATIO:
+      return "dropped"
+    return None
+
+  def new_status(self):
+    """A fresh status array for a call of the compiled loop: with the BLAS
+    and libm addresses where its code reads them (``blas_calls.status``:
+    its self-checks and libm's loops, ~5 ms once per process, on the
+    caller's first call), else zeros of the same length (a loop whose code
+    only stores its error sites: integer dots, cumsum, Collatz)."""
+    if self.addresses:
+      return blas_calls.status()
+    return np.zeros(blas_calls.TRANSPOSED + 1, np.int64)
 
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its
@@ -399,6 +465,12 @@ class NativeLoop:
       return
     if "refused" in record:
       self._refuse(record["refused"])
+      return
+    self.probed = None if self.sync else self._probe_decision(record)  # ("sync": never timed)
+    if self.probed == "dropped":  # (slower compiled, an earlier process measured: not loaded)
+      self.record = record
+      _state["dropped"] += 1
+      self.phase = "done"
       return
     src = _Recorded(record)
     args_desc, ret, guard = _signature(src, self.invars, self.layouts)
@@ -416,6 +488,8 @@ class NativeLoop:
       _state["disk_hits"] += 1
       _loaded.put(k, fn)
     _prekeys.put(self.prekey, record)
+    self.record = record
+    self.addresses = record.get("addresses", True)
     self.src, self.guard = src, guard
     self.job = {"key": k, "args": args_desc, "ret": ret}
     self._swap(fn)
@@ -429,7 +503,7 @@ class NativeLoop:
     self.phase = "done"
     self.pycalls = dma_calls.runner(self)
     self.scratch = [np.empty(n, dt) for dt, n in src.scratch]  # (passed at every call)
-    self.status = blas_calls.status()
+    self.status = self.new_status()
     self.fast = loop_step.build(self, fn)
     self.native = fn  # the swap
     _state["compiled"] += 1
@@ -563,7 +637,7 @@ class NativeLoop:
       res = fn(st, *args, *self.scratch) if self.pycalls is None else \
           self.pycalls(fn, st, args, ctx)
     except IndexError:
-      self.status = blas_calls.status()  # (the next call's: this one holds the error)
+      self.status = self.new_status()  # (the next call's: this one holds the error)
       if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
         raise
       self._raise_oob(st, args)
