@@ -93,6 +93,7 @@ def test_a_clear_probe_is_reused_by_the_next_process(own_cache, numpy_s, native_
   assert probing.fn.__name__ == "probe"
   tier._prekeys.clear()  # (only what is on disk: as a second process)
   probing.decide(probing.fixed, [numpy_s, native_s])
+  assert native.wait(60)  # (recorded by the tier's thread)
   record = disk_cache.read_prekey(probing.body.prekey)
   assert record["probe"]["kept"] is kept
   tier._prekeys.clear()
@@ -193,3 +194,34 @@ def test_a_warm_loop_without_address_reads_never_runs_the_blas_checks(own_cache,
   assert after["disk_hits"] == before["disk_hits"] + 1
   assert after["native_calls"] > before["native_calls"]
   assert not status_calls
+
+
+def _loop_eqn(kernel, *args):
+  jaxpr = jax.make_jaxpr(lambda *a: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32 if len(a) == 2
+                                             else jnp.int32), interpret=OFF)(*a))(*args)
+  (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
+  return loop
+
+
+def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them(monkeypatch):
+  """A process's first build does the one-off set-up in the caller; the BLAS
+  and libm addresses (``blas_calls.status``: ~6 ms) only once a loop holding
+  a float dot or a transcendental is built, not for Collatz."""
+  monkeypatch.setattr(tier, "_set_up", [])
+  monkeypatch.setattr(tier, "_addresses_set_up", [])
+  status_calls = []
+  real = blas_calls.status
+  monkeypatch.setattr(blas_calls, "status", lambda: status_calls.append(1) or real())
+  background = pallas_np.InterpretParams(native_loops="background")
+  collatz = tier.NativeLoop(_loop_eqn(_collatz_kernel, jnp.zeros((8, 128), jnp.int32)),
+                            background, lambda ctx, *a: None)
+  collatz._one_off_set_up()
+  assert tier._set_up and not status_calls
+  a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
+  dot = tier.NativeLoop(_loop_eqn(_dot_kernel, a, b), background, lambda ctx, *a: None)
+  dot._one_off_set_up()
+  assert status_calls == [1]
+  dot._one_off_set_up()  # (once per process)
+  assert status_calls == [1]

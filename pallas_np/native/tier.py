@@ -69,6 +69,13 @@ _loaded = LRU(256)
 _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
+_addresses_set_up: list = []  # (its BLAS and libm addresses: done)
+# Primitives whose emitters may read an address from the status array
+# (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
+# rule's float32 loop): a loop holding none needs no ``blas_calls.status``
+# in its one-off set-up (``_one_off_set_up``; a wrong guess costs time only:
+# the tier's thread then looks the addresses up itself).
+ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "log2"))
 # A compiled kernel body's probe (``bodies.BodyPlan``: its fastest step
 # against the NumPy plan's) is recorded under the body's pre-key; a later
 # process reuses a clear decision instead of probing again: the body is not
@@ -107,6 +114,17 @@ def _eqn_count(jaxpr) -> int:
     for sub in jc.eqn_subjaxprs(e):
       n += _eqn_count(sub)
   return n
+
+
+def _holds(jaxpr, names) -> bool:
+  """Whether ``jaxpr`` or a nested jaxpr has an eqn of a primitive in ``names``."""
+  for e in jaxpr.eqns:
+    if e.primitive.name in names:
+      return True
+    for sub in jc.eqn_subjaxprs(e):
+      if _holds(sub, names):
+        return True
+  return False
 
 
 def _layouts(args) -> tuple:
@@ -274,11 +292,14 @@ class NativeLoop:
     return self.numpy_fn.__globals__
 
   # -- compiling ---------------------------------------------------------------
+  def _jaxprs(self) -> list:
+    """The loop's jaxprs (its eqn's params)."""
+    return [getattr(p, "jaxpr", p) for p in self.eqn.params.values()
+            if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr)]
+
   def _price(self) -> None:
     """The build's price, from the loop's size (no source generated)."""
-    lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
-                                for p in self.eqn.params.values()
-                                if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
+    lines = LINES_PER_EQN * sum(_eqn_count(j) for j in self._jaxprs())
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
     if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
         and not self.prestarted and not self._prestart_lite()):
@@ -422,11 +443,9 @@ class NativeLoop:
     next process (``_prelookup``, ``PROBE_KEEP_RATIO``)."""
     if self.sync or self.record is None or "refused" in self.record:
       return
-    try:
-      self._remember(dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s,
-                                              "native": native_s}))
-    except OSError as e:  # (a cache that cannot be written: probed again next time)
-      log.debug("pallas_np: native probe not recorded: %r", e)
+    record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
+    # (written by the tier's thread: a file written and renamed, ~0.4 ms of the caller's call)
+    scheduler.submit(None, lambda: self._remember(record))
 
   @staticmethod
   def _probe_decision(record):
@@ -548,7 +567,10 @@ class NativeLoop:
   def _one_off_set_up(self) -> None:
     """The one-off set-up every build needs, in the caller, once per
     process, when its first build is due: the pre-key's digest of the
-    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms.
+    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms,
+    only when a loop holding a primitive that may read them is built
+    (``ADDRESS_PRIMITIVES``: ~6 ms of a cumsum or Collatz caller's calls
+    saved).
     On the tier's thread each of their system and ctypes calls waits for
     the GIL behind a busy caller (0.4-0.9 s each there: PERF_LOG 138).
     Its cost is priced in (``_step``: ``SETUP_PRICE`` more NumPy-path
@@ -559,6 +581,8 @@ class NativeLoop:
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
+      if not _addresses_set_up and any(_holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
+        _addresses_set_up.append(1)
         blas_calls.status()
     except Exception as e:  # noqa: BLE001
       log.debug("pallas_np: native tier set-up failed: %r", e)
