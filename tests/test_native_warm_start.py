@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import blas_calls, bodies, codegen, disk_cache, tier
+from pallas_np.native import blas_calls, bodies, codegen, disk_cache, tier, tier_records
 from tests.native_elig_util import OFF, bits
 
 _rng = np.random.default_rng(7)
@@ -125,13 +125,13 @@ def test_an_unclear_probe_is_probed_again(own_cache):
   """A recorded ratio near ``bodies.KEEP_RATIO`` (between the tier's
   ``PROBE_KEEP_RATIO`` and ``PROBE_DROP_RATIO``) decides nothing."""
   record = {"probe": {"kept": True, "numpy": 1.0, "native": 0.85}}
-  assert tier.NativeLoop._probe_decision(record) is None
+  assert tier_records.probe_decision(record) is None
   record["probe"].update(kept=False, native=0.95)
-  assert tier.NativeLoop._probe_decision(record) is None
+  assert tier_records.probe_decision(record) is None
   record["probe"].update(kept=False, native=1.5)
-  assert tier.NativeLoop._probe_decision(record) == "dropped"
+  assert tier_records.probe_decision(record) == "dropped"
   record["probe"].update(kept=True, native=0.5)
-  assert tier.NativeLoop._probe_decision(record) == "kept"
+  assert tier_records.probe_decision(record) == "kept"
 
 
 def _collatz_kernel(x_ref, o_ref):
@@ -160,12 +160,12 @@ def test_reads_status_tells_address_reads_from_error_stores():
   ``blas_calls.status()``; one that only stores there (an error site, its
   index values) does not."""
   x = jnp.zeros((8, 128), jnp.int32)
-  assert not tier.reads_status(_loop_source(_collatz_kernel, x).text)
+  assert not tier_records.reads_status(_loop_source(_collatz_kernel, x).text)
   a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
-  assert tier.reads_status(_loop_source(_dot_kernel, a, b).text)
-  assert not tier.reads_status("def native_loop(_st, a0):\n    _st[0] = 3\n    _st[1] = np.int64(i)\n")
-  assert tier.reads_status("def native_loop(_st, a0):\n    if _st[7] == 1:\n        pass\n")
-  assert tier.reads_status("def native_loop(_st, a0):\n    f(_st)\n")
+  assert tier_records.reads_status(_loop_source(_dot_kernel, a, b).text)
+  assert not tier_records.reads_status("def native_loop(_st, a0):\n    _st[0] = 3\n    _st[1] = np.int64(i)\n")
+  assert tier_records.reads_status("def native_loop(_st, a0):\n    if _st[7] == 1:\n        pass\n")
+  assert tier_records.reads_status("def native_loop(_st, a0):\n    f(_st)\n")
 
 
 def test_a_warm_loop_without_address_reads_never_runs_the_blas_checks(own_cache, monkeypatch):
@@ -225,3 +225,47 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
   assert status_calls == [1]
   dot._one_off_set_up()  # (once per process)
   assert status_calls == [1]
+
+
+def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_cache,
+                                                                           monkeypatch):
+  """The probe ends early (``bodies.DROP_EARLY``) where the compiled step's
+  fastest took over twice the NumPy plan's after two steps of each (a
+  clock that gives the plan's steps 1 us and the compiled ones 1 ms), and
+  its verdict is recorded once."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  want = np.asarray(_norm_kernel_off(x, w))
+  calls = []
+  bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty_like(want))  # (built)
+  now = [0.0]
+
+  def clock():
+    now[0] += 1e-3  # (each read: 1 ms later)
+    return now[0]
+  plan = _plan(calls)
+  numpy_fn = plan.fn
+
+  def timed_numpy(ctx, *refs):
+    now[0] -= 1e-3 - 1e-6  # (the plan's step: 1 us between its clock reads)
+    return numpy_fn(ctx, *refs)
+  plan.fn = timed_numpy
+  records = []
+  monkeypatch.setattr(tier.NativeLoop, "remember_probe",
+                      lambda self, kept, a, b: records.append((kept, a, b)))
+  monkeypatch.setattr(bodies.time, "perf_counter", clock)  # (the probe's, read at the swap)
+  probing = bodies.wrap(plan, jaxpr, background)
+  np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))  # (loaded, compiled)
+  assert probing.fn.__name__ == "probe"
+  probe = probing.fn
+  for _ in range(4):  # (plan, compiled, plan, compiled)
+    np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))
+  assert probing.fn is plan.fn and probing.body.native is None
+  assert len(records) == 1 and records[0][0] is False
+  out = np.full(x.shape, np.nan, np.float32)
+  probe(None, x, w, out)  # (a later step of a run that read ``fn`` before the verdict)
+  np.testing.assert_array_equal(bits(out), bits(want))
+  assert len(records) == 1

@@ -18,17 +18,18 @@ has it built by a compile process (``scheduler.Compiler``; the tier's
 thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
 ``lite_worker``: the source translated to LLVM IR and linked into a shared
 library, ~0.1-1 s: where a core is idle its price is the caller's own
-part, ``scheduler.CALLER_PRICE``, and the process is started at the loop's
-first run and waited for before the source is generated) or, where lite
+part, ``scheduler.CALLER_PRICE``, and the process is started once the loop
+cost ``PRESTART_PRICE`` and waited for before the source is generated) or, where lite
 refuses it, priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
+What a loop's pre-key records, and what a warm process skips by it (a
+kernel body's probe, BLAS's checks): ``tier_records``.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 import types
 
@@ -40,6 +41,7 @@ from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
 from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes, loop_step,
                               lite_cache, prekey, scheduler)
+from pallas_np.native import tier_records as records
 
 log = logging.getLogger("pallas_np.native")
 
@@ -53,6 +55,17 @@ ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 # its eqns: its source, 1-20 ms of Python, is generated only when the
 # build is due).
 LOOKUP_PRICE = 0.02
+# NumPy-path seconds a loop with no library costs before lite's compile
+# process is started (``_prestart_lite``; from LOOKUP_PRICE on: with the
+# pricing, where a loop first shows it may be worth a build). Its start
+# (~0.05-0.15 s of Python, lite's modules and llvmlite on the other core,
+# and a thread start and ``Popen``, 1-5 ms of the caller's GIL) slowed a
+# caller on a 2-vCPU machine while it ran: started at the loop's first run
+# it landed on the first 20-100 calls of every loop kernel (Collatz N=20
+# +70%, N=100 +110% at load 2-4), and on every call of a cheap one
+# (layer_norm_block: 1000 calls in ~25 ms) whose build is not due within
+# them anyway; 5 and 10 ms did no better (PERF_LOG "[never]").
+PRESTART_PRICE = 0.02
 # Generated lines per eqn of a loop, for the price before its source exists.
 LINES_PER_EQN = 2
 # While a priced loop's cost is below its price at the busy weight, the
@@ -76,20 +89,6 @@ _addresses_set_up: list = []  # (its BLAS and libm addresses: done)
 # in its one-off set-up (``_one_off_set_up``; a wrong guess costs time only:
 # the tier's thread then looks the addresses up itself).
 ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "log2"))
-# A compiled kernel body's probe (``bodies.BodyPlan``: its fastest step
-# against the NumPy plan's) is recorded under the body's pre-key; a later
-# process reuses a clear decision instead of probing again: the body is not
-# loaded at all where its compiled step took at least DROP_RATIO of the NumPy
-# plan's (a probe of a body that loses cost a warm process ~1-10 ms a call
-# for its first calls: PERF_LOG "[never]"), and runs compiled from its first
-# step where it took at most KEEP_RATIO; in between, it is probed again.
-PROBE_KEEP_RATIO = 0.8
-PROBE_DROP_RATIO = 1.0
-# ``_st`` in a generated source other than its parameter and stores of
-# literal slots (an error site, its index values, a lane): a read of the
-# status array (BLAS or libm addresses, the transposed-operand slot, the DMA
-# queue), which then needs ``blas_calls.status()``'s addresses.
-_STATUS_READ = re.compile(r"\b_st\b(?!\[\d+\] = )")
 # NumPy-path seconds a process's first build waits for beyond its price:
 # the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
@@ -165,34 +164,6 @@ def _frame(eqn, inner):
   exec(compile("def _at(inner):\n    return inner()\n", filename, "exec"), scope)  # noqa: S102
   at = scope["_at"]
   return lambda: at(inner)
-
-
-class _Recorded:
-  """A loop's generated source as its pre-key record describes it: its
-  signature, no text and no bounds-check sites (generated again when a
-  check fails, ``NativeLoop._raise_oob``)."""
-
-  def __init__(self, record):
-    self.kinds = list(record["kinds"])
-    self.written = set(record["written"])
-    self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
-    self.scratch = [(np.dtype(dt), n) for dt, n in record.get("scratch", ())]
-    self.text, self.sites, self.globals = None, None, None
-
-
-def reads_status(text: str) -> bool:
-  """Whether a generated source reads its status array (``_STATUS_READ``)
-  beyond its parameter: the addresses ``blas_calls.status`` finds are then
-  needed; a source that only stores its error sites runs with zeros."""
-  return any(not text.startswith("def native_loop(", max(m.start() - 16, 0))
-             for m in _STATUS_READ.finditer(text))
-
-
-def _record(src, key, args, ret) -> dict:
-  return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
-          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret,
-          "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch],
-          "addresses": reads_status(src.text)}
 
 
 class NativeLoop:
@@ -347,7 +318,7 @@ class NativeLoop:
       return False
     k = disk_cache.loop_key(src, args, ret, self.invars)
     self.src, self.guard = src, guard
-    self.addresses = reads_status(src.text)
+    self.addresses = records.reads_status(src.text)
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
     return True
 
@@ -384,7 +355,7 @@ class NativeLoop:
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
-    record = _record(self.src, k, self.job["args"], self.job["ret"])
+    record = records.record(self.src, k, self.job["args"], self.job["ret"])
     if getattr(fn, "lite", False):
       record["lite"] = True
     self._remember(record)
@@ -440,25 +411,12 @@ class NativeLoop:
   def remember_probe(self, kept: bool, numpy_s: float, native_s: float) -> None:
     """Records a kernel body's probe (``bodies.BodyPlan.decide``: its fastest
     compiled and NumPy steps, whether it was kept) under its pre-key, for the
-    next process (``_prelookup``, ``PROBE_KEEP_RATIO``)."""
+    next process (``_prelookup``, ``records.PROBE_KEEP_RATIO``)."""
     if self.sync or self.record is None or "refused" in self.record:
       return
     record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
     # (written by the tier's thread: a file written and renamed, ~0.4 ms of the caller's call)
     scheduler.submit(None, lambda: self._remember(record))
-
-  @staticmethod
-  def _probe_decision(record):
-    """"kept" or "dropped" where ``record``'s probe was clear, else None."""
-    probe = record.get("probe")
-    if not probe or not probe.get("numpy"):
-      return None
-    ratio = probe["native"] / probe["numpy"]
-    if probe["kept"] and ratio <= PROBE_KEEP_RATIO:
-      return "kept"
-    if not probe["kept"] and ratio >= PROBE_DROP_RATIO:
-      return "dropped"
-    return None
 
   def new_status(self):
     """A fresh status array for a call of the compiled loop: with the BLAS
@@ -485,13 +443,13 @@ class NativeLoop:
     if "refused" in record:
       self._refuse(record["refused"])
       return
-    self.probed = None if self.sync else self._probe_decision(record)  # ("sync": never timed)
+    self.probed = None if self.sync else records.probe_decision(record)  # ("sync": never timed)
     if self.probed == "dropped":  # (slower compiled, an earlier process measured: not loaded)
       self.record = record
       _state["dropped"] += 1
       self.phase = "done"
       return
-    src = _Recorded(record)
+    src = records.Recorded(record)
     args_desc, ret, guard = _signature(src, self.invars, self.layouts)
     if args_desc != record["args"] or ret != record["ret"]:
       return  # (never the case for one pre-key: looked up the usual way)
@@ -540,6 +498,11 @@ class NativeLoop:
   def _step(self, args) -> None:
     """The next step of a loop whose cost reached ``due``."""
     if self.phase == "new":
+      if not self.sync and self.spent < LOOKUP_PRICE:  # (PRESTART_PRICE: lite's process)
+        if self.lite and scheduler.lite_compiler.proc is None:
+          self._prestart_lite()
+        self.due = LOOKUP_PRICE
+        return
       self._prepare(args)
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
@@ -620,7 +583,7 @@ class NativeLoop:
       self.prechecked = True
       if (self.native is None and self.phase != "done" and self.lite and not self.sync
           and scheduler.lite_compiler.proc is None):
-        self._prestart_lite()
+        self.due = min(self.due, PRESTART_PRICE)  # (lite's process started then: _step)
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
