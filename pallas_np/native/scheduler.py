@@ -62,8 +62,9 @@ builds: list = []  # measured build seconds (the price of the next)
 def stats() -> dict:
   """Counters: loops compiled (built or loaded), refused (something outside
   the table), failed (a build failed), loaded from disk (``disk_hits``),
-  calls that ran compiled code, and loops ``queued`` for the tier thread or
-  ``compiling`` in the compile process now."""
+  calls that ran compiled code, loops ``queued`` for the tier thread or
+  ``compiling`` in the compile process now, and kernel bodies ``dropped``
+  unloaded (an earlier process's probe found them slower: ``tier_records``)."""
   return dict(state)
 
 
