@@ -230,7 +230,7 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
 def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_cache,
                                                                            monkeypatch):
   """The probe ends early (``bodies.DROP_EARLY``) where the compiled step's
-  fastest took over twice the NumPy plan's after two steps of each (a
+  fastest took over 4x the NumPy plan's after two steps of each (a
   clock that gives the plan's steps 1 us and the compiled ones 1 ms), and
   its verdict is recorded once."""
   sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")

@@ -49,8 +49,9 @@ SAMPLE_STEPS = 16
 KEEP_RATIO = 0.9
 # The probe ends after two steps of each where the compiled body's fastest
 # took over this many times the NumPy plan's (an int8 matmul's: ~10x; each
-# of its probe's compiled steps cost the first calls ~1.5 ms).
-DROP_EARLY = 2.0
+# of its probe's compiled steps cost the first calls ~1.5 ms; a kept body's
+# first compiled steps, cold, took up to ~3x its later ones).
+DROP_EARLY = 4.0
 # Primitives a body may not hold: its loops are the loop tier's
 # (control_flow/loops.py wraps them in NativeLoop).
 LOOPS = frozenset(("while", "scan"))

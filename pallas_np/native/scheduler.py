@@ -178,6 +178,11 @@ def _work():
         _cond.notify_all()
 
 
+def running() -> bool:
+  """Whether the tier's thread was started (a warm process may have none)."""
+  return bool(_thread)
+
+
 def submit(loop, step) -> None:
   """Queues a loop's build step for the tier's thread."""
   _enqueue(loop, step)

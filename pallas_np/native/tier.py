@@ -415,8 +415,13 @@ class NativeLoop:
     if self.sync or self.record is None or "refused" in self.record:
       return
     record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
-    # (written by the tier's thread: a file written and renamed, ~0.4 ms of the caller's call)
-    scheduler.submit(None, lambda: self._remember(record))
+    if scheduler.running():  # (by the tier's thread: a file written and renamed, ~0.4 ms)
+      scheduler.submit(None, lambda: self._remember(record))
+      return
+    try:  # (a warm process has no tier thread: starting one cost the caller more, ~0.8 ms)
+      self._remember(record)
+    except OSError as e:  # (a cache that cannot be written: probed again next time)
+      log.debug("pallas_np: native probe not recorded: %r", e)
 
   def new_status(self):
     """A fresh status array for a call of the compiled loop: with the BLAS
