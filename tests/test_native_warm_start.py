@@ -269,3 +269,30 @@ def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_
   probe(None, x, w, out)  # (a later step of a run that read ``fn`` before the verdict)
   np.testing.assert_array_equal(bits(out), bits(want))
   assert len(records) == 1
+
+
+def test_a_verdict_is_written_in_the_caller_where_no_tier_thread_runs(own_cache, monkeypatch):
+  """A warm process has no tier thread: the probe's verdict is written in
+  the caller (a file, ~0.4 ms) rather than by a thread started for it
+  (~0.8 ms of the caller's next call); where the thread runs, by it."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  calls = []
+  bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty((8, 128), np.float32))
+  submitted = []
+  monkeypatch.setattr(tier.scheduler, "submit", lambda loop, step: submitted.append(step))
+  for running, kept in ((False, False), (True, True)):
+    monkeypatch.setattr(tier.scheduler, "_thread", [object()] if running else [])
+    tier._prekeys.clear()
+    probing = bodies.wrap(_plan(calls), jaxpr, background)
+    _step(probing, x, w)
+    probing.body.remember_probe(kept, 1e-3, 1e-4 if kept else 1e-2)
+    if running:
+      assert len(submitted) == 1
+      submitted.pop()()
+    else:
+      assert not submitted
+    assert disk_cache.read_prekey(probing.body.prekey)["probe"]["kept"] is kept
