@@ -219,9 +219,10 @@ _ONE_CALL = textwrap.dedent("""
     import sys, jax.numpy as jnp, numpy as np
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import scheduler
+    from pallas_np.native import scheduler, tier
     from tests.test_native_tier import _call
     scheduler.weight = lambda: scheduler.COMPILE_WEIGHT  # (a core idle, however busy the machine)
+    tier.PRESTART_PRICE = 0.0  # (the process started at the loop's first run)
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 59 + 1, jnp.int32)
     _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)(x)
     native.wait(timeout=60)
@@ -240,7 +241,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_one_call_process_starts_the_compile_process_and_leaves_none(tmp_path):
   """A process that calls a loop kernel once (its loop's first run: no
-  library on disk, a core idle) starts lite's compile process, which
+  library on disk, a core idle, ``tier.PRESTART_PRICE`` 0) starts lite's compile process, which
   exits with the caller (during its start and warm-up too:
   ``aot_worker``'s orphan watch)."""
   env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_NATIVE_COMPILER="lite",

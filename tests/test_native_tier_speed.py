@@ -134,15 +134,17 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
-def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch):
-  """lite's compile process (its ~0.15 s start: the latency of the loop's
-  first build) is started at the loop's first run, inside the kernel's
-  first call, before the loop is priced, where a core is idle (its start
-  is then not the caller's cost but the build's latency); once, however
-  many runs follow."""
+def test_lite_compile_process_started_before_the_loop_is_priced(monkeypatch):
+  """lite's compile process (its ~0.05-0.15 s start: the latency of the
+  loop's first build) is started once the loop's NumPy path cost
+  ``PRESTART_PRICE`` (0 here: at its first run, inside the kernel's first
+  call), before the loop is priced, where a core is idle (its start is
+  then not the caller's cost but the build's latency); once, however many
+  runs follow."""
   load = 0.5
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)  # (never priced here)
+  monkeypatch.setattr(tier, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds = _Builds(monkeypatch)
@@ -154,6 +156,31 @@ def test_lite_compile_process_started_at_the_loops_first_run(monkeypatch):
   for _ in range(3):
     f(x)
   assert builds.prestarts == [scheduler.lite_compiler] and not builds.loops
+
+
+def test_no_compile_process_before_the_loop_cost_its_prestart_price(monkeypatch):
+  """A loop whose NumPy path has cost less than ``PRESTART_PRICE`` starts no
+  compile process (its start, beside the caller on a 2-vCPU machine, slowed
+  the first 20-100 calls of every loop kernel, and every call of a cheap
+  one whose build was not due within them: PERF_LOG "[never]"); nor does a
+  kernel with no loop."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)
+  monkeypatch.setattr(tier, "PRESTART_PRICE", 1e9)
+  monkeypatch.setattr(scheduler, "_CPUS", 2)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [0.5])
+  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(tier.HOT_RUNS + 3):
+    f(x)
+  copy = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + 1),
+                        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=BACKGROUND)
+  for _ in range(tier.HOT_RUNS + 3):
+    copy(x)
+  assert not builds.prestarts and not builds.loops
+  assert scheduler.lite_compiler.proc is None
 
 
 def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch):

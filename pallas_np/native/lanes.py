@@ -146,7 +146,7 @@ def run(loop, fn, ctx, args):
   try:
     res = fn(st, *args, *loop.scratch)
   except IndexError:
-    loop.status = blas_calls.status()  # (the next call's: this one holds the error)
+    loop.status = loop.new_status()  # (the next call's: this one holds the error)
     if not st[0]:  # (no bounds-check site's)
       raise
     lane = int(st[LANE])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from pallas_np.native import blas_calls, guards, lanes, scheduler
+from pallas_np.native import guards, lanes, scheduler
 
 
 def build(loop, fn):
@@ -81,7 +81,7 @@ def build(loop, fn):
 
 def _oob(loop, st, args):
   """``NativeLoop._run``'s handling of an IndexError from the call."""
-  loop.status = blas_calls.status()  # (the next call's: this one holds the error)
+  loop.status = loop.new_status()  # (the next call's: this one holds the error)
   if not st[0]:  # (no bounds-check site's)
     raise  # noqa: PLE0704 - the IndexError being handled
   loop._raise_oob(st, args)  # noqa: SLF001
@@ -89,7 +89,7 @@ def _oob(loop, st, args):
 
 def _lanes_oob(loop, st, args):
   """``lanes.run``'s handling of an IndexError from the call."""
-  loop.status = blas_calls.status()
+  loop.status = loop.new_status()
   if not st[0]:
     raise  # noqa: PLE0704
   lane = int(st[lanes.LANE])

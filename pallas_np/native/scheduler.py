@@ -52,7 +52,7 @@ CALLER_PRICE = 0.02
 # loaded from disk, native calls, and builds queued or compiling now.
 state = {"compiled": 0, "refused": 0, "failed": 0, "native_calls": 0, "reused": 0,
          "disk_hits": 0, "queued": 0, "compiling": 0, "lite": 0,
-         "lite_refused": 0}
+         "lite_refused": 0, "dropped": 0}
 _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
@@ -62,8 +62,9 @@ builds: list = []  # measured build seconds (the price of the next)
 def stats() -> dict:
   """Counters: loops compiled (built or loaded), refused (something outside
   the table), failed (a build failed), loaded from disk (``disk_hits``),
-  calls that ran compiled code, and loops ``queued`` for the tier thread or
-  ``compiling`` in the compile process now."""
+  calls that ran compiled code, loops ``queued`` for the tier thread or
+  ``compiling`` in the compile process now, and kernel bodies ``dropped``
+  unloaded (an earlier process's probe found them slower: ``tier_records``)."""
   return dict(state)
 
 
@@ -175,6 +176,11 @@ def _work():
       with _cond:
         state["queued"] -= 1
         _cond.notify_all()
+
+
+def running() -> bool:
+  """Whether the tier's thread was started (a warm process may have none)."""
+  return bool(_thread)
 
 
 def submit(loop, step) -> None:

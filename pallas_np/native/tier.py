@@ -18,11 +18,13 @@ has it built by a compile process (``scheduler.Compiler``; the tier's
 thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
 ``lite_worker``: the source translated to LLVM IR and linked into a shared
 library, ~0.1-1 s: where a core is idle its price is the caller's own
-part, ``scheduler.CALLER_PRICE``, and the process is started at the loop's
-first run and waited for before the source is generated) or, where lite
+part, ``scheduler.CALLER_PRICE``, and the process is started once the loop
+cost ``PRESTART_PRICE`` and waited for before the source is generated) or, where lite
 refuses it, priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
+What a loop's pre-key records, and what a warm process skips by it (a
+kernel body's probe, BLAS's checks): ``tier_records``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
 from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes, loop_step,
                               lite_cache, prekey, scheduler)
+from pallas_np.native import tier_records as records
 
 log = logging.getLogger("pallas_np.native")
 
@@ -52,6 +55,17 @@ ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 # its eqns: its source, 1-20 ms of Python, is generated only when the
 # build is due).
 LOOKUP_PRICE = 0.02
+# NumPy-path seconds a loop with no library costs before lite's compile
+# process is started (``_prestart_lite``; from LOOKUP_PRICE on: with the
+# pricing, where a loop first shows it may be worth a build). Its start
+# (~0.05-0.15 s of Python, lite's modules and llvmlite on the other core,
+# and a thread start and ``Popen``, 1-5 ms of the caller's GIL) slowed a
+# caller on a 2-vCPU machine while it ran: started at the loop's first run
+# it landed on the first 20-100 calls of every loop kernel (Collatz N=20
+# +70%, N=100 +110% at load 2-4), and on every call of a cheap one
+# (layer_norm_block: 1000 calls in ~25 ms) whose build is not due within
+# them anyway; 5 and 10 ms did no better (PERF_LOG "[never]").
+PRESTART_PRICE = 0.02
 # Generated lines per eqn of a loop, for the price before its source exists.
 LINES_PER_EQN = 2
 # While a priced loop's cost is below its price at the busy weight, the
@@ -68,6 +82,13 @@ _loaded = LRU(256)
 _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
+_addresses_set_up: list = []  # (its BLAS and libm addresses: done)
+# Primitives whose emitters may read an address from the status array
+# (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
+# rule's float32 loop): a loop holding none needs no ``blas_calls.status``
+# in its one-off set-up (``_one_off_set_up``; a wrong guess costs time only:
+# the tier's thread then looks the addresses up itself).
+ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "log2"))
 # NumPy-path seconds a process's first build waits for beyond its price:
 # the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
@@ -92,6 +113,17 @@ def _eqn_count(jaxpr) -> int:
     for sub in jc.eqn_subjaxprs(e):
       n += _eqn_count(sub)
   return n
+
+
+def _holds(jaxpr, names) -> bool:
+  """Whether ``jaxpr`` or a nested jaxpr has an eqn of a primitive in ``names``."""
+  for e in jaxpr.eqns:
+    if e.primitive.name in names:
+      return True
+    for sub in jc.eqn_subjaxprs(e):
+      if _holds(sub, names):
+        return True
+  return False
 
 
 def _layouts(args) -> tuple:
@@ -134,25 +166,6 @@ def _frame(eqn, inner):
   return lambda: at(inner)
 
 
-class _Recorded:
-  """A loop's generated source as its pre-key record describes it: its
-  signature, no text and no bounds-check sites (generated again when a
-  check fails, ``NativeLoop._raise_oob``)."""
-
-  def __init__(self, record):
-    self.kinds = list(record["kinds"])
-    self.written = set(record["written"])
-    self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
-    self.scratch = [(np.dtype(dt), n) for dt, n in record.get("scratch", ())]
-    self.text, self.sites, self.globals = None, None, None
-
-
-def _record(src, key, args, ret) -> dict:
-  return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
-          "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret,
-          "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch]}
-
-
 class NativeLoop:
   """A loop rule's callable with its native tier (see the module doc)."""
 
@@ -193,6 +206,11 @@ class NativeLoop:
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
     self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
     self.prestarted = False  # (lite's compile process asked for: _prestart_lite)
+    self.record = None  # (what its pre-key recorded: _remember)
+    # (whether its code reads the status array's addresses: ``reads_status``)
+    self.addresses = True
+    # (a kernel body's probe recorded by an earlier process, reused: "kept" or "dropped")
+    self.probed = None
 
   @property
   def phase(self) -> str:
@@ -245,11 +263,14 @@ class NativeLoop:
     return self.numpy_fn.__globals__
 
   # -- compiling ---------------------------------------------------------------
+  def _jaxprs(self) -> list:
+    """The loop's jaxprs (its eqn's params)."""
+    return [getattr(p, "jaxpr", p) for p in self.eqn.params.values()
+            if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr)]
+
   def _price(self) -> None:
     """The build's price, from the loop's size (no source generated)."""
-    lines = LINES_PER_EQN * sum(_eqn_count(getattr(p, "jaxpr", p))
-                                for p in self.eqn.params.values()
-                                if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr))
+    lines = LINES_PER_EQN * sum(_eqn_count(j) for j in self._jaxprs())
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
     if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
         and not self.prestarted and not self._prestart_lite()):
@@ -297,6 +318,7 @@ class NativeLoop:
       return False
     k = disk_cache.loop_key(src, args, ret, self.invars)
     self.src, self.guard = src, guard
+    self.addresses = records.reads_status(src.text)
     self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
     return True
 
@@ -333,7 +355,7 @@ class NativeLoop:
       _loaded.put(k, fn)
     else:
       _state["reused"] += 1
-    record = _record(self.src, k, self.job["args"], self.job["ret"])
+    record = records.record(self.src, k, self.job["args"], self.job["ret"])
     if getattr(fn, "lite", False):
       record["lite"] = True
     self._remember(record)
@@ -382,8 +404,34 @@ class NativeLoop:
     disk), for the next plan or process that runs it (``_prelookup``)."""
     if self.prekey is None or self.prekey is _UNSET:
       return
+    self.record = record
     _prekeys.put(self.prekey, record)
     disk_cache.write_prekey(self.prekey, record)
+
+  def remember_probe(self, kept: bool, numpy_s: float, native_s: float) -> None:
+    """Records a kernel body's probe (``bodies.BodyPlan.decide``: its fastest
+    compiled and NumPy steps, whether it was kept) under its pre-key, for the
+    next process (``_prelookup``, ``records.PROBE_KEEP_RATIO``)."""
+    if self.sync or self.record is None or "refused" in self.record:
+      return
+    record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
+    if scheduler.running():  # (by the tier's thread: a file written and renamed, ~0.4 ms)
+      scheduler.submit(None, lambda: self._remember(record))
+      return
+    try:  # (a warm process has no tier thread: starting one cost the caller more, ~0.8 ms)
+      self._remember(record)
+    except OSError as e:  # (a cache that cannot be written: probed again next time)
+      log.debug("pallas_np: native probe not recorded: %r", e)
+
+  def new_status(self):
+    """A fresh status array for a call of the compiled loop: with the BLAS
+    and libm addresses where its code reads them (``blas_calls.status``:
+    its self-checks and libm's loops, ~5 ms once per process, on the
+    caller's first call), else zeros of the same length (a loop whose code
+    only stores its error sites: integer dots, cumsum, Collatz)."""
+    if self.addresses:
+      return blas_calls.status()
+    return np.zeros(blas_calls.TRANSPOSED + 1, np.int64)
 
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its
@@ -400,7 +448,13 @@ class NativeLoop:
     if "refused" in record:
       self._refuse(record["refused"])
       return
-    src = _Recorded(record)
+    self.probed = None if self.sync else records.probe_decision(record)  # ("sync": never timed)
+    if self.probed == "dropped":  # (slower compiled, an earlier process measured: not loaded)
+      self.record = record
+      _state["dropped"] += 1
+      self.phase = "done"
+      return
+    src = records.Recorded(record)
     args_desc, ret, guard = _signature(src, self.invars, self.layouts)
     if args_desc != record["args"] or ret != record["ret"]:
       return  # (never the case for one pre-key: looked up the usual way)
@@ -416,6 +470,8 @@ class NativeLoop:
       _state["disk_hits"] += 1
       _loaded.put(k, fn)
     _prekeys.put(self.prekey, record)
+    self.record = record
+    self.addresses = record.get("addresses", True)
     self.src, self.guard = src, guard
     self.job = {"key": k, "args": args_desc, "ret": ret}
     self._swap(fn)
@@ -429,7 +485,7 @@ class NativeLoop:
     self.phase = "done"
     self.pycalls = dma_calls.runner(self)
     self.scratch = [np.empty(n, dt) for dt, n in src.scratch]  # (passed at every call)
-    self.status = blas_calls.status()
+    self.status = self.new_status()
     self.fast = loop_step.build(self, fn)
     self.native = fn  # the swap
     _state["compiled"] += 1
@@ -447,6 +503,11 @@ class NativeLoop:
   def _step(self, args) -> None:
     """The next step of a loop whose cost reached ``due``."""
     if self.phase == "new":
+      if not self.sync and self.spent < LOOKUP_PRICE:  # (PRESTART_PRICE: lite's process)
+        if self.lite and scheduler.lite_compiler.proc is None:
+          self._prestart_lite()
+        self.due = LOOKUP_PRICE
+        return
       self._prepare(args)
       self._price()
     if self.phase == "priced" and self.spent >= self.due:
@@ -474,7 +535,10 @@ class NativeLoop:
   def _one_off_set_up(self) -> None:
     """The one-off set-up every build needs, in the caller, once per
     process, when its first build is due: the pre-key's digest of the
-    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms.
+    sources, ~200 stat calls, 1.5 ms; the BLAS and libm addresses, 6 ms,
+    only when a loop holding a primitive that may read them is built
+    (``ADDRESS_PRIMITIVES``: ~6 ms of a cumsum or Collatz caller's calls
+    saved).
     On the tier's thread each of their system and ctypes calls waits for
     the GIL behind a busy caller (0.4-0.9 s each there: PERF_LOG 138).
     Its cost is priced in (``_step``: ``SETUP_PRICE`` more NumPy-path
@@ -485,6 +549,8 @@ class NativeLoop:
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
+      if not _addresses_set_up and any(_holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
+        _addresses_set_up.append(1)
         blas_calls.status()
     except Exception as e:  # noqa: BLE001
       log.debug("pallas_np: native tier set-up failed: %r", e)
@@ -522,7 +588,7 @@ class NativeLoop:
       self.prechecked = True
       if (self.native is None and self.phase != "done" and self.lite and not self.sync
           and scheduler.lite_compiler.proc is None):
-        self._prestart_lite()
+        self.due = min(self.due, PRESTART_PRICE)  # (lite's process started then: _step)
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
@@ -563,7 +629,7 @@ class NativeLoop:
       res = fn(st, *args, *self.scratch) if self.pycalls is None else \
           self.pycalls(fn, st, args, ctx)
     except IndexError:
-      self.status = blas_calls.status()  # (the next call's: this one holds the error)
+      self.status = self.new_status()  # (the next call's: this one holds the error)
       if not st[0]:  # (no bounds-check site's: a DMA call site's own error, dma_calls)
         raise
       self._raise_oob(st, args)

@@ -1,0 +1,298 @@
+"""A warm cache's first calls (pallas_np.native.tier, bodies; issue 41, "never
+slower than off at N = 20"): what a second process skips.
+
+* A kernel body's probe (its compiled steps timed against the NumPy plan's,
+  ``bodies.PROBE_CALLS`` grid steps) is recorded under the body's pre-key;
+  the next process neither loads a body that was clearly slower (the NumPy
+  plan from its first step, no ``dlopen``) nor probes one that was clearly
+  faster (the compiled step from its first step). ``"sync"`` ignores both.
+* A loop whose code reads no address from its status array (integer dots,
+  Collatz: only its error sites are stored there) runs with a status array of
+  zeros: loading it never runs ``blas_calls.status`` (BLAS's self-checks and
+  libm's loops, ~5 ms of the caller's first call).
+
+Deterministic: the probe's timings are handed to ``decide``; nothing is timed."""
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+import pallas_np
+from pallas_np import native
+from pallas_np.native import blas_calls, bodies, codegen, disk_cache, tier, tier_records
+from tests.native_elig_util import OFF, bits
+
+_rng = np.random.default_rng(7)
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+  """A cache directory of the test's own, empty (as a first process's)."""
+  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
+  monkeypatch.setattr(disk_cache, "_dir", [])
+  monkeypatch.setattr(tier, "_prekeys", tier.LRU(1024))
+  monkeypatch.setattr(tier, "_loaded", tier.LRU(256))
+  return tmp_path
+
+
+def _norm_kernel(x_ref, w_ref, o_ref):
+  x = x_ref[...]
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  o_ref[...] = (x - mean) * w_ref[...] + jnp.max(x, axis=-1, keepdims=True)
+
+
+def _body_jaxpr(x, w):
+  jaxpr = jax.make_jaxpr(lambda a, b: pl.pallas_call(
+      _norm_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), interpret=OFF)(a, b))(x, w)
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  return eqn.params["jaxpr"]
+
+
+def _plan(calls):
+  """A stand-in NumPy plan: the off result written, its calls counted."""
+  def fn(ctx, x, w, out):
+    calls.append(1)
+    out[...] = np.asarray(_norm_kernel_off(x, w))
+  return types.SimpleNamespace(fn=fn)
+
+
+def _norm_kernel_off(x, w):
+  return pl.pallas_call(_norm_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        interpret=OFF)(x, w)
+
+
+def _step(body_plan, x, w):
+  out = np.full(x.shape, np.nan, np.float32)
+  body_plan.fn(None, x, w, out)
+  return out
+
+
+@pytest.mark.parametrize("numpy_s,native_s,kept", [(1e-6, 1e-3, False), (1e-3, 1e-6, True)])
+def test_a_clear_probe_is_reused_by_the_next_process(own_cache, numpy_s, native_s, kept):
+  """The probe's decision goes with the body's pre-key record: the next
+  plan (a second process: nothing in memory) runs the NumPy plan from its
+  first step without loading a body recorded slower, and the compiled step
+  from its first step (no probe) for one recorded faster; the bits are the
+  NumPy plan's either way."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  want = np.asarray(_norm_kernel_off(x, w))
+  calls = []
+  built = bodies.wrap(_plan(calls), jaxpr, sync)  # (built and recorded under its pre-key)
+  np.testing.assert_array_equal(bits(_step(built, x, w)), bits(want))
+  assert not calls
+  probing = bodies.wrap(_plan(calls), jaxpr, background)  # (found by its pre-key: probed)
+  np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))
+  assert probing.fn.__name__ == "probe"
+  tier._prekeys.clear()  # (only what is on disk: as a second process)
+  probing.decide(probing.fixed, [numpy_s, native_s])
+  assert native.wait(60)  # (recorded by the tier's thread)
+  record = disk_cache.read_prekey(probing.body.prekey)
+  assert record["probe"]["kept"] is kept
+  tier._prekeys.clear()
+  tier._loaded.clear()
+  before, compiled = native.stats(), bodies.stats()["compiled"]
+  calls.clear()
+  second = bodies.wrap(_plan(calls), jaxpr, background)
+  for _ in range(3):
+    np.testing.assert_array_equal(bits(_step(second, x, w)), bits(want))
+  after = native.stats()
+  if kept:
+    assert second.fn.__name__ == "native_step" and not calls  # (no probe: compiled throughout)
+    assert after["disk_hits"] == before["disk_hits"] + 1
+  else:
+    assert second.body.native is None and len(calls) == 3  # (the NumPy plan throughout)
+    assert after["dropped"] == before["dropped"] + 1
+    assert after["disk_hits"] == before["disk_hits"]  # (not loaded)
+    assert bodies.stats()["compiled"] == compiled
+  # ("sync" is never timed: it loads and runs the body whatever was recorded)
+  tier._prekeys.clear()
+  tier._loaded.clear()
+  calls.clear()
+  again = bodies.wrap(_plan(calls), jaxpr, sync)
+  np.testing.assert_array_equal(bits(_step(again, x, w)), bits(want))
+  assert again.fn.__name__ == "native_step" and not calls
+
+
+def test_an_unclear_probe_is_probed_again(own_cache):
+  """A recorded ratio near ``bodies.KEEP_RATIO`` (between the tier's
+  ``PROBE_KEEP_RATIO`` and ``PROBE_DROP_RATIO``) decides nothing."""
+  record = {"probe": {"kept": True, "numpy": 1.0, "native": 0.85}}
+  assert tier_records.probe_decision(record) is None
+  record["probe"].update(kept=False, native=0.95)
+  assert tier_records.probe_decision(record) is None
+  record["probe"].update(kept=False, native=1.5)
+  assert tier_records.probe_decision(record) == "dropped"
+  record["probe"].update(kept=True, native=0.5)
+  assert tier_records.probe_decision(record) == "kept"
+
+
+def _collatz_kernel(x_ref, o_ref):
+  def body(i, x):
+    return jnp.where(x % 2 == 0, x // 2, 3 * x + 1)
+  o_ref[...] = lax.fori_loop(0, 9, body, x_ref[...])
+
+
+def _dot_kernel(x_ref, y_ref, o_ref):
+  def body(i, acc):
+    return acc + jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+  o_ref[...] = lax.fori_loop(0, 3, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _loop_source(kernel, *args):
+  jaxpr = jax.make_jaxpr(lambda *a: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32 if len(a) == 2
+                                             else jnp.int32), interpret=OFF)(*a))(*args)
+  (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
+  return codegen.loop_source(loop, False, "nan")
+
+
+def test_reads_status_tells_address_reads_from_error_stores():
+  """A source whose code reads BLAS addresses from its status array needs
+  ``blas_calls.status()``; one that only stores there (an error site, its
+  index values) does not."""
+  x = jnp.zeros((8, 128), jnp.int32)
+  assert not tier_records.reads_status(_loop_source(_collatz_kernel, x).text)
+  a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
+  assert tier_records.reads_status(_loop_source(_dot_kernel, a, b).text)
+  assert not tier_records.reads_status("def native_loop(_st, a0):\n    _st[0] = 3\n    _st[1] = np.int64(i)\n")
+  assert tier_records.reads_status("def native_loop(_st, a0):\n    if _st[7] == 1:\n        pass\n")
+  assert tier_records.reads_status("def native_loop(_st, a0):\n    f(_st)\n")
+
+
+def test_a_warm_loop_without_address_reads_never_runs_the_blas_checks(own_cache, monkeypatch):
+  """A loop loaded by its pre-key whose code reads no address (recorded
+  with its library) runs with zeros for a status array: ``blas_calls.status``
+  (BLAS's self-checks, libm's loops) is not called on the caller's path; the
+  bits are off's."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  x = jnp.asarray(np.arange(1024).reshape(8, 128) % 91 + 1, jnp.int32)
+
+  def make(params):
+    return pl.pallas_call(_collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=params)
+  want = np.asarray(make(OFF)(x))
+  np.testing.assert_array_equal(np.asarray(make(sync)(x)), want)  # (built, recorded)
+  pallas_np.clear_caches()  # (a new plan, nothing in memory: as in a second process)
+  tier._prekeys.clear()
+  tier._loaded.clear()
+  status_calls = []
+  real = blas_calls.status
+  monkeypatch.setattr(blas_calls, "status", lambda: status_calls.append(1) or real())
+  before = native.stats()
+  got = np.asarray(make(sync)(x))
+  after = native.stats()
+  np.testing.assert_array_equal(got, want)
+  assert after["disk_hits"] == before["disk_hits"] + 1
+  assert after["native_calls"] > before["native_calls"]
+  assert not status_calls
+
+
+def _loop_eqn(kernel, *args):
+  jaxpr = jax.make_jaxpr(lambda *a: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32 if len(a) == 2
+                                             else jnp.int32), interpret=OFF)(*a))(*args)
+  (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
+  return loop
+
+
+def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them(monkeypatch):
+  """A process's first build does the one-off set-up in the caller; the BLAS
+  and libm addresses (``blas_calls.status``: ~6 ms) only once a loop holding
+  a float dot or a transcendental is built, not for Collatz."""
+  monkeypatch.setattr(tier, "_set_up", [])
+  monkeypatch.setattr(tier, "_addresses_set_up", [])
+  status_calls = []
+  real = blas_calls.status
+  monkeypatch.setattr(blas_calls, "status", lambda: status_calls.append(1) or real())
+  background = pallas_np.InterpretParams(native_loops="background")
+  collatz = tier.NativeLoop(_loop_eqn(_collatz_kernel, jnp.zeros((8, 128), jnp.int32)),
+                            background, lambda ctx, *a: None)
+  collatz._one_off_set_up()
+  assert tier._set_up and not status_calls
+  a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
+  dot = tier.NativeLoop(_loop_eqn(_dot_kernel, a, b), background, lambda ctx, *a: None)
+  dot._one_off_set_up()
+  assert status_calls == [1]
+  dot._one_off_set_up()  # (once per process)
+  assert status_calls == [1]
+
+
+def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_cache,
+                                                                           monkeypatch):
+  """The probe ends early (``bodies.DROP_EARLY``) where the compiled step's
+  fastest took over 4x the NumPy plan's after two steps of each (a
+  clock that gives the plan's steps 1 us and the compiled ones 1 ms), and
+  its verdict is recorded once."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  want = np.asarray(_norm_kernel_off(x, w))
+  calls = []
+  bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty_like(want))  # (built)
+  now = [0.0]
+
+  def clock():
+    now[0] += 1e-3  # (each read: 1 ms later)
+    return now[0]
+  plan = _plan(calls)
+  numpy_fn = plan.fn
+
+  def timed_numpy(ctx, *refs):
+    now[0] -= 1e-3 - 1e-6  # (the plan's step: 1 us between its clock reads)
+    return numpy_fn(ctx, *refs)
+  plan.fn = timed_numpy
+  records = []
+  monkeypatch.setattr(tier.NativeLoop, "remember_probe",
+                      lambda self, kept, a, b: records.append((kept, a, b)))
+  monkeypatch.setattr(bodies.time, "perf_counter", clock)  # (the probe's, read at the swap)
+  probing = bodies.wrap(plan, jaxpr, background)
+  np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))  # (loaded, compiled)
+  assert probing.fn.__name__ == "probe"
+  probe = probing.fn
+  for _ in range(4):  # (plan, compiled, plan, compiled)
+    np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))
+  assert probing.fn is plan.fn and probing.body.native is None
+  assert len(records) == 1 and records[0][0] is False
+  out = np.full(x.shape, np.nan, np.float32)
+  probe(None, x, w, out)  # (a later step of a run that read ``fn`` before the verdict)
+  np.testing.assert_array_equal(bits(out), bits(want))
+  assert len(records) == 1
+
+
+def test_a_verdict_is_written_in_the_caller_where_no_tier_thread_runs(own_cache, monkeypatch):
+  """A warm process has no tier thread: the probe's verdict is written in
+  the caller (a file, ~0.4 ms) rather than by a thread started for it
+  (~0.8 ms of the caller's next call); where the thread runs, by it."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  calls = []
+  bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty((8, 128), np.float32))
+  submitted = []
+  monkeypatch.setattr(tier.scheduler, "submit", lambda loop, step: submitted.append(step))
+  for running, kept in ((False, False), (True, True)):
+    monkeypatch.setattr(tier.scheduler, "_thread", [object()] if running else [])
+    tier._prekeys.clear()
+    probing = bodies.wrap(_plan(calls), jaxpr, background)
+    _step(probing, x, w)
+    probing.body.remember_probe(kept, 1e-3, 1e-4 if kept else 1e-2)
+    if running:
+      assert len(submitted) == 1
+      submitted.pop()()
+    else:
+      assert not submitted
+    assert disk_cache.read_prekey(probing.body.prekey)["probe"]["kept"] is kept
