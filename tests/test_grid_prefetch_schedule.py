@@ -21,13 +21,13 @@ SEQ = pallas_np.InterpretParams(vectorize=False, native_loops="off")
 rng = np.random.default_rng(43)
 
 
-def _gather_rows(idx_ref, x_ref, o_ref):
+def _gather_prefetched(idx_ref, x_ref, o_ref):
   o_ref[...] = x_ref[...] * 2.0 + pl.program_id(0).astype(jnp.float32) + idx_ref[0]
 
 
 def _gather(interp, n=6):
   return pl.pallas_call(
-      _gather_rows,
+      _gather_prefetched,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(n,),
           in_specs=[pl.BlockSpec((8, 128), lambda i, idx: (idx[i], 0))],
@@ -42,6 +42,7 @@ def _want(idx, x):
 
 
 def _plans(name):
+  gc.collect()  # (plans of earlier tests, dropped by clear_caches)
   return [o for o in gc.get_objects() if isinstance(o, KernelPlan) and o.name == name]
 
 
@@ -55,7 +56,7 @@ def test_steps_kept_per_prefetch_contents():
   for _ in range(2):
     for idx in tables:
       np.testing.assert_array_equal(np.asarray(fn(idx, x)), _want(idx, x))
-  (kp,) = _plans("_gather_rows")
+  (kp,) = _plans("_gather_prefetched")
   keys = [k for k, v in kp._schedules.items() if v]  # noqa: SLF001
   assert len(keys) == 2 and {k[-1][-1] for k in keys} == {np.asarray(t).tobytes() for t in tables}
   np.testing.assert_array_equal(np.asarray(fn(tables[1], x)),

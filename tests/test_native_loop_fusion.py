@@ -145,6 +145,33 @@ def test_ref_blocks_read_in_place_and_stored_in_the_loop():
     assert any(f"{ref}[_fr, _fc] = " in loop and f"= {ref}[_fr, _fc]" in loop for loop in loops)
 
 
+def two_scratch_kernel(x_ref, o_ref, m_ref, l_ref):
+  m_ref[...] = x_ref[...]
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+  def body(i, c):
+    m_next = jnp.maximum(m_ref[...], x_ref[...] * (i + 1).astype(jnp.float32))
+    l_ref[...] = l_ref[...] * 0.5 + m_next
+    m_ref[...] = m_next
+    return c
+  lax.fori_loop(0, 3, body, 0)
+  o_ref[...] = m_ref[...] + l_ref[...]
+
+
+def test_private_refs_stored_in_one_loop():
+  """Two VMEM scratch refs (private: no other ref shares their memory)
+  stored in the loop that reads both and an input block: one loop."""
+  x = _floats((16, 128), 9)
+  make = lambda interp: pl.pallas_call(  # noqa: E731
+      two_scratch_kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+      scratch_shapes=[pallas_np_vmem((16, 128)), pallas_np_vmem((16, 128))], interpret=interp)
+  compiled_equals_numpy(make, x)
+  src = loop_source_of(make, x)
+  loops = src.split("for _fr in range(16):")[1:]
+  stored = set(re.findall(r"^\s*(a\d+)\[_fr, _fc\] = ", loops[0], re.M))
+  assert len(loops) == 1 and len(stored) == 2
+
+
 def pallas_np_vmem(shape):
   from jax.experimental.pallas import tpu as pltpu
   return pltpu.VMEM(shape, jnp.float32)
@@ -242,3 +269,30 @@ def test_out_of_bounds_block_read_in_place_raises_the_numpy_error():
     if mode == "sync":
       assert native.stats()["compiled"] > before
   assert messages[0] == messages[1] and "get" in messages[0]
+
+
+def transcendental_kernel(x_ref, o_ref):
+  def body(i, x):
+    e = jnp.exp(x * 0.5 - 1.0)  # (operands computed in the open loop: the formula joins it)
+    l = jnp.log(jnp.abs(x) + 0.25)
+    t = jnp.tanh(x * 3.0)
+    e2 = jnp.exp2(x * 0.25)
+    return jnp.where(i % 2 == 0, e - l + t, t * 2.0 - e * 0.125) + jnp.exp(x) * 1e-3 + e2
+  o_ref[...] = lax.fori_loop(0, 3, body, x_ref[...])
+
+
+def test_transcendentals_per_element_in_the_open_loop():
+  """exp/log/tanh/exp2 of 1024-element operands computed in the open
+  elementwise loop: XLA's formula per element in that loop (LLVM inlines
+  the linked IR), the bits of the NumPy rules' vectorised loop, edge values
+  included; an operand with a buffer of its own (the carry) still goes
+  through that loop by its address."""
+  x = np.random.default_rng(10).standard_normal((8, 128)).astype(np.float32) * 4
+  x.flat[:12] = [0.0, -0.0, 1e-40, -1e-40, 88.0, -104.0, 1e30, -1e30, 3e38, -3e38,
+                 np.nan, 3e-8]
+  make = lambda interp: _call(transcendental_kernel, x.shape, interp)  # noqa: E731
+  compiled_equals_numpy(make, jnp.asarray(x), rtol=2e-5, atol=1e-30)
+  src = loop_source_of(make, jnp.asarray(x))
+  for fn in ("xla_expf", "xla_logf", "xla_tanhf"):
+    assert f"_ext_{fn}(" in src or f"_ext_{fn}_split(" in src
+  assert src.count("_cblas_loop1(") == 1  # (exp(x) of the carry)

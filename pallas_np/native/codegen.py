@@ -143,6 +143,9 @@ class Gen:
     self.count = 0
     self.sites: list = []  # bounds-check sites: (eqn, RefAccess, ref position, chain)
     self.ref_positions: dict = {}  # ref variable name -> argument position
+    # ref variables that share memory with no other ref (TPU VMEM: scratch
+    # buffers and block copies; loop_fusion's stores)
+    self.private: set = set()
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
@@ -445,6 +448,8 @@ def operand(gen, name: str, k: int, aval) -> Val:
   if isinstance(aval, jc.AbstractRef):
     inner = aval.inner_aval
     gen.ref_positions[name] = k
+    if str(jc.memory_space_of(aval)).lower() == "vmem":
+      gen.private.add(name)
     return Val(name, inner.shape, dtype_of(inner), "r")
   if aval.shape == ():
     return Val(name, (), dtype_of(aval), "s")

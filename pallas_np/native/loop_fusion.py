@@ -25,13 +25,16 @@ computed from ``_i``.
 
 Ref accesses in one loop: the loop runs element by element, so a store and
 a read of refs in it interleave, where the NumPy path finishes one before
-the next starts. Two refs may be one buffer (``input_output_aliases``,
-``grid/buffers.shared_aliases``): a loop that stores may therefore access
-only one ref block, through one index expression (the elements read and
-written at an element are then the same one, as on the NumPy path: read
-before written, within the element); a store that cannot join opens a new
-loop. (Lazy ref reads are made only where no eqn between the ``get`` and
-its readers can write a ref: ``refs``.)
+the next starts. A ref a loop stores into is therefore accessed there
+through one index expression only (the element read and written at an
+element is then the same one, as on the NumPy path: read before written,
+within the element); and two refs may be one buffer
+(``input_output_aliases``, ``grid/buffers.shared_aliases``), except a
+*private* one (``codegen.Gen.private``: a TPU VMEM ref, a scratch buffer or
+a block copy of its own), so a loop that stores into a ref that is not
+private accesses no other ref that is not. A store that cannot join opens a
+new loop. (Lazy ref reads are made only where no eqn between the ``get``
+and its readers can write a ref: ``shapes.ref_in_place``.)
 
 Nothing here imports the code generator: ``codegen.Gen`` calls in.
 """
@@ -129,10 +132,19 @@ def _joinable(gen, loop, size) -> bool:
           and loop.end == len(gen.lines) and len(loop.locals) < FUSE_MAX)
 
 
-def _legal(loop: Loop, reads, writes) -> bool:
-  """Whether ``loop`` may also make these ref accesses (module doc)."""
+def _legal(loop: Loop, reads, writes, private) -> bool:
+  """Whether ``loop`` may also make these ref accesses (module doc;
+  ``private``: the names of refs no other ref shares memory with)."""
   writes = loop.writes | set(writes)
-  return not writes or len(loop.reads | set(reads) | writes) == 1
+  if not writes:
+    return True
+  accesses = loop.reads | set(reads) | writes
+  for ref in {r for r, _ in writes}:
+    if len({text for r, text in accesses if r == ref}) > 1:
+      return False
+    if ref not in private and any(r != ref and r not in private for r, _ in accesses):
+      return False
+  return True
 
 
 def acquire(gen, shape, lazies=(), write=None) -> Loop:
@@ -158,7 +170,7 @@ def acquire(gen, shape, lazies=(), write=None) -> Loop:
   if isinstance(loop, Loop) and _joinable(gen, loop, size):
     if want is not None and loop.shape is None:
       _nest(gen, loop, want)
-    if _legal(loop, *accesses(loop)):
+    if _legal(loop, *accesses(loop), gen.private):
       return loop
   return _open(gen, size, want)
 
