@@ -43,7 +43,7 @@ def _want(idx, x):
 
 def _plans(name):
   gc.collect()  # (plans of earlier tests, dropped by clear_caches)
-  return [o for o in gc.get_objects() if isinstance(o, KernelPlan) and o.name == name]
+  return [o for o in gc.get_objects() if type(o) is KernelPlan and o.name == name]
 
 
 def test_steps_kept_per_prefetch_contents():
