@@ -140,7 +140,7 @@ def test_loop_allocates_fewer_buffers_than_eqn_results(monkeypatch):
   unshared = _source()
   buffers = [len(re.findall(r"^    v\d+ = np\.empty\(2048, np\.float32\)$", t, re.M))
              for t in (shared, unshared)]
-  assert 0 < buffers[0] <= buffers[1] - 4, (buffers, shared)
+  assert 0 < buffers[0] <= buffers[1] - 3, (buffers, shared)  # (9 -> 6: lazy operands have none)
   # the same lines, up to the buffers' names
   strip = lambda t: re.sub(r"\bv\d+\b", "v", "\n".join(
       l for l in t.splitlines() if "np.empty(" not in l))

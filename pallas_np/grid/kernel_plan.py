@@ -252,7 +252,7 @@ class KernelPlan:
     total = math.prod(grid)
     schedule = None
     if dynamic and detector is None and points is None and device is None:
-      schedule = self._grid_schedule(grid, dynamic)
+      schedule = self._grid_schedule(grid, dynamic, index_ops)
     # progress: True = this loop's own bar; or a shared one (threads) it
     # ticks but does not close; or None.
     own_bar = progress is True
@@ -269,7 +269,7 @@ class KernelPlan:
             views[b] = buffers[b][idx]
           if trace is not None:
             trace(self.name, point)
-          kernel(ctx, *views, *scratch)
+          kernel(ctx, *index_ops, *views, *scratch)
           if progress is not None:
             progress.tick(step + 1)
         points = ()
@@ -301,29 +301,50 @@ class KernelPlan:
       if own_bar and progress is not None:
         progress.close()
 
-  def _grid_schedule(self, grid, dynamic):
+  def _grid_schedule(self, grid, dynamic, index_ops=()):
     """The grid loop's steps for ``grid`` when its index maps read nothing
-    but program ids (no scalar prefetch, no effects): per grid point (grid
+    but program ids and scalar-prefetch operands (no other effects), and
+    the kernel writes no scalar-prefetch operand: per grid point (grid
     order), the point, its program ids and the (block, basic index) of each
-    block whose index changes there. Computed on the first run of a grid,
-    reused by every later one; None for big grids and where an index map or
-    block raises (the loop then raises at its grid point)."""
-    hit = self._schedules.get(grid)
+    block whose index changes there. Computed on the first run of a grid
+    (with scalar prefetch: of a grid and the operands' contents, compared
+    by their bytes at each run), reused by every later one; None for big
+    grids and where an index map or block raises (the loop then raises at
+    its grid point)."""
+    key = grid
+    if self.num_index:
+      key = self._prefetch_key(grid, index_ops)
+      if key is None:
+        return None
+    hit = self._schedules.get(key)
     if hit is not None:
       return hit or None
     schedule = False
-    if (self.num_index == 0 and math.prod(grid) <= SCHEDULE_MAX_POINTS
-        and not any(bm.index_map_jaxpr.effects for bm in self.grid_mapping.block_mappings)):
+    if math.prod(grid) <= SCHEDULE_MAX_POINTS and not any(
+        any(not isinstance(e, jc.ReadEffect) for e in bm.index_map_jaxpr.effects)
+        for bm in self.grid_mapping.block_mappings):
       try:
-        schedule = self._build_schedule(grid, dynamic)
+        schedule = self._build_schedule(grid, dynamic, index_ops)
       except Exception:  # noqa: BLE001 - the grid loop reports it at its point
         schedule = False
     if len(self._schedules) >= 16:
       self._schedules.clear()
-    self._schedules[grid] = schedule
+    self._schedules[key] = schedule
     return schedule or None
 
-  def _build_schedule(self, grid, dynamic):
+  def _prefetch_key(self, grid, index_ops):
+    """(grid, the scalar-prefetch operands' dtypes, shapes and bytes), or
+    None where their schedules are not kept: a kernel that writes one (the
+    index maps would read other values at later points), operands over
+    ``SCHEDULE_MAX_PREFETCH_BYTES`` (their comparison would cost more than
+    the index maps)."""
+    if any(i < self.num_index for i in self.written_inputs):
+      return None
+    if sum(a.nbytes for a in index_ops) > SCHEDULE_MAX_PREFETCH_BYTES:
+      return None
+    return (grid, *((a.dtype.str, a.shape, a.tobytes()) for a in index_ops))
+
+  def _build_schedule(self, grid, dynamic, index_ops=()):
     ctx = RunContext(self.name, self.params)
     ctx.num_programs = tuple(np.int32(grid[d]) for d in self.local_dims)
     index_maps = [m.fn for m in self.index_maps]
@@ -336,7 +357,7 @@ class KernelPlan:
       ctx.program_ids = tuple(ids[d] for d in self.local_dims)
       changes = []
       for b in dynamic:
-        bidx = index_maps[b](ctx, *ids)
+        bidx = index_maps[b](ctx, *ids, *index_ops)
         if bidx != last_idx[b]:
           last_idx[b] = bidx
           changes.append((b, blocks[b].block_index(bidx, clamp)))
@@ -361,6 +382,10 @@ class KernelPlan:
 # indices per point: a few hundred bytes each) instead of evaluating the
 # index maps at every step of every run.
 SCHEDULE_MAX_POINTS = 4096
+# Scalar-prefetch operands of at most this many bytes in all key the steps
+# of their grid (splash attention's mask tables, paged attention's page
+# indices: a few hundred bytes; their bytes compared at each run).
+SCHEDULE_MAX_PREFETCH_BYTES = 1 << 16
 
 
 def may_use_blas(jaxpr) -> bool:

@@ -33,7 +33,7 @@ from pallas_np import _compat as jc
 from pallas_np import registry
 from pallas_np.compiler import INLINE_CALLS
 from pallas_np.dtypes import np_dtype
-from pallas_np.native import buffer_reuse
+from pallas_np.native import buffer_reuse, loop_fusion
 from pallas_np.native.contract import SUPPORTED, Refused  # noqa: F401 - (re-exported: lite reads them without JAX)
 
 # bfloat16 values are held exactly in float32 (their bits << 16), and only
@@ -46,9 +46,7 @@ NARROW_OK = frozenset(("reshape", "broadcast_in_dim", "transpose", "squeeze", "e
                        "dot_general", "convert_element_type", *INLINE_CALLS))
 narrow_convert: list = []
 
-# Values one fused elementwise loop holds: numba's compile time grows
-# faster than linearly with the size of one loop body.
-FUSE_MAX = 12
+FUSE_MAX = loop_fusion.FUSE_MAX  # (values one fused elementwise loop holds)
 # Generated lines a loop may have: numba's compile time grows with them
 # (~2.5 s plus ~0.02 s a line on the 2-core machine: 101 lines 4.7 s, 600
 # lines 14.8 s; faster than linearly beyond: tpu_paged_quantized's 822
@@ -111,13 +109,16 @@ class Val:
   (flat array of ``shape``), 'r' (a ref: the caller's N-d array); ``glob``:
   a module constant (read-only: copied before it is merged into a carry);
   ``temp``: an eqn's buffer, allocated once at the function's entry and
-  rewritten by its eqn in every iteration (a carry copies it)."""
-  __slots__ = ("name", "shape", "dtype", "kind", "glob", "temp", "roll")
+  rewritten by its eqn in every iteration (a carry copies it); ``lazy``: a
+  ``loop_fusion.Lazy`` where the array has no buffer (``name`` then names
+  none: only elementwise loops read it, ``Gen.materialize`` for others)."""
+  __slots__ = ("name", "shape", "dtype", "kind", "glob", "temp", "roll", "lazy")
 
   def __init__(self, name, shape, dtype, kind, glob=False, temp=False):
     self.name, self.shape, self.dtype, self.kind = name, tuple(shape), dtype, kind
     self.glob, self.temp = glob, temp
     self.roll = None  # (w, dim): ``concatenate([w, w], dim)``, never materialised
+    self.lazy = None
 
   @property
   def size(self) -> int:
@@ -142,11 +143,15 @@ class Gen:
     self.count = 0
     self.sites: list = []  # bounds-check sites: (eqn, RefAccess, ref position, chain)
     self.ref_positions: dict = {}  # ref variable name -> argument position
+    # ref variables that share memory with no other ref (TPU VMEM: scratch
+    # buffers and block copies; loop_fusion's stores)
+    self.private: set = set()
     self.written: set = set()  # argument positions of the refs written
     self.stack: list = []  # the control-flow eqns being emitted (inside the loop's own)
     self.consumers: dict = {}  # var -> [(eqn reading it, operand position)]
     self.producers: dict = {}  # var -> the eqn computing it (see reductions.numpy_layout)
     self.scanned: dict = {}  # id -> the jaxprs whose consumers are recorded (kept alive)
+    self.position: dict = {}  # id(eqn) -> (its jaxpr, its index there)
     self.layouts: dict = {}  # var -> its layout on the NumPy path (reductions.numpy_layout)
     self.aliases: dict = {}  # an inlined callee's parameter var -> the caller's atom
     # Functions the code calls that are linked in from LLVM IR (XLA's float
@@ -156,8 +161,8 @@ class Gen:
     # pairwise sum's leaf), by name; an empty entry marks an address local
     # already read in the prologue (``_fp_<routine>``).
     self.headers: dict = {}
-    # The elementwise loop still open for fusion: (its size, depth, index of
-    # its header line); valid while it is the last thing emitted.
+    # The elementwise loop still open for fusion (``loop_fusion.Loop``);
+    # valid while it is the last thing emitted.
     self.fuse = None
 
   @contextlib.contextmanager
@@ -181,38 +186,43 @@ class Gen:
     """``out[_i] = expr(*operand elements)`` for every element;
     consecutive elementwise eqns of one size share one loop, and an
     element computed or loaded earlier in it is reused from its local (no
-    reload; LLVM then sees selects, not branches around loads)."""
-    fuse = self.fuse
-    if (fuse is None or fuse[0] != out.size or fuse[1] != self.depth
-        or fuse[3] != len(self.lines) or len(self.fuse_locals) >= FUSE_MAX):
-      self.emit(f"for _i in range({out.size}):")
-      fuse = (out.size, self.depth, len(self.lines) - 1, None)
-      self.fuse_locals = {}
-    pad = "    " * (self.depth + 1)
-    names = []
-    for v in operands:
-      if v.kind != "a":
-        names.append(v.name)
-        continue
-      local = self.fuse_locals.get(v.name)
-      if local is None:
-        local = self.fuse_locals[v.name] = "e" + v.name
-        self.lines.append(f"{pad}{local} = {v.name}[_i]")
-      names.append(local)
-    local = self.fuse_locals[out.name] = "e" + out.name
-    self.lines.append(f"{pad}{local} = {expr(*names)}")
-    self.lines.append(f"{pad}{out.name}[_i] = {local}")
-    self.fuse = fuse[:3] + (len(self.lines),)
+    reload; LLVM then sees selects, not branches around loads); a lazy
+    operand's element is computed there (``loop_fusion``)."""
+    loop_fusion.elementwise(self, out, expr, operands)
+
+  def store(self, at, shape, ref: str, val: "Val", combine=None) -> bool:
+    """A ref block set to an array value as statements of an elementwise
+    loop (``loop_fusion.store``); False where it is not done so."""
+    return loop_fusion.store(self, at, shape, ref, val, combine)
+
+  def lazy(self, shape, dt, expr) -> "Val":
+    """An array value without a buffer whose element at per-axis indices
+    ``dims`` is ``expr(dims)`` -> (text, ref accesses) (``loop_fusion``)."""
+    v = Val(self.fresh("lz"), shape, dt, "a")
+    v.lazy = loop_fusion.Lazy(expr)
+    return v
+
+  def materialize(self, v: "Val") -> "Val":
+    """``v`` with a buffer (a lazy value's elements written out here)."""
+    if v is None or v.lazy is None:
+      return v
+    out = self.array(v.shape, v.dtype)
+    js = self.nest(v.shape)
+    flat = " + ".join(f"{j} * {math.prod(v.shape[k + 1:])}" for k, j in enumerate(js))
+    self.emit(f"{out.name}[{flat}] = {v.lazy.expr(js)[0]}")
+    self.close(v.shape)
+    return out
 
   def scalar_line(self, line: str) -> None:
     """A scalar eqn's line: before an open elementwise loop (it reads only
     scalars, all defined before that loop), which stays open."""
-    fuse = self.fuse
-    if fuse is None or fuse[1] != self.depth or fuse[3] != len(self.lines):
+    loop = self.fuse
+    if loop is None or loop.depth != self.depth or loop.end != len(self.lines):
       self.emit(line)
       return
-    self.lines.insert(fuse[2], "    " * self.depth + line)
-    self.fuse = (fuse[0], fuse[1], fuse[2] + 1, fuse[3] + 1)
+    self.lines.insert(loop.head, "    " * self.depth + line)
+    loop.head += 1
+    loop.end += 1
 
   def nest(self, shape) -> list[str]:
     """Open nested ``for`` loops over ``shape``; return their variables
@@ -307,7 +317,8 @@ class Gen:
       # once per jaxpr: a jitted callee emitted twice (jnp.roll's, called
       # twice with one trace) has the same vars, read by the same eqns
       self.scanned[id(jaxpr)] = jaxpr
-      for eqn in jaxpr.eqns:
+      for k, eqn in enumerate(jaxpr.eqns):
+        self.position[id(eqn)] = (jaxpr, k)
         for k, a in enumerate(eqn.invars):
           if isinstance(a, jc.Var):
             self.consumers.setdefault(a, []).append((eqn, k))
@@ -332,11 +343,23 @@ class Gen:
         for v in eqn.outvars:
           if not isinstance(v.aval, jc.AbstractRef):
             dtype_of(v.aval)
+      if not getattr(emit, "lazy_ok", False) and any(v.lazy is not None for v in ins_e):
+        ins_e = [self._materialized(a, v, env) for a, v in zip(eqn.invars, ins_e)]
       outs = emit(self, eqn, ins_e)
       for v, o in zip(eqn.outvars, outs):
         if not isinstance(v, jc.DropVar):
           env[v] = o
-    return [self.atom(a, env) for a in jaxpr.outvars]
+    return [self._materialized(a, self.atom(a, env), env) for a in jaxpr.outvars]
+
+  def _materialized(self, a, v: Val, env) -> Val:
+    """``v`` (the value of atom ``a``) with a buffer, kept for its later
+    readers (an eqn that reads arrays as buffers, a jaxpr's result)."""
+    if v.lazy is None:
+      return v
+    m = self.materialize(v)
+    if isinstance(a, jc.Var):
+      env[a] = m
+    return m
 
 
 def inline_callee(eqn):
@@ -425,6 +448,8 @@ def operand(gen, name: str, k: int, aval) -> Val:
   if isinstance(aval, jc.AbstractRef):
     inner = aval.inner_aval
     gen.ref_positions[name] = k
+    if str(jc.memory_space_of(aval)).lower() == "vmem":
+      gen.private.add(name)
     return Val(name, inner.shape, dtype_of(inner), "r")
   if aval.shape == ():
     return Val(name, (), dtype_of(aval), "s")

@@ -18,6 +18,9 @@ def _call(gen, eqn, ins):
   return gen.run_jaxpr(jaxpr, consts, ins)
 
 
+_call.lazy_ok = "reads"  # (lazy operands reach the body's eqns: shapes.ref_in_place)
+
+
 def _carries(gen, inits) -> list:
   """Fresh loop variables holding ``inits`` (arrays copied: the loop
   writes its carries in place)."""

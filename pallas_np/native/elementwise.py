@@ -359,4 +359,5 @@ def _fold(text, constants):
     return eval(text, {"np": np, "_sdiv": _py_sdiv, "_srem": _py_srem, **constants})  # noqa: S307 - our own expression
 
 
+emit_elementwise.lazy_ok = "reads"  # (codegen.Gen.run_jaxpr, shapes.ref_in_place)
 register(*SCALAR)(emit_elementwise)

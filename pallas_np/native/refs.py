@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.native import dots, masked
+from pallas_np.native import dots, masked, shapes
 from pallas_np.native.codegen import MAX_LEAVES, Refused, Val, dtype_of, np_name, register
 from pallas_np.state import indexing
 from pallas_np.state.indexing import RefAccess
@@ -123,6 +123,8 @@ def _write(gen, at, shape, ref: Val, val: Val, combine=None) -> None:
   if val.shape != tuple(shape) or val.kind == "r":
     raise Refused("stored value shape")
   gen.written.add(gen.ref_positions[ref.name])
+  if gen.store(at, shape, ref.name, val, combine):  # (in an elementwise loop: loop_fusion)
+    return
   js = gen.nest(shape)
   src = val.at(_flat(js, shape)) if shape else val.name
   if combine is not None:
@@ -138,6 +140,8 @@ def _get(gen, eqn, ins):
     raise Refused("get shape")
   dt = dtype_of(eqn.outvars[0].aval)
   view = dots.ref_operand(gen, eqn, ins[0], at, shape, dt, getattr(at, "parts", None))
+  if view is None:  # (read in place by elementwise loops, else copied)
+    view = shapes.ref_in_place(gen, eqn, ins[0].name, at, shape, dt)
   return [view if view is not None else _read(gen, at, shape, dt)]
 
 

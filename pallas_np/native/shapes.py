@@ -5,6 +5,11 @@ variables; a reshape (squeeze, expand_dims) is the same flat array.
 
 Float reductions are ``native/reductions.py``'s (NumPy's pairwise order);
 float dots ``native/dots.py``'s.
+
+An iota and a broadcast are lazy values (``loop_fusion``): no buffer, each
+elementwise loop reading one computes its element from the element's
+indices; so is a ref block read in place by elementwise eqns only
+(``ref_in_place``).
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ import math
 
 import numpy as np
 
-from pallas_np.native.codegen import Refused, Val, dtype_of, np_name, register
+from pallas_np import _compat as jc
+from pallas_np.native.codegen import Refused, Val, dtype_of, emitter, np_name, register
+
+NO_REFS = frozenset()  # (a lazy value's ref accesses: none)
 
 
 def row_strides(shape) -> list[int]:
@@ -64,14 +72,29 @@ def retarget(gen, v: Val, shape) -> Val:
   return Val(v.name, shape, v.dtype, "a", glob=v.glob, temp=v.temp)
 
 
+def lazy_broadcast(gen, x: Val, shape, dims) -> Val:
+  """``x`` (a scalar, an array or a lazy value) broadcast to ``shape``, its
+  axis k the result's ``dims[k]`` (stretched where x's is 1): a lazy value
+  reading x's element (a row broadcast: one load per row of a nested
+  loop)."""
+  shape = tuple(shape)
+  if x.kind == "s":
+    return gen.lazy(shape, x.dtype, lambda ds: (x.name, NO_REFS))
+  if x.lazy is not None:
+    inner = x.lazy.expr
+    return gen.lazy(shape, x.dtype, lambda ds: inner(
+        [ds[d] if n != 1 else "0" for d, n in zip(dims, x.shape)]))
+  strides = row_strides(x.shape)
+  return gen.lazy(shape, x.dtype, lambda ds: (f"{x.name}[" + linear(
+      (ds[d], s if n != 1 else 0) for d, n, s in zip(dims, x.shape, strides)) + "]", NO_REFS))
+
+
 def broadcast_to(gen, v: Val, shape) -> Val:
   """``v`` (same rank, dims 1 or equal) broadcast to ``shape``: an
   elementwise operand that NumPy-style broadcasting would stretch."""
   if len(v.shape) != len(shape) or any(a not in (1, b) for a, b in zip(v.shape, shape)):
     raise Refused("operand shapes")
-  strides = row_strides(v.shape)
-  return gather(gen, shape, v.dtype, lambda js: f"{v.name}[" + linear(
-      (j, k if n != 1 else 0) for j, n, k in zip(js, v.shape, strides)) + "]")
+  return lazy_broadcast(gen, v, shape, range(len(shape)))
 
 
 @register("reshape", "squeeze", "expand_dims")
@@ -79,22 +102,27 @@ def _reshape(gen, eqn, ins):
   return [retarget(gen, ins[0], eqn.outvars[0].aval.shape)]
 
 
+def passes_lazy(fn):
+  """Mark an emitter that takes lazy operands and passes them on (its
+  result lazy too: ``codegen.Gen.run_jaxpr`` materialises them for any
+  other emitter)."""
+  fn.lazy_ok = "passes"
+  return fn
+
+
 @register("broadcast_in_dim")
+@passes_lazy
 def _broadcast_in_dim(gen, eqn, ins):
   x = ins[0]
   shape = tuple(eqn.params["shape"])
   dims = tuple(eqn.params["broadcast_dimensions"])
   if len(ins) != 1:
     raise Refused("dynamic broadcast shape")
-  if x.size == math.prod(shape):
+  if x.lazy is None and x.kind == "a" and x.size == math.prod(shape):
     return [retarget(gen, x, shape)]
-  if x.kind == "s":
-    out = gen.array(shape, x.dtype)
-    gen.elementwise(out, lambda: x.name)
-    return [out]
-  in_strides = row_strides(x.shape)
-  return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
-      (js[d], s if x.shape[k] != 1 else 0) for k, (d, s) in enumerate(zip(dims, in_strides))) + "]")]
+  if x.kind not in "as":
+    raise Refused(f"broadcast_in_dim of kind {x.kind}")
+  return [lazy_broadcast(gen, x, shape, dims)]
 
 
 @register("slice")
@@ -142,7 +170,8 @@ def _iota(gen, eqn, ins):
   shape = tuple(p["shape"])
   if dt == np.bool_:
     raise Refused("bool iota")
-  return [gather(gen, shape, dt, lambda js: f"{np_name(dt)}({js[dim]})")]
+  c = np_name(dt)
+  return [gen.lazy(shape, dt, lambda ds: (f"{c}({ds[dim]})", NO_REFS))]
 
 
 LAZY_ROLL = True
@@ -316,6 +345,7 @@ def _unstack(gen, eqn, ins):
 
 
 @register("tile")
+@passes_lazy
 def _tile(gen, eqn, ins):
   x = ins[0]
   shape = tuple(eqn.outvars[0].aval.shape)
@@ -323,27 +353,77 @@ def _tile(gen, eqn, ins):
     raise Refused("tile")
   if tuple(x.shape) == shape:  # (every rep 1, as flash attention's ``pltpu.repeat``s: x itself)
     return [x]
+  x = gen.materialize(x)
   strides = row_strides(x.shape)
   return [gather(gen, shape, x.dtype, lambda js: f"{x.name}[" + linear(
       (f"({j} % {n})", k) for j, n, k in zip(js, x.shape, strides)) + "]")]
 
 
 @register("broadcast_to")
+@passes_lazy
 def _broadcast_to_state(gen, eqn, ins):
   """``state.primitives.broadcast_to`` (Triton-style kernels): NumPy's
   right-aligned broadcast, the operand's shape padded with leading unit
   dims (the NumPy rule's ``broadcast_to_geometry``)."""
   x = ins[0]
   shape = tuple(eqn.params["shape"])
-  if x.kind == "r":
-    raise Refused("broadcast_to of a ref")
+  if x.kind not in "as":
+    raise Refused(f"broadcast_to of kind {x.kind}")
   if x.kind == "s":
-    if not shape:
-      return [x]
-    out = gen.array(shape, x.dtype)
-    gen.elementwise(out, lambda: x.name)
-    return [out]
+    return [x if not shape else lazy_broadcast(gen, x, shape, ())]
   if len(x.shape) > len(shape):
     raise Refused("broadcast_to a lower rank")
-  v = retarget(gen, x, (1,) * (len(shape) - len(x.shape)) + x.shape)
-  return [v if v.shape == shape else broadcast_to(gen, v, shape)]
+  lead = len(shape) - len(x.shape)
+  if any(n not in (1, shape[lead + k]) for k, n in enumerate(x.shape)):
+    raise Refused("operand shapes")
+  if x.shape == shape:
+    return [x]
+  if x.lazy is None and x.size == math.prod(shape):
+    return [retarget(gen, x, shape)]
+  return [lazy_broadcast(gen, x, shape, range(lead, len(shape)))]
+
+
+def _writes_refs(eqn) -> bool:
+  """Whether ``eqn`` may write a ref (conservatively: a ref operand of an
+  eqn other than ``get``, an effect other than a read, such an eqn in a
+  nested jaxpr)."""
+  if eqn.primitive.name != "get" and any(
+      isinstance(getattr(a, "aval", None), jc.AbstractRef) for a in eqn.invars):
+    return True
+  if any(not isinstance(e, jc.ReadEffect) for e in eqn.effects):
+    return True
+  return any(_writes_refs(e) for sub in jc.eqn_subjaxprs(eqn) for e in sub.eqns)
+
+
+def _lazy_ok(prim):
+  try:
+    return getattr(emitter(prim), "lazy_ok", None)
+  except Refused:
+    return None
+
+
+def ref_in_place(gen, eqn, ref: str, at, shape, dt) -> Val | None:
+  """A ``get`` of ref block ``at`` (of ``shape``) as a lazy value read in
+  place, where every reader of its value is an elementwise eqn or an
+  inlined call of the same jaxpr (``lazy_ok == "reads"``: it reads the
+  value into buffers of its own) and no eqn from the ``get`` to the last of
+  them may write a ref (the block is then the value at each of those
+  reads); else None (the block is copied, ``refs._read``)."""
+  if not shape or not hasattr(at, "parts"):
+    return None
+  pos = gen.position.get(id(eqn))
+  users = gen.consumers.get(eqn.outvars[0], ())
+  if pos is None or not users:
+    return None
+  jaxpr, k = pos
+  last = k
+  for user, _ in users:
+    if user is None or _lazy_ok(user.primitive) != "reads" or _writes_refs(user):
+      return None
+    where = gen.position.get(id(user))
+    if where is None or where[0] is not jaxpr or where[1] <= k:
+      return None
+    last = max(last, where[1])
+  if any(_writes_refs(e) for e in jaxpr.eqns[k + 1:last]):
+    return None
+  return gen.lazy(shape, dt, lambda ds: (at(ds), frozenset({(ref, at(ds))})))

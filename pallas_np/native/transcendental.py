@@ -4,10 +4,13 @@ rules compute XLA's own formulas, written in LLVM IR by
 ``primitives/xla_math.py`` and compiled by ``primitives/libm.py`` into
 vectorised loops. An array (``VECTOR_MIN`` elements or more) goes through
 that very loop, called by its address (``libm.address``, handed over in the
-status array: ``blas_calls``); a smaller one calls the same IR per element,
-linked into the loop's library (``aot_worker`` links it,
-``codegen.Gen.external`` names it): one formula, the same roundings and
-FMAs (``llvm.fma.f32`` is the exactly rounded FMA on every CPU). exp is the
+status array: ``blas_calls``); a smaller one, or one whose operand the open
+elementwise loop computes (``in_open_loop``: the formula then runs in that
+loop, which LLVM inlines and vectorizes as libm's, with no pass over a
+buffer between them), calls the same IR per element, linked into the loop's
+library (``aot_worker`` links it, ``codegen.Gen.external`` names it): one
+formula, the same roundings and FMAs (``llvm.fma.f32`` is the exactly
+rounded FMA on every CPU). exp is the
 generation the installed XLA computes (``formula``). Other dtypes (float64:
 NumPy's own SIMD functions) and the other transcendentals are refused
 (``refusals``).
@@ -19,7 +22,7 @@ import re
 
 import numpy as np
 
-from pallas_np.native import blas_calls, elementwise
+from pallas_np.native import blas_calls, elementwise, loop_fusion
 from pallas_np.native.codegen import Refused, Val, dtype_of, register
 from pallas_np.primitives import libm, xla_math
 
@@ -72,11 +75,20 @@ def _formula(gen, eqn, ins):
     raise Refused(f"{name} with an accuracy")
   symbol = formula(name)
   shape = tuple(eqn.outvars[0].aval.shape)
-  if math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape:
+  if (math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape
+      and not in_open_loop(gen, ins[0])):
     return [vector_call(gen, symbol, ins[0])]
   fn = gen.external(symbol, ir_of(symbol))
   return elementwise.emit_elementwise(
       gen, eqn, ins, make=lambda dts, out, params: (lambda a: f"{fn}({a})"))
+
+
+def in_open_loop(gen, x: Val) -> bool:
+  """Whether the open elementwise loop computes (or loads) ``x``'s element
+  (the formula per element then joins it: ``loop_fusion``)."""
+  loop = gen.fuse
+  return (isinstance(loop, loop_fusion.Loop) and loop.end == len(gen.lines)
+          and loop.depth == gen.depth and x.name in loop.locals)
 
 
 def _loop_address(gen, symbol: str) -> str:
@@ -126,7 +138,8 @@ def _expanded(gen, eqn, ins):
   symbol = formula("exp" if name == "exp2" else "log")
   k = gen.constant(_LN2 if name == "exp2" else _LOG2_E, np.dtype(np.float32))
   shape = tuple(eqn.outvars[0].aval.shape)
-  if math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape:
+  if (math.prod(shape) >= VECTOR_MIN and ins[0].kind == "a" and ins[0].shape == shape
+      and not in_open_loop(gen, ins[0])):
     f32 = np.dtype(np.float32)
     mul = lambda a, b: f"np.float32({a} * {b})"  # noqa: E731
     if name == "exp2":
