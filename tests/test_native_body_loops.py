@@ -7,7 +7,9 @@ A body with DMAs inside its loop may read an HBM ref wider than
 ``MAX_ELEMENTS`` (JAX's TPU paged attention). Each test checks that the
 compiled body ran (``bodies.stats()["native_calls"]``), or did not."""
 import gc
+import importlib.util
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,14 @@ from tests.native_elig_util import OFF, SYNC, bits
 
 _rng = np.random.default_rng(43)
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
+# A body with DMA/semaphore call sites is built by numba's AOT compiler
+# (lite refuses call sites), whose ``numba.pycc`` needs setuptools at run
+# time from Python 3.12 on: without it every such build fails (the body,
+# then its released loop: the NumPy path's bits, nothing compiled), as in
+# tests/test_native_elig_dma.py.
+needs_aot = pytest.mark.skipif(
+    sys.version_info >= (3, 12) and importlib.util.find_spec("setuptools") is None,
+    reason="numba.pycc needs setuptools on Python >= 3.12")
 
 
 def _f32(*shape):
@@ -81,6 +91,7 @@ def _body_plans(kernel_name, compiled):
   return found
 
 
+@needs_aot
 def test_a_body_holding_a_loop_runs_whole_with_the_numpy_bits():
   x = _f32(24, 128)
   fn = _loop_call(SYNC)
@@ -132,6 +143,7 @@ def _refused_loop_kernel(x_ref, o_ref, carry_ref, sem):
   carry_ref[...] = carry_ref[...] + acc[:1]
 
 
+@needs_aot
 def test_a_refused_body_releases_its_loop_to_the_loop_tier():
   x = _f32(24, 128)
   fn = _loop_call(SYNC, _refused_loop_kernel)
@@ -145,6 +157,7 @@ def test_a_refused_body_releases_its_loop_to_the_loop_tier():
   np.testing.assert_array_equal(bits(got), bits(_loop_call(OFF, _refused_loop_kernel)(x)))
 
 
+@needs_aot
 def test_an_out_of_bounds_read_in_the_loop_is_the_numpy_plans_error():
   def kernel(i_ref, x_ref, o_ref, carry_ref, sem):
     @pl.when(pl.program_id(0) == 0)
@@ -215,6 +228,7 @@ def _paged_call(interp):
       interpret=interp)
 
 
+@needs_aot
 def test_a_body_with_dmas_in_its_loop_and_a_wide_hbm_ref():
   x = _f32(PAGES, 8, 128)
   pages = _rng.permutation(PAGES)[:16].astype(np.int32)
