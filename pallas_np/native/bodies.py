@@ -92,6 +92,7 @@ class BodyEqn:
   def __init__(self, jaxpr, loops=False):
     self.invars = list(jaxpr.invars)
     self.params = {"jaxpr": _closed(jaxpr)}
+    self.loops = loops  # (it holds loops: body_loops)
     # (its buffers: scratch arrays passed at each step, codegen.finish; not
     # for a body holding a loop: slices of one array may overlap as far as
     # LLVM knows, which stops it vectorizing the loop's passes, as in a loop)
@@ -222,9 +223,9 @@ def _step_source(guard, reads, nargs, nscratch, calls=False, loops=False) -> str
   reads as scalars of their exact type, one call; any other operand the
   NumPy plan's. A body with DMA/semaphore call sites (``calls``) is called
   through ``_run`` (``dma_run``: the call sites bound to the run context).
-  A step of a body holding a loop or call sites (``loops``) counts as a
-  compiled loop's run too (``native.stats()``): it stands for the loop
-  tier's run of that loop."""
+  A step of a body with call sites or holding loops (``loops``) counts as
+  a compiled loop's run too (``native.stats()``): it stands for the loop
+  tier's run of its loops."""
   count = "        _counts['native_calls'] += 1"
   if calls or loops:
     count += "\n        _loop_calls['native_calls'] += 1"
@@ -300,15 +301,14 @@ class BodyPlan:
   * its build under way, and for good once refused, failed or dropped: the
     plan's own function (``own``), with nothing in between;
   * compiled: the step function (after the probe, in background mode);
-  * its first run, ``"sync"``, a body with DMA call sites: ``entry``, the
-    body's ``__call__``."""
+  * its first run, ``"sync"``: ``entry``, the body's ``__call__``."""
 
   def __init__(self, plan, reads, params, eqn):
     self.plan = plan
     self.reads = reads
     # The loop tier's loops in the NumPy plan, held while the body (which
     # compiles them with it) is in play: body_loops.
-    self.loops = body_loops.inner_loops(plan) if not eqn.shared_buffers else []
+    self.loops = body_loops.inner_loops(plan) if eqn.loops else []
     body_loops.hold(self.loops)
     if reads:
       def numpy_fn(ctx, *args, _n=len(reads)):
@@ -400,7 +400,8 @@ class BodyPlan:
       st[:] = tier.blas_calls.status()  # (the status array is reused: reset it)
       body._raise_oob(err, args)
     scope = {**guards.constants(body.guard), "_fn": fn, "_st": st, "_oob": oob,
-             "_counts": _counts, "_loop_calls": tier.scheduler.state, "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
+             "_counts": _counts, "_loop_calls": tier.scheduler.state,
+             "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
     for k, (pos, t) in enumerate(body.scalars):
       scope[f"_t{k}"] = t
     for j, a in enumerate(body.scratch):  # (the compiled body's buffers: codegen.finish)
@@ -409,7 +410,7 @@ class BodyPlan:
     if body.pycalls is not None:  # (DMA/semaphore call sites: the run context's, per step)
       scope["_run"] = dma_run(body)
     exec(compile(_step_source(body.guard, self.reads, nargs, len(body.scratch),
-                              body.pycalls is not None, not body.eqn.shared_buffers),
+                              body.pycalls is not None, body.eqn.loops),
                  "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
@@ -470,9 +471,10 @@ def wrap(plan, jaxpr, params):
   if not tier.enabled(params):
     return plan
   loops = body_loops.holds_loop(jaxpr)
-  if loops and (not body_loops.takes_loops(jaxpr)  # (the loop tier's: body_loops)
-                or getattr(params, "loop_watchdog_s", None) is not None):
-    return plan  # (a compiled loop would not stop: as the loop tier, control_flow/loops.py)
+  if loops and not body_loops.takes_loops(jaxpr):
+    return plan  # (its loops are the loop tier's: body_loops)
+  if loops and getattr(params, "loop_watchdog_s", None) is not None:
+    return plan  # (a compiled loop would not stop: the loop tier refuses it too)
   found = body_jaxpr(jaxpr)
   if found is None:
     return plan
