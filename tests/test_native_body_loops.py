@@ -129,6 +129,24 @@ def test_the_plans_loop_is_held_while_the_body_is_in_play_and_released_after():
   assert bodies.wrap(plan, kjaxpr, watched) is plan
 
 
+def test_a_body_priced_again_is_timed_again():
+  """Background mode: lite refuses a body with call sites, and the tier's
+  thread prices it again for numba's build (``phase = "priced"``). The
+  grid's ``fn`` was the plan's own while lite's build was under way; it
+  must be the sampler again, or the NumPy plan is never timed and the
+  build never comes due (the body's, and its held loop's: every call on
+  the NumPy path)."""
+  plan, kjaxpr = _kernel_plan(_loop_kernel, BACKGROUND)
+  body_plan = bodies.wrap(plan, kjaxpr, BACKGROUND)
+  body = body_plan.body
+  body.prechecked = True  # (its first run looked its pre-key up)
+  body.phase = "building"  # (lite's build submitted)
+  body_plan.route()
+  assert body_plan.fn is body_plan.own()
+  body.phase = "priced"  # (tier._price, after lite's refusal)
+  assert body_plan.fn is body_plan.sampler
+
+
 def _refused_loop_kernel(x_ref, o_ref, carry_ref, sem):
   @pl.when(pl.program_id(0) == 0)
   def _():

@@ -179,12 +179,13 @@ class NativeBody(tier.NativeLoop):
   generated step function (``_step_source``) rather than the loop's
   general ``run``, whose checks cost more than a small body."""
 
-  def __init__(self, eqn, params, numpy_fn, on_swap, on_none=None):
-    self.on_none = None
+  def __init__(self, eqn, params, numpy_fn, on_swap, on_none=None, on_timing=None):
+    self.on_none = self.on_timing = None
     self.swapping = False
     super().__init__(eqn, params, numpy_fn)
     self.on_swap = on_swap
     self.on_none = on_none  # (called once the body ends without a library)
+    self.on_timing = on_timing  # (called where its NumPy plan is to be timed again)
 
   @property
   def phase(self) -> str:
@@ -197,6 +198,11 @@ class NativeBody(tier.NativeLoop):
     # sets "done" before its library is in)
     if phase == "done" and not self.swapping and self.native is None and self.on_none:
       self.on_none()
+    elif self.timing and self.on_timing:
+      # (priced again, on the tier's thread: lite refused the build, numba's is
+      # due later; the grid's ``fn``, the plan's own while the build was under
+      # way, must time the steps again or the build never comes due)
+      self.on_timing()
 
   def _swap(self, fn) -> None:
     self.swapping = True
@@ -316,7 +322,8 @@ class BodyPlan:
     else:
       def numpy_fn(ctx, *args):
         return plan.fn(ctx, *args)
-    self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped, self.release)
+    self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped, self.release,
+                                  self.route)
     self.fixed = None  # the step function, the probe, or ``entry``, once compiled
     getters = tuple(reads)
     perf = time.perf_counter
