@@ -181,8 +181,9 @@ def test_refused_body_runs_the_numpy_plan():
 
 
 def test_bodies_never_wrapped_when_off_or_holding_a_loop():
-  """Off, too few eqns, a loop inside (the loop tier's), a program id below
-  the top level, a value wider than MAX_ELEMENTS: the plan itself, no wrapper."""
+  """Off, too few eqns (a loop and its load and store), a program id below
+  the top level, a value wider than MAX_ELEMENTS: the plan itself, no
+  wrapper (bodies holding loops: tests/test_native_body_loops.py)."""
   def loop_kernel(x_ref, o_ref):
     o_ref[...] = lax.fori_loop(0, 3, lambda i, v: v * 2.0, x_ref[...])
 
@@ -266,8 +267,8 @@ def _dma_body_kernel(x_hbm, o_ref, buf, sem, sem_out):
 
 def test_body_with_dmas_and_semaphores_runs_its_call_sites():
   """Merging the DMA call sites with compiled bodies: a body holding a
-  DMA runs through the loop's general run (the call sites need the run
-  context), not the body's step function; before, it called the compiled
+  DMA runs its step function through its call-site runner, bound to the
+  step's run context (``bodies.dma_run``); once, it called the compiled
   function with no call sites bound."""
   x = _f32(24, 128)
 

@@ -309,6 +309,8 @@ def test_semaphore_signal_and_wait_compiled(dma_callbacks):
       scratch_shapes=[pltpu.SemaphoreType.REGULAR], interpret=interp)
   calls = dma_callbacks[0]
   got = make(_params("sync"))()
-  assert dma_callbacks[0] == calls, "the loop's signals and waits called back"
+  # (at most the read after the loop: the body is compiled with its loop,
+  # docs/native_bodies.md, and its semaphore_read calls back)
+  assert dma_callbacks[0] - calls <= 1, "the loop's signals and waits called back"
   np.testing.assert_array_equal(np.asarray(got), np.asarray(make(_params("off"))()))
   assert int(np.asarray(got)[0]) == STEPS * 100 + STEPS

@@ -15,8 +15,10 @@ Differences from a loop:
 * ``pl.program_id`` / ``pl.num_programs`` at the body's top level become
   scalar arguments of the compiled function (read from the run context at
   each grid step); anywhere deeper (a ``cond`` branch) the body is refused.
-* A body holding a loop (``while``/``scan``) is left to the loop tier,
-  which compiles the loop itself (one build, not two).
+* A body holding a loop (``while``/``scan``) is compiled with its loop
+  (``body_loops``): one native call per grid step; the loop tier's own
+  ``NativeLoop`` of that loop in the NumPy plan is held meanwhile (one
+  build, not two), and released where the body ends without a library.
 * Once compiled, the first ``PROBE_CALLS`` grid steps alternate between
   the compiled body and the NumPy plan (the same writes either way) and
   the body is kept only when its fastest call beats the NumPy plan's
@@ -35,7 +37,7 @@ import time
 
 from pallas_np import _compat as jc
 from pallas_np.grid import kernel_plan
-from pallas_np.native import guards, tier
+from pallas_np.native import body_loops, guards, tier
 
 # Grid steps after the swap that compare the compiled body with the NumPy
 # plan (half each, alternating; the NumPy plan's first calls run its lines
@@ -52,14 +54,16 @@ KEEP_RATIO = 0.9
 # of its probe's compiled steps cost the first calls ~1.5 ms; a kept body's
 # first compiled steps, cold, took up to ~3x its later ones).
 DROP_EARLY = 4.0
-# Primitives a body may not hold: its loops are the loop tier's
-# (control_flow/loops.py wraps them in NativeLoop).
-LOOPS = frozenset(("while", "scan"))
 # The most elements a body's refs and values may have: a wider body spends
 # its time in NumPy's loops, not its dispatch (nothing to gain), and its
 # grid may run on threads (grid/threads.py, from 1 << 15 elements), which a
-# compiled body, holding the GIL, would serialize.
+# compiled body, holding the GIL, would serialize. Refs in HBM (memory
+# space ANY) are not counted: a body reaches them only through DMA windows
+# (or indexed reads), whose cost is not the ref's size.
 MAX_ELEMENTS = 1 << 15
+# Memory spaces whose refs are the whole array in HBM/GMEM
+# (grid/buffers.py's ``_BUFFER_SPACES``).
+HBM_SPACES = frozenset({"any", "hbm", "gmem"})
 # The fewest eqns a compiled body may hold: a copy or two (``copy_8x128``:
 # ~6 us of NumPy) cost less than entering the compiled call.
 MIN_EQNS = 4
@@ -89,11 +93,15 @@ class BodyEqn:
 
   primitive = _BodyPrimitive()
   outvars = ()
-  shared_buffers = True  # (its buffers: scratch arrays passed at each step, codegen.finish)
 
-  def __init__(self, jaxpr):
+  def __init__(self, jaxpr, loops=False):
     self.invars = list(jaxpr.invars)
     self.params = {"jaxpr": _closed(jaxpr)}
+    self.loops = loops  # (it holds loops: body_loops)
+    # (its buffers: scratch arrays passed at each step, codegen.finish; not
+    # for a body holding a loop: slices of one array may overlap as far as
+    # LLVM knows, which stops it vectorizing the loop's passes, as in a loop)
+    self.shared_buffers = not loops
 
   @staticmethod
   def native_top(gen, eqn, ins, top=True):
@@ -110,22 +118,19 @@ def _closed(jaxpr):
   return jaxpr
 
 
-def _holds_loop(jaxpr) -> bool:
-  """Whether ``jaxpr`` or a nested jaxpr holds a ``while`` or ``scan``."""
-  for e in jaxpr.eqns:
-    if e.primitive.name in LOOPS:
-      return True
-    for sub in jc.eqn_subjaxprs(e):
-      if _holds_loop(sub):
-        return True
-  return False
+def _in_hbm(aval) -> bool:
+  """Whether ``aval`` is a ref in HBM (memory space ANY/HBM/GMEM)."""
+  space = jc.memory_space_of(aval)
+  return str(getattr(space, "value", space)).lower() in HBM_SPACES
 
 
 def _widest(jaxpr) -> int:
-  """The most elements of a ref or value of ``jaxpr`` (nested ones too)."""
+  """The most elements of a ref (not in HBM) or value of ``jaxpr`` (nested
+  ones too)."""
   n = 0
   for v in jaxpr.invars:
-    n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
+    if not _in_hbm(v.aval):
+      n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
   for e in jaxpr.eqns:
     for v in e.outvars:
       n = max(n, math.prod(getattr(getattr(v.aval, "inner_aval", v.aval), "shape", ())))
@@ -146,10 +151,10 @@ def _reads_context_below(jaxpr) -> bool:
 def body_jaxpr(jaxpr):
   """(the body with its top-level program id/count reads as leading
   invars, the run-context reads ``(field, axis)`` they stand for), or
-  None where no body can be compiled (a loop inside, a read below the top
-  level, an operand that is not a ref, more than ``MAX_ELEMENTS``, fewer
-  than ``MIN_EQNS`` eqns)."""
-  if (jaxpr.constvars or not jaxpr.eqns or _holds_loop(jaxpr) or _reads_context_below(jaxpr)
+  None where no body can be compiled (a read below the top level, an
+  operand that is not a ref, more than ``MAX_ELEMENTS``, fewer than
+  ``MIN_EQNS`` eqns)."""
+  if (jaxpr.constvars or not jaxpr.eqns or _reads_context_below(jaxpr)
       or _widest(jaxpr) > MAX_ELEMENTS):
     return None
   if not all(isinstance(v.aval, jc.AbstractRef) for v in jaxpr.invars):
@@ -179,12 +184,37 @@ class NativeBody(tier.NativeLoop):
   generated step function (``_step_source``) rather than the loop's
   general ``run``, whose checks cost more than a small body."""
 
-  def __init__(self, eqn, params, numpy_fn, on_swap):
+  def __init__(self, eqn, params, numpy_fn, on_swap, on_none=None, on_timing=None):
+    self.on_none = self.on_timing = None
+    self.swapping = False
     super().__init__(eqn, params, numpy_fn)
     self.on_swap = on_swap
+    self.on_none = on_none  # (called once the body ends without a library)
+    self.on_timing = on_timing  # (called where its NumPy plan is to be timed again)
+
+  @property
+  def phase(self) -> str:
+    return self._phase
+
+  @phase.setter
+  def phase(self, phase: str) -> None:
+    tier.NativeLoop.phase.fset(self, phase)
+    # ("done" with no library to come: refused, its build failed; a swap
+    # sets "done" before its library is in)
+    if phase == "done" and not self.swapping and self.native is None and self.on_none:
+      self.on_none()
+    elif self.timing and self.on_timing:
+      # (priced again, on the tier's thread: lite refused the build, numba's is
+      # due later; the grid's ``fn``, the plan's own while the build was under
+      # way, must time the steps again or the build never comes due)
+      self.on_timing()
 
   def _swap(self, fn) -> None:
-    super()._swap(fn)
+    self.swapping = True
+    try:
+      super()._swap(fn)
+    finally:
+      self.swapping = False
     _counts["compiled"] += 1
     self.on_swap(self, fn)
 
@@ -198,11 +228,18 @@ class NativeBody(tier.NativeLoop):
     return res
 
 
-def _step_source(guard, reads, nargs, nscratch) -> str:
+def _step_source(guard, reads, nargs, nscratch, calls=False, loops=False) -> str:
   """The grid step of a compiled body: each array operand checked against
   the compiled signature (as ``NativeLoop._fits``, unrolled), the context
   reads as scalars of their exact type, one call; any other operand the
-  NumPy plan's."""
+  NumPy plan's. A body with DMA/semaphore call sites (``calls``) is called
+  through ``_run`` (``dma_run``: the call sites bound to the run context).
+  A step of a body with call sites or holding loops (``loops``) counts as
+  a compiled loop's run too (``native.stats()``): it stands for the loop
+  tier's run of its loops."""
+  count = "        _counts['native_calls'] += 1"
+  if calls or loops:
+    count += "\n        _loop_calls['native_calls'] += 1"
   refs = [f"a{k}" for k in range(nargs - len(reads))]
   ops = [f"r{k}" for k in range(len(reads))] + refs
   lines = [f"def native_step(ctx{''.join(', ' + r for r in refs)}):"]
@@ -210,11 +247,17 @@ def _step_source(guard, reads, nargs, nscratch) -> str:
     lines.append(f"    r{k} = ctx.{field}[{axis}]")
     lines.append(f"    if r{k}.__class__ is not _t{k}: r{k} = _t{k}(r{k})")
   lines.append(f"    if {guards.check_expr(guard, ops)}:")
+  if calls:
+    lines.append(f"        _run(_fn, ({', '.join(ops)},), ctx)")
+    lines.append(count)
+    lines.append("        return ()")
+    lines.append(f"    return _numpy(ctx{''.join(', ' + r for r in refs)})")
+    return "\n".join(lines) + "\n"
   lines.append("        try:")
   lines.append(f"            _fn(_st, {', '.join(ops + [f'_s{j}' for j in range(nscratch)])})")
   lines.append("        except IndexError:")
   lines.append(f"            _oob(({', '.join(ops)},))")
-  lines.append("        _counts['native_calls'] += 1")
+  lines.append(count)
   lines.append("        return ()")
   lines.append(f"    return _numpy(ctx{''.join(', ' + r for r in refs)})")
   return "\n".join(lines) + "\n"
@@ -235,6 +278,25 @@ def _sampler_source(nrefs: int) -> str:
           f"    return _timed(ctx{refs})\n")
 
 
+def dma_run(body):
+  """``run(fn, args, ctx)``: a compiled body with DMA/semaphore call sites
+  on one grid step's operands (``NativeLoop._run``'s call through its
+  call-site runner, ``dma_calls.runner``, with a fresh status array: a
+  callback may let another thread in), its bounds errors the NumPy
+  plan's."""
+  pycalls, status = body.pycalls, tier.blas_calls.status
+
+  def run(fn, args, ctx):
+    st = status()
+    try:
+      pycalls(fn, st, args, ctx)
+    except IndexError:
+      if not st[0]:  # (no bounds-check site's: a DMA call site's own error)
+        raise
+      body._raise_oob(st, args)  # noqa: SLF001
+  return run
+
+
 class BodyPlan:
   """A kernel's plan whose ``fn`` runs the body natively where the tier
   compiled it; every other attribute is the plan's. The grid reads ``fn``
@@ -250,19 +312,23 @@ class BodyPlan:
   * its build under way, and for good once refused, failed or dropped: the
     plan's own function (``own``), with nothing in between;
   * compiled: the step function (after the probe, in background mode);
-  * its first run, ``"sync"``, a body with DMA call sites: ``entry``, the
-    body's ``__call__``."""
+  * its first run, ``"sync"``: ``entry``, the body's ``__call__``."""
 
   def __init__(self, plan, reads, params, eqn):
     self.plan = plan
     self.reads = reads
+    # The loop tier's loops in the NumPy plan, held while the body (which
+    # compiles them with it) is in play: body_loops.
+    self.loops = body_loops.inner_loops(plan) if eqn.loops else []
+    body_loops.hold(self.loops)
     if reads:
       def numpy_fn(ctx, *args, _n=len(reads)):
         return plan.fn(ctx, *args[_n:])
     else:
       def numpy_fn(ctx, *args):
         return plan.fn(ctx, *args)
-    self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped)
+    self.body = body = NativeBody(eqn, params, numpy_fn, self._swapped, self.release,
+                                  self.route)
     self.fixed = None  # the step function, the probe, or ``entry``, once compiled
     getters = tuple(reads)
     perf = time.perf_counter
@@ -323,6 +389,12 @@ class BodyPlan:
     if fixed is not None:
       self.fn = fixed
 
+  def release(self) -> None:
+    """The body ends without a library: its NumPy plan's loops back in the
+    loop tier's hands (``body_loops.release``)."""
+    loops, self.loops = self.loops, []
+    body_loops.release(loops)
+
   def own(self):
     """The plan's own ``fn``, or, while the plan still runs its first calls
     (a ``compiler.plan.Plan`` not compiled yet), ``settling``."""
@@ -333,10 +405,6 @@ class BodyPlan:
   def _swapped(self, body, fn) -> None:
     """The body's library is in: its step function, timed against the
     NumPy plan for the next ``PROBE_CALLS`` grid steps."""
-    if body.pycalls is not None:  # (DMA/semaphore call sites need the run context:
-      self.fixed = self.entry  # the loop's general run, dma_calls.runner)
-      self.fn = self.entry
-      return
     plan, st = self.plan, body.new_status()
 
     def oob(args):
@@ -344,17 +412,24 @@ class BodyPlan:
       st[:] = body.new_status()  # (the status array is reused: reset it)
       body._raise_oob(err, args)
     scope = {**guards.constants(body.guard), "_fn": fn, "_st": st, "_oob": oob,
-             "_counts": _counts, "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
+             "_counts": _counts, "_loop_calls": tier.scheduler.state,
+             "_numpy": lambda ctx, *refs: plan.fn(ctx, *refs)}
     for k, (pos, t) in enumerate(body.scalars):
       scope[f"_t{k}"] = t
     for j, a in enumerate(body.scratch):  # (the compiled body's buffers: codegen.finish)
       scope[f"_s{j}"] = a
     nargs = len(body.invars)
-    exec(compile(_step_source(body.guard, self.reads, nargs, len(body.scratch)),
+    if body.pycalls is not None:  # (DMA/semaphore call sites: the run context's, per step)
+      scope["_run"] = dma_run(body)
+    exec(compile(_step_source(body.guard, self.reads, nargs, len(body.scratch),
+                              body.pycalls is not None, body.eqn.loops),
                  "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
-    if body.sync or body.probed == "kept":  # (tests; an earlier process's clear probe: tier)
+    if body.sync or body.pycalls is not None or body.probed == "kept":
+      # (tests: compiled from the first run, never timed; a body with DMA call
+      # sites, as before its step function: kept without a probe; an earlier
+      # process's clear probe: tier_records)
       self.fixed = step
       self.fn = step
       return
@@ -389,6 +464,7 @@ class BodyPlan:
     self.body.native = None
     self.fixed = None
     self.fn = self.own()  # (the plan's own fn from now on)
+    self.release()
     _counts["slower"] += 1
     why = (f"a kernel body slower compiled ({best[1] * 1e6:.1f} us a step) than its NumPy "
            f"plan ({best[0] * 1e6:.1f} us)")
@@ -410,12 +486,17 @@ def wrap(plan, jaxpr, params):
   ``BodyPlan`` around it."""
   if not tier.enabled(params):
     return plan
+  loops = body_loops.holds_loop(jaxpr)
+  if loops and not body_loops.takes_loops(jaxpr):
+    return plan  # (its loops are the loop tier's: body_loops)
+  if loops and getattr(params, "loop_watchdog_s", None) is not None:
+    return plan  # (a compiled loop would not stop: the loop tier refuses it too)
   found = body_jaxpr(jaxpr)
   if found is None:
     return plan
   body, reads = found
   _counts["bodies"] += 1
-  return BodyPlan(plan, reads, params, BodyEqn(body))
+  return BodyPlan(plan, reads, params, BodyEqn(body, loops))
 
 
 kernel_plan.PLAN_WRAPPERS.append(wrap)
