@@ -67,7 +67,43 @@ def test_polynomial_bit_exact(dtype):
     assert "polynomial" not in names  # older JAX: mul/add chain (FMA caveat in docs/limits.md)
     return
   got, want = _both(fn, c, x)
+  if dtype == np.float16 and _xla_contracts_float16():
+    # XLA's CPU on an AVX512-FP16 CPU: each Horner step one float16 FMA (one
+    # rounding); numpy mode keeps the formula XLA has on every other CPU
+    # (docs/limits.md): both against references written here
+    _assert_bit_exact(got, _horner_per_op(c, x))
+    _assert_bit_exact(want, _horner_fma(c, x))
+    return
   _assert_bit_exact(got, want)  # Horner with XLA's FMA
+
+
+def _horner_per_op(c, x):
+  """float16/bf16 Horner, each product and sum rounded to the dtype."""
+  f32 = np.float32
+  acc = np.asarray(c[0])
+  for ci in c[1:]:
+    acc = (f32(f32(acc) * f32(x)).astype(x.dtype).astype(f32) + f32(ci)).astype(x.dtype)
+  return acc
+
+
+def _horner_fma(c, x):
+  """float16 Horner, each step ``acc * x + c`` exact (in float64: 11-bit
+  operands) then rounded once."""
+  acc = np.asarray(c[0])
+  for ci in c[1:]:
+    acc = (np.float64(acc) * np.float64(x) + np.float64(ci)).astype(x.dtype)
+  return acc
+
+
+@functools.cache
+def _xla_contracts_float16() -> bool:
+  """Whether this CPU's XLA fuses a float16 multiply and add into one FMA
+  ((1 + 2^-6) squared, minus 1: 2^-5 + 2^-12 with one rounding, 2^-5 with
+  two)."""
+  a = np.float16(1 + 2.0 ** -6)
+  got = np.float16(jax.jit(lambda a, b, c: a * b + c)(a, a, np.float16(-1)))
+  assert got in (np.float16(2.0 ** -5), np.float16(2.0 ** -5 + 2.0 ** -12)), got
+  return bool(got != np.float16(2.0 ** -5))
 
 
 @pytest.mark.parametrize("dtype", LOW_AND_F32 + [np.int32])
