@@ -52,6 +52,17 @@ def _body_jaxpr(x, w):
   return eqn.params["jaxpr"]
 
 
+def _norm_case():
+  """The "sync" and "background" params, a layer-norm body's operands, its
+  jaxpr and the NumPy path's result (off)."""
+  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
+  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
+  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
+  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
+  return (sync, background, x, w, _body_jaxpr(jnp.asarray(x), jnp.asarray(w)),
+          np.asarray(_norm_kernel_off(x, w)))
+
+
 def _plan(calls):
   """A stand-in NumPy plan: the off result written, its calls counted."""
   def fn(ctx, x, w, out):
@@ -78,12 +89,7 @@ def test_a_clear_probe_is_reused_by_the_next_process(own_cache, numpy_s, native_
   first step without loading a body recorded slower, and the compiled step
   from its first step (no probe) for one recorded faster; the bits are the
   NumPy plan's either way."""
-  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
-  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
-  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
-  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
-  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
-  want = np.asarray(_norm_kernel_off(x, w))
+  sync, background, x, w, jaxpr, want = _norm_case()
   calls = []
   built = bodies.wrap(_plan(calls), jaxpr, sync)  # (built and recorded under its pre-key)
   np.testing.assert_array_equal(bits(_step(built, x, w)), bits(want))
@@ -233,12 +239,7 @@ def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_
   fastest took over 4x the NumPy plan's after two steps of each (a
   clock that gives the plan's steps 1 us and the compiled ones 1 ms), and
   its verdict is recorded once."""
-  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
-  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
-  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
-  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
-  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
-  want = np.asarray(_norm_kernel_off(x, w))
+  sync, background, x, w, jaxpr, want = _norm_case()
   calls = []
   bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty_like(want))  # (built)
   now = [0.0]
@@ -275,11 +276,7 @@ def test_a_verdict_is_written_in_the_caller_where_no_tier_thread_runs(own_cache,
   """A warm process has no tier thread: the probe's verdict is written in
   the caller (a file, ~0.4 ms) rather than by a thread started for it
   (~0.8 ms of the caller's next call); where the thread runs, by it."""
-  sync = pallas_np.InterpretParams(native_loops="sync", uninitialized="zero")
-  background = pallas_np.InterpretParams(native_loops="background", uninitialized="zero")
-  x = np.asarray(_rng.standard_normal((8, 128)), np.float32)
-  w = np.asarray(_rng.standard_normal((1, 128)), np.float32)
-  jaxpr = _body_jaxpr(jnp.asarray(x), jnp.asarray(w))
+  sync, background, x, w, jaxpr, _ = _norm_case()
   calls = []
   bodies.wrap(_plan(calls), jaxpr, sync).fn(None, x, w, np.empty((8, 128), np.float32))
   submitted = []
