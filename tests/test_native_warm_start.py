@@ -152,13 +152,18 @@ def _dot_kernel(x_ref, y_ref, o_ref):
   o_ref[...] = lax.fori_loop(0, 3, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _loop_source(kernel, *args):
+def _loop_eqn(kernel, *args):
+  """The one loop eqn of ``kernel``'s pallas_call (an (8, 128) output)."""
   jaxpr = jax.make_jaxpr(lambda *a: pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32 if len(a) == 2
                                              else jnp.int32), interpret=OFF)(*a))(*args)
   (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
   (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
-  return codegen.loop_source(loop, False, "nan")
+  return loop
+
+
+def _loop_source(kernel, *args):
+  return codegen.loop_source(_loop_eqn(kernel, *args), False, "nan")
 
 
 def test_reads_status_tells_address_reads_from_error_stores():
@@ -200,15 +205,6 @@ def test_a_warm_loop_without_address_reads_never_runs_the_blas_checks(own_cache,
   assert after["disk_hits"] == before["disk_hits"] + 1
   assert after["native_calls"] > before["native_calls"]
   assert not status_calls
-
-
-def _loop_eqn(kernel, *args):
-  jaxpr = jax.make_jaxpr(lambda *a: pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32 if len(a) == 2
-                                             else jnp.int32), interpret=OFF)(*a))(*args)
-  (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-  (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
-  return loop
 
 
 def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them(monkeypatch):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import types
 
-from pallas_np import _compat as jc
 from pallas_np.compiler.plan import Plan
 from pallas_np.native import dma_calls, tier
 
@@ -40,25 +39,13 @@ _DEPTH = 8
 
 def holds_loop(jaxpr) -> bool:
   """Whether ``jaxpr`` or a nested jaxpr holds a ``while`` or ``scan``."""
-  for e in jaxpr.eqns:
-    if e.primitive.name in LOOPS:
-      return True
-    for sub in jc.eqn_subjaxprs(e):
-      if holds_loop(sub):
-        return True
-  return False
+  return tier.holds(jaxpr, LOOPS)
 
 
 def holds_call_site(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a nested jaxpr) holds a DMA or semaphore call
   site (``dma_calls.PRIMITIVES``)."""
-  for e in jaxpr.eqns:
-    if e.primitive.name in dma_calls.PRIMITIVES:
-      return True
-    for sub in jc.eqn_subjaxprs(e):
-      if holds_call_site(sub):
-        return True
-  return False
+  return tier.holds(jaxpr, dma_calls.PRIMITIVES)
 
 
 def takes_loops(jaxpr) -> bool:

@@ -115,13 +115,13 @@ def _eqn_count(jaxpr) -> int:
   return n
 
 
-def _holds(jaxpr, names) -> bool:
+def holds(jaxpr, names) -> bool:
   """Whether ``jaxpr`` or a nested jaxpr has an eqn of a primitive in ``names``."""
   for e in jaxpr.eqns:
     if e.primitive.name in names:
       return True
     for sub in jc.eqn_subjaxprs(e):
-      if _holds(sub, names):
+      if holds(sub, names):
         return True
   return False
 
@@ -549,7 +549,7 @@ class NativeLoop:
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
-      if not _addresses_set_up and any(_holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
+      if not _addresses_set_up and any(holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
         _addresses_set_up.append(1)
         blas_calls.status()
     except Exception as e:  # noqa: BLE001
