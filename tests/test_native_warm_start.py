@@ -289,3 +289,57 @@ def test_a_verdict_is_written_in_the_caller_where_no_tier_thread_runs(own_cache,
     else:
       assert not submitted
     assert disk_cache.read_prekey(probing.body.prekey)["probe"]["kept"] is kept
+
+
+# -- a kernel's first call pays none of the tier's once-per-process set-up --------------------
+def test_the_cpu_id_reads_cpuinfo_and_runs_no_subprocess(monkeypatch):
+  """``platform.processor()`` runs ``uname -p`` in a subprocess on Linux
+  (2-5 ms of a first call): it is asked only where /proc/cpuinfo cannot be read."""
+  import os
+  if not os.path.exists("/proc/cpuinfo"):
+    pytest.skip("no /proc/cpuinfo here: the id is platform.processor()'s")
+
+  def no_subprocess():
+    raise AssertionError("platform.processor() called")
+  monkeypatch.setattr(disk_cache.platform, "processor", no_subprocess)
+  first = disk_cache._cpu()
+  assert first == disk_cache._cpu() and len(first) == 8
+
+
+def test_an_empty_cache_answers_has_prekeys_without_its_directory(own_cache, monkeypatch):
+  """A new machine's (or an empty cache's) first run learns there is no
+  pre-key from one ``scandir`` of the cache root: this process's directory
+  (its tag: /proc/cpuinfo, site-packages listed) is not computed, nor
+  created."""
+  def no_tag():
+    raise AssertionError("the directory's tag computed")
+  monkeypatch.setattr(disk_cache, "_cpu", no_tag)
+  monkeypatch.setattr(disk_cache, "_numba_version", no_tag)
+  assert not disk_cache.has_prekeys()
+  assert list(own_cache.iterdir()) == []
+  monkeypatch.undo()  # (a cache holding a pre-key: found through the directory)
+  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(own_cache))
+  monkeypatch.setattr(disk_cache, "_dir", [])
+  disk_cache.write_prekey("ab" * 20, {"refused": "a test"})
+  assert disk_cache.has_prekeys()
+
+
+def test_a_loop_asks_whether_lite_builds_it_when_priced_not_at_its_plan(monkeypatch):
+  """``lite_cache.enabled()`` (llvmlite's dist-info listed, NumPy's structs
+  probed, ~0.7 ms once per process) is read when the loop is first priced:
+  building a plan, and a kernel's first call, do not pay it."""
+  asked = []
+  monkeypatch.setattr(tier.lite_cache, "enabled", lambda: asked.append(1) or True)
+  x = jnp.zeros((8, 128), jnp.float32)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.fori_loop(0, 2, lambda i, a: a + 1.0, x_ref[...])
+  closed = jax.make_jaxpr(lambda a: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), interpret=OFF)(a))(x)
+  (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  (loop,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("while", "scan")]
+  nl = tier.NativeLoop(loop, pallas_np.InterpretParams(native_loops="background"), None)
+  assert asked == []
+  assert nl.lite and asked == [1]
+  nl.lite = False  # (lite refused it: numba's build from now on)
+  assert not nl.lite and asked == [1]

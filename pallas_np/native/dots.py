@@ -49,6 +49,7 @@ from pallas_np import blas
 from pallas_np.native import blas_calls
 from pallas_np.native.codegen import Refused, Val, dtype_of, is_narrow, np_name, register
 from pallas_np.native.shapes import gather, linear, row_strides
+from pallas_np.primitives.dot import exact_int_gemm
 
 
 def _geometry(eqn, x, y):
@@ -175,7 +176,8 @@ def _dot_general(gen, eqn, ins):
   if pref is not None and np.dtype(pref) != out_dt:
     raise Refused("dot_general accumulating in another dtype")
   if out_dt.kind in "iu" and x.dtype.kind in "iu" and y.dtype.kind in "iu":
-    return [_int_dot(gen, eqn, _copied(gen, x), _copied(gen, y), out_dt)]
+    return [_exact_int_gemm(gen, eqn, x, y, out_dt)
+            or _int_dot(gen, eqn, _copied(gen, x), _copied(gen, y), out_dt)]
   if all(is_narrow(a.aval) for a in eqn.invars):
     if out_dt != np.float32 or is_narrow(eqn.outvars[0].aval):
       raise Refused("a bfloat16 dot_general to another dtype than float32")
@@ -183,6 +185,27 @@ def _dot_general(gen, eqn, ins):
   if out_dt.kind == "f" and x.dtype == y.dtype == out_dt:
     return [_float_dot(gen, eqn, x, y, out_dt)]
   raise Refused("a bool or mixed-dtype dot_general")
+
+
+def _exact_int_gemm(gen, eqn, x, y, out_dt):
+  """An integer dot whose float GEMM is exact (``dot.exact_int_gemm``:
+  every product and partial sum an integer the float holds), through the
+  float routine the NumPy rule calls: the operands converted to the float,
+  the exact sums narrowed through int64 (wrapping as XLA's accumulator).
+  The same bits as ``_int_dot`` in any summation order, at BLAS's speed
+  (the scalar int64 loop was ~10x slower than the NumPy rule's GEMM: an
+  int8 kernel body lost to its plan). None where no such float exists or
+  BLAS cannot take it (the loop, then)."""
+  K = math.prod(x.shape[d] for d in eqn.params["dimension_numbers"][0][0])
+  exact = exact_int_gemm(x.dtype, y.dtype, out_dt, K)
+  if exact is None:
+    return None
+  if _blas_refusal(eqn, x, y) is not None:
+    return None
+  sums = _blas_dot(gen, eqn, x, y, exact[0])
+  out = gen.array(sums.shape, out_dt)
+  gen.elementwise(out, lambda a: f"{np_name(out_dt)}(np.int64({a}))", [sums])
+  return out
 
 
 def _int_dot(gen, eqn, x, y, out_dt):
@@ -245,16 +268,31 @@ def _float_dot(gen, eqn, x, y, dt, result=None):
   return rounded
 
 
-def _blas_dot(gen, eqn, x, y, dt):
+def _sizes(eqn, x, y):
+  """(B, M, K, N) of the dot as the NumPy rule's stacked matmul."""
   (lc, rc), (lb, rb), lf, rf, out_shape, _ = _geometry(eqn, x, y)
-  B = math.prod(x.shape[d] for d in lb)
-  M = math.prod(x.shape[d] for d in lf)
-  K = math.prod(x.shape[d] for d in lc)
-  N = math.prod(y.shape[d] for d in rf)
+  return (math.prod(x.shape[d] for d in lb), math.prod(x.shape[d] for d in lf),
+          math.prod(x.shape[d] for d in lc), math.prod(y.shape[d] for d in rf))
+
+
+def _blas_refusal(eqn, x, y) -> str | None:
+  """Why ``_blas_dot`` refuses this dot, or None."""
+  B, M, K, N = _sizes(eqn, x, y)
   if 0 in (B, M, K, N):
-    raise Refused("an empty dot_general")
+    return "an empty dot_general"
   if B * M * K * N >= blas.MULTITHREAD_MACS:
-    raise Refused("a dot_general big enough for every BLAS thread")
+    return "a dot_general big enough for every BLAS thread"
+  if blas_calls.routine(M, K, N) != "noblas" and blas_calls.found() is None:
+    return "a float dot_general where NumPy's BLAS is not found (its summation order)"
+  return None
+
+
+def _blas_dot(gen, eqn, x, y, dt):
+  why = _blas_refusal(eqn, x, y)
+  if why is not None:
+    raise Refused(why)
+  (lc, rc), (lb, rb), lf, rf, out_shape, _ = _geometry(eqn, x, y)
+  B, M, K, N = _sizes(eqn, x, y)
   kind = blas_calls.routine(M, K, N)
   p = "s" if dt == np.float32 else "d"
   c = np_name(dt)
@@ -279,8 +317,6 @@ def _blas_dot(gen, eqn, x, y, dt):
           gen.emit(f"{out.name}[_b * {M * N} + _m * {N} + _n] = {acc}")
     return out
   found = blas_calls.found()
-  if found is None:
-    raise Refused("a float dot_general where NumPy's BLAS is not found (its summation order)")
   name = p + ("gemm" if kind == "gemm" else "gemv" if kind.startswith("gemv") else "dot")
   fp = _routine_address(gen, name, found[1])
   isz = dt.itemsize

@@ -204,13 +204,27 @@ class NativeLoop:
     self.scalars = ()  # (position, type) of each scalar operand
     self.job = None
     self.prekey = _UNSET  # (computed at the first run where pre-keys exist, else when built)
-    self.lite = lite_cache.enabled()  # (lite's build first: False once lite refused it)
+    self._lite = None  # (lite's build first: False once lite refused it; ``lite``)
     self.prestarted = False  # (lite's compile process asked for: _prestart_lite)
     self.record = None  # (what its pre-key recorded: _remember)
     # (whether its code reads the status array's addresses: ``reads_status``)
     self.addresses = True
     # (a kernel body's probe recorded by an earlier process, reused: "kept" or "dropped")
     self.probed = None
+
+  @property
+  def lite(self) -> bool:
+    """Whether lite builds this loop (lite available here, and not refused
+    it). Read when the loop is first priced, not at its plan's build: the
+    check (llvmlite's dist-info listed, NumPy's structs probed, ~0.7 ms
+    once per process) stays out of a kernel's first call."""
+    if self._lite is None:
+      self._lite = lite_cache.enabled()
+    return self._lite
+
+  @lite.setter
+  def lite(self, value: bool) -> None:
+    self._lite = value
 
   @property
   def phase(self) -> str:
@@ -586,9 +600,10 @@ class NativeLoop:
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
       self.prechecked = True
-      if (self.native is None and self.phase != "done" and self.lite and not self.sync
+      if (self.native is None and self.phase != "done" and not self.sync
           and scheduler.lite_compiler.proc is None):
-        self.due = min(self.due, PRESTART_PRICE)  # (lite's process started then: _step)
+        # (lite's process started then, where lite builds the loop: _step)
+        self.due = min(self.due, PRESTART_PRICE)
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
