@@ -165,7 +165,7 @@ def profile_case(name, calls=10):
     built = _built_loops()
     kept = [loop.status for loop in built]
     for loop in built:  # (a loop keeps its status array: the timed routines' addresses now)
-      loop.status = blas_calls.status()
+      loop.status = loop.new_status()
     try:
       for _ in range(calls):
         jax.block_until_ready(fn(*args))

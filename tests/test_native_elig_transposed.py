@@ -2,7 +2,8 @@
 dots.py ``_in_place``): the NumPy rule copies such a ref block into C order
 and calls ?gemm with ``NO_TRANS``; a compiled loop passes the ref block
 itself with ``TRANS`` where the status array says ?gemm gives the copy's
-bits that way (``blas_calls.TRANSPOSED``, set by ``_transposed_check``),
+bits that way for that dot site's shape (its word from
+``blas_calls.TRANSPOSED`` on, set by ``transposed_ok``'s per-shape check),
 else it makes the copy, as before. Every kernel is compared bit for bit
 with ``native_loops="off"`` and within tolerance with interpret=True, with
 the slot on and forced off; the structural tests read the generated source
@@ -21,6 +22,7 @@ from pallas_np import blas
 from pallas_np.native import blas_calls
 from pallas_np import native
 from tests.native_elig_util import SYNC, compiled_equals_numpy, loop_source_of
+from pallas_np.native import codegen
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
@@ -86,6 +88,14 @@ CASES = {
 }
 
 
+def loop_of(make, *args):
+  """The generated ``codegen.Source`` of the first loop in ``make``'s kernel."""
+  closed = jax.make_jaxpr(make(True))(*args)
+  eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
+  loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
+  return codegen.loop_source(loop, False, "nan")
+
+
 def _make(kernel, out_shape):
   def make(interp):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
@@ -107,7 +117,7 @@ def test_transposed_operand_read_in_place_bit_exact(name):
   sgemm = [l for l in text.splitlines() if "_cblas_sgemm(" in l]
   assert any(flags[0][0] in l for l in sgemm), sgemm
   assert re.search(rf"if _st\.shape\[0\] > {blas_calls.TRANSPOSED} and "
-                   rf"_st\[{blas_calls.TRANSPOSED}\] == 1\b", text), text
+                   rf"_st\[{blas_calls.TRANSPOSED}\] == 1\b", text), text  # (its one site's word)
 
 
 @needs_blas
@@ -116,18 +126,12 @@ def test_transposed_operand_copied_where_the_status_says_no(name):
   """With the status slot 0 (a BLAS whose ``TRANS`` sums in another order)
   the loop gathers the block as the NumPy rule copies it: the same bits.
   (New shapes: a loop compiled here takes the status array of its build.)"""
-  blas_calls.status()
-  st = blas_calls._status[0]
-  was = int(st[blas_calls.TRANSPOSED])  # 0 on a CPU whose OpenBLAS fails the check
   kernel, out_shape, args = CASES[name]
   big = (lambda s: _attention_args(s, k_cols=48)) if name != "lhs_transposed" else (
       lambda s: (jnp.concatenate([_xt_args(s)[0]] * 2, 1)[:, :12], _xt_args(s)[1]))
-  st[blas_calls.TRANSPOSED] = 0
-  try:
+  with blas_calls.forced_transposed(0):
     compiled_equals_numpy(_make(kernel, (12, 24) if name == "lhs_transposed" else out_shape),
                           *big(2), rtol=1e-4, atol=1e-4)
-  finally:
-    st[blas_calls.TRANSPOSED] = was
 
 
 @needs_blas
@@ -139,15 +143,14 @@ def test_transposed_operand_in_place_where_the_status_says_yes(name):
   order, so the result is compared within tolerance only, which still
   catches a wrong stride, offset or flag. (New shapes again: a loop takes
   the status array of its build.)"""
-  blas_calls.status()
-  st = blas_calls._status[0]
-  was = int(st[blas_calls.TRANSPOSED])
   kernel, out_shape, args = CASES[name]
   big = (lambda s: _attention_args(s, k_cols=56)) if name != "lhs_transposed" else (
       lambda s: (jnp.concatenate([_xt_args(s)[0]] * 2, 1)[:, :10], _xt_args(s)[1]))
   make = _make(kernel, (10, 24) if name == "lhs_transposed" else out_shape)
-  st[blas_calls.TRANSPOSED] = 1
-  try:
+  sites = loop_of(make, *big(3)).transposed
+  assert len(sites) == 1, sites
+  was = blas_calls.transposed_ok(sites[0])  # (this CPU's answer for the site's shape)
+  with blas_calls.forced_transposed(1):
     if was:
       compiled_equals_numpy(make, *big(3), rtol=1e-4, atol=1e-4)
     else:
@@ -155,8 +158,6 @@ def test_transposed_operand_in_place_where_the_status_says_yes(name):
       got = np.asarray(make(SYNC)(*big(3)))
       assert native.stats()["native_calls"] > before, "the compiled loop did not run"
       np.testing.assert_allclose(got, np.asarray(make(True)(*big(3))), rtol=1e-3, atol=1e-3)
-  finally:
-    st[blas_calls.TRANSPOSED] = was
 
 
 def _copying(fns):
@@ -210,11 +211,15 @@ def test_transposed_check_refuses_other_bits():
   bits (built here from this OpenBLAS: the transposed operand copied, then
   ``NO_TRANS``), and fails for one whose transposed calls round differently
   (then every loop copies). This OpenBLAS itself may pass or fail (its
-  kernels depend on the CPU); the status slot says which."""
+  kernels depend on the CPU); ``transposed_ok`` answers as the check for
+  each of its shapes."""
   fns = blas_calls.ctypes_routines()
   assert blas_calls._transposed_check(_copying(fns))
   assert not blas_calls._transposed_check(_perturbed(fns))
   assert not blas_calls._transposed_check(_perturbed(_copying(fns)))
-  with blas.kernel_run():  # as ``found`` runs it: one thread
+  with blas.kernel_run():  # as ``transposed_ok`` runs it: one thread
     own = blas_calls._transposed_check(fns)
-  assert blas_calls.status()[blas_calls.TRANSPOSED] == int(own)
+  assert own == all(blas_calls.transposed_ok((p, m, k, n, True, True))
+                    for p, shapes in (("s", blas_calls._TRANSPOSED_SHAPES),
+                                      ("d", blas_calls._TRANSPOSED_SHAPES[-3:]))
+                    for m, k, n in shapes)

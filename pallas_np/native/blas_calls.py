@@ -44,15 +44,24 @@ LOOPS = ("xla_expf", "xla_expf_split", "xla_logf", "xla_tanhf")
 PYCALL = SLOT + len(NAMES) + len(LOOPS)
 PYCALL_OPERANDS = 12
 PYCALL_EXTRA = 14  # the compiled DMA queue's slots (dma_queue.MODE ...)
-# Last: 1 where ?gemm given an operand transposed (``TRANS``, read in place
-# from a ref block) gives the bits of ?gemm given its C-order copy, which the
-# NumPy rule makes (``_transposed_check``); a compiled loop then skips the
-# copy (``dots._in_place``).
+# Last: one word per dot site of a loop that may hand ?gemm an operand
+# transposed (``TRANS``, read in place from a ref block), site j's at
+# ``TRANSPOSED + j``: 1 where ?gemm so called gives, for that site's shape,
+# the bits of ?gemm given the C-order copy the NumPy rule makes
+# (``transposed_ok``); the loop then skips the copy (``dots._in_place``).
+# Filled per loop (``status(sites)``, the sites' keys recorded with the
+# loop: ``codegen.Source.transposed``); an array without them (a
+# ``status()`` of no sites) makes every such site copy.
 TRANSPOSED = PYCALL + 1 + PYCALL_OPERANDS + PYCALL_EXTRA
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 _found: list = []  # [(addresses by name, CBLAS_INT bits) or None] once looked up
+_fns: list = []  # [the ctypes routines] once found (``transposed_ok``'s checks)
 _status = [np.zeros(SLOT, np.int64)]
+# transposed_key -> whether it passed ``_shape_check`` in this process
+_transposed_ok: dict = {}
+# Tests only (``forced_transposed``): key (or None: every key) -> the answer
+_forced: dict = {}
 
 
 def _symbols():
@@ -107,33 +116,101 @@ def _self_check(fns) -> bool:
 _TRANSPOSED_SHAPES = ((128, 128, 128), (4, 128, 64), (16, 64, 128), (33, 200, 17), (2, 5, 3))
 
 
-def _transposed_check(fns) -> bool:
-  """?gemm with A or B transposed (``TRANS``, a strided block with a
-  leading dimension past its width) gives ?gemm's bits on the C-order copies
-  for every shape of ``_TRANSPOSED_SHAPES``, values of mixed scales."""
-  rng = np.random.default_rng(1)
-  for dt, p, shapes in ((np.float32, "s", _TRANSPOSED_SHAPES),
-                        (np.float64, "d", _TRANSPOSED_SHAPES[-3:])):
-    for m, k, n in shapes:
-      scale = np.exp2(rng.integers(-20, 20, (1, k))).astype(dt)
-      xt = np.zeros((k + 3, m + 5), dt)  # x transposed, in a wider array
-      yt = np.zeros((n + 2, k + 7), dt)  # y transposed, likewise
-      xt[1:1 + k, 2:2 + m] = rng.standard_normal((k, m)) * scale.T
-      yt[1:1 + n, 3:3 + k] = rng.standard_normal((n, k)) * scale
-      xv, yv = xt[1:1 + k, 2:2 + m], yt[1:1 + n, 3:3 + k]
-      x, y = np.ascontiguousarray(xv.T), np.ascontiguousarray(yv.T)
-      want, got = np.empty((m, n), dt), np.empty((m, n), dt)
-      gemm, lda, ldb = fns[p + "gemm"], xt.shape[1], yt.shape[1]
-      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k, y.ctypes.data, n,
-           0.0, want.ctypes.data, n)
-      for ta, tb in ((TRANS, NO_TRANS), (NO_TRANS, TRANS), (TRANS, TRANS)):
-        a, la = (xv.ctypes.data, lda) if ta == TRANS else (x.ctypes.data, k)
-        b, lb = (yv.ctypes.data, ldb) if tb == TRANS else (y.ctypes.data, n)
-        got[...] = np.nan
-        gemm(ROW_MAJOR, ta, tb, m, n, k, 1.0, a, la, b, lb, 0.0, got.ctypes.data, n)
-        if not np.array_equal(got.view(f"u{dt().itemsize}"), want.view(f"u{dt().itemsize}")):
-          return False
+def _shape_check(fns, p: str, m: int, k: int, n: int, ta: bool, tb: bool, rng) -> bool:
+  """?gemm (``p``: s or d) of an (m, k) @ (k, n) product with A transposed
+  where ``ta`` (``TRANS``), B where ``tb``, and with both where both (a site
+  may read either operand in place, or both), each a strided block with a
+  leading dimension past its width and one equal to it, gives ?gemm's bits
+  on the C-order copies; values of mixed scales. OpenBLAS packs either
+  layout into the same panels for its one kernel, but a build with
+  per-layout small-matrix kernels sums a transposed operand in another
+  order for some shapes (this VM's: (4, 128, 64) fails, (128, 128, 128)
+  passes): hence one answer per shape."""
+  dt = np.float32 if p == "s" else np.float64
+  for pad in (0, 3):
+    scale = np.exp2(rng.integers(-20, 20, (1, k))).astype(dt)
+    xt = np.zeros((k + 3, m + 2 * pad), dt)  # x transposed, in a wider array
+    yt = np.zeros((n + 2, k + 3 * pad), dt)  # y transposed, likewise
+    xt[1:1 + k, pad:pad + m] = rng.standard_normal((k, m)) * scale.T
+    yt[1:1 + n, pad:pad + k] = rng.standard_normal((n, k)) * scale
+    xv, yv = xt[1:1 + k, pad:pad + m], yt[1:1 + n, pad:pad + k]
+    x, y = np.ascontiguousarray(xv.T), np.ascontiguousarray(yv.T)
+    want, got = np.empty((m, n), dt), np.empty((m, n), dt)
+    gemm, lda, ldb = fns[p + "gemm"], xt.shape[1], yt.shape[1]
+    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k, y.ctypes.data, n,
+         0.0, want.ctypes.data, n)
+    combos = [(ta_, tb_) for ta_ in (TRANS, NO_TRANS) for tb_ in (TRANS, NO_TRANS)
+              if (ta_ == TRANS or tb_ == TRANS) and (ta or ta_ != TRANS) and (tb or tb_ != TRANS)]
+    for ta_, tb_ in combos:
+      a, la = (xv.ctypes.data, lda) if ta_ == TRANS else (x.ctypes.data, k)
+      b, lb = (yv.ctypes.data, ldb) if tb_ == TRANS else (y.ctypes.data, n)
+      got[...] = np.nan
+      gemm(ROW_MAJOR, ta_, tb_, m, n, k, 1.0, a, la, b, lb, 0.0, got.ctypes.data, n)
+      if not np.array_equal(got.view(f"u{dt().itemsize}"), want.view(f"u{dt().itemsize}")):
+        return False
   return True
+
+
+# (m, k, n) of ``_transposed_check``: shapes of each kind (float64: the last three)
+_TRANSPOSED_SHAPES = ((128, 128, 128), (4, 128, 64), (16, 64, 128), (33, 200, 17), (2, 5, 3))
+
+
+def _transposed_check(fns) -> bool:
+  """``_shape_check`` for every shape of ``_TRANSPOSED_SHAPES``, either
+  operand and both transposed (a whole-BLAS answer; the loops ask per
+  shape: ``transposed_ok``)."""
+  rng = np.random.default_rng(1)
+  return all(_shape_check(fns, p, m, k, n, True, True, rng)
+             for p, shapes in (("s", _TRANSPOSED_SHAPES), ("d", _TRANSPOSED_SHAPES[-3:]))
+             for m, k, n in shapes)
+
+
+def transposed_key(dt, m: int, k: int, n: int, ta: bool, tb: bool) -> tuple:
+  """The key of a dot site's ``transposed_ok`` (a JSON-able tuple: a
+  loop's pre-key record holds its sites' keys)."""
+  return ("s" if np.dtype(dt) == np.float32 else "d", int(m), int(k), int(n), bool(ta), bool(tb))
+
+
+def transposed_ok(key) -> bool:
+  """Whether ?gemm reading the operands ``key`` says in place (``TRANS``)
+  gives the C-order copy's bits for that shape (``_shape_check``, run once
+  per key per process, one thread as the loops call it); False where no
+  BLAS is found."""
+  key = tuple(key)
+  forced = _forced.get(key, _forced.get(None))
+  if forced is not None:
+    return bool(forced)
+  ok = _transposed_ok.get(key)
+  if ok is None:
+    ok = False
+    if found() is not None:
+      try:
+        with blas.kernel_run():
+          ok = _shape_check(_fns[0], *key, np.random.default_rng(1))
+      except (ValueError, OSError):
+        ok = False
+    _transposed_ok[key] = ok
+  return ok
+
+
+class forced_transposed:
+  """Tests: while active, ``transposed_ok`` answers ``answer`` for ``key``
+  (None: every key), whatever the check says; status arrays made meanwhile
+  keep it."""
+
+  def __init__(self, answer, key=None):
+    self.key, self.answer = None if key is None else tuple(key), answer
+
+  def __enter__(self):
+    self._was = _forced.get(self.key, "unset")
+    _forced[self.key] = self.answer
+    return self
+
+  def __exit__(self, *exc):
+    if self._was == "unset":
+      _forced.pop(self.key, None)
+    else:
+      _forced[self.key] = self._was
 
 
 def matmul(fns, x, y, out) -> bool:
@@ -180,7 +257,7 @@ def found():
   """(addresses by routine name, CBLAS_INT bits) of NumPy's BLAS, or None
   (not an OpenBLAS found here, or failing the self-check)."""
   if not _found:
-    result, transposed = None, False
+    result = None
     try:
       sym = _symbols()
       if sym is not None:
@@ -188,15 +265,13 @@ def found():
         if _self_check(fns):
           addrs = {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in fns.items()}
           result = (addrs, sym[2])
-          with blas.kernel_run():  # (one thread, as the loops call it)
-            transposed = _transposed_check(fns)
+          _fns.append(fns)
     except (AttributeError, OSError, ValueError):
       result = None
     _found.append(result)
-    st = np.zeros(TRANSPOSED + 1, np.int64)
+    st = np.zeros(TRANSPOSED, np.int64)
     if result is not None:
       st[SLOT:SLOT + len(NAMES)] = [result[0][n] for n in NAMES]
-      st[TRANSPOSED] = int(transposed)
     _status[0] = st
   return _found[0]
 
@@ -207,18 +282,24 @@ def loop_slot(name: str) -> int:
   return SLOT + len(NAMES) + LOOPS.index(name)
 
 
-def status() -> np.ndarray:
+def status(sites=()) -> np.ndarray:
   """A fresh status array for one call of a compiled loop: the BLAS
   addresses and the float32 loops' (looked up on the first call, whether
   or not this process generated the loop's source: a library may come
-  from the disk cache)."""
+  from the disk cache), then one ``transposed_ok`` word per key of
+  ``sites`` (the loop's dot sites that may read an operand in place)."""
   if len(_status) == 1:
     found()
     st = _status[0]
     for name in LOOPS:
       st[loop_slot(name)] = libm.address(name)[0]
     _status.append(True)
-  return _status[0].copy()
+  if not sites:
+    return _status[0].copy()
+  st = np.empty(TRANSPOSED + len(sites), np.int64)
+  st[:TRANSPOSED] = _status[0]
+  st[TRANSPOSED:] = [transposed_ok(k) for k in sites]
+  return st
 
 
 def header_bits() -> int:

@@ -161,6 +161,9 @@ class Gen:
     # pairwise sum's leaf), by name; an empty entry marks an address local
     # already read in the prologue (``_fp_<routine>``).
     self.headers: dict = {}
+    # ``blas_calls.transposed_key`` of each dot site that may read an
+    # operand in place (``dots._transposed_word``), in site order
+    self.transposed: list = []
     # The elementwise loop still open for fusion (``loop_fusion.Loop``);
     # valid while it is the last thing emitted.
     self.fuse = None
@@ -401,7 +404,7 @@ def _dead_stores(prologue, lines) -> tuple[list, set]:
 class Source:
   """What ``loop_source`` generated."""
   __slots__ = ("text", "globals", "sites", "kinds", "written", "outs", "externals", "calls",
-               "scratch")
+               "scratch", "transposed")
 
   def __init__(self, text, gen, kinds, outs, scratch=()):
     self.text, self.globals, self.sites = text, gen.globals, gen.sites
@@ -411,6 +414,8 @@ class Source:
     # (dtype, elements) of each scratch array the function takes after its
     # operands (``finish``): the caller allocates them once and passes them
     self.scratch = tuple(scratch)
+    # (the dot sites' keys: their status words, ``blas_calls.status``)
+    self.transposed = tuple(gen.transposed)
 
 
 def loop_source(eqn, clamp: bool, uninitialized: str) -> Source:

@@ -298,10 +298,16 @@ def _blas_dot(gen, eqn, x, y, dt):
   c = np_name(dt)
   xperm, yperm = (*lb, *lf, *lc), (*rb, *rc, *rf)
   direct = kind == "gemm" and B == 1 and blas_calls.found() is not None
-  xd = (_direct(gen, x, xperm, dt, M, K) or _in_place(gen, x, xperm, dt, M, K)
-        or _value_transposed(gen, x, xperm, dt, M, K)) if direct else None
-  yd = (_direct(gen, y, yperm, dt, K, N) or _in_place(gen, y, yperm, dt, K, N)
-        or _value_transposed(gen, y, yperm, dt, K, N)) if direct else None
+  ok = _transposed_word(len(gen.transposed))  # (this site's word, if it takes one)
+  xd = (_direct(gen, x, xperm, dt, M, K) or _in_place(gen, x, xperm, dt, M, K, ok)
+        or _value_transposed(gen, x, xperm, dt, M, K, ok)) if direct else None
+  yd = (_direct(gen, y, yperm, dt, K, N) or _in_place(gen, y, yperm, dt, K, N, ok)
+        or _value_transposed(gen, y, yperm, dt, K, N, ok)) if direct else None
+  ta_may, tb_may = (d is not None and d[2] != blas_calls.NO_TRANS for d in (xd, yd))
+  if ta_may or tb_may:  # (the loop's status array gets the shape's answer: blas_calls.status)
+    key = blas_calls.transposed_key(dt, M, K, N, ta_may, tb_may)
+    gen.transposed.append(key)
+    blas_calls.transposed_ok(key)  # (checked now, where the loop is built, not at its first call)
   xs = None if xd else _stacked(gen, x, xperm, dt)
   ys = None if yd else _stacked(gen, y, yperm, dt)
   out = gen.array(out_shape, dt)
@@ -377,12 +383,17 @@ def _direct(gen, v: Val, perm, dt, rows: int, cols: int):
   return ptr, ld, blas_calls.NO_TRANS
 
 
-# (the status array's word that ?gemm reading an operand TRANS gives the copy's bits)
-_TRANSPOSED_OK = (f"_st.shape[0] > {blas_calls.TRANSPOSED} and "
-                  f"_st[{blas_calls.TRANSPOSED}] == 1")
+def _transposed_word(j: int) -> str:
+  """The test of the status array's word of the loop's ``j``-th dot site
+  reading an operand ``TRANS``: 1 where ?gemm so called gives the copy's
+  bits for that site's shape in this process (``blas_calls.transposed_ok``
+  of its key, ``gen.transposed[j]``, filled in by ``blas_calls.status``
+  from the keys recorded with the loop); absent: the copy."""
+  slot = blas_calls.TRANSPOSED + j
+  return f"_st.shape[0] > {slot} and _st[{slot}] == 1"
 
 
-def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int):
+def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int, ok: str):
   """As ``_in_place`` for an eqn's 2-D value (C order, its rows ``rows``
   long) that the dot needs transposed (paged attention's ``k.T`` of its
   rounded K block): ?gemm reads it ``TRANS`` where the status array says
@@ -391,7 +402,7 @@ def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int):
       or dt != v.dtype or (v.shape[1], v.shape[0]) != (rows, cols)):
     return None
   ptr, ld, trans = gen.fresh("pt"), gen.fresh("ld"), gen.fresh("tr")
-  with gen.block(f"if {_TRANSPOSED_OK}:"):
+  with gen.block(f"if {ok}:"):
     gen.emit(f"{ptr} = np.int64({v.name}.ctypes.data)")
     gen.emit(f"{ld} = np.int64({rows})")
     gen.emit(f"{trans} = {blas_calls.TRANS}")
@@ -400,13 +411,14 @@ def _value_transposed(gen, v: Val, perm, dt, rows: int, cols: int):
   return ptr, ld, trans
 
 
-def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
+def _in_place(gen, v: Val, perm, dt, rows: int, cols: int, ok: str):
   """(pointer local, leading-dimension local, transpose local) of a
   ``RefView`` that the dot needs transposed (``q @ k.T``'s K block), or
   None. The NumPy rule copies it transposed into C order and calls ?gemm
   with ``NO_TRANS``; here, where the block's own rows are unit-stride and
-  the status array says so (``blas_calls.TRANSPOSED``: ?gemm reading an
-  operand ``TRANS`` in place gives the copy's bits in this process), ?gemm
+  the status array says so (``ok``, the site's word: ?gemm reading an
+  operand ``TRANS`` in place gives the copy's bits for this shape in this
+  process, ``_transposed_word``), ?gemm
   reads the ref block in place with ``TRANS``: no gather (flash
   attention's 128 x 128 K block: ~20 us of its step). Else the copy, as
   before (``_gathered``)."""
@@ -427,7 +439,7 @@ def _in_place(gen, v: Val, perm, dt, rows: int, cols: int):
   rs = gen.scalar(f"np.int64({r}.strides[{ra}]) * {rp[2]}", np.dtype(np.int64)).name
   cs = gen.scalar(f"np.int64({r}.strides[{ca}]) * {cp[2]}", np.dtype(np.int64)).name
   ld, trans = gen.fresh("ld"), gen.fresh("tr")
-  with gen.block(f"if {_TRANSPOSED_OK} and {cs} == {isz} and "
+  with gen.block(f"if {ok} and {cs} == {isz} and "
                  f"{rs} % {isz} == 0 and {rs} >= {rows * isz}:"):
     gen.emit(f"{ld} = {rs} // {isz}")
     gen.emit(f"{trans} = {blas_calls.TRANS}")

@@ -443,9 +443,9 @@ class NativeLoop:
     its self-checks and libm's loops, ~5 ms once per process, on the
     caller's first call), else zeros of the same length (a loop whose code
     only stores its error sites: integer dots, cumsum, Collatz)."""
-    if self.addresses:
-      return blas_calls.status()
-    return np.zeros(blas_calls.TRANSPOSED + 1, np.int64)
+    if self.addresses:  # (with a word per dot site reading an operand in place, if any)
+      return blas_calls.status(getattr(self.src, "transposed", ()))
+    return np.zeros(blas_calls.TRANSPOSED, np.int64)
 
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its

@@ -42,6 +42,8 @@ class Recorded:
     self.written = set(record["written"])
     self.outs = [(kind, np.dtype(dt)) for kind, dt in record["outs"]]
     self.scratch = [(np.dtype(dt), n) for dt, n in record.get("scratch", ())]
+    # (its dot sites' ``blas_calls.transposed_key``s: its status words; none, the copy)
+    self.transposed = tuple(tuple(k) for k in record.get("transposed", ()))
     self.text, self.sites, self.globals = None, None, None
 
 
@@ -58,6 +60,7 @@ def record(src, key, args, ret) -> dict:
   return {"key": key, "kinds": list(src.kinds), "written": sorted(src.written),
           "outs": [[kind, np.dtype(dt).str] for kind, dt in src.outs], "args": args, "ret": ret,
           "scratch": [[np.dtype(dt).str, n] for dt, n in src.scratch],
+          "transposed": [list(k) for k in src.transposed],
           "addresses": reads_status(src.text)}
 
 
