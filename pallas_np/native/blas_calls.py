@@ -127,20 +127,21 @@ def _shape_check(fns, p: str, m: int, k: int, n: int, ta: bool, tb: bool, rng) -
   order for some shapes (this VM's: (4, 128, 64) fails, (128, 128, 128)
   passes): hence one answer per shape."""
   dt = np.float32 if p == "s" else np.float64
+  scale = np.exp2(rng.integers(-20, 20, (1, k))).astype(dt)
+  x = rng.standard_normal((m, k), dtype=dt) * scale
+  y = rng.standard_normal((k, n), dtype=dt) * scale.T
+  want, got = np.empty((m, n), dt), np.empty((m, n), dt)
+  gemm = fns[p + "gemm"]
+  gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k, y.ctypes.data, n,
+       0.0, want.ctypes.data, n)
+  combos = [(ta_, tb_) for ta_ in (TRANS, NO_TRANS) for tb_ in (TRANS, NO_TRANS)
+            if (ta_ == TRANS or tb_ == TRANS) and (ta or ta_ != TRANS) and (tb or tb_ != TRANS)]
   for pad in (0, 3):
-    scale = np.exp2(rng.integers(-20, 20, (1, k))).astype(dt)
     xt = np.zeros((k + 3, m + 2 * pad), dt)  # x transposed, in a wider array
     yt = np.zeros((n + 2, k + 3 * pad), dt)  # y transposed, likewise
-    xt[1:1 + k, pad:pad + m] = rng.standard_normal((k, m)) * scale.T
-    yt[1:1 + n, pad:pad + k] = rng.standard_normal((n, k)) * scale
     xv, yv = xt[1:1 + k, pad:pad + m], yt[1:1 + n, pad:pad + k]
-    x, y = np.ascontiguousarray(xv.T), np.ascontiguousarray(yv.T)
-    want, got = np.empty((m, n), dt), np.empty((m, n), dt)
-    gemm, lda, ldb = fns[p + "gemm"], xt.shape[1], yt.shape[1]
-    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, x.ctypes.data, k, y.ctypes.data, n,
-         0.0, want.ctypes.data, n)
-    combos = [(ta_, tb_) for ta_ in (TRANS, NO_TRANS) for tb_ in (TRANS, NO_TRANS)
-              if (ta_ == TRANS or tb_ == TRANS) and (ta or ta_ != TRANS) and (tb or tb_ != TRANS)]
+    xv[...], yv[...] = x.T, y.T
+    lda, ldb = xt.shape[1], yt.shape[1]
     for ta_, tb_ in combos:
       a, la = (xv.ctypes.data, lda) if ta_ == TRANS else (x.ctypes.data, k)
       b, lb = (yv.ctypes.data, ldb) if tb_ == TRANS else (y.ctypes.data, n)
