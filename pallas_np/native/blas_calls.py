@@ -109,13 +109,6 @@ def _self_check(fns) -> bool:
   return True
 
 
-# (m, k, n) of the transposed-operand check: OpenBLAS packs either layout
-# into the same panels for its one kernel (every size here); a BLAS with
-# per-layout small-matrix kernels may sum in another order, and fails it.
-# (float64: the last three)
-_TRANSPOSED_SHAPES = ((128, 128, 128), (4, 128, 64), (16, 64, 128), (33, 200, 17), (2, 5, 3))
-
-
 def _shape_check(fns, p: str, m: int, k: int, n: int, ta: bool, tb: bool, rng) -> bool:
   """?gemm (``p``: s or d) of an (m, k) @ (k, n) product with A transposed
   where ``ta`` (``TRANS``), B where ``tb``, and with both where both (a site
