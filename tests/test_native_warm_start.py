@@ -140,6 +140,24 @@ def test_an_unclear_probe_is_probed_again(own_cache):
   assert tier_records.probe_decision(record) == "kept"
 
 
+def test_unclear_probes_that_agree_twice_in_a_row_decide():
+  """An unclear verdict (between ``PROBE_KEEP_RATIO`` and
+  ``PROBE_DROP_RATIO``) is probed again, but ``PROBE_AGREED`` probes in a
+  row that decided alike are reused: a body at ~0.85 of its plan is not
+  probed by every warm process; a probe deciding the other way starts the
+  count again."""
+  rec = {"key": "k"}
+  first = tier_records.probe_record(rec, True, 1.0, 0.85)
+  assert first["probe"]["agreed"] == 1 and tier_records.probe_decision(first) is None
+  second = tier_records.probe_record(first, True, 1.0, 0.86)
+  assert second["probe"]["agreed"] == 2 and tier_records.probe_decision(second) == "kept"
+  assert second["key"] == "k" and "probe" not in rec  # (a new record; the old one unchanged)
+  flipped = tier_records.probe_record(second, False, 1.0, 0.95)
+  assert flipped["probe"]["agreed"] == 1 and tier_records.probe_decision(flipped) is None
+  again = tier_records.probe_record(flipped, False, 1.0, 0.93)
+  assert tier_records.probe_decision(again) == "dropped"
+
+
 def _collatz_kernel(x_ref, o_ref):
   def body(i, x):
     return jnp.where(x % 2 == 0, x // 2, 3 * x + 1)

@@ -428,7 +428,7 @@ class NativeLoop:
     next process (``_prelookup``, ``records.PROBE_KEEP_RATIO``)."""
     if self.sync or self.record is None or "refused" in self.record:
       return
-    record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
+    record = records.probe_record(self.record, kept, numpy_s, native_s)
     if scheduler.running():  # (by the tier's thread: a file written and renamed, ~0.4 ms)
       scheduler.submit(None, lambda: self._remember(record))
       return
