@@ -207,11 +207,16 @@ def loop_slot(name: str) -> int:
   return SLOT + len(NAMES) + LOOPS.index(name)
 
 
-def status() -> np.ndarray:
+def status(loops: bool = True) -> np.ndarray:
   """A fresh status array for one call of a compiled loop: the BLAS
   addresses and the float32 loops' (looked up on the first call, whether
   or not this process generated the loop's source: a library may come
-  from the disk cache)."""
+  from the disk cache). ``loops=False``: a loop that reads no float32 loop
+  (``tier.LIBM_PRIMITIVES``) gets BLAS's addresses without libm's loops
+  being loaded (~3.6 ms of its first call); their slots may be zero."""
+  if not loops:
+    found()
+    return _status[0].copy()
   if len(_status) == 1:
     found()
     st = _status[0]

@@ -82,13 +82,17 @@ _loaded = LRU(256)
 _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
-_addresses_set_up: list = []  # (its BLAS and libm addresses: done)
+_addresses_set_up: list = []  # (its BLAS and libm addresses: "blas", "libm" once done)
 # Primitives whose emitters may read an address from the status array
 # (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
 # rule's float32 loop): a loop holding none needs no ``blas_calls.status``
 # in its one-off set-up (``_one_off_set_up``; a wrong guess costs time only:
 # the tier's thread then looks the addresses up itself).
 ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "log2"))
+# Of those, the ones whose emitters read the NumPy rule's float32 loops
+# (``transcendental``: libm's loops, ~3.6 ms to load once per process); a
+# loop holding none (integer and float dots) gets BLAS's addresses only.
+LIBM_PRIMITIVES = ADDRESS_PRIMITIVES - {"dot_general"}
 # NumPy-path seconds a process's first build waits for beyond its price:
 # the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
@@ -444,8 +448,13 @@ class NativeLoop:
     caller's first call), else zeros of the same length (a loop whose code
     only stores its error sites: integer dots, cumsum, Collatz)."""
     if self.addresses:
-      return blas_calls.status()
+      return blas_calls.status(loops=self._reads_libm())
     return np.zeros(blas_calls.TRANSPOSED + 1, np.int64)
+
+  def _reads_libm(self) -> bool:
+    """Whether the loop's code may read libm's loop addresses (a wrong
+    False fails loudly: the generated prologue raises on a zero address)."""
+    return any(holds(j, LIBM_PRIMITIVES) for j in self._jaxprs())
 
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its
@@ -563,9 +572,12 @@ class NativeLoop:
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
-      if not _addresses_set_up and any(holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
-        _addresses_set_up.append(1)
-        blas_calls.status()
+      libm = self._reads_libm()
+      need = "libm" if libm else "blas"
+      if need not in _addresses_set_up and any(
+          holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
+        _addresses_set_up.extend(("blas", "libm") if libm else ("blas",))
+        blas_calls.status(loops=libm)
     except Exception as e:  # noqa: BLE001
       log.debug("pallas_np: native tier set-up failed: %r", e)
 
