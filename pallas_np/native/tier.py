@@ -36,11 +36,10 @@ import types
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes, loop_step,
-                              lite_cache, prekey, scheduler)
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes,
+                              loop_errors, loop_step, lite_cache, prekey, scheduler)
 from pallas_np.native import tier_records as records
 
 log = logging.getLogger("pallas_np.native")
@@ -158,16 +157,6 @@ def _signature(src, avals, layouts):
   ret = [["s", "int64"]] + [["s", dt.str] if kind == "s" else ["a", dt.str, 1, True, True]
                             for kind, dt in src.outs]
   return args, ret, tuple(guard)
-
-
-def _frame(eqn, inner):
-  """A call of ``inner`` in a frame whose line maps to ``eqn`` (the
-  source map): errors raised under it name ``eqn``, as the NumPy path's."""
-  filename = sourcemap.new_filename("native loop")
-  scope = {"_line_eqns": sourcemap.register(filename, [None, eqn])}
-  exec(compile("def _at(inner):\n    return inner()\n", filename, "exec"), scope)  # noqa: S102
-  at = scope["_at"]
-  return lambda: at(inner)
 
 
 class NativeLoop:
@@ -669,20 +658,4 @@ class NativeLoop:
     return lanes.run(self, fn, ctx, args)
 
   def _raise_oob(self, st, args):
-    if self.sites is None:  # (loaded by its pre-key: the sites generated now)
-      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
-      job = self.job
-      if disk_cache.loop_key(src, job["args"], job["ret"], self.invars) != job["key"]:
-        raise RuntimeError("pallas_np: a native loop's pre-key named another source")
-      self.sites = src.sites
-    eqn, access, pos, chain = self.sites[int(st[0]) - 1]
-    leaves = [int(v) for v in st[1:1 + access.num_dynamic]]
-    ref = args[pos]
-
-    def resolve():
-      access.resolve(ref, leaves)
-      raise RuntimeError("pallas_np: native loop bounds check disagrees with the NumPy rule")
-    fn = resolve
-    for e in reversed((*chain, eqn)):
-      fn = _frame(e, fn)
-    fn()
+    loop_errors.raise_oob(self, st, args)
