@@ -5,6 +5,7 @@ a loop, timed call by call from its first call (issue 41).
     python benchmarks/user_view.py --kernels loops        # its loop kernels only
     python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
     python benchmarks/user_view.py --interleaved --kernels loops   # tier vs off, one process
+    python benchmarks/user_view.py --repeats 5 --kernels all      # medians of 5 rounds of processes
 
 For each kernel, one fresh process per mode runs the kernel's first call
 (trace + compile + run, reported apart) and then calls it until it made
@@ -23,7 +24,14 @@ after the switch), each as a ratio to interpret=True's. The totals: the
 geometric mean over the kernels of the first ~1.5 s's ratio per mode and
 the worst kernel, the first calls' geometric mean (interpret=True's first
 call / the tier's), and at which N the tier (cold and warm cache) was
-slower than ``off``. Nothing
+slower than ``off``. With ``--repeats R`` every mode's process runs R
+times, the rounds alternating (each round: the modes one after another,
+a tier_cold with a cache of its own that holds no library of the kernel),
+and each figure is the median over the rounds, with the spread of the
+per-round tier/off ratios beside "slower than off": one process against
+another moves ±20-30% on this kind of VM where the two run the same Python
+(a kernel the tier never compiles), so a verdict from one round of each is
+noise. Nothing
 waits for a compile (``native.wait`` is never called in a timed process):
 this is the user's view.
 Never run as a timed test (CPU-bound, seconds per kernel).
@@ -144,6 +152,33 @@ def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
   return res
 
 
+def run_rounds(kernel, calls, seconds, cache_dir, pairs, repeats) -> tuple[dict, list]:
+  """``run_modes`` ``repeats`` times, the modes alternating round by
+  round; round r > 0 runs tier_cold and fill with a cache of its own (no
+  library of the kernel in it: a first process again), pycc's C helpers
+  copied in. Returns each mode's summary with every figure the median over
+  the rounds, and the rounds' own summaries."""
+  rounds = []
+  for r in range(repeats):
+    cache = cache_dir
+    if r:
+      cache = tempfile.mkdtemp(prefix="pallas_np-native-round-", dir=cache_dir)
+      for tag in os.listdir(cache_dir):  # (one directory per Python/CPU/numba: its mixins)
+        mix = os.path.join(cache_dir, tag, "mixins")
+        if os.path.isdir(mix):
+          shutil.copytree(mix, os.path.join(cache, tag, "mixins"))
+    rounds.append(run_modes(kernel, calls, seconds, cache, pairs))
+  if repeats == 1:
+    return rounds[0], rounds
+  out = {}
+  for m in rounds[0]:
+    out[m] = dict(rounds[0][m])
+    for key, v in rounds[0][m].items():
+      if isinstance(v, float) and all(rd[m].get(key) is not None for rd in rounds):
+        out[m][key] = statistics.median(rd[m][key] for rd in rounds)
+  return out, rounds
+
+
 def summary(r) -> dict:
   t = r["times"]
   s = {f"n{n}": statistics.fmean(t[:n]) if len(t) >= n else None for n in NS}
@@ -180,6 +215,8 @@ def main(argv=None):
   ap.add_argument("--interleaved", action="store_true",
                   help="only the tier (no library of the kernel on disk) against off, in one "
                        "process per kernel, calls alternating: where the tier costs a caller more")
+  ap.add_argument("--repeats", type=int, default=1,
+                  help="rounds of every mode's process, alternating; figures are medians")
   ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
@@ -197,9 +234,9 @@ def main(argv=None):
     for kernel in kernel_names(a.kernels):
       pairs = ([("tier_cold", "off"), ("fill",), ("tier_warm", "interpret")] if a.side_by_side
                else [("tier_cold",), ("fill",), ("tier_warm",), ("off",), ("interpret",)])
-      res = run_modes(kernel, a.calls, a.seconds, cache, pairs)
+      res, rounds = run_rounds(kernel, a.calls, a.seconds, cache, pairs, a.repeats)
       report_kernel(kernel, res)
-      rows.append((kernel, res))
+      rows.append((kernel, res, rounds))
   finally:
     shutil.rmtree(cache, ignore_errors=True)
   totals(rows)
@@ -253,17 +290,22 @@ def geomean(xs) -> float:
 
 def totals(rows):
   for m in ("tier_cold", "tier_warm", "off"):
-    ws = {k: r[m]["window"] / r["interpret"]["window"] for k, r in rows}
+    ws = {k: r[m]["window"] / r["interpret"]["window"] for k, r, _ in rows}
     worst = max(ws, key=ws.get)
     print(f"geomean first {WINDOW} s, {m}: {geomean(ws.values()):.2f} over {len(ws)} kernels "
           f"(worst {worst} {ws[worst]:.2f}; above 5: {[k for k, v in ws.items() if v > 5] or 'none'})")
-  first = [r["interpret"]["first"] / r["tier_cold"]["first"] for _, r in rows]
+  first = [r["interpret"]["first"] / r["tier_cold"]["first"] for _, r, _ in rows]
   print(f"first calls, interpret=True / tier (cold): geomean {geomean(first):.1f}x faster")
-  for kernel, r in rows:  # (issue 41's target (b): at no N slower than off, either cache)
+  for kernel, r, rounds in rows:  # (issue 41's target (b): at no N slower than off, either cache)
     for m, what in (("tier_cold", "cold"), ("tier_warm", "warm")):
       worse = [n for n in NS if r[m][f"n{n}"] and r["off"][f"n{n}"]
                and r[m][f"n{n}"] > r["off"][f"n{n}"]]
-      print(f"{kernel}: tier ({what} cache) slower than off at N = {worse or 'none'}")
+      spread = ""
+      if len(rounds) > 1:  # (each round's tier/off: how far one round moves)
+        spread = "; tier/off per round " + ", ".join(
+            f"N={n} " + "/".join(f"{rd[m][f'n{n}'] / rd['off'][f'n{n}']:.2f}" for rd in rounds)
+            for n in NS if all(rd[m][f"n{n}"] and rd["off"][f"n{n}"] for rd in rounds))
+      print(f"{kernel}: tier ({what} cache) slower than off at N = {worse or 'none'}{spread}")
 
 
 if __name__ == "__main__":

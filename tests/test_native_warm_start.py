@@ -140,6 +140,24 @@ def test_an_unclear_probe_is_probed_again(own_cache):
   assert tier_records.probe_decision(record) == "kept"
 
 
+def test_unclear_probes_that_agree_twice_in_a_row_decide():
+  """An unclear verdict (between ``PROBE_KEEP_RATIO`` and
+  ``PROBE_DROP_RATIO``) is probed again, but ``PROBE_AGREED`` probes in a
+  row that decided alike are reused: a body at ~0.85 of its plan is not
+  probed by every warm process; a probe deciding the other way starts the
+  count again."""
+  rec = {"key": "k"}
+  first = tier_records.probe_record(rec, True, 1.0, 0.85)
+  assert first["probe"]["agreed"] == 1 and tier_records.probe_decision(first) is None
+  second = tier_records.probe_record(first, True, 1.0, 0.86)
+  assert second["probe"]["agreed"] == 2 and tier_records.probe_decision(second) == "kept"
+  assert second["key"] == "k" and "probe" not in rec  # (a new record; the old one unchanged)
+  flipped = tier_records.probe_record(second, False, 1.0, 0.95)
+  assert flipped["probe"]["agreed"] == 1 and tier_records.probe_decision(flipped) is None
+  again = tier_records.probe_record(flipped, False, 1.0, 0.93)
+  assert tier_records.probe_decision(again) == "dropped"
+
+
 def _collatz_kernel(x_ref, o_ref):
   def body(i, x):
     return jnp.where(x % 2 == 0, x // 2, 3 * x + 1)
@@ -215,7 +233,8 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
   monkeypatch.setattr(tier, "_addresses_set_up", [])
   status_calls = []
   real = blas_calls.status
-  monkeypatch.setattr(blas_calls, "status", lambda: status_calls.append(1) or real())
+  monkeypatch.setattr(blas_calls, "status",
+                      lambda loops=True: status_calls.append(loops) or real(loops=loops))
   background = pallas_np.InterpretParams(native_loops="background")
   collatz = tier.NativeLoop(_loop_eqn(_collatz_kernel, jnp.zeros((8, 128), jnp.int32)),
                             background, lambda ctx, *a: None)
@@ -224,9 +243,42 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
   a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
   dot = tier.NativeLoop(_loop_eqn(_dot_kernel, a, b), background, lambda ctx, *a: None)
   dot._one_off_set_up()
-  assert status_calls == [1]
+  assert status_calls == [False]  # (a dot: BLAS's addresses, not libm's loops)
   dot._one_off_set_up()  # (once per process)
-  assert status_calls == [1]
+  assert status_calls == [False]
+  x = jnp.zeros((8, 128), jnp.float32)
+  exp = tier.NativeLoop(_loop_eqn(_exp_kernel, x, x), background, lambda ctx, *a: None)
+  exp._one_off_set_up()
+  assert status_calls == [False, True]  # (a transcendental: libm's loops too, once)
+  dot._one_off_set_up()
+  exp._one_off_set_up()
+  assert status_calls == [False, True]
+
+
+def _exp_kernel(x_ref, w_ref, o_ref):
+  o_ref[...] = lax.fori_loop(0, 2, lambda i, a: jnp.exp(a * 0.5) + w_ref[...], x_ref[...])
+
+
+def test_a_dot_loop_runs_without_libm_loops_and_a_transcendental_one_with_them():
+  """``new_status``: a loop holding only dots gets BLAS's addresses and the
+  transposed-operand words (libm's loop slots may be zero: loading them is
+  ~3.6 ms of a warm process's first call); a loop holding exp gets libm's
+  loop addresses, which its generated prologue checks are there."""
+  background = pallas_np.InterpretParams(native_loops="background")
+  a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
+  dot = tier.NativeLoop(_loop_eqn(_dot_kernel, a, b), background, lambda ctx, *a: None)
+  x = jnp.zeros((8, 128), jnp.float32)
+  exp = tier.NativeLoop(_loop_eqn(_exp_kernel, x, x), background, lambda ctx, *a: None)
+  full = blas_calls.status()
+  libm_slots = [blas_calls.loop_slot(n) for n in blas_calls.LOOPS]
+  assert all(full[k] != 0 for k in libm_slots)
+  assert not dot._reads_libm() and exp._reads_libm()
+  st = dot.new_status()
+  blas_slots = slice(blas_calls.SLOT, blas_calls.SLOT + len(blas_calls.NAMES))
+  np.testing.assert_array_equal(st[blas_slots], full[blas_slots])
+  assert len(st) == len(full)  # (no dot site that may read in place: no site words)
+  st = exp.new_status()
+  assert all(st[k] == full[k] for k in libm_slots)
 
 
 def test_a_body_far_slower_than_its_plan_is_dropped_after_two_steps_of_each(own_cache,

@@ -276,18 +276,29 @@ def loop_slot(name: str) -> int:
   return SLOT + len(NAMES) + LOOPS.index(name)
 
 
-def status(sites=()) -> np.ndarray:
+def status(sites=(), loops: bool = True) -> np.ndarray:
   """A fresh status array for one call of a compiled loop: the BLAS
   addresses and the float32 loops' (looked up on the first call, whether
   or not this process generated the loop's source: a library may come
   from the disk cache), then one ``transposed_ok`` word per key of
-  ``sites`` (the loop's dot sites that may read an operand in place)."""
+  ``sites`` (the loop's dot sites that may read an operand in place).
+  ``loops=False``: a loop that reads no float32 loop
+  (``tier.LIBM_PRIMITIVES``) gets BLAS's addresses without libm's loops
+  being loaded (~3.6 ms of its first call); their slots may be zero."""
+  if not loops:
+    found()
+    return _with_sites(sites)
   if len(_status) == 1:
     found()
     st = _status[0]
     for name in LOOPS:
       st[loop_slot(name)] = libm.address(name)[0]
     _status.append(True)
+  return _with_sites(sites)
+
+
+def _with_sites(sites) -> np.ndarray:
+  """A copy of the status template with ``sites``' ``transposed_ok`` words."""
   if not sites:
     return _status[0].copy()
   st = np.empty(TRANSPOSED + len(sites), np.int64)

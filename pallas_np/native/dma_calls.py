@@ -31,8 +31,7 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np import races, registry
-from pallas_np.compiler import sourcemap
-from pallas_np.native import blas_calls, codegen, disk_cache, dma_queue, dma_stash
+from pallas_np.native import blas_calls, dma_queue, dma_stash, loop_errors
 from pallas_np.state import dma as dma_state
 
 # Status-array slots: the callback's address, then the scalar operands of
@@ -237,22 +236,8 @@ def _sites_of(loop):
   src = loop.src
   calls = getattr(src, "calls", None)
   if calls is None:  # (loaded by its pre-key: the sites generated now, numbered as compiled)
-    src = codegen.loop_source(loop.eqn, loop.clamp, loop.uninitialized)
-    job = loop.job
-    if disk_cache.loop_key(src, job["args"], job["ret"], loop.invars) != job["key"]:
-      raise RuntimeError("pallas_np: a native loop's pre-key named another source")
-    calls = src.calls
+    calls = loop_errors.regenerated(loop).calls
   return calls
-
-
-def _frame(eqn, inner):
-  """A call of ``inner`` in a frame whose line maps to ``eqn`` (the
-  source map): an error raised under it names ``eqn``."""
-  filename = sourcemap.new_filename("native loop")
-  scope = {"_line_eqns": sourcemap.register(filename, [None, eqn])}
-  exec(compile("def _at(inner):\n    return inner()\n", filename, "exec"), scope)  # noqa: S102
-  at = scope["_at"]
-  return lambda: at(inner)
 
 
 def _raise_at(error, site):
@@ -260,7 +245,4 @@ def _raise_at(error, site):
   the control flow around it, as the NumPy path's plans do."""
   def again():
     raise error
-  fn = again
-  for e in reversed((*site.chain, site.eqn)):
-    fn = _frame(e, fn)
-  fn()
+  loop_errors.call_under(site.chain, site.eqn, again)

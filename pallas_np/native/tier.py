@@ -36,11 +36,10 @@ import types
 import numpy as np
 
 from pallas_np import _compat as jc
-from pallas_np.compiler import sourcemap
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes, loop_step,
-                              lite_cache, prekey, scheduler)
+from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes,
+                              loop_errors, loop_step, lite_cache, prekey, scheduler)
 from pallas_np.native import tier_records as records
 
 log = logging.getLogger("pallas_np.native")
@@ -82,13 +81,17 @@ _loaded = LRU(256)
 _prekeys = LRU(1024)
 _UNSET = object()
 _set_up: list = []  # (NativeLoop._one_off_set_up: done)
-_addresses_set_up: list = []  # (its BLAS and libm addresses: done)
+_addresses_set_up: list = []  # (its BLAS and libm addresses: "blas", "libm" once done)
 # Primitives whose emitters may read an address from the status array
 # (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
 # rule's float32 loop): a loop holding none needs no ``blas_calls.status``
 # in its one-off set-up (``_one_off_set_up``; a wrong guess costs time only:
 # the tier's thread then looks the addresses up itself).
 ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "log2"))
+# Of those, the ones whose emitters read the NumPy rule's float32 loops
+# (``transcendental``: libm's loops, ~3.6 ms to load once per process); a
+# loop holding none (integer and float dots) gets BLAS's addresses only.
+LIBM_PRIMITIVES = ADDRESS_PRIMITIVES - {"dot_general"}
 # NumPy-path seconds a process's first build waits for beyond its price:
 # the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
 # only once the loop has cost that much (the cost rule, for the set-up).
@@ -154,16 +157,6 @@ def _signature(src, avals, layouts):
   ret = [["s", "int64"]] + [["s", dt.str] if kind == "s" else ["a", dt.str, 1, True, True]
                             for kind, dt in src.outs]
   return args, ret, tuple(guard)
-
-
-def _frame(eqn, inner):
-  """A call of ``inner`` in a frame whose line maps to ``eqn`` (the
-  source map): errors raised under it name ``eqn``, as the NumPy path's."""
-  filename = sourcemap.new_filename("native loop")
-  scope = {"_line_eqns": sourcemap.register(filename, [None, eqn])}
-  exec(compile("def _at(inner):\n    return inner()\n", filename, "exec"), scope)  # noqa: S102
-  at = scope["_at"]
-  return lambda: at(inner)
 
 
 class NativeLoop:
@@ -428,7 +421,7 @@ class NativeLoop:
     next process (``_prelookup``, ``records.PROBE_KEEP_RATIO``)."""
     if self.sync or self.record is None or "refused" in self.record:
       return
-    record = dict(self.record, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s})
+    record = records.probe_record(self.record, kept, numpy_s, native_s)
     if scheduler.running():  # (by the tier's thread: a file written and renamed, ~0.4 ms)
       scheduler.submit(None, lambda: self._remember(record))
       return
@@ -444,8 +437,14 @@ class NativeLoop:
     caller's first call), else zeros of the same length (a loop whose code
     only stores its error sites: integer dots, cumsum, Collatz)."""
     if self.addresses:  # (with a word per dot site reading an operand in place, if any)
-      return blas_calls.status(getattr(self.src, "transposed", ()))
+      sites = getattr(getattr(self, "src", None), "transposed", ())
+      return blas_calls.status(sites, loops=self._reads_libm())
     return np.zeros(blas_calls.TRANSPOSED, np.int64)
+
+  def _reads_libm(self) -> bool:
+    """Whether the loop's code may read libm's loop addresses (a wrong
+    False fails loudly: the generated prologue raises on a zero address)."""
+    return any(holds(j, LIBM_PRIMITIVES) for j in self._jaxprs())
 
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its
@@ -563,9 +562,12 @@ class NativeLoop:
       if not _set_up:
         _set_up.append(1)
         prekey.code_version()
-      if not _addresses_set_up and any(holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
-        _addresses_set_up.append(1)
-        blas_calls.status()
+      libm = self._reads_libm()
+      need = "libm" if libm else "blas"
+      if need not in _addresses_set_up and any(
+          holds(j, ADDRESS_PRIMITIVES) for j in self._jaxprs()):
+        _addresses_set_up.extend(("blas", "libm") if libm else ("blas",))
+        blas_calls.status(loops=libm)
     except Exception as e:  # noqa: BLE001
       log.debug("pallas_np: native tier set-up failed: %r", e)
 
@@ -657,20 +659,4 @@ class NativeLoop:
     return lanes.run(self, fn, ctx, args)
 
   def _raise_oob(self, st, args):
-    if self.sites is None:  # (loaded by its pre-key: the sites generated now)
-      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
-      job = self.job
-      if disk_cache.loop_key(src, job["args"], job["ret"], self.invars) != job["key"]:
-        raise RuntimeError("pallas_np: a native loop's pre-key named another source")
-      self.sites = src.sites
-    eqn, access, pos, chain = self.sites[int(st[0]) - 1]
-    leaves = [int(v) for v in st[1:1 + access.num_dynamic]]
-    ref = args[pos]
-
-    def resolve():
-      access.resolve(ref, leaves)
-      raise RuntimeError("pallas_np: native loop bounds check disagrees with the NumPy rule")
-    fn = resolve
-    for e in reversed((*chain, eqn)):
-      fn = _frame(e, fn)
-    fn()
+    loop_errors.raise_oob(self, st, args)

@@ -22,9 +22,13 @@ import numpy as np
 # the NumPy plan's (a probe of a body that loses cost a warm process ~1-10
 # ms a call for its first calls: PERF_LOG "[never]"), and runs compiled from
 # its first step where it took at most PROBE_KEEP_RATIO; in between (another
-# load may tip it either way), it is probed again.
+# load may tip it either way), it is probed again, until PROBE_AGREED probes
+# in a row decided alike: then their verdict is reused (an int8 matmul's
+# body at ~0.84 of its plan was probed by every warm process, ~2 ms of its
+# first 20 calls: the plan's first, uncompiled runs and the verdict's write).
 PROBE_KEEP_RATIO = 0.8
 PROBE_DROP_RATIO = 1.0
+PROBE_AGREED = 2
 # ``_st`` in a generated source other than its parameter and stores of
 # literal slots (an error site, its index values, a lane): a read of the
 # status array (BLAS or libm addresses, the transposed-operand slot, the DMA
@@ -71,8 +75,18 @@ def probe_decision(rec) -> str | None:
   if not probe or not probe.get("numpy"):
     return None
   ratio = probe["native"] / probe["numpy"]
-  if probe["kept"] and ratio <= PROBE_KEEP_RATIO:
+  agreed = probe.get("agreed", 1) >= PROBE_AGREED
+  if probe["kept"] and (ratio <= PROBE_KEEP_RATIO or agreed):
     return "kept"
-  if not probe["kept"] and ratio >= PROBE_DROP_RATIO:
+  if not probe["kept"] and (ratio >= PROBE_DROP_RATIO or agreed):
     return "dropped"
   return None
+
+
+def probe_record(rec, kept: bool, numpy_s: float, native_s: float) -> dict:
+  """``rec`` with this probe's verdict, counting the probes in a row that
+  decided alike (``agreed``: ``probe_decision``)."""
+  last = rec.get("probe") or {}
+  agreed = last.get("agreed", 1) + 1 if last and bool(last.get("kept")) == bool(kept) else 1
+  return dict(rec, probe={"kept": bool(kept), "numpy": numpy_s, "native": native_s,
+                          "agreed": agreed})
