@@ -60,3 +60,15 @@ def dma_callbacks(monkeypatch):
     return real(run, k)
   monkeypatch.setattr(dma_calls, "_call", counted)
   return count
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+  """A native cache directory of the test's own, empty (as a first
+  process's), with the tier's in-memory pre-keys and libraries forgotten."""
+  from pallas_np.native import disk_cache, tier
+  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
+  monkeypatch.setattr(disk_cache, "_dir", [])
+  monkeypatch.setattr(tier, "_prekeys", tier.LRU(1024))
+  monkeypatch.setattr(tier, "_loaded", tier.LRU(256))
+  return tmp_path

@@ -1,12 +1,14 @@
 """Shared by the tests of what compiled loops hold (tests/test_native_elig*.py):
 a kernel run with ``native_loops="sync"`` (the loop compiled at its first
 run) against ``"off"`` (the NumPy path) and interpret=True."""
+import ctypes
+
 import jax
 import numpy as np
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import codegen
+from pallas_np.native import blas_calls, codegen
 
 SYNC = pallas_np.InterpretParams(native_loops="sync")
 OFF = pallas_np.InterpretParams(native_loops="off")
@@ -46,3 +48,32 @@ def loop_source_of(make, *args) -> str:
   eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
   loop = next(e for e in eqn.params["jaxpr"].eqns if e.primitive.name in ("while", "scan"))
   return codegen.loop_source(loop, False, "nan").text
+
+
+def copying_gemm(real, dt, calls=None):
+  """A Python ?gemm (``dt``: float32 or float64) that copies a ``TRANS``
+  operand into C order and passes it ``NO_TRANS`` to ``real`` (NumPy's own
+  routine, ctypes): what the NumPy rule does, so the copy's bits by
+  construction, whatever this CPU's OpenBLAS kernels do with ``TRANS``.
+  Each call's (m, n, k, transA, transB) is appended to ``calls`` if given."""
+  ctype = ctypes.c_float if dt == np.float32 else ctypes.c_double
+  size = np.dtype(dt).itemsize
+
+  def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    if calls is not None:
+      calls.append((m, n, k, ta, tb))
+    keep = []
+
+    def c_order(ptr, rows, cols, ld):  # the (rows, cols) matrix stored transposed
+      stored = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)),
+                                     shape=((cols - 1) * ld + rows,))
+      copy = np.ascontiguousarray(
+          np.lib.stride_tricks.as_strided(stored, (rows, cols), (size, ld * size)))
+      keep.append(copy)
+      return copy.ctypes.data
+    if ta == blas_calls.TRANS:
+      a, lda, ta = c_order(a, m, k, lda), k, blas_calls.NO_TRANS
+    if tb == blas_calls.TRANS:
+      b, ldb, tb = c_order(b, k, n, ldb), n, blas_calls.NO_TRANS
+    real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+  return gemm

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from pallas_np import blas
 from pallas_np.native import blas_calls
 from pallas_np import native
-from tests.native_elig_util import SYNC, compiled_equals_numpy, loop_source_of
+from tests.native_elig_util import SYNC, compiled_equals_numpy, copying_gemm, loop_source_of
 from pallas_np.native import codegen
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
@@ -166,25 +166,7 @@ def _copying(fns):
   construction, whatever this CPU's OpenBLAS kernels are."""
   out = dict(fns)
   for p, dt in (("s", np.float32), ("d", np.float64)):
-    real = fns[p + "gemm"]
-
-    def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, real=real, dt=dt):
-      ctype = ctypes.c_float if dt == np.float32 else ctypes.c_double
-      keep = []
-
-      def c_order(ptr, rows, cols, ld):  # the (rows, cols) matrix stored transposed
-        stored = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)),
-                                       shape=((cols - 1) * ld + rows,))
-        copy = np.ascontiguousarray(
-            np.lib.stride_tricks.as_strided(stored, (rows, cols), (dt().itemsize, ld * dt().itemsize)))
-        keep.append(copy)
-        return copy.ctypes.data
-      if ta == blas_calls.TRANS:
-        a, lda, ta = c_order(a, m, k, lda), k, blas_calls.NO_TRANS
-      if tb == blas_calls.TRANS:
-        b, ldb, tb = c_order(b, k, n, ldb), n, blas_calls.NO_TRANS
-      real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-    out[p + "gemm"] = gemm
+    out[p + "gemm"] = copying_gemm(fns[p + "gemm"], dt)
   return out
 
 

@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import blas_calls, disk_cache, tier
-from tests.native_elig_util import OFF, SYNC, bits
+from pallas_np.native import blas_calls, tier
+from tests.native_elig_util import OFF, SYNC, bits, copying_gemm
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
                                 reason="NumPy's BLAS is not an OpenBLAS found here")
@@ -71,24 +71,7 @@ class _recorded_sgemm:
   def __enter__(self):
     blas_calls.status()
     real = blas_calls.ctypes_routines()["sgemm"]
-    cint = real.argtypes[3]
-    fl = ctypes.POINTER(ctypes.c_float)
-
-    def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-      self.calls.append((m, n, k, ta, tb))
-      keep = []
-
-      def c_order(ptr, rows, cols, ld):  # a (rows, cols) matrix stored transposed
-        stored = np.ctypeslib.as_array(ctypes.cast(ptr, fl), shape=((cols - 1) * ld + rows,))
-        copy = np.ascontiguousarray(np.lib.stride_tricks.as_strided(stored, (rows, cols),
-                                                                    (4, ld * 4)))
-        keep.append(copy)
-        return copy.ctypes.data
-      if ta == blas_calls.TRANS:
-        a, lda, ta = c_order(a, m, k, lda), k, blas_calls.NO_TRANS
-      if tb == blas_calls.TRANS:
-        b, ldb, tb = c_order(b, k, n, ldb), n, blas_calls.NO_TRANS
-      real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    gemm = copying_gemm(real, np.float32, self.calls)
     self._fn = ctypes.CFUNCTYPE(None, *real.argtypes)(gemm)
     slot = blas_calls.SLOT + blas_calls.NAMES.index("sgemm")
     self._slot, self._was = slot, int(blas_calls._status[0][slot])
@@ -130,16 +113,6 @@ def _check(a_answer, b_answer):
 @pytest.mark.parametrize("answers", [(1, 0), (0, 1)])
 def test_each_dot_site_reads_in_place_only_where_its_shape_passed(answers):
   _check(*answers)
-
-
-@pytest.fixture
-def own_cache(tmp_path, monkeypatch):
-  """A cache directory of the test's own, empty (as a first process's)."""
-  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
-  monkeypatch.setattr(disk_cache, "_dir", [])
-  monkeypatch.setattr(tier, "_prekeys", tier.LRU(1024))
-  monkeypatch.setattr(tier, "_loaded", tier.LRU(256))
-  return tmp_path
 
 
 @needs_blas

@@ -29,16 +29,6 @@ from tests.native_elig_util import OFF, bits
 _rng = np.random.default_rng(7)
 
 
-@pytest.fixture
-def own_cache(tmp_path, monkeypatch):
-  """A cache directory of the test's own, empty (as a first process's)."""
-  monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
-  monkeypatch.setattr(disk_cache, "_dir", [])
-  monkeypatch.setattr(tier, "_prekeys", tier.LRU(1024))
-  monkeypatch.setattr(tier, "_loaded", tier.LRU(256))
-  return tmp_path
-
-
 def _norm_kernel(x_ref, w_ref, o_ref):
   x = x_ref[...]
   mean = jnp.mean(x, axis=-1, keepdims=True)
