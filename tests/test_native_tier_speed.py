@@ -79,6 +79,17 @@ def _load_reader(monkeypatch, load):
   return calls
 
 
+def _lite_machine(monkeypatch, load, modulus, cpus=2):
+  """lite on (``auto``), ``cpus`` cores at the load average ``load``, the
+  builds and prestarts recorded (``_Builds``); a (2, 128) int32 operand whose
+  values (mod ``modulus``) give each test a loop of its own."""
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(scheduler, "_CPUS", cpus)
+  builds = _Builds(monkeypatch)
+  _load_reader(monkeypatch, [load])
+  return builds, jnp.asarray(np.arange(256).reshape(2, 128) % modulus + 1, jnp.int32)
+
+
 def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
   """Before its cost reaches the build's price at the least weight, a run
   of a priced loop only adds its time: no source generated (1-20 ms), no
@@ -142,14 +153,10 @@ def test_lite_compile_process_started_before_the_loop_is_priced(monkeypatch):
   then not the caller's cost but the build's latency); once, however many
   runs follow."""
   load = 0.5
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)  # (never priced here)
   monkeypatch.setattr(tier, "PRESTART_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [load])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, load, 67)
   f = _call(_salt(), BACKGROUND, x)
   f(x)
   assert builds.prestarts == [scheduler.lite_compiler]
@@ -164,14 +171,10 @@ def test_no_compile_process_before_the_loop_cost_its_prestart_price(monkeypatch)
   the first 20-100 calls of every loop kernel, and every call of a cheap
   one whose build was not due within them: PERF_LOG "[never]"); nor does a
   kernel with no loop."""
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)
   monkeypatch.setattr(tier, "PRESTART_PRICE", 1e9)
-  monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [0.5])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, 0.5, 67)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(tier.HOT_RUNS + 3):
     f(x)
@@ -188,13 +191,9 @@ def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch)
   lite's compile process is not started ahead of the build (its start
   would take the caller's share of a core); the build's price then
   includes it (``lite_cache.START_PRICE``)."""
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [5.0])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 67 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, 5.0, 67)
   f = _call(_salt(), BACKGROUND, x)
   f(x)
   f(x)
@@ -209,14 +208,10 @@ def test_a_lite_build_waits_for_its_compile_process_to_start(monkeypatch):
   whose build is due is not built (its source, the caller's part, is
   generated only once the process can take it: a kernel called only that
   long never pays it); it is queued at the first run after."""
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [0.5])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 53 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, 0.5, 53)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(tier.HOT_RUNS + 3):
     f(x)
@@ -486,16 +481,12 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
   when the loop is priced, ahead of its build: the build is queued as
   soon as the loop ran ``HOT_RUNS`` times and cost ``COMPILE_WEIGHT`` x
   that price and ``CALLER_PRICE`` (the caller's own part)."""
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)  # (numba's: never due here)
   monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
-  monkeypatch.setattr(scheduler, "_CPUS", 2)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [0.5])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 73 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, 0.5, 73)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(tier.HOT_RUNS + 1):
     f(x)
@@ -512,15 +503,11 @@ def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, load,
   (``CALLER_PRICE``: the source's generation, the load). On one core, or
   where no core is idle, its seconds take the caller's share: priced in
   full."""
-  monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
   monkeypatch.setattr(lite_cache, "PRICE", 1000.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
-  monkeypatch.setattr(scheduler, "_CPUS", cpus)
-  builds = _Builds(monkeypatch)
-  _load_reader(monkeypatch, [load])
-  x = jnp.asarray(np.arange(256).reshape(2, 128) % 71 + 1, jnp.int32)
+  builds, x = _lite_machine(monkeypatch, load, 71, cpus=cpus)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(tier.HOT_RUNS + 1):
     f(x)
