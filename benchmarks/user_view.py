@@ -6,6 +6,7 @@ a loop, timed call by call from its first call (issue 41).
     python benchmarks/user_view.py --kernels bitonic_fori --calls 1000 --seconds 20
     python benchmarks/user_view.py --interleaved --kernels loops   # tier vs off, one process
     python benchmarks/user_view.py --repeats 5 --kernels all      # medians of 5 rounds of processes
+    python benchmarks/user_view.py --repeats 3 --aa               # and an A/A noise floor
 
 For each kernel, one fresh process per mode runs the kernel's first call
 (trace + compile + run, reported apart) and then calls it until it made
@@ -31,7 +32,11 @@ and each figure is the median over the rounds, with the spread of the
 per-round tier/off ratios beside "slower than off": one process against
 another moves ±20-30% on this kind of VM where the two run the same Python
 (a kernel the tier never compiles), so a verdict from one round of each is
-noise. Nothing
+noise. ``--aa`` runs a second ``off`` process each round (``off_aa``):
+its per-round ratio to ``off`` is what two processes running the same
+Python differ by on this machine, and a kernel's tier counts as "slower
+beyond noise" at N only where the median tier/off exceeds 1 by more than
+the largest A/A deviation of its rounds. Nothing
 waits for a compile (``native.wait`` is never called in a timed process):
 this is the user's view.
 Never run as a timed test (CPU-bound, seconds per kernel).
@@ -79,7 +84,7 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
     fn = case.make(True)
   else:
     fn = case.make(pallas_np.InterpretParams(
-        native_loops="off" if mode == "off" else "background"))
+        native_loops="off" if mode in ("off", "off_aa") else "background"))
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - t0
@@ -217,6 +222,8 @@ def main(argv=None):
                        "process per kernel, calls alternating: where the tier costs a caller more")
   ap.add_argument("--repeats", type=int, default=1,
                   help="rounds of every mode's process, alternating; figures are medians")
+  ap.add_argument("--aa", action="store_true",
+                  help="a second off process per round: the A/A noise floor of tier/off")
   ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
@@ -234,6 +241,8 @@ def main(argv=None):
     for kernel in kernel_names(a.kernels):
       pairs = ([("tier_cold", "off"), ("fill",), ("tier_warm", "interpret")] if a.side_by_side
                else [("tier_cold",), ("fill",), ("tier_warm",), ("off",), ("interpret",)])
+      if a.aa:
+        pairs = pairs + [("off_aa",)]
       res, rounds = run_rounds(kernel, a.calls, a.seconds, cache, pairs, a.repeats)
       report_kernel(kernel, res)
       rows.append((kernel, res, rounds))
@@ -306,6 +315,25 @@ def totals(rows):
             f"N={n} " + "/".join(f"{rd[m][f'n{n}'] / rd['off'][f'n{n}']:.2f}" for rd in rounds)
             for n in NS if all(rd[m][f"n{n}"] and rd["off"][f"n{n}"] for rd in rounds))
       print(f"{kernel}: tier ({what} cache) slower than off at N = {worse or 'none'}{spread}")
+      if "off_aa" in r and len(rounds) > 1:
+        print(f"{kernel}: tier ({what} cache) slower beyond noise at N = "
+              f"{beyond_noise(r, rounds, m) or 'none'}")
+
+
+def beyond_noise(r, rounds, m) -> list:
+  """The N at which the median tier/off exceeds 1 by more than the largest
+  deviation from 1 of the rounds' off_aa/off (two processes of the same
+  Python), with that bound beside each."""
+  out = []
+  for n in NS:
+    key = f"n{n}"
+    if not all(rd[m][key] and rd["off"][key] and rd["off_aa"][key] for rd in rounds):
+      continue
+    ratio = statistics.median(rd[m][key] / rd["off"][key] for rd in rounds)
+    noise = max(abs(rd["off_aa"][key] / rd["off"][key] - 1) for rd in rounds)
+    if ratio - 1 > noise:
+      out.append(f"{n} ({ratio:.2f} > 1+{noise:.2f})")
+  return out
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import pallas_np
 from benchmarks.small_kernels import collatz_kernel, cumsum_fori_kernel
 from pallas_np import native
 from pallas_np.lru import LRU
-from pallas_np.native import aot_worker, disk_cache, lite_cache, lite_jit, scheduler, tier
+from pallas_np.native import (aot_worker, cost_rule, disk_cache, lite_cache, lite_jit, scheduler,
+                              tier)
 from tests.test_native_lite import _floats, _kernel_call
 
 pytestmark = pytest.mark.skipif(not lite_jit.available(), reason="llvmlite is not installed")
@@ -75,8 +76,9 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   loaded with a dlopen) gives the NumPy path's bits, and numba's build of
   the same loop gives the same."""
   monkeypatch.setenv(lite_cache.ENV, "lite")
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   # (at normal priority: a niced process may wait minutes on a busy machine)
@@ -86,7 +88,7 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   want = _bits(make(OFF)(x))
   f = make(pallas_np.InterpretParams(native_loops="background", uninitialized="zero"))
   before = native.stats()
-  for _ in range(2 * tier.HOT_RUNS):
+  for _ in range(2 * cost_rule.HOT_RUNS):
     np.testing.assert_array_equal(_bits(f(x)), want)
     assert native.wait(900)
   got = _bits(f(x))
@@ -161,13 +163,13 @@ _EXIT_WHILE_BUILDING = textwrap.dedent("""
     import sys, jax.numpy as jnp, numpy as np
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import scheduler, tier
-    tier.LOOKUP_PRICE = tier.SETUP_PRICE = 0.0
+    from pallas_np.native import cost_rule, scheduler, tier
+    cost_rule.LOOKUP_PRICE = cost_rule.SETUP_PRICE = cost_rule.PRESTART_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = scheduler.CALLER_PRICE = 0.0
     from tests.test_native_tier import _call
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 61 + 1, jnp.int32)
     f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
-    for _ in range(tier.HOT_RUNS + 1):
+    for _ in range(cost_rule.HOT_RUNS + 1):
         f(x)
     s = native.stats()
     print(s["queued"] + s["compiling"] + s["compiled"])
@@ -219,10 +221,10 @@ _ONE_CALL = textwrap.dedent("""
     import sys, jax.numpy as jnp, numpy as np
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import scheduler, tier
+    from pallas_np.native import cost_rule, scheduler, tier
     from tests.test_native_tier import _call
     scheduler.weight = lambda: scheduler.COMPILE_WEIGHT  # (a core idle, however busy the machine)
-    tier.PRESTART_PRICE = 0.0  # (the process started at the loop's first run)
+    cost_rule.PRESTART_PRICE = 0.0  # (the process started at the loop's first run)
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 59 + 1, jnp.int32)
     _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)(x)
     native.wait(timeout=60)
@@ -241,7 +243,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_one_call_process_starts_the_compile_process_and_leaves_none(tmp_path):
   """A process that calls a loop kernel once (its loop's first run: no
-  library on disk, a core idle, ``tier.PRESTART_PRICE`` 0) starts lite's compile process, which
+  library on disk, a core idle, ``cost_rule.PRESTART_PRICE`` 0) starts lite's compile process, which
   exits with the caller (during its start and warm-up too:
   ``aot_worker``'s orphan watch)."""
   env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_NATIVE_COMPILER="lite",

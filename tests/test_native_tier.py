@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import scheduler, tier
+from pallas_np.native import cost_rule, scheduler, tier
 
 OFF = pallas_np.InterpretParams(native_loops="off")
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
@@ -27,8 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def _no_set_up_price(monkeypatch):
   """The cost rule of builds, not of the process's one-off set-up
-  (``tier.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
-  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  (``cost_rule.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
 
 
 def _kernel(salt):
@@ -51,7 +52,7 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
   ran HOT_RUNS kernel runs, its build is queued: ``stats()`` counts it as
   queued or compiling until it is done, the NumPy path's results meanwhile,
   the compiled loop's afterwards."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   # (a compile process at normal priority: a niced one may wait minutes on a busy machine)
@@ -61,7 +62,7 @@ def test_build_waits_for_hot_runs_then_shows_queued(monkeypatch):
   want = np.asarray(_call(salt, OFF, x)(x))
   f = _call(salt, BACKGROUND, x)
   before = native.stats()
-  for _ in range(tier.HOT_RUNS - 1):
+  for _ in range(cost_rule.HOT_RUNS - 1):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
   assert native.wait(timeout=900)
   mid = native.stats()
@@ -81,14 +82,14 @@ def test_no_build_while_numpy_path_is_cheaper(monkeypatch):
   """A loop whose NumPy path has cost less than its build's price (the
   caller's own part, and numba's weighted seconds) is never built: the
   caller keeps the NumPy path."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1e9)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)
   salt = int(np.random.default_rng().integers(1 << 20, 1 << 30))
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 89 + 1, jnp.int32)
   f = _call(salt, BACKGROUND, x)
   before = native.stats()
-  for _ in range(3 * tier.HOT_RUNS):
+  for _ in range(3 * cost_rule.HOT_RUNS):
     f(x)
   assert native.wait(timeout=900)
   after = native.stats()
@@ -102,9 +103,9 @@ _SECOND_PROCESS = textwrap.dedent("""
     from jax.experimental import pallas as pl
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import scheduler, tier
-    tier.LOOKUP_PRICE = 0.0
-    tier.SETUP_PRICE = 0.0
+    from pallas_np.native import cost_rule, scheduler, tier
+    cost_rule.LOOKUP_PRICE = 0.0
+    cost_rule.SETUP_PRICE = cost_rule.PRESTART_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = 0.0
     scheduler.CALLER_PRICE = 0.0
     scheduler.compiler = scheduler.Compiler(nice=False)
@@ -112,7 +113,7 @@ _SECOND_PROCESS = textwrap.dedent("""
     from tests.test_native_tier import _call
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 83 + 1, jnp.int32)
     f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
-    for _ in range(2 * tier.HOT_RUNS):  # (each step may queue the next: wait for it)
+    for _ in range(2 * cost_rule.HOT_RUNS):  # (each step may queue the next: wait for it)
         f(x)
         assert native.wait(900)
     f(x)
@@ -148,7 +149,7 @@ def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix, 
   assert runs[0][:2] == ["0", "1"] and runs[0][3] == "False"  # built in the compile process
   assert runs[1][:2] == ["1", "1"] and runs[1][3] == "False"  # loaded from disk
   # native from the first run on (its pre-key: tests/test_native_tier_speed.py)
-  assert int(runs[1][2]) == 2 * tier.HOT_RUNS + 1
+  assert int(runs[1][2]) == 2 * cost_rule.HOT_RUNS + 1
   assert int(runs[0][2]) < int(runs[1][2])
   files = os.listdir(next(tmp_path.iterdir()))
   assert any(p.endswith(suffix) for p in files)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import codegen, lite_cache, prekey, scheduler, tier
+from pallas_np.native import codegen, cost_rule, lite_cache, prekey, scheduler, tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = pallas_np.InterpretParams(native_loops="off")
@@ -30,8 +30,10 @@ BACKGROUND = pallas_np.InterpretParams(native_loops="background")
 @pytest.fixture(autouse=True)
 def _no_set_up_price(monkeypatch):
   """The cost rule of builds, not of the process's one-off set-up
-  (``tier.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
-  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  (``cost_rule.SETUP_PRICE``: test_native_tier_speed.py's own test) nor of
+  lite's process start (``cost_rule.PRESTART_PRICE``: its own tests here)."""
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
 
 
 def _kernel(salt):
@@ -94,7 +96,7 @@ def test_priced_loop_costs_a_run_nothing_until_its_build_is_due(monkeypatch):
   """Before its cost reaches the build's price at the least weight, a run
   of a priced loop only adds its time: no source generated (1-20 ms), no
   load average read (a system call; os.cpu_count ~20 us) per run."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   builds = _Builds(monkeypatch)
   calls = _load_reader(monkeypatch, [0.0])
@@ -119,7 +121,7 @@ def test_compile_process_started_when_a_loop_is_priced(monkeypatch, load, starte
   NumPy path runs on toward its build's price), where a core is idle; on a
   busy machine it is started with the build."""
   monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   monkeypatch.setattr(scheduler, "_CPUS", 2)
   monkeypatch.setattr(scheduler.compiler, "proc", None)
@@ -153,8 +155,8 @@ def test_lite_compile_process_started_before_the_loop_is_priced(monkeypatch):
   then not the caller's cost but the build's latency); once, however many
   runs follow."""
   load = 0.5
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)  # (never priced here)
-  monkeypatch.setattr(tier, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)  # (never priced here)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds, x = _lite_machine(monkeypatch, load, 67)
   f = _call(_salt(), BACKGROUND, x)
@@ -171,16 +173,16 @@ def test_no_compile_process_before_the_loop_cost_its_prestart_price(monkeypatch)
   the first 20-100 calls of every loop kernel, and every call of a cheap
   one whose build was not due within them: PERF_LOG "[never]"); nor does a
   kernel with no loop."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)
-  monkeypatch.setattr(tier, "PRESTART_PRICE", 1e9)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 1e9)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds, x = _lite_machine(monkeypatch, 0.5, 67)
   f = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     f(x)
   copy = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + 1),
                         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=BACKGROUND)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     copy(x)
   assert not builds.prestarts and not builds.loops
   assert scheduler.lite_compiler.proc is None
@@ -191,7 +193,7 @@ def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch)
   lite's compile process is not started ahead of the build (its start
   would take the caller's share of a core); the build's price then
   includes it (``lite_cache.START_PRICE``)."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds, x = _lite_machine(monkeypatch, 5.0, 67)
   f = _call(_salt(), BACKGROUND, x)
@@ -208,12 +210,12 @@ def test_a_lite_build_waits_for_its_compile_process_to_start(monkeypatch):
   whose build is due is not built (its source, the caller's part, is
   generated only once the process can take it: a kernel called only that
   long never pays it); it is queued at the first run after."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
   builds, x = _lite_machine(monkeypatch, 0.5, 53)
   f = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     f(x)
   assert not builds.loops
   scheduler.lite_compiler.starting = False
@@ -226,7 +228,7 @@ def test_no_compile_process_for_a_loop_found_by_its_prekey(monkeypatch):
   second process, a re-run test suite) starts no compile process, nor
   does a loop of the numba compiler (started when priced, as before), nor
   ``"off"``."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 1e9)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 61 + 1, jnp.int32)
   salt = _salt()
@@ -248,7 +250,7 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   while the machine is busy and is queued once the load falls (the load
   is looked at again as the loop's cost grows)."""
   monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 1.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
@@ -261,7 +263,7 @@ def test_a_build_deferred_by_load_is_queued_once_a_core_is_idle(monkeypatch):
   f = _call(_salt(), BACKGROUND, x)
   f(x)
   assert native.wait(timeout=900)
-  for _ in range(2 * tier.HOT_RUNS):
+  for _ in range(2 * cost_rule.HOT_RUNS):
     f(x)
   assert not builds.loops
   load[0] = 0.5
@@ -274,7 +276,7 @@ _PREKEY_PROCESS = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np
     import pallas_np
     from pallas_np import native
-    from pallas_np.native import codegen, prekey, scheduler, tier
+    from pallas_np.native import codegen, cost_rule, prekey, scheduler, tier
     from tests.test_native_tier_speed import _call
     salt, second = int(sys.argv[1]), sys.argv[2] == "second"
     if second:  # (the library must be found with no source generated)
@@ -324,7 +326,7 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
   test may or may not have started; the refusal is the generator's
   either way.)"""
   monkeypatch.setenv(lite_cache.ENV, "numba")
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)  # (its source generated at HOT_RUNS)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   salt = float(_salt())
@@ -334,7 +336,7 @@ def test_a_refused_loop_is_known_by_its_prekey(monkeypatch):
     return pl.pallas_call(_refused_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           interpret=BACKGROUND)(x)
   want = np.asarray(call())
-  for _ in range(tier.HOT_RUNS):
+  for _ in range(cost_rule.HOT_RUNS):
     call()
   assert native.wait(timeout=900)
   before = native.stats()
@@ -427,7 +429,7 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   seconds, or minutes on a machine with no idle core), a loop's runs take
   the NumPy path from its entry function, untimed, never ``__call__``."""
   monkeypatch.setenv(lite_cache.ENV, "numba")  # (the numba build's pricing)
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1e-6)
   monkeypatch.setattr(scheduler, "prestart", lambda which=None: None)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
@@ -438,7 +440,7 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   salt = _salt()
   want = np.asarray(_call(salt, OFF, x)(x))
   f = _call(salt, BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 1):
+  for _ in range(cost_rule.HOT_RUNS + 1):
     np.testing.assert_array_equal(np.asarray(f(x)), want)
   assert len(building) == 1 and building[0].phase == "building" and building[0].waiting
   before = len(calls)
@@ -481,14 +483,14 @@ def test_a_lite_build_is_due_within_the_first_runs(monkeypatch):
   when the loop is priced, ahead of its build: the build is queued as
   soon as the loop ran ``HOT_RUNS`` times and cost ``COMPILE_WEIGHT`` x
   that price and ``CALLER_PRICE`` (the caller's own part)."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)  # (numba's: never due here)
   monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
   builds, x = _lite_machine(monkeypatch, 0.5, 73)
   f = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 1):
+  for _ in range(cost_rule.HOT_RUNS + 1):
     f(x)
   assert len(builds.loops) == 1 and builds.loops[0].price == 1e-6
   assert builds.prestarts == [scheduler.lite_compiler]
@@ -503,13 +505,13 @@ def test_a_lite_build_is_priced_at_the_callers_own_part(monkeypatch, cpus, load,
   (``CALLER_PRICE``: the source's generation, the load). On one core, or
   where no core is idle, its seconds take the caller's share: priced in
   full."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
   monkeypatch.setattr(lite_cache, "PRICE", 1000.0)
   monkeypatch.setattr(scheduler, "price", lambda lines: 1000.0)
   builds, x = _lite_machine(monkeypatch, load, 71, cpus=cpus)
   f = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 1):
+  for _ in range(cost_rule.HOT_RUNS + 1):
     f(x)
   assert len(builds.loops) == (1 if queued else 0), builds.loops
 
@@ -519,9 +521,9 @@ def test_a_failing_one_off_set_up_leaves_the_call_to_the_numpy_path(monkeypatch)
   source digest, the BLAS addresses: ``NativeLoop._one_off_set_up``)
   never raises into the kernel's call: where it fails, the loop's calls go
   on with the NumPy path's results."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
-  monkeypatch.setattr(tier, "_set_up", [])
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "set_up_done", [])
   set_up = []
 
   def broken():
@@ -544,25 +546,25 @@ def test_the_first_build_waits_for_the_set_up_price(monkeypatch):
   path cost ``SETUP_PRICE`` beyond the build's own price: a kernel called
   a few dozen times never pays the set-up. Once it is done, the next
   loops' builds are due at their price alone."""
-  monkeypatch.setattr(tier, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
-  monkeypatch.setattr(tier, "_set_up", [])
-  monkeypatch.setattr(tier, "SETUP_PRICE", 1e9)
+  monkeypatch.setattr(cost_rule, "set_up_done", [])
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 1e9)
   builds = _Builds(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 97 + 1, jnp.int32)
   f = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     f(x)
-  assert not builds.loops and not tier._set_up, "built before its set-up's price was spent"
-  monkeypatch.setattr(tier, "SETUP_PRICE", 0.0)
+  assert not builds.loops and not cost_rule.set_up_done, "built before its set-up's price was spent"
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
   g = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     g(x)
-  assert len(builds.loops) == 1 and tier._set_up == [1]
-  monkeypatch.setattr(tier, "SETUP_PRICE", 1e9)  # (done: not priced again)
+  assert len(builds.loops) == 1 and cost_rule.set_up_done == [1]
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 1e9)  # (done: not priced again)
   h = _call(_salt(), BACKGROUND, x)
-  for _ in range(tier.HOT_RUNS + 3):
+  for _ in range(cost_rule.HOT_RUNS + 3):
     h(x)
   assert len(builds.loops) == 2
 
@@ -576,3 +578,43 @@ def test_numbas_price_grows_faster_than_the_lines(monkeypatch):
     base = scheduler.price(0)
     short, long_ = scheduler.price(100) - base, scheduler.price(800) - base
     assert long_ > 8 * short * (1 + 700 / scheduler.LONG_LINES) / 2
+
+
+def test_a_builds_caller_part_waits_for_its_share_of_the_callers_seconds(monkeypatch):
+  """The caller's own part of a build (``scheduler.CALLER_PRICE``: the
+  source's generation, the job, the load, under the caller's GIL) is paid
+  only once the caller's seconds in the loop's kernel runs (``called``:
+  each run from its start to the loop's last run in it, at least the
+  loop's own ``spent``) cover it over ``cost_rule.CALLER_SHARE``: over any first
+  N calls the tier then costs the caller at most that share more than
+  ``"off"`` (issue 41). Priced here at ~25 kernel runs (a first loop of
+  the same kernel, never built, measures a run)."""
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
+  loops = []
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  builds, x = _lite_machine(monkeypatch, 0.5, 79)
+  called_at_submit = []
+  submit = scheduler.submit
+  monkeypatch.setattr(scheduler, "submit",
+                      lambda loop, step: called_at_submit.append(loop.called) or submit(loop, step))
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)
+  f = _call(_salt(), BACKGROUND, x)
+  for _ in range(20):
+    f(x)
+  (first,) = loops
+  assert not builds.loops and first.phase == "priced"
+  assert first.called >= first.spent > 0  # (a kernel run holds its loop's run)
+  price = 25 * (first.called / first.runs) * cost_rule.CALLER_SHARE
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", price)
+  g = _call(_salt(), BACKGROUND, x)
+  for _ in range(1000):
+    g(x)
+    if builds.loops:
+      break
+  loop = loops[-1]
+  assert builds.loops == [loop], ("never built", loop.called, loop.due, loop.runs)
+  assert called_at_submit[0] >= price / cost_rule.CALLER_SHARE
+  assert loop.runs > 5  # (not at the first runs: HOT_RUNS alone would allow it at 3)

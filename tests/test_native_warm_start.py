@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import blas_calls, bodies, codegen, disk_cache, tier, tier_records
+from pallas_np.native import (blas_calls, bodies, codegen, cost_rule, disk_cache, tier,
+                              tier_records)
 from tests.native_elig_util import OFF, bits
 
 _rng = np.random.default_rng(7)
@@ -219,7 +220,7 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
   """A process's first build does the one-off set-up in the caller; the BLAS
   and libm addresses (``blas_calls.status``: ~6 ms) only once a loop holding
   a float dot or a transcendental is built, not for Collatz."""
-  monkeypatch.setattr(tier, "_set_up", [])
+  monkeypatch.setattr(cost_rule, "set_up_done", [])
   monkeypatch.setattr(tier, "_addresses_set_up", [])
   status_calls = []
   real = blas_calls.status
@@ -229,7 +230,7 @@ def test_the_one_off_set_up_looks_addresses_up_only_for_loops_that_may_read_them
   collatz = tier.NativeLoop(_loop_eqn(_collatz_kernel, jnp.zeros((8, 128), jnp.int32)),
                             background, lambda ctx, *a: None)
   collatz._one_off_set_up()
-  assert tier._set_up and not status_calls
+  assert cost_rule.set_up_done and not status_calls
   a, b = jnp.zeros((8, 64), jnp.float32), jnp.zeros((64, 128), jnp.float32)
   dot = tier.NativeLoop(_loop_eqn(_dot_kernel, a, b), background, lambda ctx, *a: None)
   dot._one_off_set_up()

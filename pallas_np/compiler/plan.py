@@ -9,6 +9,7 @@ traceback frame of a plan was running (``failing_eqns``).
 from __future__ import annotations
 
 import types
+from time import perf_counter as _perf
 
 from pallas_np.compiler import sourcemap
 from pallas_np.lru import LRU
@@ -17,10 +18,14 @@ from pallas_np.lru import LRU
 class RunContext:
   """Per-execution state that ctx-rules read: where in the grid we are."""
   __slots__ = ("program_ids", "num_programs", "kernel_name", "params",
-               "grid_point", "family", "rules", "batch_size", "device")
+               "grid_point", "family", "rules", "batch_size", "device", "t0")
 
   def __init__(self, kernel_name="kernel", params=None, program_ids=(),
                num_programs=()):
+    # When the run began (perf_counter): the native tier weighs what it
+    # costs the caller against the kernel's seconds, not only its loop's
+    # (native/tier.py, ``CALLER_SHARE``).
+    self.t0 = _perf()
     self.kernel_name = kernel_name
     self.params = params
     self.program_ids = program_ids

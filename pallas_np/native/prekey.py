@@ -3,7 +3,7 @@ cheap enough for a loop's first run (docs/native.md, "The disk cache").
 
 A library is named by the digest of its generated source (``disk_cache.key``);
 generating the source costs 1-20 ms of Python, paid after the loop's NumPy
-path has cost ``tier.LOOKUP_PRICE``. The pre-key digests the *inputs* of the
+path has cost ``cost_rule.LOOKUP_PRICE``. The pre-key digests the *inputs* of the
 generator instead: the loop eqn (primitives by name, variables numbered in
 order of appearance, avals, literals and constants by value, params), the
 bounds-check mode, each operand's layout and the code that generates (every

@@ -43,10 +43,15 @@ START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
 # 14.8 s, 822 lines 157 s at load ~2.5: PERF_LOG 143): each line costs
 # LINE_PRICE more per LONG_LINES lines before it.
 LONG_LINES = 250
-# Seconds any build costs the caller itself, in full: the source's
-# generation (1-20 ms of Python on the tier's thread, under the GIL), the
-# job's files and the library's load (a dlopen).
-CALLER_PRICE = 0.02
+# Seconds of the caller's own time any build costs, in full: the source's
+# generation, the pre-key, the job's files, the library's load (a dlopen)
+# and its swap, all Python on the tier's thread under the GIL, and lite's
+# compile-process start where the build asked for it. Measured as the tier
+# thread's CPU time per build, 2 vCPUs (PERF_LOG 160): cumsum 11.7 ms,
+# bitonic 15.4, Collatz 19.1, quant_matmul 11.5, int8_matmul 10.5,
+# matmul_acc 14.1, layer_norm_block 9.9. The build is due once the caller's
+# seconds in the loop's kernel runs reach this over ``cost_rule.CALLER_SHARE``.
+CALLER_PRICE = 0.014
 
 # The tier's counters (``stats``): loops compiled, refused, failed, reused,
 # loaded from disk, native calls, and builds queued or compiling now.

@@ -6,21 +6,25 @@ code, with the NumPy path's bits and errors (docs/native.md).
 At its first run, where this process or the disk cache has pre-keys
 (``prekey``), the loop's library is looked up by its pre-key: found, it is
 loaded (a ``dlopen``) and swapped in (one attribute store), with no source
-generated. Else, once the loop's NumPy path has cost ``LOOKUP_PRICE``
-seconds, it gets a price (the measured or estimated build time, from its
-size: no source is generated yet); once its NumPy path has cost
-``COMPILE_WEIGHT`` times that price (the calls so far stand for the calls
-to come), the build is submitted to the tier's one thread (``scheduler``,
-which also prices builds and weighs them against the load): it generates
-the source (``codegen``), looks the library built from that source up in
-memory and on disk (``disk_cache``, ``lite_cache``) and, not found,
-has it built by a compile process (``scheduler.Compiler``; the tier's
-thread waits on a pipe, holding no GIL): lite's (``lite_cache``,
-``lite_worker``: the source translated to LLVM IR and linked into a shared
-library, ~0.1-1 s: where a core is idle its price is the caller's own
-part, ``scheduler.CALLER_PRICE``, and the process is started once the loop
-cost ``PRESTART_PRICE`` and waited for before the source is generated) or, where lite
-refuses it, priced again, numba's. Until then, and for good when the
+generated. Else the tier spends the caller's own time (its GIL) on the
+loop only in proportion to what the loop has cost: a step costing the
+caller c seconds is taken once its NumPy path has cost c /
+``CALLER_SHARE`` (3%), so that no first N calls are slower than "off" by
+more than that share. Once it has cost ``LOOKUP_PRICE`` it gets a price
+(the measured or estimated build time, from its size: no source is
+generated yet); lite's compile process is started once it has cost
+``PRESTART_PRICE / CALLER_SHARE`` (~70 ms; its imports, ~0.15 s, run on
+another core); the build is submitted once it has cost both the build's
+caller part over ``CALLER_SHARE`` (~0.5 s) and the compile's price at
+the load's weight (``scheduler``, which also prices builds and weighs
+them against the load), to the tier's one thread: it
+generates the source (``codegen``), looks the library built from that
+source up in memory and on disk (``disk_cache``, ``lite_cache``) and,
+not found, has it built by a compile process (``scheduler.Compiler``;
+the tier's thread waits on a pipe, holding no GIL): lite's
+(``lite_cache``, ``lite_worker``: the source translated to LLVM IR and
+linked into a shared library, ~0.1-1 s) or, where lite refuses it,
+priced again, numba's. Until then, and for good when the
 loop is refused or the build fails (logged once at debug level), the NumPy
 path runs. ``"sync"`` builds at the first run, in the caller (tests).
 What a loop's pre-key records, and what a warm process skips by it (a
@@ -38,40 +42,15 @@ import numpy as np
 from pallas_np import _compat as jc
 from pallas_np.env_switches import env_switch
 from pallas_np.lru import LRU
-from pallas_np.native import (blas_calls, codegen, disk_cache, dma_calls, guards, lanes,
-                              loop_errors, loop_step, lite_cache, prekey, scheduler)
+from pallas_np.native import (blas_calls, codegen, cost_rule, disk_cache, dma_calls, guards,
+                              lanes, loop_errors, loop_step, lite_cache, prekey, scheduler)
+from pallas_np.native.cost_rule import HOT_RUNS, CostRule
 from pallas_np.native import tier_records as records
 
 log = logging.getLogger("pallas_np.native")
 
-# Kernel runs before a loop may be compiled (a loop run once or twice, a
-# test or a one-off call, never starts a build; a library already on disk
-# is loaded from the first run on).
-HOT_RUNS = 3
 MODES = ("background", "sync", "off")
 ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
-# NumPy-path seconds a loop costs before its build is priced (a walk over
-# its eqns: its source, 1-20 ms of Python, is generated only when the
-# build is due).
-LOOKUP_PRICE = 0.02
-# NumPy-path seconds a loop with no library costs before lite's compile
-# process is started (``_prestart_lite``; from LOOKUP_PRICE on: with the
-# pricing, where a loop first shows it may be worth a build). Its start
-# (~0.05-0.15 s of Python, lite's modules and llvmlite on the other core,
-# and a thread start and ``Popen``, 1-5 ms of the caller's GIL) slowed a
-# caller on a 2-vCPU machine while it ran: started at the loop's first run
-# it landed on the first 20-100 calls of every loop kernel (Collatz N=20
-# +70%, N=100 +110% at load 2-4), and on every call of a cheap one
-# (layer_norm_block: 1000 calls in ~25 ms) whose build is not due within
-# them anyway; 5 and 10 ms did no better (PERF_LOG "[never]").
-PRESTART_PRICE = 0.02
-# Generated lines per eqn of a loop, for the price before its source exists.
-LINES_PER_EQN = 2
-# While a priced loop's cost is below its price at the busy weight, the
-# load is read again only after its NumPy path cost another RECHECK_SHARE
-# of the price (a run itself only adds and compares: no system call).
-RECHECK_SHARE = 0.02
-
 _state = scheduler.state  # (the counters: scheduler.stats)
 # Loaded loops by library key: the eager and the jax.jit path of one
 # kernel, its sequential and vectorized plans, and equal loops of other
@@ -80,7 +59,6 @@ _loaded = LRU(256)
 # Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
 _prekeys = LRU(1024)
 _UNSET = object()
-_set_up: list = []  # (NativeLoop._one_off_set_up: done)
 _addresses_set_up: list = []  # (its BLAS and libm addresses: "blas", "libm" once done)
 # Primitives whose emitters may read an address from the status array
 # (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
@@ -92,10 +70,6 @@ ADDRESS_PRIMITIVES = frozenset(("dot_general", "exp", "log", "tanh", "exp2", "lo
 # (``transcendental``: libm's loops, ~3.6 ms to load once per process); a
 # loop holding none (integer and float dots) gets BLAS's addresses only.
 LIBM_PRIMITIVES = ADDRESS_PRIMITIVES - {"dot_general"}
-# NumPy-path seconds a process's first build waits for beyond its price:
-# the caller's one-off set-up (``NativeLoop._one_off_set_up``, ~0.01 s) is paid
-# only once the loop has cost that much (the cost rule, for the set-up).
-SETUP_PRICE = 0.01
 
 
 def enabled(params) -> bool:
@@ -107,15 +81,6 @@ def enabled(params) -> bool:
   return (mode != "off" and not params.pdb and not params.detect_races
           and params.explain is None and not params.check_avals and params.trace is None
           and getattr(params, "oob_reads", "raise") == "raise")  # (fill: state/past_end.py)
-
-
-def _eqn_count(jaxpr) -> int:
-  n = 0
-  for e in jaxpr.eqns:
-    n += 1
-    for sub in jc.eqn_subjaxprs(e):
-      n += _eqn_count(sub)
-  return n
 
 
 def holds(jaxpr, names) -> bool:
@@ -159,7 +124,7 @@ def _signature(src, avals, layouts):
   return args, ret, tuple(guard)
 
 
-class NativeLoop:
+class NativeLoop(CostRule):
   """A loop rule's callable with its native tier (see the module doc)."""
 
   def __init__(self, eqn, params, numpy_fn, in_batched=None, out_batched=None):
@@ -179,14 +144,19 @@ class NativeLoop:
     self.fast = None  # once swapped: the run as one generated function (loop_step)
     self.runs = 0
     self.spent = 0.0  # seconds the NumPy path ran
+    # The caller's seconds in the kernel runs this loop ran in (each from its
+    # start, ``RunContext.t0``, to the loop's last run in it): what the
+    # tier's own cost is weighed against (``CALLER_SHARE``); ``closed``:
+    # those of the runs before the last.
+    self.called = self.closed = 0.0
     self.last_ctx = None
     self.prechecked = False
     self.phase = "new"  # -> "priced" -> "building" -> "done"
     self.price = 0.0
-    # NumPy-path seconds at which _consider takes its next step (below it a
-    # run only adds its time): LOOKUP_PRICE (pricing), then the build's price
-    # at the least weight.
-    self.due = 0.0 if self.sync else LOOKUP_PRICE
+    # The caller's seconds (``called``, at least ``spent``) at which the next
+    # step is looked at (below it a run only adds its time): LOOKUP_PRICE
+    # (pricing), lite's process start, then the build.
+    self.due = 0.0 if self.sync else cost_rule.LOOKUP_PRICE
     self.invars = [v.aval for v in eqn.invars]
     self.outs = []
     self.kinds = None
@@ -243,11 +213,14 @@ class NativeLoop:
       if loop.timing:
         t0 = perf()
         res = numpy_fn(ctx, *args)
-        loop.spent += perf() - t0
+        t1 = perf()
+        loop.spent += t1 - t0
         if ctx is not loop.last_ctx:
           loop.last_ctx = ctx
           loop.runs += 1
-        if loop.spent >= loop.due:
+          loop.closed = loop.called
+        loop.called = loop.closed + t1 - getattr(ctx, "t0", t0)
+        if loop.called >= loop.due:
           loop._step(args)
         return res
       if loop.waiting:
@@ -274,40 +247,6 @@ class NativeLoop:
     """The loop's jaxprs (its eqn's params)."""
     return [getattr(p, "jaxpr", p) for p in self.eqn.params.values()
             if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr)]
-
-  def _price(self) -> None:
-    """The build's price, from the loop's size (no source generated)."""
-    lines = LINES_PER_EQN * sum(_eqn_count(j) for j in self._jaxprs())
-    self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
-    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
-        and not self.prestarted and not self._prestart_lite()):
-      self.price += lite_cache.START_PRICE  # (no core idle: started with the build, priced in)
-    # (the least weight(): the load is read when it is reached; a lite build's price is the
-    # caller's own part: ``_step``)
-    self.due = 0.0 if self.sync else (
-        scheduler.CALLER_PRICE if self.lite else scheduler.COMPILE_WEIGHT * self.price)
-    self.phase = "priced"
-    if (not self.sync and not self.lite and scheduler.compiler.proc is None
-        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
-      # (the compile process's one-off setup, ~1-4 s of a niced process,
-      # paid while the build is not yet due, where a core is idle; else
-      # when the build is queued. Started by the tier's thread: a process
-      # start holds the GIL for milliseconds)
-      scheduler.prestart()
-
-  def _prestart_lite(self) -> bool:
-    """Has lite's compile process started (Python and llvmlite's import,
-    ~0.15 s, then its warm-up, on another core) at the loop's first run
-    that found no library, inside the kernel's first call, where a core
-    is idle (the load is read once): its start is then the build's
-    latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
-    of the caller's GIL). It exits with this process (the end of its
-    input; during its start, ``aot_worker``'s orphan watch). Whether it
-    was asked for (by this loop)."""
-    if not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT:
-      self.prestarted = True
-      scheduler.prestart(scheduler.lite_compiler)
-    return self.prestarted
 
   def _generate(self) -> bool:
     """Generate the loop's source, its signature and library key (False,
@@ -503,48 +442,6 @@ class NativeLoop:
     self.native = fn  # the swap
     _state["compiled"] += 1
 
-  def _consider(self, ctx, args, spent) -> None:
-    """Counts a run of the NumPy path and takes the next step when its
-    cost says so (see the module doc)."""
-    if ctx is not self.last_ctx:
-      self.last_ctx = ctx
-      self.runs += 1
-    self.spent += spent
-    if self.spent >= self.due:
-      self._step(args)
-
-  def _step(self, args) -> None:
-    """The next step of a loop whose cost reached ``due``."""
-    if self.phase == "new":
-      if not self.sync and self.spent < LOOKUP_PRICE:  # (PRESTART_PRICE: lite's process)
-        if self.lite and scheduler.lite_compiler.proc is None:
-          self._prestart_lite()
-        self.due = LOOKUP_PRICE
-        return
-      self._prepare(args)
-      self._price()
-    if self.phase == "priced" and self.spent >= self.due:
-      if not self.sync:
-        if self.lite and scheduler.lite_compiler.starting:
-          # (its source generated, its caller's part paid, once lite's compile process can
-          # take the build: a kernel called only while it starts, ~0.15 s, never pays it;
-          # looked at again next run, an attribute read)
-          return
-        due = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
-               + scheduler.CALLER_PRICE + (0.0 if _set_up else SETUP_PRICE))
-        if self.spent < due:  # (the load is looked at again after RECHECK_SHARE more)
-          self.due = min(due, self.spent + RECHECK_SHARE * self.price)
-          return
-        if self.runs < HOT_RUNS:
-          return  # (looked at again next run)
-      self.phase = "building"
-      self.due = float("inf")
-      self._one_off_set_up()
-      if self.sync:
-        self._guarded(self.build)
-      else:
-        scheduler.submit(self, self.build)
-
   def _one_off_set_up(self) -> None:
     """The one-off set-up every build needs, in the caller, once per
     process, when its first build is due: the pre-key's digest of the
@@ -554,13 +451,13 @@ class NativeLoop:
     saved).
     On the tier's thread each of their system and ctypes calls waits for
     the GIL behind a busy caller (0.4-0.9 s each there: PERF_LOG 138).
-    Its cost is priced in (``_step``: ``SETUP_PRICE`` more NumPy-path
+    Its cost is priced in (``cost_rule``: ``SETUP_PRICE`` more NumPy-path
     seconds before the first build), so that a kernel called a few dozen
     times never pays it. (llvmlite's import and target machine, 40-60 ms,
     are the compile process's: ``lite_worker``.)"""
     try:  # (a failure here is the build's: the NumPy path stays, the call goes on)
-      if not _set_up:
-        _set_up.append(1)
+      if not cost_rule.set_up_done:
+        cost_rule.set_up_done.append(1)
         prekey.code_version()
       libm = self._reads_libm()
       need = "libm" if libm else "blas"
@@ -605,7 +502,7 @@ class NativeLoop:
       if (self.native is None and self.phase != "done" and not self.sync
           and scheduler.lite_compiler.proc is None):
         # (lite's process started then, where lite builds the loop: _step)
-        self.due = min(self.due, PRESTART_PRICE)
+        self.due = min(self.due, cost_rule.PRESTART_PRICE / cost_rule.CALLER_SHARE)
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)

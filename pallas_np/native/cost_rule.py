@@ -1,0 +1,185 @@
+"""When a native loop's next step is due: the cost rule (docs/native.md,
+"When: the cost rule"). ``CostRule`` is the half of ``tier.NativeLoop``
+that counts what a loop costs the caller (its NumPy path's seconds,
+``spent``, and the caller's seconds in its kernel runs, ``called``) and
+decides when the loop is priced, when lite's compile process is started
+and when its build is submitted to ``scheduler`` (which prices builds
+against the load); ``tier`` holds what the steps do (generate, build,
+load, swap, run). Every step that takes the caller's own time waits for
+its share of the caller's seconds (``CALLER_SHARE``).
+"""
+from __future__ import annotations
+
+import time
+
+from pallas_np import _compat as jc
+from pallas_np.native import lite_cache, scheduler
+
+# Kernel runs before a loop may be compiled (a loop run once or twice, a
+# test or a one-off call, never starts a build; a library already on disk
+# is loaded from the first run on).
+HOT_RUNS = 3
+
+# The share of the caller's seconds the tier may take of the caller's own
+# time (its GIL) before the loop runs compiled: a step that costs the
+# caller c seconds (lite's process start, ``PRESTART_PRICE``; a build's own
+# part, ``scheduler.CALLER_PRICE``; the process's one-off set-up,
+# ``SETUP_PRICE``) is taken only once the caller's seconds in the loop's
+# kernel runs (``called``) reach c / CALLER_SHARE, so that over any first N
+# calls the tier costs the caller at most this share more than
+# ``native_loops="off"`` until the compiled loop pays it back (issue 41:
+# "at every N never slower than off"). At 0.03 a process's first build is
+# due after ~0.57 s of the kernel's calls; it was due after ~0.03 s of the
+# loop's, where its ~10-20 ms showed as 5-30% slower calls over the first
+# 100-1000 (PERF_LOG 160).
+CALLER_SHARE = 0.03
+# NumPy-path seconds a loop costs before its build is priced (a walk over
+# its eqns, and lite's availability looked up once per process, ~0.7 ms:
+# within CALLER_SHARE; its source is generated only when the build is due).
+LOOKUP_PRICE = 0.03
+# Seconds of the caller's time lite's compile-process start costs (a
+# thread start and a ``Popen`` on the tier's thread, 1-2 ms; its imports,
+# ~0.05-0.15 s, run on another core): it is started once a loop with no
+# library has cost PRESTART_PRICE / CALLER_SHARE (~70 ms), well before
+# its build is due, so that the process is ready by then. Started at the
+# loop's first run it had slowed the first 20-100 calls of every loop
+# kernel (PERF_LOG "[never]").
+PRESTART_PRICE = 0.002
+# Generated lines per eqn of a loop, for the price before its source exists.
+LINES_PER_EQN = 2
+# While a priced loop's cost is below its price at the busy weight, the
+# load is read again only after its NumPy path cost another RECHECK_SHARE
+# of the price (a run itself only adds and compares: no system call).
+RECHECK_SHARE = 0.02
+
+# Seconds of the caller's time of the one-off set-up a process's first
+# build pays (``NativeLoop._one_off_set_up``: 1.5 ms, ~5 ms with BLAS's
+# checks): priced in as ``CALLER_PRICE`` is (over ``CALLER_SHARE``).
+SETUP_PRICE = 0.003
+
+set_up_done: list = []  # (NativeLoop._one_off_set_up: done)
+
+
+def eqn_count(jaxpr) -> int:
+  """The eqns of ``jaxpr`` and its nested jaxprs (a loop's size, priced
+  before its source exists)."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += 1
+    for sub in jc.eqn_subjaxprs(e):
+      n += eqn_count(sub)
+  return n
+
+
+class CostRule:
+  """The cost rule's steps of a ``tier.NativeLoop`` (which supplies
+  ``_prepare``, ``_jaxprs``, ``_one_off_set_up``, ``_guarded``, ``build``
+  and the counters its ``entry`` keeps)."""
+
+  def _price(self) -> None:
+    """The build's price, from the loop's size (no source generated)."""
+    lines = LINES_PER_EQN * sum(eqn_count(j) for j in self._jaxprs())
+    self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
+    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
+        and not self.prestarted and scheduler.weight() != scheduler.COMPILE_WEIGHT):
+      self.price += lite_cache.START_PRICE  # (no core idle: started with the build, priced in)
+    # (the least weight(): the load is read when it is reached; a lite build's price is the
+    # caller's own part: ``_step``)
+    least = scheduler.CALLER_PRICE / CALLER_SHARE
+    self.due = 0.0 if self.sync else (
+        least if self.lite else max(scheduler.COMPILE_WEIGHT * self.price, least))
+    if self.lite and not self.sync:  # (lite's process start, due first where it is not running)
+      self.due = min(self.due, self._prestart_due(max(self.called, self.spent)) or self.due)
+    self.phase = "priced"
+    if (not self.sync and not self.lite and scheduler.compiler.proc is None
+        and scheduler.weight() == scheduler.COMPILE_WEIGHT):
+      # (the compile process's one-off setup, ~1-4 s of a niced process,
+      # paid while the build is not yet due, where a core is idle; else
+      # when the build is queued. Started by the tier's thread: a process
+      # start holds the GIL for milliseconds)
+      scheduler.prestart()
+
+  def _prestart_lite(self) -> bool:
+    """Has lite's compile process started (Python and llvmlite's import,
+    ~0.15 s, then its warm-up, on another core) once a loop that found no
+    library has cost ``PRESTART_PRICE / CALLER_SHARE``, where a core is
+    idle (the load is read once): its start is then the build's
+    latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
+    of the caller's GIL). It exits with this process (the end of its
+    input; during its start, ``aot_worker``'s orphan watch). Whether it
+    was asked for (by this loop)."""
+    if not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT:
+      self.prestarted = True
+      scheduler.prestart(scheduler.lite_compiler)
+    return self.prestarted
+
+  def _prestart_due(self, called: float) -> float:
+    """lite's compile process, started (``_prestart_lite``) once the
+    caller's seconds in the loop's kernel runs (``called``) cover its
+    start's caller part over ``CALLER_SHARE``: 0.0 once the loop may go on
+    (started, running, or, no core idle, left to start with the build),
+    else the caller's seconds it is due at."""
+    if self.prestarted or scheduler.lite_compiler.proc is not None:
+      return 0.0
+    due = PRESTART_PRICE / CALLER_SHARE
+    if called < due:
+      return due
+    self._prestart_lite()
+    return 0.0
+
+  def _consider(self, ctx, args, spent) -> None:
+    """Counts a run of the NumPy path and takes the next step when its
+    cost says so (see the module doc)."""
+    if ctx is not self.last_ctx:
+      self.last_ctx = ctx
+      self.runs += 1
+      self.closed = self.called
+    self.spent += spent
+    t0 = getattr(ctx, "t0", None)
+    self.called = self.closed + time.perf_counter() - t0 if t0 is not None else self.spent
+    if max(self.called, self.spent) >= self.due:
+      self._step(args)
+
+  def _step(self, args) -> None:
+    """The next step of a loop whose cost reached ``due``. ``due`` is in
+    the caller's seconds (``called``; a kernel body's sampled steps count
+    ``spent`` alone); a step priced in the loop's own seconds (pricing, a
+    build's compile at the load's weight) is looked at again once the
+    caller spent at least the seconds it still lacks."""
+    called = max(self.called, self.spent)
+    if self.phase == "new":
+      if not self.sync and self.spent < LOOKUP_PRICE:  # (lite's process may be due first)
+        due = called + LOOKUP_PRICE - self.spent
+        self.due = min(due, self._prestart_due(called) or due) if self.lite else due
+        return
+      self._prepare(args)
+      self._price()
+    if self.phase == "priced" and called >= self.due:
+      if not self.sync:
+        if self.lite:
+          due = self._prestart_due(called)
+          if due:
+            self.due = due
+            return
+          if scheduler.lite_compiler.starting:
+            # (its source generated, its caller's part paid, once lite's compile process can
+            # take the build: a kernel called only while it starts, ~0.15 s, never pays it;
+            # looked at again next run, an attribute read)
+            return
+        # (the caller's own part over CALLER_SHARE, in the caller's seconds, and the
+        # compile process's seconds at the load's weight, in the loop's: both due)
+        share = (scheduler.CALLER_PRICE + (0.0 if set_up_done else SETUP_PRICE)) / CALLER_SHARE
+        lacking = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
+                   - self.spent)
+        if called < share or lacking > 0:  # (the load is looked at again after RECHECK_SHARE more)
+          self.due = max(share, called + min(max(lacking, 0.0), RECHECK_SHARE * self.price))
+          return
+        if self.runs < HOT_RUNS:
+          return  # (looked at again next run)
+      self.phase = "building"
+      self.due = float("inf")
+      self._one_off_set_up()
+      if self.sync:
+        self._guarded(self.build)
+      else:
+        scheduler.submit(self, self.build)
