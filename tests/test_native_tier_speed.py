@@ -618,3 +618,54 @@ def test_a_builds_caller_part_waits_for_its_share_of_the_callers_seconds(monkeyp
   assert builds.loops == [loop], ("never built", loop.called, loop.due, loop.runs)
   assert called_at_submit[0] >= price / cost_rule.CALLER_SHARE
   assert loop.runs > 5  # (not at the first runs: HOT_RUNS alone would allow it at 3)
+
+
+def _prologue_kernel(salt):
+  """A small loop after a costly prologue (a kernel whose loop is a small
+  part of its run)."""
+  def kernel(x_ref, w_ref, o_ref):
+    w = w_ref[...]
+    for _ in range(8):
+      w = jnp.tanh(w @ w)
+    x = x_ref[...] + (w[0, 0] > 2).astype(x_ref.dtype)
+    o_ref[...] = lax.fori_loop(0, 2, lambda i, x: jnp.where(x % 2 == 0, x // 2, 3 * x + salt), x)
+  return kernel
+
+
+def test_the_callers_share_counts_the_kernels_seconds_not_only_the_loops(monkeypatch):
+  """``called`` counts a kernel run from its start (``RunContext.t0``), so a
+  loop that is a small part of its kernel comes due by the kernel's
+  seconds: its build is submitted before the loop's own NumPy seconds
+  (``spent``) alone would reach the share."""
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
+  loops = []
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  builds, x = _lite_machine(monkeypatch, 0.5, 83)
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)) * 0.01, jnp.float32)
+  at_submit = []
+  submit = scheduler.submit
+  monkeypatch.setattr(scheduler, "submit", lambda loop, step: at_submit.append(
+      (loop.spent, loop.called)) or submit(loop, step))
+
+  def call(salt):
+    return pl.pallas_call(_prologue_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=BACKGROUND)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)
+  f = call(_salt())
+  for _ in range(10):
+    f(x, w)
+  loop = next(v for v in loops if v.runs)
+  assert loop.called > 3 * loop.spent, (loop.called, loop.spent)  # (the prologue counts)
+  threshold = 10 * loop.called / loop.runs  # (~10 kernel runs, ~<3 runs of the loop's own)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", threshold * cost_rule.CALLER_SHARE)
+  g = call(_salt())
+  for _ in range(200):
+    g(x, w)
+    if builds.loops:
+      break
+  assert builds.loops, "never built"
+  spent, called = at_submit[0]
+  assert called >= threshold > spent

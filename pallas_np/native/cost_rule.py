@@ -80,16 +80,18 @@ class CostRule:
     """The build's price, from the loop's size (no source generated)."""
     lines = LINES_PER_EQN * sum(eqn_count(j) for j in self._jaxprs())
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
-    if (self.lite and not self.sync and scheduler.lite_compiler.proc is None
-        and not self.prestarted and scheduler.weight() != scheduler.COMPILE_WEIGHT):
+    starting = (self.lite and not self.sync and scheduler.lite_compiler.proc is None
+                and not self.prestarted)
+    idle = starting and scheduler.weight() == scheduler.COMPILE_WEIGHT  # (the load read once)
+    if starting and not idle:
       self.price += lite_cache.START_PRICE  # (no core idle: started with the build, priced in)
     # (the least weight(): the load is read when it is reached; a lite build's price is the
     # caller's own part: ``_step``)
     least = scheduler.CALLER_PRICE / CALLER_SHARE
     self.due = 0.0 if self.sync else (
         least if self.lite else max(scheduler.COMPILE_WEIGHT * self.price, least))
-    if self.lite and not self.sync:  # (lite's process start, due first where it is not running)
-      self.due = min(self.due, self._prestart_due(max(self.called, self.spent)) or self.due)
+    if idle:  # (lite's process start, due first where it is not running)
+      self.due = min(self.due, self._prestart_due(max(self.called, self.spent), idle) or self.due)
     self.phase = "priced"
     if (not self.sync and not self.lite and scheduler.compiler.proc is None
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
@@ -99,7 +101,7 @@ class CostRule:
       # start holds the GIL for milliseconds)
       scheduler.prestart()
 
-  def _prestart_lite(self) -> bool:
+  def _prestart_lite(self, idle: bool | None = None) -> bool:
     """Has lite's compile process started (Python and llvmlite's import,
     ~0.15 s, then its warm-up, on another core) once a loop that found no
     library has cost ``PRESTART_PRICE / CALLER_SHARE``, where a core is
@@ -107,13 +109,16 @@ class CostRule:
     latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
     of the caller's GIL). It exits with this process (the end of its
     input; during its start, ``aot_worker``'s orphan watch). Whether it
-    was asked for (by this loop)."""
-    if not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT:
+    was asked for (by this loop). ``idle``: the load's verdict, where the
+    caller just read it."""
+    if idle is None:
+      idle = not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT
+    if not self.prestarted and idle:
       self.prestarted = True
       scheduler.prestart(scheduler.lite_compiler)
     return self.prestarted
 
-  def _prestart_due(self, called: float) -> float:
+  def _prestart_due(self, called: float, idle: bool | None = None) -> float:
     """lite's compile process, started (``_prestart_lite``) once the
     caller's seconds in the loop's kernel runs (``called``) cover its
     start's caller part over ``CALLER_SHARE``: 0.0 once the loop may go on
@@ -124,7 +129,7 @@ class CostRule:
     due = PRESTART_PRICE / CALLER_SHARE
     if called < due:
       return due
-    self._prestart_lite()
+    self._prestart_lite(idle)
     return 0.0
 
   def _consider(self, ctx, args, spent) -> None:
