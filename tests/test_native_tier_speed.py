@@ -580,6 +580,22 @@ def test_numbas_price_grows_faster_than_the_lines(monkeypatch):
     assert long_ > 8 * short * (1 + 700 / scheduler.LONG_LINES) / 2
 
 
+def _share_machine(monkeypatch, modulus):
+  """``_lite_machine`` with pricing at once and lite's build priced at ~0:
+  the loops made (in order) and each submitted loop's (spent, called)."""
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
+  loops, at_submit = [], []
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  builds, x = _lite_machine(monkeypatch, 0.5, modulus)
+  submit = scheduler.submit
+  monkeypatch.setattr(scheduler, "submit", lambda loop, step: at_submit.append(
+      (loop.spent, loop.called)) or submit(loop, step))
+  return builds, x, loops, at_submit
+
+
 def test_a_builds_caller_part_waits_for_its_share_of_the_callers_seconds(monkeypatch):
   """The caller's own part of a build (``scheduler.CALLER_PRICE``: the
   source's generation, the job, the load, under the caller's GIL) is paid
@@ -589,17 +605,7 @@ def test_a_builds_caller_part_waits_for_its_share_of_the_callers_seconds(monkeyp
   N calls the tier then costs the caller at most that share more than
   ``"off"`` (issue 41). Priced here at ~25 kernel runs (a first loop of
   the same kernel, never built, measures a run)."""
-  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
-  loops = []
-  init = tier.NativeLoop.__init__
-  monkeypatch.setattr(tier.NativeLoop, "__init__",
-                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
-  builds, x = _lite_machine(monkeypatch, 0.5, 79)
-  called_at_submit = []
-  submit = scheduler.submit
-  monkeypatch.setattr(scheduler, "submit",
-                      lambda loop, step: called_at_submit.append(loop.called) or submit(loop, step))
+  builds, x, loops, at_submit = _share_machine(monkeypatch, 79)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(20):
@@ -616,7 +622,7 @@ def test_a_builds_caller_part_waits_for_its_share_of_the_callers_seconds(monkeyp
       break
   loop = loops[-1]
   assert builds.loops == [loop], ("never built", loop.called, loop.due, loop.runs)
-  assert called_at_submit[0] >= price / cost_rule.CALLER_SHARE
+  assert at_submit[0][1] >= price / cost_rule.CALLER_SHARE
   assert loop.runs > 5  # (not at the first runs: HOT_RUNS alone would allow it at 3)
 
 
@@ -637,18 +643,8 @@ def test_the_callers_share_counts_the_kernels_seconds_not_only_the_loops(monkeyp
   loop that is a small part of its kernel comes due by the kernel's
   seconds: its build is submitted before the loop's own NumPy seconds
   (``spent``) alone would reach the share."""
-  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
-  loops = []
-  init = tier.NativeLoop.__init__
-  monkeypatch.setattr(tier.NativeLoop, "__init__",
-                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
-  builds, x = _lite_machine(monkeypatch, 0.5, 83)
+  builds, x, loops, at_submit = _share_machine(monkeypatch, 83)
   w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)) * 0.01, jnp.float32)
-  at_submit = []
-  submit = scheduler.submit
-  monkeypatch.setattr(scheduler, "submit", lambda loop, step: at_submit.append(
-      (loop.spent, loop.called)) or submit(loop, step))
 
   def call(salt):
     return pl.pallas_call(_prologue_kernel(salt), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
