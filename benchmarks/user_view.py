@@ -36,7 +36,11 @@ noise. ``--aa`` runs a second ``off`` process each round (``off_aa``):
 its per-round ratio to ``off`` is what two processes running the same
 Python differ by on this machine, and a kernel's tier counts as "slower
 beyond noise" at N only where the median tier/off exceeds 1 by more than
-the largest A/A deviation of its rounds. Nothing
+the largest A/A deviation of its rounds. With ``--repeats 5`` or more, a
+sign test too: "slower by the sign test" at N where the tier was slower
+than ``off`` in so many of the rounds that a tier no slower would be so
+rarely (one-sided, p < 0.05): a cost of a few percent the tier always
+adds shows there, below the A/A noise. Nothing
 waits for a compile (``native.wait`` is never called in a timed process):
 this is the user's view.
 Never run as a timed test (CPU-bound, seconds per kernel).
@@ -318,6 +322,34 @@ def totals(rows):
       if "off_aa" in r and len(rounds) > 1:
         print(f"{kernel}: tier ({what} cache) slower beyond noise at N = "
               f"{beyond_noise(r, rounds, m) or 'none'}")
+      if len(rounds) >= SIGN_ROUNDS:
+        print(f"{kernel}: tier ({what} cache) slower by the sign test at N = "
+              f"{sign_test(rounds, m) or 'none'}")
+
+
+SIGN_ROUNDS = 5  # (the fewest rounds whose sign test can reach P_SLOWER: 5 of 5, p = 1/32)
+P_SLOWER = 0.05
+
+
+def sign_test(rounds, m) -> list:
+  """The N at which the tier was slower than ``off`` in so many rounds
+  that a tier no slower (each round's tier/off as likely above 1 as
+  below) would have been so rarely (one-sided binomial sign test, p <
+  P_SLOWER): a small cost the tier always adds shows here however noisy
+  each round is, where ``beyond_noise`` asks for more than the A/A noise.
+  Each with the rounds slower, the p-value and the rounds' median
+  tier/off."""
+  out = []
+  for n in NS:
+    key = f"n{n}"
+    if not all(rd[m][key] and rd["off"][key] for rd in rounds):
+      continue
+    ratios = [rd[m][key] / rd["off"][key] for rd in rounds]
+    k, r = sum(x > 1 for x in ratios), len(ratios)
+    p = sum(math.comb(r, i) for i in range(k, r + 1)) / 2 ** r
+    if p < P_SLOWER:
+      out.append(f"{n} ({k} of {r} rounds, p={p:.3f}, median {statistics.median(ratios):.3f})")
+  return out
 
 
 def beyond_noise(r, rounds, m) -> list:

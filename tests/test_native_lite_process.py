@@ -81,6 +81,7 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
   # (at normal priority: a niced process may wait minutes on a busy machine)
   monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))
   x = make_x()
@@ -165,7 +166,7 @@ _EXIT_WHILE_BUILDING = textwrap.dedent("""
     from pallas_np import native
     from pallas_np.native import cost_rule, scheduler, tier
     cost_rule.LOOKUP_PRICE = cost_rule.SETUP_PRICE = cost_rule.PRESTART_PRICE = 0.0
-    scheduler.COMPILE_WEIGHT = scheduler.CALLER_PRICE = 0.0
+    scheduler.COMPILE_WEIGHT = scheduler.CALLER_PRICE = scheduler.NEIGHBOUR_SHARE = 0.0
     from tests.test_native_tier import _call
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 61 + 1, jnp.int32)
     f = _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)
@@ -290,3 +291,57 @@ def test_lite_process_ready_while_llvmlite_is_set_up(monkeypatch):
   assert lite_worker.binding_set_up(lambda: True) is False  # (a job pending: no wait)
   gate.set()
   assert lite_worker.binding_set_up() is True and not lite_worker._binding[0].is_alive()
+
+
+def test_a_build_waiting_for_lites_process_looks_again_after_its_recheck(monkeypatch):
+  """While lite's compile process starts (~0.07 s), a loop whose build is
+  due looks at it again only once the caller spent ``STARTING_RECHECK``
+  more (a look at every run cost ~1 us each over hundreds of runs), and
+  its build is queued at the first look after the process is ready."""
+  from tests.test_native_tier_speed import _call, _lite_machine, _salt
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
+  monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 1e9)
+  monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
+  steps = []
+  real = cost_rule.CostRule._step
+  monkeypatch.setattr(cost_rule.CostRule, "_step", lambda self, a: steps.append(1) or real(self, a))
+  builds, x = _lite_machine(monkeypatch, 0.5, 59)
+  f = _call(_salt(), pallas_np.InterpretParams(native_loops="background"), x)
+  for _ in range(cost_rule.HOT_RUNS + 5):
+    f(x)
+  looks = len(steps)
+  assert not builds.loops and looks <= 2, looks  # (priced, then one look while starting)
+  loop = next(o for o in __import__("gc").get_objects() if isinstance(o, tier.NativeLoop)
+              and o.phase == "priced" and o.due > 1e8)
+  scheduler.lite_compiler.starting = False
+  loop.due = 0.0  # (the recheck's seconds spent)
+  f(x)
+  assert builds.loops == [loop]
+
+
+def test_a_lite_build_on_an_idle_core_prices_in_its_neighbours_share(monkeypatch):
+  """A lite build on an idle core still slows the caller's calls a little
+  (``scheduler.NEIGHBOUR_SHARE`` of its seconds, measured from lite's
+  process start): its caller part counts that share of ``lite_cache.PRICE``,
+  so a build priced at 1000 s is not due after a few runs, where the same
+  build with no neighbour's share is (test_native_tier_speed.py's
+  ``test_a_lite_build_is_priced_at_the_callers_own_part``)."""
+  from tests.test_native_tier_speed import _call, _lite_machine, _salt
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
+  monkeypatch.setattr(lite_cache, "PRICE", 1000.0)
+  monkeypatch.setattr(scheduler.lite_compiler, "starting", False)
+  for share, queued in ((0.02, 0), (0.0, 1)):
+    monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", share)
+    builds, x = _lite_machine(monkeypatch, 0.5, 73 + queued)
+    f = _call(_salt(), pallas_np.InterpretParams(native_loops="background"), x)
+    for _ in range(cost_rule.HOT_RUNS + 1):
+      f(x)
+    assert len(builds.loops) == queued, (share, builds.loops)

@@ -27,9 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def _no_set_up_price(monkeypatch):
   """The cost rule of builds, not of the process's one-off set-up
-  (``cost_rule.SETUP_PRICE``: test_native_tier_speed.py's own test)."""
+  (``cost_rule.SETUP_PRICE``: test_native_tier_speed.py's own test), nor
+  of lite's process start and the looks at it while it starts."""
   monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
   monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 0.0)
+  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
 
 
 def _kernel(salt):
@@ -107,7 +110,7 @@ _SECOND_PROCESS = textwrap.dedent("""
     cost_rule.LOOKUP_PRICE = 0.0
     cost_rule.SETUP_PRICE = cost_rule.PRESTART_PRICE = 0.0
     scheduler.COMPILE_WEIGHT = 0.0
-    scheduler.CALLER_PRICE = 0.0
+    scheduler.CALLER_PRICE = scheduler.NEIGHBOUR_SHARE = 0.0
     scheduler.compiler = scheduler.Compiler(nice=False)
     scheduler.lite_compiler = scheduler.Compiler(nice=False, lite=True)
     from tests.test_native_tier import _call
@@ -156,3 +159,39 @@ def test_second_process_loads_the_library_from_disk(tmp_path, compiler, suffix, 
   if compiler == "auto":
     assert any(".lite" in p and p.endswith(suffix) for p in files), files
     assert runs[0][4] == runs[1][4] == ("True" if suffix == ".o" else "False")
+
+
+def test_a_body_its_operands_refuse_is_refused_when_priced(monkeypatch):
+  """A kernel body whose refs are bfloat16 (no generated function takes
+  one: ``codegen.operand_refusal``) is refused when it is priced, with no
+  source generated, no compile process started ahead of its build and no
+  build submitted (it had paid lite's process start and its build's caller
+  part, ~20 ms of a caller's time, to be refused at the source's
+  generation); its results are the NumPy plan's bits."""
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "weight", lambda: scheduler.COMPILE_WEIGHT)  # (a core idle)
+  started, submitted, generated = [], [], []
+  monkeypatch.setattr(scheduler, "prestart", lambda which=None: started.append(which))
+  monkeypatch.setattr(scheduler, "submit", lambda loop, step: submitted.append(loop))
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  real = tier.codegen.loop_source
+  monkeypatch.setattr(tier.codegen, "loop_source", lambda *a: generated.append(1) or real(*a))
+  salt = float(np.random.default_rng().integers(1, 1 << 10))
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = (x_ref[...].astype(jnp.float32) * 2 + salt).astype(jnp.bfloat16)
+  x = jnp.asarray(np.linspace(-4, 4, 16 * 128).reshape(16, 128), jnp.bfloat16)
+
+  def make(interpret):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+                          in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                          interpret=interpret)
+  want = np.asarray(make(OFF)(x)).view(np.uint16)
+  before = native.stats()
+  f = make(BACKGROUND)
+  for _ in range(cost_rule.HOT_RUNS + 3):
+    np.testing.assert_array_equal(np.asarray(f(x)).view(np.uint16), want)
+  assert native.stats()["refused"] == before["refused"] + 1
+  assert not started and not submitted and not generated

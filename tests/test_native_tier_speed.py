@@ -31,9 +31,13 @@ BACKGROUND = pallas_np.InterpretParams(native_loops="background")
 def _no_set_up_price(monkeypatch):
   """The cost rule of builds, not of the process's one-off set-up
   (``cost_rule.SETUP_PRICE``: test_native_tier_speed.py's own test) nor of
-  lite's process start (``cost_rule.PRESTART_PRICE``: its own tests here)."""
+  lite's process start (``cost_rule.PRESTART_PRICE``: its own tests here),
+  nor the wait between looks at lite's process while it starts
+  (``cost_rule.STARTING_RECHECK``: test_native_lite_process.py's test)."""
   monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
   monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 0.0)
+  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
 
 
 def _kernel(salt):

@@ -448,8 +448,9 @@ def operand(gen, name: str, k: int, aval) -> Val:
   """Operand ``k`` of the generated function, the variable ``name`` of the
   caller's ``aval``: a ref (the N-d array), a scalar, or a flat copy of an
   array value."""
-  if is_narrow(getattr(aval, "inner_aval", aval)):
-    raise Refused("dtype bfloat16 (a loop operand)")
+  why = operand_refusal(aval)
+  if why:
+    raise Refused(why)
   if isinstance(aval, jc.AbstractRef):
     inner = aval.inner_aval
     gen.ref_positions[name] = k
@@ -459,6 +460,36 @@ def operand(gen, name: str, k: int, aval) -> Val:
   if aval.shape == ():
     return Val(name, (), dtype_of(aval), "s")
   return gen.flat_copy(name, aval.shape, dtype_of(aval))
+
+
+def operand_refusal(aval) -> str | None:
+  """Why no generated function takes an operand of ``aval`` (``operand``
+  refuses it), else None: a bfloat16 operand (held in float32 only inside
+  the function, ``NARROW``), or a dtype outside the table."""
+  inner = getattr(aval, "inner_aval", aval)
+  if is_narrow(inner):
+    return "dtype bfloat16 (a loop operand)"
+  try:
+    dtype_of(inner)
+  except Refused as e:
+    return str(e)
+  return None
+
+
+def prerefusal(eqn) -> str | None:
+  """Why ``loop_source`` would refuse ``eqn`` for its operands alone,
+  known before any source is generated (the cost rule asks when it prices
+  the loop: a loop refused at its build had started lite's process and
+  paid the build's caller part first); None where the operands pass. An
+  eqn that brings its own generator (``lanes.LanesEqn``) answers for
+  itself at generation."""
+  if getattr(eqn, "loop_source", None) is not None:
+    return None
+  for v in eqn.invars:
+    why = operand_refusal(v.aval)
+    if why:
+      return why
+  return None
 
 
 def finish(gen, args, kinds, outs, shared=False) -> Source:

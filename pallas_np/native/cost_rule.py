@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from pallas_np import _compat as jc
-from pallas_np.native import lite_cache, scheduler
+from pallas_np.native import codegen, lite_cache, scheduler
 
 # Kernel runs before a loop may be compiled (a loop run once or twice, a
 # test or a one-off call, never starts a build; a library already on disk
@@ -29,7 +29,8 @@ HOT_RUNS = 3
 # calls the tier costs the caller at most this share more than
 # ``native_loops="off"`` until the compiled loop pays it back (issue 41:
 # "at every N never slower than off"). At 0.03 a process's first build is
-# due after ~0.57 s of the kernel's calls; it was due after ~0.03 s of the
+# due after ~0.77 s of the kernel's calls (a lite build's share of its
+# neighbour's seconds included: scheduler.NEIGHBOUR_SHARE); it was due after ~0.03 s of the
 # loop's, where its ~10-20 ms showed as 5-30% slower calls over the first
 # 100-1000 (PERF_LOG 160).
 CALLER_SHARE = 0.03
@@ -37,14 +38,23 @@ CALLER_SHARE = 0.03
 # its eqns, and lite's availability looked up once per process, ~0.7 ms:
 # within CALLER_SHARE; its source is generated only when the build is due).
 LOOKUP_PRICE = 0.03
-# Seconds of the caller's time lite's compile-process start costs (a
-# thread start and a ``Popen`` on the tier's thread, 1-2 ms; its imports,
-# ~0.05-0.15 s, run on another core): it is started once a loop with no
-# library has cost PRESTART_PRICE / CALLER_SHARE (~70 ms), well before
-# its build is due, so that the process is ready by then. Started at the
+# Seconds of the caller's time lite's compile-process start costs: a
+# thread start and a ``Popen`` on the tier's thread (~0.6 ms of the
+# caller's GIL), and its imports and warm-up (~0.16 s of CPU) on another
+# core, which still slowed the caller's calls by 2-6% while they ran
+# (~3.5 ms over 800 calls of cumsum with ``native_loops="off"``, on 2
+# vCPUs; a process spinning in Python slowed them by nothing: PERF_LOG
+# 161). It is started once a loop with no library has cost PRESTART_PRICE
+# / CALLER_SHARE (~0.17 s), before its build is due (~0.5 s), so that the
+# process is ready by then (~0.07 s after its start). Started at the
 # loop's first run it had slowed the first 20-100 calls of every loop
-# kernel (PERF_LOG "[never]").
-PRESTART_PRICE = 0.002
+# kernel (PERF_LOG "[never]"); priced at 2 ms, the calls right after it
+# (PERF_LOG 161).
+PRESTART_PRICE = 0.005
+# The caller's seconds after which a loop whose build waits for lite's
+# compile process to be ready (its start: ~0.07 s) looks at it again: a
+# run then only adds and compares (a look at every run cost ~1 us each).
+STARTING_RECHECK = 0.005
 # Generated lines per eqn of a loop, for the price before its source exists.
 LINES_PER_EQN = 2
 # While a priced loop's cost is below its price at the busy weight, the
@@ -77,7 +87,14 @@ class CostRule:
   and the counters its ``entry`` keeps)."""
 
   def _price(self) -> None:
-    """The build's price, from the loop's size (no source generated)."""
+    """The build's price, from the loop's size (no source generated); or
+    the loop refused for good where its operands alone refuse it
+    (``codegen.prerefusal``: a bfloat16 kernel body's refs), before lite's
+    process is started or its build's caller part paid for nothing."""
+    why = codegen.prerefusal(self.eqn)
+    if why:
+      self._refuse(why)
+      return
     lines = LINES_PER_EQN * sum(eqn_count(j) for j in self._jaxprs())
     self.price = lite_cache.PRICE if self.lite else scheduler.price(lines)
     starting = (self.lite and not self.sync and scheduler.lite_compiler.proc is None
@@ -168,14 +185,17 @@ class CostRule:
             return
           if scheduler.lite_compiler.starting:
             # (its source generated, its caller's part paid, once lite's compile process can
-            # take the build: a kernel called only while it starts, ~0.15 s, never pays it;
-            # looked at again next run, an attribute read)
+            # take the build: a kernel called only while it starts, ~0.07 s, never pays it)
+            self.due = called + STARTING_RECHECK
             return
         # (the caller's own part over CALLER_SHARE, in the caller's seconds, and the
         # compile process's seconds at the load's weight, in the loop's: both due)
-        share = (scheduler.CALLER_PRICE + (0.0 if set_up_done else SETUP_PRICE)) / CALLER_SHARE
-        lacking = ((scheduler.lite_weight() if self.lite else scheduler.weight()) * self.price
-                   - self.spent)
+        weight = scheduler.lite_weight() if self.lite else scheduler.weight()
+        # (a lite build on an idle core still slows the caller's calls a little: NEIGHBOUR_SHARE)
+        neighbour = scheduler.NEIGHBOUR_SHARE * self.price if self.lite and not weight else 0.0
+        share = (scheduler.CALLER_PRICE + neighbour
+                 + (0.0 if set_up_done else SETUP_PRICE)) / CALLER_SHARE
+        lacking = weight * self.price - self.spent
         if called < share or lacking > 0:  # (the load is looked at again after RECHECK_SHARE more)
           self.due = max(share, called + min(max(lacking, 0.0), RECHECK_SHARE * self.price))
           return

@@ -222,6 +222,14 @@ def price(lines: int) -> float:
   return START_PRICE + BASE_PRICE + per_lines + (MIXIN_PRICE if mixins else 0.0)
 
 
+# The share of a lite build's seconds on an idle core that still costs the
+# caller: lite's process start (its imports and LLVM's warm-up, ~0.16 s of
+# CPU on the other core) slowed a caller's calls by ~3.5 ms on 2 vCPUs
+# (PERF_LOG 161), ~2% of its seconds; a build is the same kind of work.
+# Counted in the caller's part of a lite build (``cost_rule._step``).
+NEIGHBOUR_SHARE = 0.02
+
+
 def lite_weight() -> float:
   """How much of a lite build's seconds the caller pays: none where a core
   is idle (a lite build, 0.1-1 s in lite's compile process, runs on it:
