@@ -45,7 +45,7 @@ LOOKUP_PRICE = 0.03
 # (~3.5 ms over 800 calls of cumsum with ``native_loops="off"``, on 2
 # vCPUs; a process spinning in Python slowed them by nothing: PERF_LOG
 # 161). It is started once a loop with no library has cost PRESTART_PRICE
-# / CALLER_SHARE (~0.17 s), before its build is due (~0.5 s), so that the
+# / CALLER_SHARE (~0.17 s), before its build is due (~0.7 s), so that the
 # process is ready by then (~0.07 s after its start). Started at the
 # loop's first run it had slowed the first 20-100 calls of every loop
 # kernel (PERF_LOG "[never]"); priced at 2 ms, the calls right after it
