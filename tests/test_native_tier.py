@@ -195,3 +195,19 @@ def test_a_body_its_operands_refuse_is_refused_when_priced(monkeypatch):
     np.testing.assert_array_equal(np.asarray(f(x)).view(np.uint16), want)
   assert native.stats()["refused"] == before["refused"] + 1
   assert not started and not submitted and not generated
+
+
+def test_prerefusal_leaves_an_aval_it_does_not_foresee_to_the_generation():
+  """``codegen.prerefusal`` runs in the caller's kernel run: an operand
+  whose aval it cannot read is no refusal there (the generation, on the
+  tier's thread, decides), never an exception in the caller's call."""
+  import types
+
+  from pallas_np.native import codegen
+
+  class Unreadable:
+    @property
+    def dtype(self):
+      raise TypeError("an aval prerefusal does not foresee")
+  eqn = types.SimpleNamespace(invars=[types.SimpleNamespace(aval=Unreadable())])
+  assert codegen.prerefusal(eqn) is None

@@ -482,13 +482,18 @@ def prerefusal(eqn) -> str | None:
   the loop: a loop refused at its build had started lite's process and
   paid the build's caller part first); None where the operands pass. An
   eqn that brings its own generator (``lanes.LanesEqn``) answers for
-  itself at generation."""
+  itself at generation. Never raises: it runs in the caller's kernel run,
+  where an aval this does not foresee is left to the generation (on the
+  tier's thread, whose failures leave the NumPy path)."""
   if getattr(eqn, "loop_source", None) is not None:
     return None
-  for v in eqn.invars:
-    why = operand_refusal(v.aval)
-    if why:
-      return why
+  try:
+    for v in eqn.invars:
+      why = operand_refusal(v.aval)
+      if why:
+        return why
+  except Exception:  # noqa: BLE001 - the generation decides
+    return None
   return None
 
 
