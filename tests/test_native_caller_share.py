@@ -5,7 +5,6 @@ each step is priced at what it costs the caller (a build's own part, lite's
 process start, a lite build's neighbour's share), so that over any first N
 calls the tier costs at most that share more than ``native_loops="off"``
 (issue 41). The rest of the cost rule: tests/test_native_tier_speed.py."""
-import gc
 
 import jax
 import jax.numpy as jnp
@@ -131,15 +130,16 @@ def test_a_build_waiting_for_lites_process_looks_again_after_its_recheck(monkeyp
   monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
   steps = []
   real = cost_rule.CostRule._step
-  monkeypatch.setattr(cost_rule.CostRule, "_step", lambda self, a: steps.append(1) or real(self, a))
+  monkeypatch.setattr(cost_rule.CostRule, "_step",
+                      lambda self, a: steps.append(self) or real(self, a))
   builds, x = _lite_machine(monkeypatch, 0.5, 59)
   f = _call(_salt(), BACKGROUND, x)
   for _ in range(cost_rule.HOT_RUNS + 5):
     f(x)
   looks = len(steps)
   assert not builds.loops and looks <= 2, looks  # (priced, then one look while starting)
-  loop = next(o for o in gc.get_objects() if isinstance(o, tier.NativeLoop)
-              and o.phase == "priced" and o.due > 1e8)
+  loop = steps[-1]  # (this test's loop: the steps' own, not another test's still in memory)
+  assert set(steps) == {loop} and loop.phase == "priced" and loop.due > 1e8
   scheduler.lite_compiler.starting = False
   loop.due = 0.0  # (the recheck's seconds spent)
   f(x)
