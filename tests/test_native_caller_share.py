@@ -122,10 +122,7 @@ def test_a_build_waiting_for_lites_process_looks_again_after_its_recheck(monkeyp
   more (a look at every run cost ~1 us each over hundreds of runs), and
   its build is queued at the first look after the process is ready."""
   monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
   monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 1e9)
   monkeypatch.setattr(scheduler.lite_compiler, "starting", True)
   steps = []
@@ -154,9 +151,6 @@ def test_a_lite_build_on_an_idle_core_prices_in_its_neighbours_share(monkeypatch
   build with no neighbour's share is (test_native_tier_speed.py's
   ``test_a_lite_build_is_priced_at_the_callers_own_part``)."""
   monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "STARTING_RECHECK", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e-6)
   monkeypatch.setattr(lite_cache, "PRICE", 1000.0)
   monkeypatch.setattr(scheduler.lite_compiler, "starting", False)
