@@ -168,6 +168,7 @@ def test_a_body_its_operands_refuse_is_refused_when_priced(monkeypatch):
   build submitted (it had paid lite's process start and its build's caller
   part, ~20 ms of a caller's time, to be refused at the source's
   generation); its results are the NumPy plan's bits."""
+  assert native.wait(timeout=900)  # (no earlier test's build on the tier's thread meanwhile)
   monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "weight", lambda: scheduler.COMPILE_WEIGHT)  # (a core idle)
