@@ -7,6 +7,8 @@ a loop, timed call by call from its first call (issue 41).
     python benchmarks/user_view.py --interleaved --kernels loops   # tier vs off, one process
     python benchmarks/user_view.py --repeats 5 --kernels all      # medians of 5 rounds of processes
     python benchmarks/user_view.py --repeats 3 --aa               # and an A/A noise floor
+    python benchmarks/user_view.py --kernels lib:tpu_flash_fwd    # a library kernel
+                                                  # (benchmarks/native_library.py's cases)
 
 For each kernel, one fresh process per mode runs the kernel's first call
 (trace + compile + run, reported apart) and then calls it until it made
@@ -69,6 +71,19 @@ LOOP_KERNELS = ("cumsum_fori", "bitonic_fori", "while_collatz")
 MODES = ("tier_cold", "tier_warm", "off", "interpret")
 
 
+def _case(kernel: str):
+  """The kernel's case (``make(interpret)``, ``args``): one of
+  small_kernels.py's, or ``lib:NAME``, native_library.py's case NAME
+  (library kernels with loops)."""
+  import types
+  if kernel.startswith("lib:"):
+    from benchmarks import native_library
+    make, args = native_library.CASES[kernel[len("lib:"):]]()
+    return types.SimpleNamespace(make=make, args=args)
+  from benchmarks import small_kernels
+  return small_kernels.all_cases()[kernel]()
+
+
 def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   """Runs in the fresh process: the first call, then the timed calls."""
   if ROOT not in sys.path:
@@ -76,8 +91,7 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   import jax
   jax.config.update("jax_platforms", "cpu")
   import pallas_np
-  from benchmarks import small_kernels
-  case = small_kernels.all_cases()[kernel]()
+  case = _case(kernel)
   args = jax.block_until_ready(case.args)
   if mode == "fill":  # (not timed: the kernel's loops built now, waited for)
     fn = case.make(pallas_np.InterpretParams(native_loops="sync"))

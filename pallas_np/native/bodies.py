@@ -426,10 +426,11 @@ class BodyPlan:
                  "<native body step>", "exec"),
          scope)  # noqa: S102
     step = scope["native_step"]
-    if body.sync or body.pycalls is not None or body.probed == "kept":
+    if body.sync or body.pycalls is not None or body.eqn.loops or body.probed == "kept":
       # (tests: compiled from the first run, never timed; a body with DMA call
-      # sites, as before its step function: kept without a probe; an earlier
-      # process's clear probe: tier_records)
+      # sites, as before its step function: kept without a probe; a body
+      # holding loops: the probe would time it against its loops on the NumPy
+      # path, body_loops; an earlier process's clear probe: tier_records)
       self.fixed = step
       self.fn = step
       return

@@ -15,18 +15,34 @@ a build is under way), and never build. Where the body ends without a
 library (refused by the code generator, its build failed, dropped by the
 probe) they are *released*: each starts afresh as the loop tier's loop.
 
-Only bodies holding DMA/semaphore call sites (``dma_calls.PRIMITIVES``)
-take their loops so far: a loop with call sites runs, per grid step, the
-tier's general run and its call-site runner (no ``loop_step`` fast path),
-which the body's step function replaces; a loop without them is entered
-through ``loop_step`` (~2 us a run), where compiling the body around it
-is not measured to pay yet, and the loop tier keeps it (and its lite
-builds).
+A body takes its loops where they hold DMA/semaphore call sites
+(``dma_calls.PRIMITIVES``) or where every loop in it is unrolled by its
+author (a ``scan`` whose ``unroll`` covers its ``length``:
+``pl.loop(..., unroll=True)``, ``fori_loop(..., unroll=True)``):
+
+* a loop with call sites runs, per grid step, the tier's general run and
+  its call-site runner (no ``loop_step`` fast path);
+* an unrolled loop is straight-line code on the hardware, not a hot loop:
+  per grid step it is a few trips, and the plan's eqns, conds and casts
+  around its ``loop_step`` entry cost the step as much Python as its trips
+  cost machine code (JAX's TPU flash and splash attention: a one-trip
+  ``pl.loop`` inside a ``pl.when`` beside two more);
+
+the body's step function replaces both. Any other loop (a ``while``, a
+rolled ``scan``) keeps the loop tier and its lite build: priced by the
+caller's seconds in its kernel's runs, which a body's sampled steps do not
+count (a Collatz body built that way came due after the first 1.5 s of
+calls its loop's build lands in: PERF_LOG 162). A body holding loops is
+kept without the probe (``bodies.BodyPlan._swapped``): the probe would
+time it against its NumPy plan with the loops held on the NumPy path, not
+against the loop tier's compiled loops, so it could only cost the caller
+its NumPy steps.
 """
 from __future__ import annotations
 
 import types
 
+from pallas_np import _compat as jc
 from pallas_np.compiler.plan import Plan
 from pallas_np.native import dma_calls, tier
 
@@ -48,10 +64,23 @@ def holds_call_site(jaxpr) -> bool:
   return tier.holds(jaxpr, dma_calls.PRIMITIVES)
 
 
+def unrolled(jaxpr) -> bool:
+  """Whether every loop of ``jaxpr`` (nested ones too) is a ``scan`` its
+  author unrolled (``unroll`` at least its ``length``)."""
+  for e in jaxpr.eqns:
+    name = e.primitive.name
+    if name == "while" or (name == "scan" and int(e.params["unroll"]) < int(e.params["length"])):
+      return False
+    if not all(unrolled(sub) for sub in jc.eqn_subjaxprs(e)):
+      return False
+  return True
+
+
 def takes_loops(jaxpr) -> bool:
   """Whether a body holding loops is compiled with them (see the module
-  doc): where it holds DMA/semaphore call sites."""
-  return holds_call_site(jaxpr)
+  doc): where it holds DMA/semaphore call sites, or its loops are all
+  unrolled."""
+  return holds_call_site(jaxpr) or unrolled(jaxpr)
 
 
 def inner_loops(plan) -> list:
