@@ -77,3 +77,17 @@ def copying_gemm(real, dt, calls=None):
       b, ldb, tb = c_order(b, k, n, ldb), n, blas_calls.NO_TRANS
     real(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
   return gemm
+
+
+def free_lite_builds(monkeypatch):
+  """Background builds by lite's compile process due as soon as the cost
+  rule allows (``cost_rule.HOT_RUNS``): every price zeroed, lite chosen,
+  its process at normal priority (a niced one may wait minutes on a busy
+  machine)."""
+  from pallas_np.native import cost_rule, lite_cache, scheduler
+  monkeypatch.setenv(lite_cache.ENV, "lite")
+  for name in ("LOOKUP_PRICE", "SETUP_PRICE", "PRESTART_PRICE"):
+    monkeypatch.setattr(cost_rule, name, 0.0)
+  for name in ("COMPILE_WEIGHT", "CALLER_PRICE", "NEIGHBOUR_SHARE"):
+    monkeypatch.setattr(scheduler, name, 0.0)
+  monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))

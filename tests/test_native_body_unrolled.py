@@ -16,10 +16,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_np
 from pallas_np import native
-from pallas_np.lru import LRU
-from pallas_np.native import bodies, body_loops, cost_rule, disk_cache, lite_cache, lite_jit
-from pallas_np.native import scheduler, tier
-from tests.native_elig_util import OFF, SYNC, bits
+from pallas_np.native import bodies, body_loops, cost_rule, lite_jit
+from tests.native_elig_util import OFF, SYNC, bits, free_lite_builds
+from tests.test_native_lite_process import fresh  # noqa: F401 - a fixture: a cache of its own
 
 _rng = np.random.default_rng(47)
 BACKGROUND = pallas_np.InterpretParams(native_loops="background")
@@ -115,22 +114,12 @@ def test_only_unrolled_loops_or_call_sites_are_taken_by_the_body():
 
 
 @pytest.mark.skipif(not lite_jit.available(), reason="llvmlite is not installed")
-def test_a_background_body_holding_an_unrolled_loop_is_kept_without_a_probe(monkeypatch, tmp_path):
+def test_a_background_body_holding_an_unrolled_loop_is_kept_without_a_probe(fresh, monkeypatch):
   """Background mode, prices zeroed, a cache of its own: once lite's build
   is swapped in, the grid's ``fn`` is the step function at once (no
   probe: it would time the body against its loop held on the NumPy path),
   and every later step runs compiled with off's bits."""
-  pallas_np.clear_caches()
-  monkeypatch.setattr(disk_cache, "_dir", [str(tmp_path)])
-  monkeypatch.setattr(tier, "_loaded", LRU(256))
-  monkeypatch.setattr(tier, "_prekeys", LRU(1024))
-  monkeypatch.setattr(lite_cache, "_memo", {})
-  monkeypatch.setenv(lite_cache.ENV, "lite")
-  for name in ("LOOKUP_PRICE", "SETUP_PRICE", "PRESTART_PRICE", "STARTING_RECHECK"):
-    monkeypatch.setattr(cost_rule, name, 0.0)
-  for name in ("COMPILE_WEIGHT", "CALLER_PRICE", "NEIGHBOUR_SHARE"):
-    monkeypatch.setattr(scheduler, name, 0.0)
-  monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))
+  free_lite_builds(monkeypatch)
   seen = []
   swapped = bodies.BodyPlan._swapped  # noqa: SLF001
 

@@ -21,6 +21,7 @@ from pallas_np import native
 from pallas_np.lru import LRU
 from pallas_np.native import (aot_worker, cost_rule, disk_cache, lite_cache, lite_jit, scheduler,
                               tier)
+from tests.native_elig_util import free_lite_builds
 from tests.test_native_lite import _floats, _kernel_call
 
 pytestmark = pytest.mark.skipif(not lite_jit.available(), reason="llvmlite is not installed")
@@ -75,15 +76,7 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   """A background build by lite's compile process (its shared library
   loaded with a dlopen) gives the NumPy path's bits, and numba's build of
   the same loop gives the same."""
-  monkeypatch.setenv(lite_cache.ENV, "lite")
-  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "SETUP_PRICE", 0.0)
-  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "COMPILE_WEIGHT", 0.0)
-  monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
-  monkeypatch.setattr(scheduler, "NEIGHBOUR_SHARE", 0.0)
-  # (at normal priority: a niced process may wait minutes on a busy machine)
-  monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))
+  free_lite_builds(monkeypatch)
   x = make_x()
   make = functools.partial(_kernel_call, kernel, x)
   want = _bits(make(OFF)(x))
