@@ -12,8 +12,8 @@ would time itself while the body is timed and be built too: two builds of
 the same loop. So while the body is in play its plan's loops are *held*:
 they run their NumPy path untimed (the tier's ``waiting`` state, as while
 a build is under way), and never build. Where the body ends without a
-library (refused by the code generator, its build failed, dropped by the
-probe) they are *released*: each starts afresh as the loop tier's loop.
+library (refused by the code generator, its build failed) they are
+*released*: each starts afresh as the loop tier's loop.
 
 A body takes its loops where they hold DMA/semaphore call sites
 (``dma_calls.PRIMITIVES``) or where every loop in it is unrolled by its
