@@ -69,8 +69,16 @@ def unrolled(jaxpr) -> bool:
   author unrolled (``unroll`` at least its ``length``)."""
   for e in jaxpr.eqns:
     name = e.primitive.name
-    if name == "while" or (name == "scan" and int(e.params["unroll"]) < int(e.params["length"])):
+    if name == "while":
       return False
+    if name == "scan":
+      # (read as features, not assumed: a scan without either param counts as rolled,
+      # and the loop tier keeps it; a bool ``unroll`` is JAX's ``True``: every trip)
+      unroll, length = e.params.get("unroll"), e.params.get("length")
+      if isinstance(unroll, bool) and length is not None:
+        unroll = length if unroll else 1
+      if not isinstance(unroll, int) or not isinstance(length, int) or unroll < length:
+        return False
     if not all(unrolled(sub) for sub in jc.eqn_subjaxprs(e)):
       return False
   return True
