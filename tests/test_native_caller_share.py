@@ -161,3 +161,61 @@ def test_a_lite_build_on_an_idle_core_prices_in_its_neighbours_share(monkeypatch
     for _ in range(cost_rule.HOT_RUNS + 1):
       f(x)
     assert len(builds.loops) == queued, (share, builds.loops)
+
+
+def _made_loops(monkeypatch) -> list:
+  """The ``NativeLoop``s made from now on, in order."""
+  loops = []
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  return loops
+
+
+def test_a_kernel_called_less_than_the_lookup_price_pays_no_step(monkeypatch):
+  """Until the caller's seconds in a loop's kernel runs reach
+  ``LOOKUP_PRICE`` (by default ``START_LEAD`` before a first lite build is
+  due, ~0.5 s), the tier only times the loop's runs: the loop is not priced
+  (lite's availability not looked up, ~0.5 ms once per process) and lite's
+  process is not started (``PRESTART_PRICE`` 0 here). Priced after 30 ms of
+  the loop's NumPy path and started after ~0.17 s of calls, both landed in
+  the first 10-20 calls of a 10 ms kernel (PERF_LOG 163)."""
+  assert cost_rule.LOOKUP_PRICE > 0.3  # (the default)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  loops = _made_loops(monkeypatch)
+  builds, x = _lite_machine(monkeypatch, 0.5, 89)
+  f = _call(_salt(), BACKGROUND, x)
+  f(x)
+  (loop,) = loops
+  while loop.called < 0.2:
+    f(x)
+  assert loop.phase == "new" and loop._lite is None, loop.phase
+  assert not builds.prestarts and not builds.loops
+
+
+def test_a_loop_is_priced_by_its_kernels_seconds_not_only_its_own(monkeypatch):
+  """``LOOKUP_PRICE`` counts the caller's seconds in the loop's kernel
+  runs (``called``): a loop that is a small part of its kernel is priced,
+  and lite's process started, once the kernel's seconds reach it, with
+  the loop's own NumPy seconds (``spent``) still below it."""
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)  # (never built here)
+  loops = _made_loops(monkeypatch)
+  builds, x = _lite_machine(monkeypatch, 0.5, 97)
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)) * 0.01, jnp.float32)
+  f = pl.pallas_call(_prologue_kernel(_salt()), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     interpret=BACKGROUND)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)
+  for _ in range(10):
+    f(x, w)
+  loop = next(v for v in loops if v.runs)
+  assert loop.phase == "new" and loop.called > 3 * loop.spent, (loop.called, loop.spent)
+  threshold = loop.called + 5 * loop.called / loop.runs  # (~5 kernel runs on)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", threshold)
+  loop.due = threshold  # (its next look, set at its first run)
+  for _ in range(100):
+    f(x, w)
+    if loop.phase != "new":
+      break
+  assert loop.phase == "priced" and loop.spent < threshold <= loop.called
+  assert builds.prestarts == [scheduler.lite_compiler] and not builds.loops

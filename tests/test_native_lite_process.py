@@ -218,7 +218,8 @@ _ONE_CALL = textwrap.dedent("""
     from pallas_np.native import cost_rule, scheduler, tier
     from tests.test_native_tier import _call
     scheduler.weight = lambda: scheduler.COMPILE_WEIGHT  # (a core idle, however busy the machine)
-    cost_rule.PRESTART_PRICE = 0.0  # (the process started at the loop's first run)
+    # (priced, and the process started, at the loop's first run)
+    cost_rule.LOOKUP_PRICE = cost_rule.PRESTART_PRICE = 0.0
     x = jnp.asarray(np.arange(256).reshape(2, 128) % 59 + 1, jnp.int32)
     _call(int(sys.argv[1]), pallas_np.InterpretParams(native_loops="background"), x)(x)
     native.wait(timeout=60)
@@ -237,7 +238,8 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_one_call_process_starts_the_compile_process_and_leaves_none(tmp_path):
   """A process that calls a loop kernel once (its loop's first run: no
-  library on disk, a core idle, ``cost_rule.PRESTART_PRICE`` 0) starts lite's compile process, which
+  library on disk, a core idle, ``cost_rule.LOOKUP_PRICE`` and ``PRESTART_PRICE`` 0) starts lite's
+  compile process, which
   exits with the caller (during its start and warm-up too:
   ``aot_worker``'s orphan watch)."""
   env = dict(os.environ, PALLAS_NP_NATIVE_CACHE=str(tmp_path), PALLAS_NP_NATIVE_COMPILER="lite",

@@ -151,15 +151,15 @@ def test_the_callers_own_load_leaves_a_core_idle(monkeypatch):
   assert scheduler.weight() == scheduler.COMPILE_WEIGHT * scheduler.BUSY_FACTOR
 
 
-def test_lite_compile_process_started_before_the_loop_is_priced(monkeypatch):
+def test_lite_compile_process_started_when_the_loop_is_priced(monkeypatch):
   """lite's compile process (its ~0.05-0.15 s start: the latency of the
-  loop's first build) is started once the loop's NumPy path cost
-  ``PRESTART_PRICE`` (0 here: at its first run, inside the kernel's first
-  call), before the loop is priced, where a core is idle (its start is
-  then not the caller's cost but the build's latency); once, however many
-  runs follow."""
+  loop's first build) is started when the loop is priced
+  (``LOOKUP_PRICE``: 0 here, at its first run, inside the kernel's first
+  call; by default ``START_LEAD`` before its build is due), where a core
+  is idle (its start is then not the caller's cost but the build's
+  latency); once, however many runs follow."""
   load = 0.5
-  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)  # (never priced here)
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds, x = _lite_machine(monkeypatch, load, 67)
@@ -171,14 +171,18 @@ def test_lite_compile_process_started_before_the_loop_is_priced(monkeypatch):
   assert builds.prestarts == [scheduler.lite_compiler] and not builds.loops
 
 
-def test_no_compile_process_before_the_loop_cost_its_prestart_price(monkeypatch):
-  """A loop whose NumPy path has cost less than ``PRESTART_PRICE`` starts no
-  compile process (its start, beside the caller on a 2-vCPU machine, slowed
-  the first 20-100 calls of every loop kernel, and every call of a cheap
-  one whose build was not due within them: PERF_LOG "[never]"); nor does a
-  kernel with no loop."""
-  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 1e9)
-  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 1e9)
+@pytest.mark.parametrize("lookup,prestart", [(1e9, 0.0), (1e9, 1e9), (0.0, 1e9)])
+def test_no_compile_process_before_the_loop_is_priced_and_cost_its_prestart_price(
+    monkeypatch, lookup, prestart):
+  """A loop not yet priced (``LOOKUP_PRICE``), or whose caller's seconds
+  are below ``PRESTART_PRICE`` over the share, starts no compile process
+  (its start, beside the caller on a 2-vCPU machine, slowed the first
+  20-100 calls of every loop kernel, and every call of a cheap one whose
+  build was not due within them: PERF_LOG "[never]"; at ~0.17 s of calls,
+  before the pricing, the first 20 calls of a 10 ms kernel: PERF_LOG 163);
+  nor does a kernel with no loop."""
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", lookup)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", prestart)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   builds, x = _lite_machine(monkeypatch, 0.5, 67)
   f = _call(_salt(), BACKGROUND, x)

@@ -34,22 +34,14 @@ HOT_RUNS = 3
 # loop's, where its ~10-20 ms showed as 5-30% slower calls over the first
 # 100-1000 (PERF_LOG 160).
 CALLER_SHARE = 0.03
-# NumPy-path seconds a loop costs before its build is priced (a walk over
-# its eqns, and lite's availability looked up once per process, ~0.7 ms:
-# within CALLER_SHARE; its source is generated only when the build is due).
-LOOKUP_PRICE = 0.03
 # Seconds of the caller's time lite's compile-process start costs: a
 # thread start and a ``Popen`` on the tier's thread (~0.6 ms of the
 # caller's GIL), and its imports and warm-up (~0.16 s of CPU) on another
 # core, which still slowed the caller's calls by 2-6% while they ran
 # (~3.5 ms over 800 calls of cumsum with ``native_loops="off"``, on 2
 # vCPUs; a process spinning in Python slowed them by nothing: PERF_LOG
-# 161). It is started once a loop with no library has cost PRESTART_PRICE
-# / CALLER_SHARE (~0.17 s), before its build is due (~0.7 s), so that the
-# process is ready by then (~0.07 s after its start). Started at the
-# loop's first run it had slowed the first 20-100 calls of every loop
-# kernel (PERF_LOG "[never]"); priced at 2 ms, the calls right after it
-# (PERF_LOG 161).
+# 161). It is started no earlier than PRESTART_PRICE / CALLER_SHARE
+# (~0.17 s of calls), and in fact when the loop is priced (``LOOKUP_PRICE``).
 PRESTART_PRICE = 0.005
 # The caller's seconds after which a loop whose build waits for lite's
 # compile process to be ready (its start: ~0.07 s) looks at it again: a
@@ -66,6 +58,25 @@ RECHECK_SHARE = 0.02
 # build pays (``NativeLoop._one_off_set_up``: 1.5 ms, ~5 ms with BLAS's
 # checks): priced in as ``CALLER_PRICE`` is (over ``CALLER_SHARE``).
 SETUP_PRICE = 0.003
+
+# The caller's seconds before a process's first lite build is due at which
+# the steps that serve only that build are taken: the loop's pricing (a
+# walk over its eqns; lite's availability, llvmlite's dist-info and
+# NumPy's structs, looked up once per process: ~0.8 ms in all) and lite's
+# compile-process start (``PRESTART_PRICE``), which needs ~0.05-0.15 s on
+# an idle core to be ready for the build. Taken at the loop's first runs
+# (pricing after 30 ms of its NumPy path, the start after ~0.17 s of
+# calls), they landed in the first 10-20 calls of a 10 ms kernel, which
+# paid them whether or not a build ever came due (splash attention's
+# first 20 calls ~1.6% slower than "off", 5 rounds of 5: PERF_LOG 162).
+START_LEAD = 0.25
+# The caller's seconds (``called``, at least the loop's own ``spent``) at
+# which a loop is priced and, where a core is idle, lite's compile process
+# started: START_LEAD before a process's first lite build is due (its
+# caller part over CALLER_SHARE: ``_step``), ~0.52 s. A kernel called for
+# less pays the tier nothing but its runs' timing.
+LOOKUP_PRICE = (scheduler.CALLER_PRICE + scheduler.NEIGHBOUR_SHARE * lite_cache.PRICE
+                + SETUP_PRICE) / CALLER_SHARE - START_LEAD
 
 set_up_done: list = []  # (NativeLoop._one_off_set_up: done)
 
@@ -121,8 +132,8 @@ class CostRule:
   def _prestart_lite(self, idle: bool | None = None) -> bool:
     """Has lite's compile process started (Python and llvmlite's import,
     ~0.15 s, then its warm-up, on another core) once a loop that found no
-    library has cost ``PRESTART_PRICE / CALLER_SHARE``, where a core is
-    idle (the load is read once): its start is then the build's
+    library is priced (``LOOKUP_PRICE``; no earlier than ``PRESTART_PRICE
+    / CALLER_SHARE``), where a core is idle (the load is read once): its start is then the build's
     latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
     of the caller's GIL). It exits with this process (the end of its
     input; during its start, ``aot_worker``'s orphan watch). Whether it
@@ -137,13 +148,14 @@ class CostRule:
 
   def _prestart_due(self, called: float, idle: bool | None = None) -> float:
     """lite's compile process, started (``_prestart_lite``) once the
-    caller's seconds in the loop's kernel runs (``called``) cover its
-    start's caller part over ``CALLER_SHARE``: 0.0 once the loop may go on
+    caller's seconds in the loop's kernel runs (``called``) reach
+    ``LOOKUP_PRICE`` and cover its start's caller part over
+    ``CALLER_SHARE``: 0.0 once the loop may go on
     (started, running, or, no core idle, left to start with the build),
     else the caller's seconds it is due at."""
     if self.prestarted or scheduler.lite_compiler.proc is not None:
       return 0.0
-    due = PRESTART_PRICE / CALLER_SHARE
+    due = max(PRESTART_PRICE / CALLER_SHARE, LOOKUP_PRICE)
     if called < due:
       return due
     self._prestart_lite(idle)
@@ -170,9 +182,8 @@ class CostRule:
     caller spent at least the seconds it still lacks."""
     called = max(self.called, self.spent)
     if self.phase == "new":
-      if not self.sync and self.spent < LOOKUP_PRICE:  # (lite's process may be due first)
-        due = called + LOOKUP_PRICE - self.spent
-        self.due = min(due, self._prestart_due(called) or due) if self.lite else due
+      if not self.sync and called < LOOKUP_PRICE:
+        self.due = LOOKUP_PRICE
         return
       self._prepare(args)
       self._price()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import glob
 import importlib.util
 import os
 import shutil
@@ -99,8 +98,10 @@ def _llvmlite_version() -> str | None:
     version = None
     if spec is not None and spec.origin:
       site = os.path.dirname(os.path.dirname(spec.origin))
-      found = sorted(glob.glob(os.path.join(site, "llvmlite-*.dist-info")))
-      version = (os.path.basename(found[-1])[len("llvmlite-"):-len(".dist-info")] if found
+      # (listed, not globbed: a glob's pattern compiled costs ~0.2 ms of the caller's)
+      found = sorted(name for name in os.listdir(site)
+                     if name.startswith("llvmlite-") and name.endswith(".dist-info"))
+      version = (found[-1][len("llvmlite-"):-len(".dist-info")] if found
                  else str(int(os.stat(spec.origin).st_mtime)))
     _state["version"] = version
   return _state["version"]

@@ -10,11 +10,11 @@ generated. Else the tier spends the caller's own time (its GIL) on the
 loop only in proportion to what the loop has cost: a step costing the
 caller c seconds is taken once its NumPy path has cost c /
 ``CALLER_SHARE`` (3%), so that no first N calls are slower than "off" by
-more than that share. Once it has cost ``LOOKUP_PRICE`` it gets a price
-(the measured or estimated build time, from its size: no source is
-generated yet); lite's compile process is started once it has cost
-``PRESTART_PRICE / CALLER_SHARE`` (~70 ms; its imports, ~0.15 s, run on
-another core); the build is submitted once it has cost both the build's
+more than that share. Once the caller's seconds in its kernel runs reach
+``LOOKUP_PRICE`` (~0.5 s, ``START_LEAD`` before its build is due) it gets
+a price (the measured or estimated build time, from its size: no source
+is generated yet) and, where a core is idle, lite's compile process is
+started (its imports, ~0.15 s, run on another core); the build is submitted once it has cost both the build's
 caller part over ``CALLER_SHARE`` (~0.5 s) and the compile's price at
 the load's weight (``scheduler``, which also prices builds and weighs
 them against the load), to the tier's one thread: it
@@ -155,7 +155,7 @@ class NativeLoop(CostRule):
     self.price = 0.0
     # The caller's seconds (``called``, at least ``spent``) at which the next
     # step is looked at (below it a run only adds its time): LOOKUP_PRICE
-    # (pricing), lite's process start, then the build.
+    # (pricing and lite's process start), then the build.
     self.due = 0.0 if self.sync else cost_rule.LOOKUP_PRICE
     self.invars = [v.aval for v in eqn.invars]
     self.outs = []
@@ -499,10 +499,6 @@ class NativeLoop(CostRule):
       except Exception as e:  # noqa: BLE001 - looked up the usual way
         log.debug("pallas_np: native loop pre-key lookup failed: %r", e)
       self.prechecked = True
-      if (self.native is None and self.phase != "done" and not self.sync
-          and scheduler.lite_compiler.proc is None):
-        # (lite's process started then, where lite builds the loop: _step)
-        self.due = min(self.due, cost_rule.PRESTART_PRICE / cost_rule.CALLER_SHARE)
       self.phase = self.phase  # (timing from now on, where the NumPy path stays)
       if self.native is not None or self.phase == "done":
         return self(ctx, *args)
