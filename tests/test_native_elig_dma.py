@@ -168,3 +168,37 @@ def test_race_detection_keeps_numpy_path():
   got = _make(_params("sync"))(x)
   assert native.stats()["native_calls"] > before
   np.testing.assert_array_equal(bits(got), bits(raced))
+
+
+def test_a_loop_with_call_sites_is_priced_for_numba_and_starts_no_lite_process(monkeypatch):
+  """lite refuses DMA and semaphore call sites (``NativeLoop._build_lite``):
+  a loop or kernel body holding them is priced for numba's build when it
+  is priced, so that no lite process is started and no source generated
+  for a lite build that would be refused (before, the caller paid both,
+  and its numba build came due only after the refusal)."""
+  from pallas_np.native import cost_rule, dma_calls, lite_cache, scheduler, tier
+  monkeypatch.setenv(lite_cache.ENV, "auto")
+  monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
+  monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
+  monkeypatch.setattr(scheduler, "weight", lambda: scheduler.COMPILE_WEIGHT)  # (a core idle)
+  monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
+  started, submitted, made = [], [], []
+  monkeypatch.setattr(scheduler, "prestart", lambda which=None: started.append(which))
+  monkeypatch.setattr(scheduler, "submit", lambda loop, step: submitted.append(loop))
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+  salt = float(np.random.default_rng().integers(1, 1 << 20))  # (no library of it on disk)
+
+  def kernel(x_hbm, o_ref, *scratch):
+    _pipelined(x_hbm, o_ref, *scratch)
+    o_ref[...] += salt
+  x = _x()
+  f = _make(_params("background"), kernel)
+  want = _make(_params("off"), kernel)(x)
+  for _ in range(3):
+    np.testing.assert_array_equal(bits(f(x)), bits(want))
+  priced = [loop for loop in made if loop.phase != "new"]
+  assert priced and all(dma_calls.has_calls(loop.eqn) for loop in priced), made
+  assert all(loop.lite is False and loop.price > lite_cache.PRICE for loop in priced), [(type(v).__name__, v.lite, v.price, v.phase, v.due, v.spent) for v in priced]
+  assert scheduler.lite_compiler not in started and not submitted

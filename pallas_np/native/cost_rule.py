@@ -133,11 +133,11 @@ class CostRule:
     """Has lite's compile process started (Python and llvmlite's import,
     ~0.15 s, then its warm-up, on another core) once a loop that found no
     library is priced (``LOOKUP_PRICE``; no earlier than ``PRESTART_PRICE
-    / CALLER_SHARE``), where a core is idle (the load is read once): its start is then the build's
-    latency, not the caller's cost (a ``Popen`` on the tier's thread, ~1 ms
-    of the caller's GIL). It exits with this process (the end of its
-    input; during its start, ``aot_worker``'s orphan watch). Whether it
-    was asked for (by this loop). ``idle``: the load's verdict, where the
+    / CALLER_SHARE``), where a core is idle (the load is read once): its
+    start is then the build's latency, not the caller's cost (a ``Popen``
+    on the tier's thread, ~1 ms of the caller's GIL). It exits with this
+    process (the end of its input; during its start, ``aot_worker``'s
+    orphan watch). Whether it was asked for (by this loop). ``idle``: the load's verdict, where the
     caller just read it."""
     if idle is None:
       idle = not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT

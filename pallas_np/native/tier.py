@@ -182,7 +182,9 @@ class NativeLoop(CostRule):
     check (llvmlite's dist-info listed, NumPy's structs probed, ~0.7 ms
     once per process) stays out of a kernel's first call."""
     if self._lite is None:
-      self._lite = lite_cache.enabled()
+      # (lite refuses DMA and semaphore call sites, ``_build_lite``: such a loop is numba's from
+      # its pricing on, with no lite process started and no source generated for a refusal)
+      self._lite = lite_cache.enabled() and not dma_calls.has_calls(self.eqn)
     return self._lite
 
   @lite.setter
