@@ -137,8 +137,8 @@ class CostRule:
     start is then the build's latency, not the caller's cost (a ``Popen``
     on the tier's thread, ~1 ms of the caller's GIL). It exits with this
     process (the end of its input; during its start, ``aot_worker``'s
-    orphan watch). Whether it was asked for (by this loop). ``idle``: the load's verdict, where the
-    caller just read it."""
+    orphan watch). Whether it was asked for (by this loop). ``idle``: the
+    load's verdict, where the caller just read it."""
     if idle is None:
       idle = not self.prestarted and scheduler.weight() == scheduler.COMPILE_WEIGHT
     if not self.prestarted and idle:

@@ -14,10 +14,11 @@ more than that share. Once the caller's seconds in its kernel runs reach
 ``LOOKUP_PRICE`` (~0.5 s, ``START_LEAD`` before its build is due) it gets
 a price (the measured or estimated build time, from its size: no source
 is generated yet) and, where a core is idle, lite's compile process is
-started (its imports, ~0.15 s, run on another core); the build is submitted once it has cost both the build's
-caller part over ``CALLER_SHARE`` (~0.5 s) and the compile's price at
-the load's weight (``scheduler``, which also prices builds and weighs
-them against the load), to the tier's one thread: it
+started (its imports, ~0.15 s, run on another core); the build is
+submitted once it has cost both the build's caller part over
+``CALLER_SHARE`` (~0.7 s) and the compile's price at the load's weight
+(``scheduler``, which also prices builds and weighs them against the
+load), to the tier's one thread: it
 generates the source (``codegen``), looks the library built from that
 source up in memory and on disk (``disk_cache``, ``lite_cache``) and,
 not found, has it built by a compile process (``scheduler.Compiler``;
