@@ -17,8 +17,8 @@ For each kernel, one fresh process per mode runs the kernel's first call
 kernel in the native cache (a first run; one cache directory for the
 whole benchmark, so pycc's C helpers are built once) and again with the
 cache filled (a second process: a re-run test suite), ``off`` (``native_loops="off"``) and
-``interpret`` (``interpret=True``); between the cold and the warm run, a
-process that is not timed builds whatever loops the cold run did not
+``interpret`` (``interpret=True``); right before the warm run, a process
+that is not timed builds the kernel's loops into the warm run's cache
 (``native_loops="sync"``), so the warm run is a second process after the
 builds however busy the machine was. Reported per mode: the mean call time
 over the first N calls after the first (N = 20, 100, 1000), over the calls
@@ -28,8 +28,9 @@ geometric mean over the kernels of the first ~1.5 s's ratio per mode and
 the worst kernel, the first calls' geometric mean (interpret=True's first
 call / the tier's), and at which N the tier (cold and warm cache) was
 slower than ``off``. With ``--repeats R`` every mode's process runs R
-times, the rounds alternating (each round: the modes one after another,
-a tier_cold with a cache of its own that holds no library of the kernel),
+times (each round: the modes one after another, in an order rotated round
+by round, ``rotated``; a tier_cold with a cache of its own that holds no
+library of the kernel),
 and each figure is the median over the rounds, with the spread of the
 per-round tier/off ratios beside "slower than off": one process against
 another moves ±20-30% on this kind of VM where the two run the same Python
@@ -119,7 +120,7 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
   # (loops and bodies the tier wrapped: none, and the tier ran the same code as off)
   stats["tier_loops"] = sum(isinstance(o, pallas_np.native.tier.NativeLoop)
                             for o in gc.get_objects())
-  if mode == "tier_cold":  # (after the timing: the build it started fills the cache)
+  if mode == "tier_cold":  # (after the timing: the build it started ends before the next process)
     pallas_np.native.wait(600)
   return {"first": first, "times": times, "native": stats}
 
@@ -168,12 +169,15 @@ def finish_child(proc, what) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
-def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
-  """Each group of modes in ``pairs`` runs at the same time (one process
-  each): a load that changes while the benchmark runs hits both alike."""
+def run_modes(kernel, calls, seconds, cache_dir, cold_cache, groups) -> dict:
+  """Each group of modes in ``groups`` runs at the same time (one process
+  each): a load that changes while the benchmark runs hits both alike.
+  ``tier_cold`` runs with ``cold_cache`` (no library of the kernel in it),
+  every other mode with ``cache_dir``."""
   res = {}
-  for group in pairs:
-    procs = {m: start_child(kernel, m, calls, seconds, cache_dir) for m in group}
+  for group in groups:
+    procs = {m: start_child(kernel, m, calls, seconds, cold_cache if m == "tier_cold" else cache_dir)
+             for m in group}
     for m, p in procs.items():
       out = finish_child(p, f"{kernel}/{m}")
       if m != "fill":
@@ -181,22 +185,41 @@ def run_modes(kernel, calls, seconds, cache_dir, pairs) -> dict:
   return res
 
 
-def run_rounds(kernel, calls, seconds, cache_dir, pairs, repeats) -> tuple[dict, list]:
-  """``run_modes`` ``repeats`` times, the modes alternating round by
-  round; round r > 0 runs tier_cold and fill with a cache of its own (no
-  library of the kernel in it: a first process again), pycc's C helpers
-  copied in. Returns each mode's summary with every figure the median over
-  the rounds, and the rounds' own summaries."""
+def _fresh_cache(cache_dir) -> str:
+  """A cache directory of its own under ``cache_dir`` (no library of the
+  kernel in it: a first process again), pycc's C helpers copied in."""
+  cache = tempfile.mkdtemp(prefix="pallas_np-native-round-", dir=cache_dir)
+  for tag in os.listdir(cache_dir):  # (one directory per Python/CPU/numba: its mixins)
+    mix = os.path.join(cache_dir, tag, "mixins")
+    if os.path.isdir(mix):
+      shutil.copytree(mix, os.path.join(cache, tag, "mixins"))
+  return cache
+
+
+def rotated(timed, r) -> list:
+  """Round ``r``'s groups: the timed modes one after another, their order
+  rotated by ``r`` so that no mode holds the same place in every round (in
+  a fixed order, kernels the tier wrapped nothing of, the same code in
+  both, ran 2-10% slower in ``tier_cold``'s place than in ``off``'s in 5
+  of 5 rounds: PERF_LOG 163), with the untimed ``fill`` right before
+  ``tier_warm``."""
+  k = r % len(timed)
+  groups = []
+  for m in timed[k:] + timed[:k]:
+    groups += [("fill",), (m,)] if m == "tier_warm" else [(m,)]
+  return groups
+
+
+def run_rounds(kernel, calls, seconds, cache_dir, groups, repeats) -> tuple[dict, list]:
+  """``run_modes`` ``repeats`` times, round r's modes in the order
+  ``groups(r)``; every round's tier_cold runs with a cache of its own
+  (``_fresh_cache``), and round r > 0 runs fill and tier_warm with one too.
+  Returns each mode's summary with every figure the median over the
+  rounds, and the rounds' own summaries."""
   rounds = []
   for r in range(repeats):
-    cache = cache_dir
-    if r:
-      cache = tempfile.mkdtemp(prefix="pallas_np-native-round-", dir=cache_dir)
-      for tag in os.listdir(cache_dir):  # (one directory per Python/CPU/numba: its mixins)
-        mix = os.path.join(cache_dir, tag, "mixins")
-        if os.path.isdir(mix):
-          shutil.copytree(mix, os.path.join(cache, tag, "mixins"))
-    rounds.append(run_modes(kernel, calls, seconds, cache, pairs))
+    cache = _fresh_cache(cache_dir) if r else cache_dir
+    rounds.append(run_modes(kernel, calls, seconds, cache, _fresh_cache(cache_dir), groups(r)))
   if repeats == 1:
     return rounds[0], rounds
   out = {}
@@ -264,11 +287,14 @@ def main(argv=None):
   cache = tempfile.mkdtemp(prefix="pallas_np-native-bench-")
   try:
     for kernel in kernel_names(a.kernels):
-      pairs = ([("tier_cold", "off"), ("fill",), ("tier_warm", "interpret")] if a.side_by_side
-               else [("tier_cold",), ("fill",), ("tier_warm",), ("off",), ("interpret",)])
-      if a.aa:
-        pairs = pairs + [("off_aa",)]
-      res, rounds = run_rounds(kernel, a.calls, a.seconds, cache, pairs, a.repeats)
+      aa = [("off_aa",)] if a.aa else []
+      if a.side_by_side:
+        fixed = [("tier_cold", "off"), ("fill",), ("tier_warm", "interpret")] + aa
+        groups = lambda r, fixed=fixed: fixed  # noqa: E731
+      else:
+        timed = [*MODES] + [m for (m,) in aa]
+        groups = lambda r, timed=timed: rotated(timed, r)  # noqa: E731
+      res, rounds = run_rounds(kernel, a.calls, a.seconds, cache, groups, a.repeats)
       report_kernel(kernel, res)
       rows.append((kernel, res, rounds))
   finally:
