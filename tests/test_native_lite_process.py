@@ -286,3 +286,28 @@ def test_lite_process_ready_while_llvmlite_is_set_up(monkeypatch):
   assert lite_worker.binding_set_up(lambda: True) is False  # (a job pending: no wait)
   gate.set()
   assert lite_worker.binding_set_up() is True and not lite_worker._binding[0].is_alive()
+
+
+def test_prestart_spawns_lites_process_in_the_caller(monkeypatch):
+  """``scheduler.prestart`` spawns lite's compile process in the caller
+  (its ``Popen``, ~1 ms there): on the tier's thread, behind a caller busy
+  calling kernels, the ``Popen`` waited 0.07-0.25 s for the GIL (PERF_LOG
+  163). The tier's thread only reads its ready line: here it is held by a
+  job still running, and the process is spawned all the same; it is ready
+  (``starting`` False) once the thread gets to it."""
+  import threading
+  compiler = scheduler.Compiler(nice=False, lite=True, warm=True)
+  monkeypatch.setattr(scheduler, "lite_compiler", compiler)
+  held = threading.Event()
+  scheduler.submit(None, lambda: held.wait(60))  # (the tier's thread busy with a job)
+  try:
+    scheduler.prestart(compiler)
+    assert compiler.proc is not None and compiler.starting and compiler.unready
+  finally:
+    held.set()
+  assert native.wait(timeout=120)
+  assert not compiler.starting and not compiler.unready
+  assert compiler.proc is not None and compiler.proc.poll() is None  # (ready for a build)
+  compiler.proc.stdin.close()  # (the end of its input: it exits)
+  compiler.proc.wait(timeout=60)
+  compiler._drop()  # noqa: SLF001 - its pipes closed

@@ -34,9 +34,9 @@ HOT_RUNS = 3
 # loop's, where its ~10-20 ms showed as 5-30% slower calls over the first
 # 100-1000 (PERF_LOG 160).
 CALLER_SHARE = 0.03
-# Seconds of the caller's time lite's compile-process start costs: a
-# thread start and a ``Popen`` on the tier's thread (~0.6 ms of the
-# caller's GIL), and its imports and warm-up (~0.16 s of CPU) on another
+# Seconds of the caller's time lite's compile-process start costs: its
+# ``Popen`` in the caller (~1 ms) and the tier's thread's start (up to
+# ~4 ms: ``scheduler.prestart``), and its imports and warm-up (~0.16 s of CPU) on another
 # core, which still slowed the caller's calls by 2-6% while they ran
 # (~3.5 ms over 800 calls of cumsum with ``native_loops="off"``, on 2
 # vCPUs; a process spinning in Python slowed them by nothing: PERF_LOG
@@ -125,8 +125,8 @@ class CostRule:
         and scheduler.weight() == scheduler.COMPILE_WEIGHT):
       # (the compile process's one-off setup, ~1-4 s of a niced process,
       # paid while the build is not yet due, where a core is idle; else
-      # when the build is queued. Started by the tier's thread: a process
-      # start holds the GIL for milliseconds)
+      # when the build is queued. Its ``Popen`` runs here, in the caller:
+      # ``scheduler.prestart``)
       scheduler.prestart()
 
   def _prestart_lite(self, idle: bool | None = None) -> bool:
@@ -135,7 +135,7 @@ class CostRule:
     library is priced (``LOOKUP_PRICE``; no earlier than ``PRESTART_PRICE
     / CALLER_SHARE``), where a core is idle (the load is read once): its
     start is then the build's latency, not the caller's cost (a ``Popen``
-    on the tier's thread, ~1 ms of the caller's GIL). It exits with this
+    in the caller, ~1 ms: ``scheduler.prestart``). It exits with this
     process (the end of its input; during its start, ``aot_worker``'s
     orphan watch). Whether it was asked for (by this loop). ``idle``: the
     load's verdict, where the caller just read it."""

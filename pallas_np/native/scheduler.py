@@ -91,6 +91,7 @@ class Compiler:
     self.lock = threading.Lock()  # (one build at a time on the pipe)
     # (a background lite process asked for and not yet ready: ``prestart`` to its ready line)
     self.starting = False
+    self.unready = False  # (its ready line not read yet: ``_spawn`` to ``_await_ready``)
 
   def build(self, job: dict) -> dict:
     with self.lock:
@@ -107,30 +108,50 @@ class Compiler:
     finally:
       self.starting = False  # (ready, or failed: a build then starts it again)
 
+  def ready(self) -> None:
+    """Waits (on the tier's thread) for a process ``prestart`` spawned in
+    the caller to be ready for a build."""
+    try:
+      with self.lock:
+        if self.proc is not None and self.unready:
+          self._await_ready()
+    finally:
+      self.starting = False
+
   def _start(self) -> None:
     if self.proc is None or self.proc.poll() is not None:
-      self.proc = subprocess.Popen(
-          [sys.executable, "-I", aot_worker.__file__,
-           *(["--nice", str(int(self.nice))] if self.nice else []),
-           *(["--warm", str(os.getpid())] if self.warm else []),
-           *(["--lite"] if self.lite else [])],
-          stdin=subprocess.PIPE,
-          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-      if self.lite and self.warm:
-        # (its first line once lite's modules and llvmlite are imported: ``aot_worker``;
-        # waited for here, on the tier's thread, holding no GIL)
-        try:
-          ready = self.proc.stdout.readline()
-        except OSError:
-          ready = ""
-        if not ready:
-          self._drop()
+      self._spawn()
+    if self.unready:
+      self._await_ready()
+
+  def _spawn(self) -> None:
+    self.proc = subprocess.Popen(
+        [sys.executable, "-I", aot_worker.__file__,
+         *(["--nice", str(int(self.nice))] if self.nice else []),
+         *(["--warm", str(os.getpid())] if self.warm else []),
+         *(["--lite"] if self.lite else [])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    self.unready = self.lite and self.warm
+
+  def _await_ready(self) -> None:
+    """Reads a warm lite process's first line, written once lite's modules
+    and llvmlite are imported (``aot_worker``), holding no GIL while it
+    waits; a process that exited instead is dropped."""
+    self.unready = False
+    try:
+      ready = self.proc.stdout.readline()
+    except OSError:
+      ready = ""
+    if not ready:
+      self._drop()
 
   def _drop(self) -> None:
     """Forgets a compile process that exited (the next build starts
     another), its pipes closed here: a pipe with unwritten bytes would
     report a broken pipe when collected."""
     proc, self.proc = self.proc, None
+    self.unready = False
     for pipe in (proc.stdin, proc.stdout):
       try:
         pipe.close()
@@ -194,13 +215,26 @@ def submit(loop, step) -> None:
 
 
 def prestart(which=None) -> None:
-  """Has the tier's thread start a background compile process (``which``,
-  numba's by default; its warm-up: ``Compiler.start``) ahead of any build
-  (a ``Popen``: ~1 ms of the caller's GIL, on the tier's thread). lite's
-  is ``starting`` until it is ready for a build (its imports: ~0.15 s)."""
+  """Starts a background compile process (``which``, numba's by default;
+  its warm-up: ``Compiler.start``) ahead of any build. Its ``Popen`` runs
+  in the caller, which holds the GIL anyway: on the tier's thread, behind
+  a caller busy calling kernels, the ``Popen`` took 0.07-0.25 s of
+  handing the GIL back and forth, and lite's process was ready 0.1-0.45 s
+  after it was asked for, against ~0.04 s beside an idle caller (PERF_LOG
+  163). The tier's thread then waits for lite's ready line (its imports);
+  lite's is ``starting`` until then. Where another thread holds the
+  process's lock (a build starting it), the tier's thread starts it."""
   which = which or compiler
   which.starting = which.lite and which.warm
-  _enqueue(None, which.start)
+  if not which.lock.acquire(blocking=False):
+    _enqueue(None, which.start)
+    return
+  try:
+    if which.proc is None or which.proc.poll() is not None:
+      which._spawn()  # noqa: SLF001 - the compile process's own start, here in the caller
+  finally:
+    which.lock.release()
+  _enqueue(None, which.ready)
 
 
 def _enqueue(loop, step) -> None:
