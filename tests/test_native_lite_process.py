@@ -311,3 +311,17 @@ def test_prestart_spawns_lites_process_in_the_caller(monkeypatch):
   compiler.proc.stdin.close()  # (the end of its input: it exits)
   compiler.proc.wait(timeout=60)
   compiler._drop()  # noqa: SLF001 - its pipes closed
+
+
+def test_a_prestart_that_cannot_spawn_leaves_the_call_alone(monkeypatch):
+  """A compile process that cannot be started in the caller (``Popen``
+  raising: no executable, no file descriptor left) is the tier's failure,
+  never the kernel call's: ``prestart`` returns, nothing is starting, and
+  a build starts the process again on the tier's thread."""
+  compiler = scheduler.Compiler(nice=False, lite=True, warm=True)
+
+  def popen(*args, **kwargs):
+    raise OSError("no process today")
+  monkeypatch.setattr(scheduler.subprocess, "Popen", popen)
+  scheduler.prestart(compiler)
+  assert compiler.proc is None and not compiler.starting and not compiler.unready

@@ -232,6 +232,10 @@ def prestart(which=None) -> None:
   try:
     if which.proc is None or which.proc.poll() is not None:
       which._spawn()  # noqa: SLF001 - the compile process's own start, here in the caller
+  except Exception as e:  # noqa: BLE001 - never the caller's error: a build tries again
+    log.debug("pallas_np: compile process start failed: %r", e)
+    which.starting = False
+    return
   finally:
     which.lock.release()
   _enqueue(None, which.ready)
