@@ -118,7 +118,7 @@ def child(kernel: str, mode: str, calls: int, seconds: float) -> dict:
     times.append(time.perf_counter() - t0)
   stats = pallas_np.native.stats()
   # (loops and bodies the tier wrapped: none, and the tier ran the same code as off)
-  stats["tier_loops"] = sum(isinstance(o, pallas_np.native.tier.NativeLoop)
+  stats["tier_loops"] = sum(issubclass(type(o), pallas_np.native.tier.NativeLoop)
                             for o in gc.get_objects())
   if mode == "tier_cold":  # (after the timing: the build it started ends before the next process)
     pallas_np.native.wait(600)

@@ -207,7 +207,8 @@ def test_lite_compile_process_waits_for_the_build_on_a_busy_machine(monkeypatch)
   f = _call(_salt(), BACKGROUND, x)
   f(x)
   f(x)
-  loop = next(v for v in gc.get_objects() if isinstance(v, tier.NativeLoop) and v.phase == "priced"
+  # (the type, not isinstance: a dead weak proxy among the objects raises on its __class__)
+  loop = next(v for v in gc.get_objects() if issubclass(type(v), tier.NativeLoop) and v.phase == "priced"
               and v.price == lite_cache.PRICE + lite_cache.START_PRICE)
   assert loop is not None and not builds.prestarts
 
