@@ -91,3 +91,13 @@ def free_lite_builds(monkeypatch):
   for name in ("COMPILE_WEIGHT", "CALLER_PRICE", "NEIGHBOUR_SHARE"):
     monkeypatch.setattr(scheduler, name, 0.0)
   monkeypatch.setattr(scheduler, "lite_compiler", scheduler.Compiler(nice=False, lite=True))
+
+
+def made_loops(monkeypatch) -> list:
+  """The ``NativeLoop``s (and kernel bodies) made from now on, in order."""
+  from pallas_np.native import tier
+  loops = []
+  init = tier.NativeLoop.__init__
+  monkeypatch.setattr(tier.NativeLoop, "__init__",
+                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  return loops

@@ -13,7 +13,8 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_np.native import cost_rule, lite_cache, scheduler, tier
+from pallas_np.native import cost_rule, lite_cache, scheduler
+from tests.native_elig_util import made_loops
 from tests.test_native_tier_speed import BACKGROUND, _call, _lite_machine, _salt
 
 
@@ -34,10 +35,8 @@ def _share_machine(monkeypatch, modulus):
   the loops made (in order) and each submitted loop's (spent, called)."""
   monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(lite_cache, "PRICE", 1e-6)
-  loops, at_submit = [], []
-  init = tier.NativeLoop.__init__
-  monkeypatch.setattr(tier.NativeLoop, "__init__",
-                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
+  at_submit = []
+  loops = made_loops(monkeypatch)
   builds, x = _lite_machine(monkeypatch, 0.5, modulus)
   submit = scheduler.submit
   monkeypatch.setattr(scheduler, "submit", lambda loop, step: at_submit.append(
@@ -163,15 +162,6 @@ def test_a_lite_build_on_an_idle_core_prices_in_its_neighbours_share(monkeypatch
     assert len(builds.loops) == queued, (share, builds.loops)
 
 
-def _made_loops(monkeypatch) -> list:
-  """The ``NativeLoop``s made from now on, in order."""
-  loops = []
-  init = tier.NativeLoop.__init__
-  monkeypatch.setattr(tier.NativeLoop, "__init__",
-                      lambda self, *a, **k: loops.append(self) or init(self, *a, **k))
-  return loops
-
-
 def test_a_kernel_called_less_than_the_lookup_price_pays_no_step(monkeypatch):
   """Until the caller's seconds in a loop's kernel runs reach
   ``LOOKUP_PRICE`` (by default ``START_LEAD`` before a first lite build is
@@ -182,7 +172,7 @@ def test_a_kernel_called_less_than_the_lookup_price_pays_no_step(monkeypatch):
   the first 10-20 calls of a 10 ms kernel (PERF_LOG 163)."""
   assert cost_rule.LOOKUP_PRICE > 0.3  # (the default)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
-  loops = _made_loops(monkeypatch)
+  loops = made_loops(monkeypatch)
   builds, x = _lite_machine(monkeypatch, 0.5, 89)
   f = _call(_salt(), BACKGROUND, x)
   f(x)
@@ -203,7 +193,7 @@ def test_a_loop_is_priced_by_its_kernels_seconds_not_only_its_own(monkeypatch):
   the loop's own NumPy seconds (``spent``) still below it."""
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 1e9)  # (never built here)
-  loops = _made_loops(monkeypatch)
+  loops = made_loops(monkeypatch)
   builds, x = _lite_machine(monkeypatch, 0.5, 97)
   w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)) * 0.01, jnp.float32)
   f = pl.pallas_call(_prologue_kernel(_salt()), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -14,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_np
 from pallas_np import native
 from pallas_np.native import codegen
-from tests.native_elig_util import bits
+from tests.native_elig_util import bits, made_loops
 
 ROWS, STEPS = 8, 4
 
@@ -176,18 +176,16 @@ def test_a_loop_with_call_sites_is_priced_for_numba_and_starts_no_lite_process(m
   is priced, so that no lite process is started and no source generated
   for a lite build that would be refused (before, the caller paid both,
   and its numba build came due only after the refusal)."""
-  from pallas_np.native import cost_rule, dma_calls, lite_cache, scheduler, tier
+  from pallas_np.native import cost_rule, dma_calls, lite_cache, scheduler
   monkeypatch.setenv(lite_cache.ENV, "auto")
   monkeypatch.setattr(cost_rule, "LOOKUP_PRICE", 0.0)
   monkeypatch.setattr(cost_rule, "PRESTART_PRICE", 0.0)
   monkeypatch.setattr(scheduler, "weight", lambda: scheduler.COMPILE_WEIGHT)  # (a core idle)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
-  started, submitted, made = [], [], []
+  started, submitted = [], []
   monkeypatch.setattr(scheduler, "prestart", lambda which=None: started.append(which))
   monkeypatch.setattr(scheduler, "submit", lambda loop, step: submitted.append(loop))
-  init = tier.NativeLoop.__init__
-  monkeypatch.setattr(tier.NativeLoop, "__init__",
-                      lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+  made = made_loops(monkeypatch)
   salt = float(np.random.default_rng().integers(1, 1 << 20))  # (no library of it on disk)
 
   def kernel(x_hbm, o_ref, *scratch):
