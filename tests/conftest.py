@@ -66,9 +66,10 @@ def dma_callbacks(monkeypatch):
 def own_cache(tmp_path, monkeypatch):
   """A native cache directory of the test's own, empty (as a first
   process's), with the tier's in-memory pre-keys and libraries forgotten."""
-  from pallas_np.native import disk_cache, tier
+  from pallas_np.lru import LRU
+  from pallas_np.native import build_steps, disk_cache
   monkeypatch.setenv("PALLAS_NP_NATIVE_CACHE", str(tmp_path))
   monkeypatch.setattr(disk_cache, "_dir", [])
-  monkeypatch.setattr(tier, "_prekeys", tier.LRU(1024))
-  monkeypatch.setattr(tier, "_loaded", tier.LRU(256))
+  monkeypatch.setattr(build_steps, "prekeys", LRU(1024))
+  monkeypatch.setattr(build_steps, "loaded", LRU(256))
   return tmp_path

@@ -38,9 +38,9 @@ def _share_machine(monkeypatch, modulus):
   at_submit = []
   loops = made_loops(monkeypatch)
   builds, x = _lite_machine(monkeypatch, 0.5, modulus)
-  submit = scheduler.submit
-  monkeypatch.setattr(scheduler, "submit", lambda loop, step: at_submit.append(
-      (loop.spent, loop.called)) or submit(loop, step))
+  submit = scheduler.submit_build
+  monkeypatch.setattr(scheduler, "submit_build", lambda loop: at_submit.append(
+      (loop.spent, loop.called)) or submit(loop))
   return builds, x, loops, at_submit
 
 

@@ -184,7 +184,7 @@ def test_a_loop_with_call_sites_is_priced_for_numba_and_starts_no_lite_process(m
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   started, submitted = [], []
   monkeypatch.setattr(scheduler, "prestart", lambda which=None: started.append(which))
-  monkeypatch.setattr(scheduler, "submit", lambda loop, step: submitted.append(loop))
+  monkeypatch.setattr(scheduler, "submit_build", submitted.append)
   made = made_loops(monkeypatch)
   salt = float(np.random.default_rng().integers(1, 1 << 20))  # (no library of it on disk)
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import blas_calls, tier
+from pallas_np.native import blas_calls, build_steps
 from tests.native_elig_util import OFF, SYNC, bits, copying_gemm
 
 needs_blas = pytest.mark.skipif(blas_calls.found() is None,
@@ -123,12 +123,12 @@ def test_a_loop_loaded_by_its_prekey_keeps_its_sites_answers(own_cache):
   pallas_np.clear_caches()
   with blas_calls.forced_transposed(0):
     _make(SYNC)(*_args())  # (built, recorded)
-  assert tier._prekeys, "no pre-key recorded"
-  (record,) = [r for r in tier._prekeys.values() if "kinds" in r]
+  assert build_steps.prekeys, "no pre-key recorded"
+  (record,) = [r for r in build_steps.prekeys.values() if "kinds" in r]
   assert [tuple(k) for k in record["transposed"]] == [A, B]
   for answers in ((1, 0), (0, 1)):
-    tier._prekeys.clear()  # (only what is on disk: as a second process)
-    tier._loaded.clear()
+    build_steps.prekeys.clear()  # (only what is on disk: as a second process)
+    build_steps.loaded.clear()
     hits = native.stats()["disk_hits"]
     _check(*answers)
     assert native.stats()["disk_hits"] == hits + 1

@@ -24,7 +24,7 @@ import pallas_np
 from benchmarks.small_kernels import bitonic_fori_kernel, collatz_kernel, cumsum_fori_kernel
 from pallas_np import native
 from pallas_np.lru import LRU
-from pallas_np.native import codegen, disk_cache, lite, lite_cache, lite_jit, tier
+from pallas_np.native import build_steps, codegen, disk_cache, lite, lite_cache, lite_jit
 from tests.test_native_loops import (N_FLOAT_OPS, N_INT_OPS, _elementwise_call, _float_ops,
                                      _floats, _int_ops, _ints, three_ways)
 
@@ -37,8 +37,8 @@ def lite_only(monkeypatch, tmp_path):
   build left, in memory or on disk, is found instead)."""
   monkeypatch.setenv(lite_cache.ENV, "lite")
   monkeypatch.setattr(disk_cache, "_dir", [str(tmp_path)])
-  monkeypatch.setattr(tier, "_loaded", LRU(256))
-  monkeypatch.setattr(tier, "_prekeys", LRU(1024))
+  monkeypatch.setattr(build_steps, "loaded", LRU(256))
+  monkeypatch.setattr(build_steps, "prekeys", LRU(1024))
   monkeypatch.setattr(lite_cache, "_memo", {})
 
 
@@ -123,8 +123,8 @@ def test_second_load_from_disk(lite_only):
   x = _floats((32, 128))  # (a shape no other test traces: a new plan)
   make = functools.partial(_kernel_call, cumsum_fori_kernel, x)
   _lite_three_ways(make, x)
-  tier._loaded.clear()
-  tier._prekeys.clear()
+  build_steps.loaded.clear()
+  build_steps.prekeys.clear()
   lite_cache._memo.clear()
   before = native.stats()
   got = make(pallas_np.InterpretParams(native_loops="sync", uninitialized="zero"))(x)

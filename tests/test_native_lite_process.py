@@ -19,8 +19,8 @@ import pallas_np
 from benchmarks.small_kernels import collatz_kernel, cumsum_fori_kernel
 from pallas_np import native
 from pallas_np.lru import LRU
-from pallas_np.native import (aot_worker, cost_rule, disk_cache, lite_cache, lite_jit, scheduler,
-                              tier)
+from pallas_np.native import (aot_worker, build_steps, cost_rule, disk_cache, lite_cache,
+                              lite_jit, scheduler, tier)
 from tests.native_elig_util import free_lite_builds
 from tests.test_native_lite import _floats, _kernel_call
 
@@ -35,8 +35,8 @@ def fresh(monkeypatch, tmp_path):
   """A cache of the test's own, nothing loaded or planned in memory."""
   pallas_np.clear_caches()
   monkeypatch.setattr(disk_cache, "_dir", [str(tmp_path)])
-  monkeypatch.setattr(tier, "_loaded", LRU(256))
-  monkeypatch.setattr(tier, "_prekeys", LRU(1024))
+  monkeypatch.setattr(build_steps, "loaded", LRU(256))
+  monkeypatch.setattr(build_steps, "prekeys", LRU(1024))
   monkeypatch.setattr(lite_cache, "_memo", {})
   return tmp_path
 
@@ -92,8 +92,8 @@ def test_a_background_lite_build_gives_the_bits_of_off_and_numba(fresh, monkeypa
   np.testing.assert_array_equal(got, want)
   monkeypatch.setenv(lite_cache.ENV, "numba")
   pallas_np.clear_caches()
-  tier._loaded.clear()
-  tier._prekeys.clear()
+  build_steps.loaded.clear()
+  build_steps.prekeys.clear()
   before = native.stats()
   got_numba = _bits(make(SYNC)(x))
   after = native.stats()

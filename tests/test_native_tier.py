@@ -174,7 +174,7 @@ def test_a_body_its_operands_refuse_is_refused_when_priced(monkeypatch):
   monkeypatch.setattr(scheduler, "weight", lambda: scheduler.COMPILE_WEIGHT)  # (a core idle)
   started, submitted, generated = [], [], []
   monkeypatch.setattr(scheduler, "prestart", lambda which=None: started.append(which))
-  monkeypatch.setattr(scheduler, "submit", lambda loop, step: submitted.append(loop))
+  monkeypatch.setattr(scheduler, "submit_build", submitted.append)
   monkeypatch.setattr(scheduler.lite_compiler, "proc", None)
   real = tier.codegen.loop_source
   monkeypatch.setattr(tier.codegen, "loop_source", lambda *a: generated.append(1) or real(*a))

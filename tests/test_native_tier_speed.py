@@ -59,7 +59,7 @@ def _salt():
 
 
 class _Builds:
-  """``scheduler.submit`` with its builds recorded, not run (and no compile
+  """``scheduler.submit_build`` with its builds recorded, not run (and no compile
   process started ahead of them: ``scheduler.prestart``)."""
 
   def __init__(self, monkeypatch):
@@ -67,11 +67,10 @@ class _Builds:
     self.prestarts = []
     monkeypatch.setattr(scheduler, "prestart",
                         lambda which=None: self.prestarts.append(which or scheduler.compiler))
-    def submit(loop, step):
-      assert step == loop.build
+    def submit_build(loop):
       self.loops.append(loop)
       loop.phase = "done"  # (as a failed build leaves it: the NumPy path)
-    monkeypatch.setattr(scheduler, "submit", submit)
+    monkeypatch.setattr(scheduler, "submit_build", submit_build)
 
 
 def _load_reader(monkeypatch, load):
@@ -443,7 +442,7 @@ def test_a_loop_waiting_for_its_build_runs_through_its_entry_alone(monkeypatch):
   monkeypatch.setattr(scheduler, "prestart", lambda which=None: None)
   monkeypatch.setattr(scheduler, "CALLER_PRICE", 0.0)
   building = []
-  monkeypatch.setattr(scheduler, "submit", lambda loop, step: building.append(loop))
+  monkeypatch.setattr(scheduler, "submit_build", building.append)
   calls = _count_calls(monkeypatch)
   x = jnp.asarray(np.arange(256).reshape(2, 128) % 79 + 1, jnp.int32)
   salt = _salt()

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 import pallas_np
 from pallas_np import native
-from pallas_np.native import (blas_calls, bodies, codegen, cost_rule, disk_cache, tier,
+from pallas_np.native import (blas_calls, bodies, build_steps, codegen, cost_rule, disk_cache, tier,
                               tier_records)
 from tests.native_elig_util import OFF, bits
 
@@ -88,13 +88,13 @@ def test_a_clear_probe_is_reused_by_the_next_process(own_cache, numpy_s, native_
   probing = bodies.wrap(_plan(calls), jaxpr, background)  # (found by its pre-key: probed)
   np.testing.assert_array_equal(bits(_step(probing, x, w)), bits(want))
   assert probing.fn.__name__ == "probe"
-  tier._prekeys.clear()  # (only what is on disk: as a second process)
+  build_steps.prekeys.clear()  # (only what is on disk: as a second process)
   probing.decide(probing.fixed, [numpy_s, native_s])
   assert native.wait(60)  # (recorded by the tier's thread)
   record = disk_cache.read_prekey(probing.body.prekey)
   assert record["probe"]["kept"] is kept
-  tier._prekeys.clear()
-  tier._loaded.clear()
+  build_steps.prekeys.clear()
+  build_steps.loaded.clear()
   before, compiled = native.stats(), bodies.stats()["compiled"]
   calls.clear()
   second = bodies.wrap(_plan(calls), jaxpr, background)
@@ -110,8 +110,8 @@ def test_a_clear_probe_is_reused_by_the_next_process(own_cache, numpy_s, native_
     assert after["disk_hits"] == before["disk_hits"]  # (not loaded)
     assert bodies.stats()["compiled"] == compiled
   # ("sync" is never timed: it loads and runs the body whatever was recorded)
-  tier._prekeys.clear()
-  tier._loaded.clear()
+  build_steps.prekeys.clear()
+  build_steps.loaded.clear()
   calls.clear()
   again = bodies.wrap(_plan(calls), jaxpr, sync)
   np.testing.assert_array_equal(bits(_step(again, x, w)), bits(want))
@@ -202,8 +202,8 @@ def test_a_warm_loop_without_address_reads_never_runs_the_blas_checks(own_cache,
   want = np.asarray(make(OFF)(x))
   np.testing.assert_array_equal(np.asarray(make(sync)(x)), want)  # (built, recorded)
   pallas_np.clear_caches()  # (a new plan, nothing in memory: as in a second process)
-  tier._prekeys.clear()
-  tier._loaded.clear()
+  build_steps.prekeys.clear()
+  build_steps.loaded.clear()
   status_calls = []
   real = blas_calls.status
   monkeypatch.setattr(blas_calls, "status", lambda: status_calls.append(1) or real())
@@ -322,7 +322,7 @@ def test_a_verdict_is_written_in_the_caller_where_no_tier_thread_runs(own_cache,
   monkeypatch.setattr(tier.scheduler, "submit", lambda loop, step: submitted.append(step))
   for running, kept in ((False, False), (True, True)):
     monkeypatch.setattr(tier.scheduler, "_thread", [object()] if running else [])
-    tier._prekeys.clear()
+    build_steps.prekeys.clear()
     probing = bodies.wrap(_plan(calls), jaxpr, background)
     _step(probing, x, w)
     probing.body.remember_probe(kept, 1e-3, 1e-4 if kept else 1e-2)

@@ -203,10 +203,11 @@ class NativeBody(tier.NativeLoop):
     # sets "done" before its library is in)
     if phase == "done" and not self.swapping and self.native is None and self.on_none:
       self.on_none()
-    elif self.timing and self.on_timing:
-      # (priced again, on the tier's thread: lite refused the build, numba's is
-      # due later; the grid's ``fn``, the plan's own while the build was under
-      # way, must time the steps again or the build never comes due)
+    elif (self.timing or phase == "landed") and self.on_timing:
+      # (priced again, lite having refused the build, numba's due later; or its
+      # reply in, on the tier's thread: the grid's ``fn``, the plan's own while
+      # the build was under way, must time the steps again or the build never
+      # comes due, or go through ``entry`` to land it)
       self.on_timing()
 
   def _swap(self, fn) -> None:
@@ -384,6 +385,8 @@ class BodyPlan:
       elif body.waiting or (body.native is None and body.phase == "done"):
         self.fn = self.own()
       else:
+        self.fn = self.entry
+      if body.phase == "landed":  # (landed meanwhile, by the tier's thread: ``entry`` lands it)
         self.fn = self.entry
     fixed = self.fixed
     if fixed is not None:

@@ -29,7 +29,7 @@ HOT_RUNS = 3
 # calls the tier costs the caller at most this share more than
 # ``native_loops="off"`` until the compiled loop pays it back (issue 41:
 # "at every N never slower than off"). At 0.03 a process's first build is
-# due after ~0.77 s of the kernel's calls (a lite build's share of its
+# due after ~0.57 s of the kernel's calls (a lite build's share of its
 # neighbour's seconds included: scheduler.NEIGHBOUR_SHARE); it was due after ~0.03 s of the
 # loop's, where its ~10-20 ms showed as 5-30% slower calls over the first
 # 100-1000 (PERF_LOG 160).
@@ -73,7 +73,7 @@ START_LEAD = 0.25
 # The caller's seconds (``called``, at least the loop's own ``spent``) at
 # which a loop is priced and, where a core is idle, lite's compile process
 # started: START_LEAD before a process's first lite build is due (its
-# caller part over CALLER_SHARE: ``_step``), ~0.52 s. A kernel called for
+# caller part over CALLER_SHARE: ``_step``), ~0.32 s. A kernel called for
 # less pays the tier nothing but its runs' timing.
 LOOKUP_PRICE = (scheduler.CALLER_PRICE + scheduler.NEIGHBOUR_SHARE * lite_cache.PRICE
                 + SETUP_PRICE) / CALLER_SHARE - START_LEAD
@@ -215,7 +215,5 @@ class CostRule:
       self.phase = "building"
       self.due = float("inf")
       self._one_off_set_up()
-      if self.sync:
-        self._guarded(self.build)
-      else:
-        scheduler.submit(self, self.build)
+      # (the build's first part in the caller: ``build_steps``)
+      self._guarded(self.build if self.sync else lambda: scheduler.submit_build(self))

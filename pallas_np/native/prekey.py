@@ -3,7 +3,7 @@ cheap enough for a loop's first run (docs/native.md, "The disk cache").
 
 A library is named by the digest of its generated source (``disk_cache.key``);
 generating the source costs 1-20 ms of Python, paid when the loop's build is
-due (after ~0.7 s of its kernel's calls: ``cost_rule``). The pre-key digests the *inputs* of the
+due (after ~0.6 s of its kernel's calls: ``cost_rule``). The pre-key digests the *inputs* of the
 generator instead: the loop eqn (primitives by name, variables numbered in
 order of appearance, avals, literals and constants by value, params), the
 bounds-check mode, each operand's layout and the code that generates (every

@@ -14,6 +14,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 
 from pallas_np.native import aot_worker, disk_cache
 
@@ -43,15 +44,16 @@ START_PRICE, BASE_PRICE, LINE_PRICE, MIXIN_PRICE = 1.5, 1.0, 0.02, 5.0
 # 14.8 s, 822 lines 157 s at load ~2.5: PERF_LOG 143): each line costs
 # LINE_PRICE more per LONG_LINES lines before it.
 LONG_LINES = 250
-# Seconds of the caller's own time any build costs, in full: the source's
-# generation, the pre-key, the job's files, the library's load (a dlopen)
-# and its swap, all Python on the tier's thread under the GIL, and lite's
-# compile-process start where the build asked for it. Measured as the tier
-# thread's CPU time per build, 2 vCPUs (PERF_LOG 160): cumsum 11.7 ms,
-# bitonic 15.4, Collatz 19.1, quant_matmul 11.5, int8_matmul 10.5,
-# matmul_acc 14.1, layer_norm_block 9.9. The build is due once the caller's
-# seconds in the loop's kernel runs reach this over ``cost_rule.CALLER_SHARE``.
-CALLER_PRICE = 0.014
+# Seconds of the caller's own time any build costs, in full: its parts in
+# the caller (``build_steps``): the source's generation, the pre-key, the
+# lookups and the job's files, then the library's load (a dlopen) and its
+# swap. Measured as the caller's thread CPU time per build, 2 vCPUs
+# (PERF_LOG 164): cumsum 3.5 ms, bitonic 7.9, Collatz 5.4, quant_matmul
+# 4.9, int8_matmul 3.2, matmul_acc 4.7, layer_norm_block 4.4 (on the tier's
+# thread, where these parts ran before, the same work took 10-19 ms of CPU:
+# PERF_LOG 160). The build is due once the caller's seconds in the loop's
+# kernel runs reach this over ``cost_rule.CALLER_SHARE``.
+CALLER_PRICE = 0.008
 
 # The tier's counters (``stats``): loops compiled, refused, failed, reused,
 # loaded from disk, native calls, and builds queued or compiling now.
@@ -62,6 +64,8 @@ _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
 builds: list = []  # measured build seconds (the price of the next)
+# Loops whose build's reply is in, to be landed by their next run (or ``wait``).
+_landed: set = set()
 
 
 def stats() -> dict:
@@ -74,9 +78,19 @@ def stats() -> dict:
 
 
 def wait(timeout: float | None = None) -> bool:
-  """Wait until no loop is queued or compiling; False on timeout."""
-  with _cond:
-    return _cond.wait_for(lambda: state["queued"] + state["compiling"] == 0, timeout)
+  """Wait until no loop is queued or compiling, then land, in the calling
+  thread, the builds whose replies are in (``BuildSteps.land``: what a
+  loop's next run would do); False on timeout."""
+  end = None if timeout is None else time.monotonic() + timeout
+  while True:
+    with _cond:
+      left = None if end is None else max(end - time.monotonic(), 0.0)
+      if not _cond.wait_for(lambda: state["queued"] + state["compiling"] == 0, left):
+        return False
+    if not _landed:
+      return True
+    while _landed:  # (a landing may queue a step: its pre-key's file)
+      _landed.pop().land()
 
 
 class Compiler:
@@ -210,8 +224,31 @@ def running() -> bool:
 
 
 def submit(loop, step) -> None:
-  """Queues a loop's build step for the tier's thread."""
+  """Queues a step for the tier's thread (``loop``: the loop it builds)."""
   _enqueue(loop, step)
+
+
+def submit_build(loop) -> None:
+  """A loop's background build: its first part in the caller
+  (``BuildSteps.start_build``: the source, the lookups, the job), its
+  exchange with the compile process on the tier's thread (which holds no
+  GIL while it waits), the reply landed by the loop's next run
+  (``BuildSteps`` for why)."""
+  step = loop.start_build()
+  if step is not None:
+    compiler, job = step
+    _enqueue(loop, lambda: loop.arrived(job, compiler.build(job)))
+
+
+def landed(loop) -> None:
+  """Holds a loop whose reply is in until it is landed (``wait`` lands
+  it, where its next run has not)."""
+  _landed.add(loop)
+
+
+def landing(loop) -> None:
+  """A loop's reply taken (``BuildSteps.land``)."""
+  _landed.discard(loop)
 
 
 def prestart(which=None) -> None:

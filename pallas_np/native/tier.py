@@ -11,23 +11,24 @@ loop only in proportion to what the loop has cost: a step costing the
 caller c seconds is taken once its NumPy path has cost c /
 ``CALLER_SHARE`` (3%), so that no first N calls are slower than "off" by
 more than that share. Once the caller's seconds in its kernel runs reach
-``LOOKUP_PRICE`` (~0.5 s, ``START_LEAD`` before its build is due) it gets
+``LOOKUP_PRICE`` (~0.3 s, ``START_LEAD`` before its build is due) it gets
 a price (the measured or estimated build time, from its size: no source
 is generated yet) and, where a core is idle, lite's compile process is
 started (its imports, ~0.15 s, run on another core); the build is
-submitted once it has cost both the build's caller part over
-``CALLER_SHARE`` (~0.7 s) and the compile's price at the load's weight
+started once it has cost both the build's caller part over
+``CALLER_SHARE`` (~0.57 s) and the compile's price at the load's weight
 (``scheduler``, which also prices builds and weighs them against the
-load), to the tier's one thread: it
-generates the source (``codegen``), looks the library built from that
-source up in memory and on disk (``disk_cache``, ``lite_cache``) and,
-not found, has it built by a compile process (``scheduler.Compiler``;
-the tier's thread waits on a pipe, holding no GIL): lite's
-(``lite_cache``, ``lite_worker``: the source translated to LLVM IR and
-linked into a shared library, ~0.1-1 s) or, where lite refuses it,
-priced again, numba's. Until then, and for good when the
-loop is refused or the build fails (logged once at debug level), the NumPy
-path runs. ``"sync"`` builds at the first run, in the caller (tests).
+load): the caller generates the source (``codegen``), looks the library
+built from that source up in memory and on disk (``disk_cache``,
+``lite_cache``) and, not found, writes a job that the tier's one thread
+hands to a compile process (``scheduler.Compiler``; it waits on a pipe,
+holding no GIL): lite's (``lite_cache``, ``lite_worker``: the source
+translated to LLVM IR and linked into a shared library, ~0.05-1 s) or,
+where lite refuses it, priced again, numba's; the loop's next run loads
+the library and swaps it in (``build_steps``). Until then, and for good
+when the loop is refused or the build fails (logged once at debug
+level), the NumPy path runs. ``"sync"`` builds at the first run, in the
+caller (tests).
 What a loop's pre-key records, and what a warm process skips by it (a
 kernel body's probe, BLAS's checks): ``tier_records``.
 """
@@ -42,9 +43,11 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.env_switches import env_switch
-from pallas_np.lru import LRU
 from pallas_np.native import (blas_calls, codegen, cost_rule, disk_cache, dma_calls, guards,
                               lanes, loop_errors, loop_step, lite_cache, prekey, scheduler)
+from pallas_np.native import build_steps
+from pallas_np.native.build_steps import UNSET as _UNSET, BuildSteps
+from pallas_np.native.build_steps import signature as _signature
 from pallas_np.native.cost_rule import HOT_RUNS, CostRule
 from pallas_np.native import tier_records as records
 
@@ -53,13 +56,6 @@ log = logging.getLogger("pallas_np.native")
 MODES = ("background", "sync", "off")
 ENV_OFF = "PALLAS_NP_NATIVE_LOOPS"  # off (env_switches): never compile
 _state = scheduler.state  # (the counters: scheduler.stats)
-# Loaded loops by library key: the eager and the jax.jit path of one
-# kernel, its sequential and vectorized plans, and equal loops of other
-# kernels share one library.
-_loaded = LRU(256)
-# Pre-key records of this process (``prekey``; on disk: ``disk_cache``).
-_prekeys = LRU(1024)
-_UNSET = object()
 _addresses_set_up: list = []  # (its BLAS and libm addresses: "blas", "libm" once done)
 # Primitives whose emitters may read an address from the status array
 # (native/dots.py: a float dot's BLAS routine; transcendental.py: the NumPy
@@ -102,30 +98,7 @@ def _layouts(args) -> tuple:
                for a in args)
 
 
-def _signature(src, avals, layouts):
-  """The library's argument and result types, described for the compile
-  process (``aot_worker._types``), and the per-argument guard: a call
-  whose arrays differ from the compiled types runs the NumPy path (the
-  compiled wrapper does not check them)."""
-  args, guard = [["a", "int64", 1, True, True]], []
-  for pos, (kind, aval, layout) in enumerate(zip(src.kinds, avals, layouts)):
-    if kind == "s":
-      args.append(["s", codegen.dtype_of(aval).str])
-      continue
-    if layout is None:
-      raise codegen.Refused("a scalar where an array was expected")
-    inner = aval.inner_aval if kind == "r" else aval
-    contiguous, writeable = layout
-    dt = codegen.dtype_of(inner)
-    args.append(["a", dt.str, len(inner.shape), contiguous, writeable])
-    guard.append((pos, dt, len(inner.shape), contiguous, pos in src.written))
-  args += [["a", np.dtype(dt).str, 1, True, True] for dt, _ in src.scratch]  # (codegen.finish)
-  ret = [["s", "int64"]] + [["s", dt.str] if kind == "s" else ["a", dt.str, 1, True, True]
-                            for kind, dt in src.outs]
-  return args, ret, tuple(guard)
-
-
-class NativeLoop(CostRule):
+class NativeLoop(CostRule, BuildSteps):
   """A loop rule's callable with its native tier (see the module doc)."""
 
   def __init__(self, eqn, params, numpy_fn, in_batched=None, out_batched=None):
@@ -152,7 +125,7 @@ class NativeLoop(CostRule):
     self.called = self.closed = 0.0
     self.last_ctx = None
     self.prechecked = False
-    self.phase = "new"  # -> "priced" -> "building" -> "done"
+    self.phase = "new"  # -> "priced" -> "building" (-> "landed") -> "done"
     self.price = 0.0
     # The caller's seconds (``called``, at least ``spent``) at which the next
     # step is looked at (below it a run only adds its time): LOOKUP_PRICE
@@ -202,7 +175,8 @@ class NativeLoop(CostRule):
     # (the entry's usual run: the NumPy path timed, nothing else)
     self.timing = self.prechecked and not self.sync and phase in ("new", "priced")
     # (a background build under way: the NumPy path, untimed, with no __call__ in between;
-    # seconds to minutes of runs on a busy machine, where ~2 us a run showed in small kernels)
+    # seconds to minutes of runs on a busy machine, where ~2 us a run showed in small kernels;
+    # "landed": its reply is in, the next run's __call__ lands it, ``BuildSteps.land``)
     self.waiting = not self.sync and phase == "building"
 
   def entry(self):
@@ -251,111 +225,10 @@ class NativeLoop(CostRule):
     return [getattr(p, "jaxpr", p) for p in self.eqn.params.values()
             if isinstance(getattr(p, "jaxpr", p), jc.Jaxpr)]
 
-  def _generate(self) -> bool:
-    """Generate the loop's source, its signature and library key (False,
-    the loop refused for good, where something is outside the table)."""
-    if self.prekey is _UNSET:
-      self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts, self.uninitialized)
-    try:
-      src = codegen.loop_source(self.eqn, self.clamp, self.uninitialized)
-      if any(self.layouts[k] is not None and not self.layouts[k][1] for k in src.written):
-        raise codegen.Refused("a written ref is read-only")
-      args, ret, guard = _signature(src, self.invars, self.layouts)
-    except codegen.Refused as e:
-      self._refuse(str(e))
-      self._remember({"refused": str(e)})
-      return False
-    k = disk_cache.loop_key(src, args, ret, self.invars)
-    self.src, self.guard = src, guard
-    self.addresses = records.reads_status(src.text)
-    self.job = {"key": k, "args": args, "ret": ret, "externals": src.externals}
-    return True
-
-  def build(self) -> None:
-    """Generate the source; load its library (from memory, or disk), else
-    build it in the compile process and load it; then swap it in."""
-    if not self._generate():
-      return
-    k = self.job["key"]
-    fn = _loaded.get(k)
-    if fn is None:
-      path = disk_cache.library_path(k)
-      fn = disk_cache.load(path)
-      if fn is None and self.lite:
-        fn = self._build_lite(k)
-        if fn is None and not self.sync:
-          return  # (priced again for the numba build)
-      if fn is not None:
-        _state["disk_hits"] += fn is not self.job.get("lite_built")
-      else:
-        srcfile, consts = disk_cache.write_job(k, self.src.text, self.src.globals)
-        compiler = scheduler.sync_compiler if self.sync else scheduler.compiler
-        reply = compiler.build({"src": srcfile, "consts": consts, "args": self.job["args"],
-                                "ret": self.job["ret"], "externals": self.job["externals"],
-                                "out": path})
-        if not reply.get("ok"):
-          _state["failed"] += 1
-          self.phase = "done"
-          log.debug("pallas_np: native loop build failed: %s", reply.get("error"))
-          return
-        fn = disk_cache.load(path)
-        if fn is None:
-          raise disk_cache.LoadError(f"{path}: not written by its build")
-      _loaded.put(k, fn)
-    else:
-      _state["reused"] += 1
-    record = records.record(self.src, k, self.job["args"], self.job["ret"])
-    if getattr(fn, "lite", False):
-      record["lite"] = True
-    self._remember(record)
-    self._swap(fn)
-
-  def _build_lite(self, k):
-    """The loop's lite function: from memory or disk, else built by lite's
-    compile process (``lite_cache.job``; the tier's thread waits on its
-    pipe, holding no GIL) and loaded from disk; None where lite refuses
-    it, or its build fails (LLVM's or the process's own error): the loop
-    is then priced for the numba build (the cost rule) and stays on the
-    NumPy path until that is due ("sync": built by numba now)."""
-    fn = lite_cache.load(k)
-    if fn is not None:
-      return fn
-    try:
-      if self.src.calls:
-        raise codegen.Refused("lite: DMA call sites")
-      job = lite_cache.job(k, self.src, lite_cache.arg_descs(self.src.kinds, self.invars,
-                                                             self.layouts))
-      compiler = scheduler.sync_compiler if self.sync else scheduler.lite_compiler
-      reply = compiler.build(job)
-      if not reply.get("ok"):
-        raise codegen.Refused(reply.get("refused") or f"lite's build failed: {reply.get('error')}")
-      fn = lite_cache.load(k)
-      if fn is None:
-        raise disk_cache.LoadError(f"{job['out']}: not written by its build")
-    except Exception as e:  # noqa: BLE001 - Refused, or LLVM's own error: numba builds it
-      _state["lite_refused"] += 1
-      log.debug("pallas_np: lite refused a loop (%s)", e)
-      self.lite = False
-      if not self.sync:
-        self._price()
-      return None
-    _state["lite"] += 1
-    self.job["lite_built"] = fn
-    return fn
-
   def _refuse(self, why: str) -> None:
     _state["refused"] += 1
     self.phase = "done"
     log.debug("pallas_np: loop not compiled natively (%s)", why)
-
-  def _remember(self, record: dict) -> None:
-    """Records what this loop's pre-key generated (in this process and on
-    disk), for the next plan or process that runs it (``_prelookup``)."""
-    if self.prekey is None or self.prekey is _UNSET:
-      return
-    self.record = record
-    _prekeys.put(self.prekey, record)
-    disk_cache.write_prekey(self.prekey, record)
 
   def remember_probe(self, kept: bool, numpy_s: float, native_s: float) -> None:
     """Records a kernel body's probe (``bodies.BodyPlan.decide``: its fastest
@@ -364,10 +237,9 @@ class NativeLoop(CostRule):
     if self.sync or self.record is None or "refused" in self.record:
       return
     record = records.probe_record(self.record, kept, numpy_s, native_s)
-    if scheduler.running():  # (by the tier's thread: a file written and renamed, ~0.4 ms)
-      scheduler.submit(None, lambda: self._remember(record))
-      return
-    try:  # (a warm process has no tier thread: starting one cost the caller more, ~0.8 ms)
+    # (its file by the tier's thread where it runs; a warm process has none: starting one
+    # cost the caller more, ~0.8 ms, than the file, ~0.4 ms)
+    try:
       self._remember(record)
     except OSError as e:  # (a cache that cannot be written: probed again next time)
       log.debug("pallas_np: native probe not recorded: %r", e)
@@ -391,13 +263,13 @@ class NativeLoop(CostRule):
   def _prelookup(self, args) -> None:
     """At the loop's first run: its library (or its refusal) found by its
     pre-key, with no source generated (``prekey``); else nothing."""
-    if not (len(_prekeys) or disk_cache.has_prekeys()):
+    if not (len(build_steps.prekeys) or disk_cache.has_prekeys()):
       return
     self._prepare(args)
     self.prekey = prekey.loop_prekey(self.eqn, self.clamp, self.layouts, self.uninitialized)
     if self.prekey is None:
       return
-    record = _prekeys.get(self.prekey) or disk_cache.read_prekey(self.prekey)
+    record = build_steps.prekeys.get(self.prekey) or disk_cache.read_prekey(self.prekey)
     if record is None:
       return
     if "refused" in record:
@@ -414,7 +286,7 @@ class NativeLoop(CostRule):
     if args_desc != record["args"] or ret != record["ret"]:
       return  # (never the case for one pre-key: looked up the usual way)
     k = record["key"]
-    fn = _loaded.get(k)
+    fn = build_steps.loaded.get(k)
     if fn is not None:
       _state["reused"] += 1
     else:
@@ -423,8 +295,8 @@ class NativeLoop(CostRule):
       if fn is None:
         return
       _state["disk_hits"] += 1
-      _loaded.put(k, fn)
-    _prekeys.put(self.prekey, record)
+      build_steps.loaded.put(k, fn)
+    build_steps.prekeys.put(self.prekey, record)
     self.record = record
     self.addresses = record.get("addresses", True)
     self.src, self.guard = src, guard
@@ -494,6 +366,9 @@ class NativeLoop(CostRule):
       if res is not None:
         return res
       return self.numpy_fn(ctx, *args)
+    if self.phase == "landed":  # (its build's reply is in: loaded and swapped in here)
+      self.land()
+      return self(ctx, *args) if self.phase != "landed" else self.numpy_fn(ctx, *args)
     if self.phase == "done" or (self.phase == "building" and not self.sync):
       return self.numpy_fn(ctx, *args)
     if not self.prechecked:
