@@ -18,16 +18,20 @@ import numpy as np
 # A compiled kernel body's probe (``bodies.BodyPlan``: its fastest step
 # against the NumPy plan's) is recorded under the body's pre-key; a later
 # process reuses a clear verdict instead of probing again: the body is not
-# loaded at all where its compiled step took at least PROBE_DROP_RATIO of
-# the NumPy plan's (a probe of a body that loses cost a warm process ~1-10
-# ms a call for its first calls: PERF_LOG "[never]"), and runs compiled from
-# its first step where it took at most PROBE_KEEP_RATIO; in between (another
-# load may tip it either way), it is probed again, until PROBE_AGREED probes
-# in a row decided alike: then their verdict is reused (an int8 matmul's
-# body at ~0.84 of its plan was probed by every warm process, ~2 ms of its
-# first 20 calls: the plan's first, uncompiled runs and the verdict's write).
+# loaded at all where its compiled step took more than PROBE_DROP_RATIO of
+# the NumPy plan's (``bodies.KEEP_RATIO``: any body its probe did not keep;
+# a probe of a body that loses cost a warm process ~1-10 ms a call for its
+# first calls: PERF_LOG "[never]"; one of a body at ~0.91 of its plan, which
+# another probe could keep for a 10% gain at most, made int8_matmul's
+# second process's first 20 calls ~1.3x slower than "off": PERF_LOG 164),
+# and runs compiled from its first step where it took at most
+# PROBE_KEEP_RATIO; in between (kept, but narrowly: another load may tip
+# it), it is probed again, until PROBE_AGREED probes in a row decided
+# alike: then their verdict is reused (an int8 matmul's body at ~0.84 of
+# its plan was probed by every warm process, ~2 ms of its first 20 calls:
+# the plan's first, uncompiled runs and the verdict's write).
 PROBE_KEEP_RATIO = 0.8
-PROBE_DROP_RATIO = 1.0
+PROBE_DROP_RATIO = 0.9
 PROBE_AGREED = 2
 # ``_st`` in a generated source other than its parameter and stores of
 # literal slots (an error site, its index values, a lane): a read of the
@@ -78,7 +82,7 @@ def probe_decision(rec) -> str | None:
   agreed = probe.get("agreed", 1) >= PROBE_AGREED
   if probe["kept"] and (ratio <= PROBE_KEEP_RATIO or agreed):
     return "kept"
-  if not probe["kept"] and (ratio >= PROBE_DROP_RATIO or agreed):
+  if not probe["kept"] and (ratio > PROBE_DROP_RATIO or agreed):
     return "dropped"
   return None
 
