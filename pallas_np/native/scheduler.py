@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 from pallas_np.native import aot_worker, disk_cache
 
@@ -64,8 +65,9 @@ _cond = threading.Condition()
 _jobs: queue.Queue = queue.Queue()
 _thread: list = []
 builds: list = []  # measured build seconds (the price of the next)
-# Loops whose build's reply is in, to be landed by their next run (or ``wait``).
-_landed: set = set()
+# Loops whose build's reply is in, to be landed by their next run (or
+# ``wait``); weak: a loop whose plan is dropped before it runs again goes.
+_landed = weakref.WeakSet()
 
 
 def stats() -> dict:
