@@ -146,17 +146,20 @@ def test_a_landed_body_routes_its_grid_to_entry():
 
 
 def test_wait_lands_what_arrived(threads):
-  """``native.wait()`` lands the builds whose replies are in, in the
-  calling thread, with no further run of the kernel: a test (or a user)
-  that waits sees the loop compiled."""
+  """A build whose reply is in shows as ``landed`` in ``native.stats()``
+  until it is swapped in; ``native.wait()`` lands it, in the calling
+  thread, with no further run of the kernel: a test (or a user) that
+  waits sees the loop compiled."""
   x = jnp.asarray(np.random.default_rng(7).integers(1, 60, (2, 128)), jnp.int32)
   f = pl.pallas_call(collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                      interpret=BACKGROUND)
   before = native.stats()
   for _ in range(3):
     f(x)
+  assert _until(lambda: native.stats()["landed"], lambda: None, seconds=300)
+  assert native.stats()["compiled"] == before["compiled"]  # (in, not swapped in yet)
   assert native.wait(900)
   after = native.stats()
   assert after["compiled"] == before["compiled"] + 1, after
   assert set(threads["swap"]) == {threading.main_thread()}
-  assert not scheduler._landed  # noqa: SLF001
+  assert native.stats()["landed"] == 0

@@ -74,9 +74,10 @@ def stats() -> dict:
   """Counters: loops compiled (built or loaded), refused (something outside
   the table), failed (a build failed), loaded from disk (``disk_hits``),
   calls that ran compiled code, loops ``queued`` for the tier thread or
-  ``compiling`` in the compile process now, and kernel bodies ``dropped``
+  ``compiling`` in the compile process now, ``landed`` (built, to be
+  swapped in by their next run or ``wait``), and kernel bodies ``dropped``
   unloaded (an earlier process's probe found them slower: ``tier_records``)."""
-  return dict(state)
+  return dict(state, landed=len(_landed))
 
 
 def wait(timeout: float | None = None) -> bool:
