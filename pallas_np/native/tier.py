@@ -176,8 +176,12 @@ class NativeLoop(CostRule, BuildSteps):
     self.timing = self.prechecked and not self.sync and phase in ("new", "priced")
     # (a background build under way: the NumPy path, untimed, with no __call__ in between;
     # seconds to minutes of runs on a busy machine, where ~2 us a run showed in small kernels;
-    # "landed": its reply is in, the next run's __call__ lands it, ``BuildSteps.land``)
-    self.waiting = not self.sync and phase == "building"
+    # "landed": its reply is in, the next run's __call__ lands it, ``BuildSteps.land``;
+    # "done" with no library, refused or failed: the NumPy path for good, from the entry too,
+    # where ``__call__`` cost a refused loop's every run ~0.5 us more. ``_swap`` sets "done"
+    # before its library is in, and clears this once it is)
+    self.waiting = not self.sync and (
+        phase == "building" or (phase == "done" and self.native is None))
 
   def entry(self):
     """What the loop's plan calls: a plain function (calling this object
@@ -315,6 +319,7 @@ class NativeLoop(CostRule, BuildSteps):
     self.status = self.new_status()
     self.fast = loop_step.build(self, fn)
     self.native = fn  # the swap
+    self.waiting = False  # (set by "done" above, while ``native`` was None)
     _state["compiled"] += 1
 
   def _one_off_set_up(self) -> None:
