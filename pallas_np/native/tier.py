@@ -43,11 +43,9 @@ import numpy as np
 
 from pallas_np import _compat as jc
 from pallas_np.env_switches import env_switch
-from pallas_np.native import (blas_calls, codegen, cost_rule, disk_cache, dma_calls, guards,
-                              lanes, loop_errors, loop_step, lite_cache, prekey, scheduler)
-from pallas_np.native import build_steps
-from pallas_np.native.build_steps import UNSET as _UNSET, BuildSteps
-from pallas_np.native.build_steps import signature as _signature
+from pallas_np.native import (blas_calls, build_steps, codegen, cost_rule, disk_cache, dma_calls,
+                              guards, lanes, loop_errors, loop_step, lite_cache, prekey, scheduler)
+from pallas_np.native.build_steps import UNSET as _UNSET, BuildSteps, signature as _signature
 from pallas_np.native.cost_rule import HOT_RUNS, CostRule
 from pallas_np.native import tier_records as records
 
@@ -178,7 +176,7 @@ class NativeLoop(CostRule, BuildSteps):
     # seconds to minutes of runs on a busy machine, where ~2 us a run showed in small kernels;
     # "landed": its reply is in, the next run's __call__ lands it, ``BuildSteps.land``;
     # "done" with no library, refused or failed: the NumPy path for good, from the entry too,
-    # where ``__call__`` cost a refused loop's every run ~0.5 us more. ``_swap`` sets "done"
+    # where ``__call__`` cost a refused loop's every run ~1 us more. ``_swap`` sets "done"
     # before its library is in, and clears this once it is)
     self.waiting = not self.sync and (
         phase == "building" or (phase == "done" and self.native is None))
