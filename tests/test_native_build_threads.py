@@ -67,6 +67,19 @@ def _until(predicate, call, seconds=120.0):
   return predicate()
 
 
+def _calls_until_compiled(make, params, x, counters):
+  """Calls ``make(params)`` on ``x`` until ``counters()`` shows a native
+  call, and once more: every result has ``native_loops="off"``'s bits."""
+  want = bits(make(OFF)(x))
+  f = make(params)
+  before = counters()["native_calls"]
+  got = []
+  assert _until(lambda: counters()["native_calls"] > before, lambda: got.append(bits(f(x))))
+  got.append(bits(f(x)))
+  for g in got:
+    np.testing.assert_array_equal(g, want)
+
+
 def _caller_did_all_but_the_exchange(seen):
   main, tier_thread = threading.main_thread(), scheduler._thread[0]  # noqa: SLF001
   for part in ("generate", "job files", "swap"):
@@ -84,15 +97,8 @@ def test_a_loops_build_runs_in_the_caller_but_for_its_exchange(threads):
   def make(interp):
     return pl.pallas_call(collatz_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           interpret=interp)
-  want = bits(make(OFF)(x))
-  f = make(BACKGROUND)
   before = native.stats()
-  got = []
-  assert _until(lambda: native.stats()["native_calls"] > before["native_calls"],
-                lambda: got.append(bits(f(x))))
-  got.append(bits(f(x)))
-  for g in got:
-    np.testing.assert_array_equal(g, want)
+  _calls_until_compiled(make, BACKGROUND, x, native.stats)
   assert native.stats()["lite"] == before["lite"] + 1
   _caller_did_all_but_the_exchange(threads)
 
@@ -113,15 +119,7 @@ def test_a_kernel_bodys_landed_build_is_swapped_in_by_its_next_grid_step(threads
     return pl.pallas_call(_norm_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           grid=(16,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
                           out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), interpret=interp)
-  want = bits(make(OFF)(x))
-  f = make(BODY_BACKGROUND)
-  before = bodies.stats()
-  got = []
-  assert _until(lambda: bodies.stats()["native_calls"] > before["native_calls"],
-                lambda: got.append(bits(f(x))))
-  got.append(bits(f(x)))
-  for g in got:
-    np.testing.assert_array_equal(g, want)
+  _calls_until_compiled(make, BODY_BACKGROUND, x, bodies.stats)
   _caller_did_all_but_the_exchange(threads)
 
 
